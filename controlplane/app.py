@@ -1,0 +1,214 @@
+"""Wiring only: builds the rooms and connects them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from controlplane.fleet.loader import FleetConfigInvalid
+from controlplane.fleet.model import Fleet
+from controlplane.fleet.watch import FleetFileWatcher
+from controlplane.obs.http import StatusHTTPServer
+from controlplane.obs.metrics import Metrics, type_label
+from controlplane.routing.translate import TYPE_URLS, translate
+from controlplane.xds.cache import SnapshotCache
+from controlplane.xds.server import ADS_SERVICE, PER_TYPE_SERVICES, XdsServer
+from controlplane.xds.snapshot import Snapshot, build_snapshot
+
+log = structlog.get_logger("controlplane")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    config: Path
+    xds_listen: str = "127.0.0.1:18000"
+    metrics_listen: str = "127.0.0.1:9102"
+    debounce_s: float = 0.1
+    watch_interval_s: float = 0.25
+
+
+class Reconciler:
+    """Turns 'something changed' into at most one new snapshot per debounce window."""
+
+    def __init__(self, cache: SnapshotCache, metrics: Metrics, debounce_s: float) -> None:
+        self.cache = cache
+        self.metrics = metrics
+        self.debounce_s = debounce_s
+        self.fleet: Fleet | None = None
+        self._dirty = asyncio.Event()
+        self._generation = 0
+
+    def set_fleet(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self._dirty.set()
+
+    def rebuild_now(self) -> Snapshot | None:
+        """Translate and publish immediately (used at startup)."""
+        if self.fleet is None:
+            return None
+        started = time.perf_counter()
+        desired = translate(self.fleet)
+        snap = build_snapshot(desired, self._generation + 1, time.monotonic(), self.cache.current)
+        if self.cache.current is not None and _same_content(self.cache.current, snap):
+            return self.cache.current
+        self._generation += 1
+        self.cache.publish(snap)
+        self.metrics.snapshot_build.observe(time.perf_counter() - started)
+        self.metrics.snapshot_generation.set(snap.generation)
+        for type_url in TYPE_URLS:
+            self.metrics.snapshot_resources.labels(type_label(type_url)).set(snap.count(type_url))
+        log.info(
+            "snapshot published",
+            generation=snap.generation,
+            **{type_label(t): snap.count(t) for t in TYPE_URLS},
+        )
+        return snap
+
+    async def run(self) -> None:
+        while True:
+            await self._dirty.wait()
+            await asyncio.sleep(self.debounce_s)  # coalesce a burst of changes
+            self._dirty.clear()
+            try:
+                self.rebuild_now()
+            except Exception:
+                log.exception("snapshot build failed; still serving the previous snapshot")
+
+
+def _same_content(a: Snapshot, b: Snapshot) -> bool:
+    for type_url in set(a.resources) | set(b.resources):
+        ra, rb = a.resources.get(type_url, {}), b.resources.get(type_url, {})
+        if ra.keys() != rb.keys() or any(ra[n].version != rb[n].version for n in ra):
+            return False
+    return dict(a.wildcard) == dict(b.wildcard)
+
+
+class ControlPlane:
+    """The running server: fleet watcher -> reconciler -> snapshot cache -> xDS streams."""
+
+    def __init__(self, options: ServeOptions, metrics: Metrics | None = None) -> None:
+        self.options = options
+        self.metrics = metrics or Metrics()
+        self.cache = SnapshotCache()
+        self.xds = XdsServer(self.cache, self.metrics)
+        self.reconciler = Reconciler(self.cache, self.metrics, options.debounce_s)
+        self.health = health.aio.HealthServicer()
+        self.watcher = FleetFileWatcher(
+            options.config, self._on_fleet, self._on_invalid, options.watch_interval_s
+        )
+        self.grpc_server: grpc.aio.Server | None = None
+        self.http: StatusHTTPServer | None = None
+        self.xds_port = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _on_fleet(self, fleet: Fleet) -> None:
+        first = self.reconciler.fleet is None
+        self.reconciler.set_fleet(fleet)
+        self.metrics.config_reloads.labels("success").inc()
+        self.metrics.config_last_success.set(time.time())
+        self.metrics.config_valid.set(1)
+        log.info(
+            "fleet config loaded" if first else "fleet config reloaded",
+            file=str(self.options.config),
+            models=len(fleet.models),
+            endpoints=sum(len(v.endpoints) for m in fleet.models for v in m.versions),
+        )
+
+    def _on_invalid(self, err: FleetConfigInvalid) -> None:
+        self.metrics.config_reloads.labels("invalid").inc()
+        self.metrics.config_valid.set(0)
+        serving = (
+            "the last good config keeps being served"
+            if self.cache.current
+            else ("no config is served yet; proxies get UNAVAILABLE until the file is valid")
+        )
+        log.error(
+            "fleet config refused",
+            file=str(self.options.config),
+            errors=[str(e) for e in err.errors],
+            consequence=serving,
+        )
+
+    async def start(self) -> None:
+        self.watcher.check()
+        self.reconciler.rebuild_now()
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_concurrent_streams", 1 << 20),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ]
+        )
+        server.add_generic_rpc_handlers(tuple(self.xds.handlers()))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (ADS_SERVICE, *PER_TYPE_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        try:
+            self.http = StatusHTTPServer(self.options.metrics_listen, self.metrics, self.xds.registry)
+        except OSError as e:
+            raise OSError(f"--metrics-listen {self.options.metrics_listen}: {e.strerror or e}") from e
+        try:
+            self.xds_port = server.add_insecure_port(self.options.xds_listen)
+        except RuntimeError as e:
+            self.http.server.server_close()
+            raise OSError(f"--xds-listen {self.options.xds_listen}: cannot listen ({e})") from e
+        await server.start()
+        self.grpc_server = server
+        self.http.start()
+        await self._set_health()
+        self._tasks = [
+            asyncio.create_task(self.reconciler.run()),
+            asyncio.create_task(self.watcher.run()),
+            asyncio.create_task(self._health_loop()),
+        ]
+        log.info(
+            "control plane serving",
+            xds=self.options.xds_listen,
+            metrics=self.options.metrics_listen,
+            config=str(self.options.config),
+        )
+
+    async def _set_health(self) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.cache.current is not None
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", ADS_SERVICE):
+            await self.health.set(name, status)
+
+    async def _health_loop(self) -> None:
+        while self.cache.current is None:
+            await asyncio.sleep(0.1)
+        await self._set_health()
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace_s)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self.http is not None:
+            self.http.stop()
+
+
+async def serve_forever(options: ServeOptions) -> None:
+    """Run the control plane until cancelled (SIGINT/SIGTERM)."""
+    cp = ControlPlane(options)
+    await cp.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await cp.stop()

@@ -1,0 +1,425 @@
+"""Load and validate the fleet YAML. Every error names the file, the key path and the reason."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from controlplane.fleet.model import Endpoint, Fleet, ListenerSpec, Model, Tier, Version
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
+_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+PROTOCOLS = ("http1", "http2")
+
+
+@dataclass(frozen=True)
+class ConfigError:
+    """One problem in a config file: where it is and why it is wrong."""
+
+    file: str
+    path: str
+    reason: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        return f"{where}: {self.path or '<top>'}: {self.reason}"
+
+
+class FleetConfigInvalid(Exception):
+    """The fleet config has one or more errors; `errors` lists them all."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        self.errors = errors
+        super().__init__("\n".join(str(e) for e in errors))
+
+
+class _Errors:
+    def __init__(self, file: str, lines: Mapping[str, int]) -> None:
+        self.file = file
+        self.lines = lines
+        self.items: list[ConfigError] = []
+
+    def add(self, path: str, reason: str) -> None:
+        self.items.append(ConfigError(self.file, path, reason, self.lines.get(path)))
+
+
+def load_fleet(path: str | Path) -> Fleet:
+    """Read and validate a fleet YAML file; raise FleetConfigInvalid listing every error."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise FleetConfigInvalid([ConfigError(str(p), "", f"cannot read file: {e}")]) from e
+    return parse_fleet(text, str(p))
+
+
+def parse_fleet(text: str, file: str = "<fleet>") -> Fleet:
+    """Validate fleet YAML text; raise FleetConfigInvalid listing every error."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise FleetConfigInvalid([ConfigError(file, "", f"not valid YAML: {e}", line)]) from e
+    lines: dict[str, int] = {}
+    dupes: list[tuple[str, int]] = []
+    if node is not None:
+        _index_lines(node, "", lines, dupes)
+    errs = _Errors(file, lines)
+    for path, line in dupes:
+        errs.items.append(ConfigError(file, path, "duplicate key", line))
+    fleet = _fleet(data, errs)
+    if errs.items or fleet is None:
+        raise FleetConfigInvalid(errs.items)
+    return fleet
+
+
+def _index_lines(node: yaml.Node, path: str, out: dict[str, int], dupes: list[tuple[str, int]]) -> None:
+    out.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for k, v in node.value:
+            key = str(k.value)
+            child = f"{path}.{key}" if path else key
+            if key in seen:
+                dupes.append((child, k.start_mark.line + 1))
+            seen.add(key)
+            out.setdefault(child, k.start_mark.line + 1)
+            _index_lines(v, child, out, dupes)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _index_lines(v, f"{path}[{i}]", out, dupes)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _mapping(value: Any, path: str, errs: _Errors, allowed: set[str]) -> dict[str, Any] | None:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        errs.add(path, f"expected a mapping, got {_kind(value)}")
+        return None
+    for key in value:
+        if not isinstance(key, str):
+            errs.add(path, f"keys must be strings, got {key!r}")
+        elif key not in allowed:
+            errs.add(_join(path, key), f"unknown key (allowed: {', '.join(sorted(allowed))})")
+    return value
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), f"a {type(value).__name__}"
+    )
+
+
+def _number(value: Any, path: str, errs: _Errors, *, positive: bool = True) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        errs.add(path, f"expected a number, got {_kind(value)}")
+        return None
+    if positive and value <= 0:
+        errs.add(path, f"must be greater than 0, got {value}")
+        return None
+    return float(value)
+
+
+def parse_duration(value: Any) -> float:
+    """Parse '60s', '500ms', '3m', '1h' or a plain number of seconds; raise ValueError."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 60s, 500ms, 3m")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value.strip())):
+        seconds = float(m.group(1)) * _UNIT_S[m.group(2)]
+    else:
+        raise ValueError(f"expected a duration such as 60s, 500ms, 3m; got {value!r}")
+    if seconds <= 0:
+        raise ValueError(f"must be greater than 0, got {value!r}")
+    return seconds
+
+
+def _duration(value: Any, path: str, errs: _Errors) -> float | None:
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        errs.add(path, str(e))
+        return None
+
+
+def parse_address(value: Any) -> tuple[str, int]:
+    """Parse 'IP:PORT' or '[IPv6]:PORT'; raise ValueError naming what is wrong."""
+    if not isinstance(value, str):
+        raise ValueError(f"expected 'IP:PORT', got {_kind(value)}")
+    text = value.strip()
+    if text.startswith("["):
+        host, sep, port_text = text[1:].partition("]:")
+    else:
+        host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"bad address {value!r}: expected IP:PORT (IPv6 as [IP]:PORT)")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(
+            f"bad address {value!r}: {host!r} is not an IP address "
+            "(EDS endpoints must be IP literals; Envoy does not resolve names in EDS)"
+        ) from None
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"bad address {value!r}: port must be 1-65535")
+    return host, int(port_text)
+
+
+def _fleet(data: Any, errs: _Errors) -> Fleet | None:
+    top = _mapping(data, "", errs, {"listener", "tiers", "models"})
+    if top is None:
+        return None
+    listener = _listener(top.get("listener"), errs)
+    tiers = _tiers(top.get("tiers"), errs)
+    models = _models(top.get("models"), tiers, errs)
+    if listener is None or tiers is None or models is None:
+        return None
+    return Fleet(listener=listener, tiers=tuple(tiers), models=tuple(models))
+
+
+def _listener(value: Any, errs: _Errors) -> ListenerSpec | None:
+    if value is None:
+        errs.add("listener", "missing: give at least {port: N}")
+        return None
+    m = _mapping(value, "listener", errs, {"port", "address"})
+    if m is None:
+        return None
+    port = m.get("port")
+    ok = True
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        errs.add("listener.port", f"expected a port number 1-65535, got {port!r}")
+        ok = False
+    address = m.get("address", "127.0.0.1")
+    try:
+        ipaddress.ip_address(address)
+    except (ValueError, TypeError):
+        errs.add("listener.address", f"expected an IP address, got {address!r}")
+        ok = False
+    return ListenerSpec(port=port, address=address) if ok else None
+
+
+def _tiers(value: Any, errs: _Errors) -> list[Tier] | None:
+    if not value:
+        errs.add("tiers", "missing: define at least one tier")
+        return None
+    tiers_map = _mapping(value, "tiers", errs, set(value) if isinstance(value, dict) else set())
+    if tiers_map is None:
+        return None
+    out: list[Tier] = []
+    unbounded: str | None = None
+    last_max = 0.0
+    for name, spec in tiers_map.items():
+        path = f"tiers.{name}"
+        if not isinstance(name, str) or not _VERSION.match(name):
+            errs.add(path, "tier names use letters, digits, '.', '_' and '-'")
+            continue
+        m = _mapping(spec, path, errs, {"max_params_b", "timeout"})
+        if m is None:
+            continue
+        max_b: float | None = None
+        if "max_params_b" in m:
+            max_b = _number(m["max_params_b"], f"{path}.max_params_b", errs)
+            if max_b is not None and max_b <= last_max:
+                errs.add(f"{path}.max_params_b", "tiers must be listed smallest first")
+            if max_b is not None:
+                last_max = max_b
+        if unbounded is not None:
+            errs.add(path, f"tier {unbounded!r} has no max_params_b, so it must be the last tier")
+        if "max_params_b" not in m:
+            unbounded = name
+        timeout = _duration(m.get("timeout", "60s"), f"{path}.timeout", errs)
+        if timeout is not None:
+            out.append(Tier(name=name, max_params_b=max_b, timeout_s=timeout))
+    return out
+
+
+_MODEL_KEYS = {"params_b", "tier", "stable", "versions", "protocol", "cluster_overrides"}
+
+
+def _models(value: Any, tiers: list[Tier] | None, errs: _Errors) -> list[Model] | None:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        errs.add("models", f"expected a mapping of model name to model, got {_kind(value)}")
+        return None
+    out: list[Model] = []
+    for name, spec in value.items():
+        model = _model(str(name), spec, tiers, errs)
+        if model is not None:
+            out.append(model)
+    return out
+
+
+def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Model | None:
+    path = f"models.{name}"
+    if not _NAME.match(name):
+        errs.add(path, "model names use letters, digits and . _ : / - (at most 200)")
+        return None
+    m = _mapping(spec, path, errs, _MODEL_KEYS)
+    if m is None:
+        return None
+    before = len(errs.items)
+    params_b = _number(m["params_b"], f"{path}.params_b", errs) if "params_b" in m else None
+    tier = _model_tier(path, m, params_b, tiers, errs)
+    protocol = m.get("protocol", "http1")
+    if protocol not in PROTOCOLS:
+        errs.add(f"{path}.protocol", f"expected one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    versions = _versions(path, m.get("versions"), errs)
+    stable = m.get("stable")
+    if stable is None:
+        errs.add(f"{path}.stable", "missing: name the version that takes traffic")
+    elif versions is not None and stable not in {v.name for v in versions}:
+        errs.add(f"{path}.stable", f"names version {stable!r}, which is not under versions")
+    overrides = m.get("cluster_overrides")
+    if overrides is not None:
+        _check_cluster_overrides(overrides, f"{path}.cluster_overrides", errs)
+    if len(errs.items) != before or tier is None or versions is None:
+        return None
+    return Model(
+        name=name,
+        tier=tier,
+        stable=str(stable),
+        versions=tuple(versions),
+        params_b=params_b,
+        protocol=protocol,
+        cluster_overrides=overrides,
+    )
+
+
+def _model_tier(
+    path: str,
+    m: dict[str, Any],
+    params_b: float | None,
+    tiers: list[Tier] | None,
+    errs: _Errors,
+) -> str | None:
+    if tiers is None:
+        return None
+    if "tier" in m:
+        tier = m["tier"]
+        if tier not in {t.name for t in tiers}:
+            names = ", ".join(t.name for t in tiers)
+            errs.add(f"{path}.tier", f"unknown tier {tier!r} (tiers: {names})")
+            return None
+        chosen = next(t for t in tiers if t.name == tier)
+        if params_b is not None and chosen.max_params_b is not None and params_b > chosen.max_params_b:
+            errs.add(
+                f"{path}.tier",
+                f"tier {tier!r} holds models up to {chosen.max_params_b:g}B; this one has {params_b:g}B",
+            )
+            return None
+        return str(tier)
+    if "params_b" not in m:
+        errs.add(path, "give params_b (the tier is derived from it) or tier")
+        return None
+    if params_b is None:
+        return None
+    for t in tiers:
+        if t.max_params_b is None or params_b <= t.max_params_b:
+            return t.name
+    largest = max((t.max_params_b or 0.0) for t in tiers)
+    errs.add(
+        f"{path}.params_b",
+        f"no tier can hold a {params_b:g}B model (largest max_params_b is {largest:g}); "
+        "add a tier without max_params_b or set tier:",
+    )
+    return None
+
+
+def _versions(path: str, value: Any, errs: _Errors) -> list[Version] | None:
+    vpath = f"{path}.versions"
+    if not value:
+        errs.add(vpath, "missing: define at least one version")
+        return None
+    if not isinstance(value, dict):
+        errs.add(vpath, f"expected a mapping of version name to version, got {_kind(value)}")
+        return None
+    out: list[Version] = []
+    seen: dict[tuple[str, int], str] = {}
+    for vname, vspec in value.items():
+        p = f"{vpath}.{vname}"
+        if not isinstance(vname, str) or not _VERSION.match(vname):
+            errs.add(p, "version names use letters, digits, '.', '_' and '-' (at most 63)")
+            continue
+        vm = _mapping(vspec, p, errs, {"endpoints"})
+        if vm is None:
+            continue
+        endpoints = _endpoints(p, vm.get("endpoints"), seen, errs)
+        if endpoints is not None:
+            out.append(Version(name=vname, endpoints=tuple(endpoints)))
+    return out
+
+
+def _endpoints(
+    path: str, value: Any, seen: dict[tuple[str, int], str], errs: _Errors
+) -> list[Endpoint] | None:
+    epath = f"{path}.endpoints"
+    if value is None:
+        value = []
+    if not isinstance(value, list):
+        errs.add(epath, f"expected a list of endpoints, got {_kind(value)}")
+        return None
+    out: list[Endpoint] = []
+    for i, spec in enumerate(value):
+        p = f"{epath}[{i}]"
+        if isinstance(spec, str):
+            spec = {"address": spec}
+        m = _mapping(spec, p, errs, {"address", "gpu", "gpu_memory_gb"})
+        if m is None:
+            continue
+        try:
+            host, port = parse_address(m.get("address"))
+        except ValueError as e:
+            errs.add(f"{p}.address", str(e))
+            continue
+        key = (str(ipaddress.ip_address(host)), port)
+        if key in seen:
+            errs.add(f"{p}.address", f"duplicate endpoint {m['address']}, already at {seen[key]}")
+            continue
+        seen[key] = p
+        gpu = m.get("gpu")
+        if gpu is not None and not isinstance(gpu, str):
+            errs.add(f"{p}.gpu", f"expected a GPU class name such as A100, got {_kind(gpu)}")
+            continue
+        mem = None
+        if "gpu_memory_gb" in m:
+            mem = _number(m["gpu_memory_gb"], f"{p}.gpu_memory_gb", errs)
+            if mem is None:
+                continue
+        out.append(Endpoint(host=host, port=port, gpu=gpu, gpu_memory_gb=mem))
+    return out
+
+
+def _check_cluster_overrides(value: Any, path: str, errs: _Errors) -> None:
+    # Imported here so that loading a fleet without overrides does not need the xDS types.
+    from envoy.config.cluster.v3 import cluster_pb2
+    from google.protobuf import json_format
+
+    if not isinstance(value, dict):
+        errs.add(path, f"expected a mapping of Envoy Cluster fields, got {_kind(value)}")
+        return
+    forbidden = {"name", "type", "eds_cluster_config", "load_assignment"} & set(value)
+    for key in sorted(forbidden):
+        errs.add(f"{path}.{key}", "is managed by the control plane and cannot be overridden")
+    try:
+        json_format.ParseDict(value, cluster_pb2.Cluster())
+    except json_format.ParseError as e:
+        errs.add(path, f"not a valid Envoy Cluster fragment: {e}")

@@ -1,0 +1,77 @@
+"""A small HTTP server for /metrics (Prometheus), /healthz and /debug/proxies (JSON)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from controlplane.obs.metrics import Metrics
+
+
+class ProxyDescriber(Protocol):
+    def describe(self) -> list[dict[str, Any]]: ...
+
+
+def split_host_port(listen: str) -> tuple[str, int]:
+    """'HOST:PORT' or '[v6]:PORT' -> (host, port); raise ValueError with the reason."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {listen!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class StatusHTTPServer:
+    """Serves metrics and status from a background thread."""
+
+    def __init__(self, listen: str, metrics: Metrics, proxies: ProxyDescriber) -> None:
+        host, port = split_host_port(listen)
+        registry = metrics.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+                elif path == "/healthz":
+                    self._send(200, "text/plain", b"ok\n")
+                elif path == "/debug/proxies":
+                    body = json.dumps(_describe(proxies), indent=2).encode() + b"\n"
+                    self._send(200, "application/json", body)
+                else:
+                    self._send(404, "text/plain", b"not found: try /metrics, /healthz, /debug/proxies\n")
+
+            def _send(self, code: int, ctype: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="status-http")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _describe(proxies: ProxyDescriber) -> list[dict[str, Any]]:
+    # The registry changes on the event loop thread; retry if it moved under us.
+    for _ in range(5):
+        try:
+            return proxies.describe()
+        except RuntimeError:
+            continue
+    return []

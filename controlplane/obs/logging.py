@@ -1,0 +1,34 @@
+"""structlog setup: JSON lines for machines, console for people."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import structlog
+
+LogFormat = Literal["json", "console"]
+
+
+def configure_logging(fmt: LogFormat = "console", level: str = "info") -> None:
+    """Configure structlog (and stdlib logging) once for the process, writing to stderr."""
+    lvl = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    logging.basicConfig(level=lvl, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,111 @@
+"""Prometheus metrics of the control plane. Every name here is documented in docs/metrics.md."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TYPE_SHORT = {
+    "type.googleapis.com/envoy.config.listener.v3.Listener": "listener",
+    "type.googleapis.com/envoy.config.route.v3.RouteConfiguration": "route",
+    "type.googleapis.com/envoy.config.cluster.v3.Cluster": "cluster",
+    "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment": "endpoint",
+}
+
+
+def type_label(type_url: str) -> str:
+    """A short label for an xDS type URL: listener, route, cluster, endpoint (else 'other')."""
+    return _TYPE_SHORT.get(type_url, "other")
+
+
+class Metrics:
+    """All metrics, on their own registry so that tests and several servers do not collide."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.streams = Gauge(
+            "controlplane_xds_streams",
+            "Connected xDS streams, by service (ads or one type) and transport (sotw, delta).",
+            ["service", "transport"],
+            registry=r,
+        )
+        self.pushes = Counter(
+            "controlplane_xds_pushes_total",
+            "xDS responses sent, by resource type and transport.",
+            ["type", "transport"],
+            registry=r,
+        )
+        self.push_bytes = Counter(
+            "controlplane_xds_push_bytes_total",
+            "Bytes of xDS responses sent, by resource type and transport.",
+            ["type", "transport"],
+            registry=r,
+        )
+        self.push_duration = Histogram(
+            "controlplane_xds_push_duration_seconds",
+            "Time to build and hand one xDS response to gRPC, by resource type.",
+            ["type"],
+            buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0),
+            registry=r,
+        )
+        self.acks = Counter(
+            "controlplane_xds_acks_total", "ACKs received, by resource type.", ["type"], registry=r
+        )
+        self.nacks = Counter(
+            "controlplane_xds_nacks_total",
+            "NACKs received (a proxy rejected config), by resource type.",
+            ["type"],
+            registry=r,
+        )
+        self.stale_nonces = Counter(
+            "controlplane_xds_stale_nonces_total",
+            "Requests carrying a nonce older than the latest response, ignored.",
+            ["type"],
+            registry=r,
+        )
+        self.convergence = Histogram(
+            "controlplane_xds_convergence_seconds",
+            "From a snapshot's creation to a proxy's ACK of it, by resource type.",
+            ["type"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=r,
+        )
+        self.snapshot_generation = Gauge(
+            "controlplane_snapshot_generation",
+            "Generation of the current snapshot (increases by one per published snapshot).",
+            registry=r,
+        )
+        self.snapshot_resources = Gauge(
+            "controlplane_snapshot_resources",
+            "Resources in the current snapshot, by type.",
+            ["type"],
+            registry=r,
+        )
+        self.snapshot_build = Histogram(
+            "controlplane_snapshot_build_seconds",
+            "Time to translate the fleet and serialise a snapshot.",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
+            registry=r,
+        )
+        self.config_reloads = Counter(
+            "controlplane_config_reloads_total",
+            "Fleet config loads, by result (success, invalid).",
+            ["result"],
+            registry=r,
+        )
+        self.config_last_success = Gauge(
+            "controlplane_config_last_reload_success_timestamp_seconds",
+            "Unix time of the last fleet config that loaded and was published.",
+            registry=r,
+        )
+        self.config_valid = Gauge(
+            "controlplane_config_valid",
+            "1 if the config file on disk is valid and served; 0 if the last edit was refused.",
+            registry=r,
+        )
+        self.proxies_nacked = Gauge(
+            "controlplane_xds_proxies_nacked",
+            "Connected proxies whose latest response of a type was rejected (NACKed).",
+            ["type"],
+            registry=r,
+        )

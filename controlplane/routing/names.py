@@ -1,0 +1,29 @@
+"""Stable, readable names for generated resources."""
+
+from __future__ import annotations
+
+import re
+
+GATEWAY_LISTENER = "inference"
+GATEWAY_ROUTES = "inference"
+_STAT_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def cluster_name(model: str, version: str) -> str:
+    """One cluster per model version, e.g. `llama-3-8b@v1`."""
+    return f"{model}@{version}"
+
+
+def api_listener_name(model: str) -> str:
+    """The API listener a proxyless gRPC client dialing xds:///<model> asks for."""
+    return model
+
+
+def api_route_name(model: str) -> str:
+    """The route configuration behind a model's API listener."""
+    return f"grpc/{model}"
+
+
+def stat_name(name: str) -> str:
+    """A name safe for Envoy stats (dots would split Envoy's tag extraction)."""
+    return _STAT_UNSAFE.sub("_", name)

@@ -1,0 +1,407 @@
+"""Pure translation: the fleet (and endpoint weights) -> Envoy Listener/Route/Cluster/CLA.
+
+Nothing here does I/O. The output is plain protobuf messages keyed by type URL and name;
+the xds room serialises them once into a snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import (
+    address_pb2,
+    base_pb2,
+    config_source_pb2,
+    extension_pb2,
+    protocol_pb2,
+)
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import api_listener_pb2, listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
+from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
+from envoy.extensions.load_balancing_policies.wrr_locality.v3 import wrr_locality_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2, value_pb2
+from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
+from google.protobuf.message import Message
+
+from controlplane.fleet.model import Fleet, Model, Version
+from controlplane.routing import names
+
+LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+TYPE_URLS = (CLUSTER, ENDPOINT, LISTENER, ROUTE)  # the ADS make-before-break order
+
+MODEL_HEADER = "x-model"
+METADATA_NS = "controlplane"
+JSON_CONTENT_TYPES = r"^application/json(\s*;.*)?$"
+
+# Direct responses follow the OpenAI error shape, so SDKs surface the message.
+ERR_UNKNOWN_MODEL = {
+    "error": {
+        "message": "The model does not exist on this gateway.",
+        "type": "invalid_request_error",
+        "code": "model_not_found",
+    }
+}
+ERR_NO_MODEL = {
+    "error": {
+        "message": "No model given: set the 'model' field of the JSON body or the x-model header.",
+        "type": "invalid_request_error",
+        "code": "model_required",
+    }
+}
+
+# Weights per cluster name, then per endpoint address; missing entries weigh DEFAULT_WEIGHT.
+EndpointWeights = Mapping[str, Mapping[str, int]]
+DEFAULT_WEIGHT = 1
+
+
+@dataclass(frozen=True)
+class DesiredResources:
+    """What every proxy should have. `wildcard` lists, per type, what a wildcard request gets."""
+
+    by_type: Mapping[str, Mapping[str, Message]]
+    wildcard: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+
+def translate(fleet: Fleet, weights: EndpointWeights | None = None) -> DesiredResources:
+    """Build every Envoy resource for the fleet. Deterministic: same input, same bytes."""
+    weights = weights or {}
+    clusters: dict[str, Message] = {}
+    assignments: dict[str, Message] = {}
+    for model in fleet.models:
+        for version in model.versions:
+            cname = names.cluster_name(model.name, version.name)
+            clusters[cname] = build_cluster(model, cname)
+            assignments[cname] = build_assignment(cname, version, weights.get(cname, {}))
+    gateway_routes = build_gateway_routes(fleet)
+    listeners: dict[str, Message] = {names.GATEWAY_LISTENER: build_gateway_listener(fleet)}
+    routes: dict[str, Message] = {names.GATEWAY_ROUTES: gateway_routes}
+    for model in fleet.models:
+        listeners[names.api_listener_name(model.name)] = build_api_listener(model)
+        routes[names.api_route_name(model.name)] = build_api_routes(fleet, model)
+    return DesiredResources(
+        by_type={CLUSTER: clusters, ENDPOINT: assignments, LISTENER: listeners, ROUTE: routes},
+        # API listeners are only for proxyless gRPC clients, which ask for them by name.
+        wildcard={LISTENER: frozenset({names.GATEWAY_LISTENER})},
+    )
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(round(seconds * 1e9))
+    return d
+
+
+def _any(msg: Message) -> any_pb2.Any:
+    a = any_pb2.Any()
+    a.Pack(msg)
+    return a
+
+
+def _ads() -> config_source_pb2.ConfigSource:
+    return config_source_pb2.ConfigSource(
+        ads=config_source_pb2.AggregatedConfigSource(),
+        resource_api_version=config_source_pb2.V3,
+    )
+
+
+def build_cluster(model: Model, cname: str) -> cluster_pb2.Cluster:
+    """One EDS cluster per model version, weighted least request, HTTP/1.1 unless configured."""
+    c = cluster_pb2.Cluster(
+        name=cname,
+        alt_stat_name=names.stat_name(cname),
+        type=cluster_pb2.Cluster.EDS,
+        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads(), service_name=cname),
+        connect_timeout=_duration(1.0),
+        load_balancing_policy=least_request_policy(),
+    )
+    if model.protocol == "http2":
+        opts = http_protocol_options_pb2.HttpProtocolOptions(
+            explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+                http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+            )
+        )
+        c.typed_extension_protocol_options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(
+            _any(opts)
+        )
+    if model.cluster_overrides:
+        override = json_format.ParseDict(dict(model.cluster_overrides), cluster_pb2.Cluster())
+        c.MergeFrom(override)
+    return c
+
+
+def least_request_policy() -> cluster_pb2.LoadBalancingPolicy:
+    """Weighted least request for Envoy; proxyless gRPC (which lacks it) takes round robin.
+
+    Each client uses the first policy in the list that it supports.
+    """
+    wrr = wrr_locality_pb2.WrrLocality(
+        endpoint_picking_policy=cluster_pb2.LoadBalancingPolicy(
+            policies=[_lb_policy("envoy.load_balancing_policies.round_robin", round_robin_pb2.RoundRobin())]
+        )
+    )
+    return cluster_pb2.LoadBalancingPolicy(
+        policies=[
+            _lb_policy("envoy.load_balancing_policies.least_request", least_request_pb2.LeastRequest()),
+            _lb_policy("envoy.load_balancing_policies.wrr_locality", wrr),
+        ]
+    )
+
+
+def _lb_policy(name: str, msg: Message) -> cluster_pb2.LoadBalancingPolicy.Policy:
+    return cluster_pb2.LoadBalancingPolicy.Policy(
+        typed_extension_config=extension_pb2.TypedExtensionConfig(name=name, typed_config=_any(msg))
+    )
+
+
+def build_assignment(
+    cname: str, version: Version, weights: Mapping[str, int]
+) -> endpoint_pb2.ClusterLoadAssignment:
+    """Every endpoint of the version with its weight, in one weighted locality."""
+    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cname)
+    if not version.endpoints:
+        return cla
+    # gRPC ignores a locality without a weight, so always give one.
+    loc = cla.endpoints.add(load_balancing_weight=wrappers_pb2.UInt32Value(value=1))
+    loc.locality.SetInParent()  # gRPC requires the (empty) locality to be present
+    for ep in version.endpoints:
+        lb = loc.lb_endpoints.add()
+        lb.endpoint.address.socket_address.CopyFrom(
+            address_pb2.SocketAddress(address=ep.host, port_value=ep.port)
+        )
+        w = max(1, int(weights.get(ep.address, DEFAULT_WEIGHT)))
+        lb.load_balancing_weight.value = w
+    return cla
+
+
+def empty_assignment(cname: str) -> endpoint_pb2.ClusterLoadAssignment:
+    """What a proxy gets for an EDS name with no data, so its cluster never hangs warming."""
+    return endpoint_pb2.ClusterLoadAssignment(cluster_name=cname)
+
+
+def _hcm_filter(hcm: hcm_pb2.HttpConnectionManager) -> listener_components_pb2.Filter:
+    return listener_components_pb2.Filter(
+        name="envoy.filters.network.http_connection_manager", typed_config=_any(hcm)
+    )
+
+
+def _router() -> hcm_pb2.HttpFilter:
+    return hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router()))
+
+
+def _json_to_metadata() -> hcm_pb2.HttpFilter:
+    rule = json_to_metadata_pb2.JsonToMetadata.Rule(
+        selectors=[json_to_metadata_pb2.JsonToMetadata.Selector(key="model")],
+        on_present=json_to_metadata_pb2.JsonToMetadata.KeyValuePair(
+            metadata_namespace=METADATA_NS,
+            key="model",
+            type=json_to_metadata_pb2.JsonToMetadata.STRING,
+        ),
+    )
+    cfg = json_to_metadata_pb2.JsonToMetadata(
+        request_rules=json_to_metadata_pb2.JsonToMetadata.MatchRules(
+            rules=[rule],
+            allow_content_types_regex=regex_pb2.RegexMatcher(regex=JSON_CONTENT_TYPES),
+        )
+    )
+    return hcm_pb2.HttpFilter(name="envoy.filters.http.json_to_metadata", typed_config=_any(cfg))
+
+
+def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
+    """The listener every Envoy serves inference traffic on: HCM with RDS over ADS."""
+    hcm = hcm_pb2.HttpConnectionManager(
+        stat_prefix="inference",
+        codec_type=hcm_pb2.HttpConnectionManager.AUTO,
+        rds=hcm_pb2.Rds(config_source=_ads(), route_config_name=names.GATEWAY_ROUTES),
+        http_filters=[_json_to_metadata(), _router()],
+    )
+    return listener_pb2.Listener(
+        name=names.GATEWAY_LISTENER,
+        address=address_pb2.Address(
+            socket_address=address_pb2.SocketAddress(
+                address=fleet.listener.address, port_value=fleet.listener.port
+            )
+        ),
+        filter_chains=[listener_components_pb2.FilterChain(filters=[_hcm_filter(hcm)])],
+    )
+
+
+def build_api_listener(model: Model) -> listener_pb2.Listener:
+    """An API listener for proxyless gRPC clients dialing xds:///<model>."""
+    hcm = hcm_pb2.HttpConnectionManager(
+        stat_prefix=names.stat_name(model.name),
+        rds=hcm_pb2.Rds(config_source=_ads(), route_config_name=names.api_route_name(model.name)),
+        http_filters=[_router()],
+    )
+    return listener_pb2.Listener(
+        name=names.api_listener_name(model.name),
+        api_listener=api_listener_pb2.ApiListener(api_listener=_any(hcm)),
+    )
+
+
+def _json_header() -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def _direct(
+    name: str, status: int, body: object, match: route_components_pb2.RouteMatch
+) -> route_components_pb2.Route:
+    return route_components_pb2.Route(
+        name=name,
+        match=match,
+        direct_response=route_components_pb2.DirectResponseAction(
+            status=status,
+            body=base_pb2.DataSource(inline_string=json.dumps(body, separators=(",", ":"))),
+        ),
+        response_headers_to_add=[_json_header()],
+    )
+
+
+def _model_action(fleet: Fleet, model: Model) -> route_components_pb2.RouteAction:
+    tier = fleet.tier(model.tier)
+    return route_components_pb2.RouteAction(
+        cluster=names.cluster_name(model.name, model.stable),
+        timeout=_duration(tier.timeout_s),
+    )
+
+
+def _metadata_model(value: value_pb2.ValueMatcher) -> metadata_pb2.MetadataMatcher:
+    return metadata_pb2.MetadataMatcher(
+        filter=METADATA_NS,
+        path=[metadata_pb2.MetadataMatcher.PathSegment(key="model")],
+        value=value,
+    )
+
+
+def build_gateway_routes(fleet: Fleet) -> route_pb2.RouteConfiguration:
+    """x-model header first, then the JSON body's `model`; unknown -> 404, none -> 400."""
+    header_absent = route_components_pb2.HeaderMatcher(
+        name=MODEL_HEADER, present_match=True, invert_match=True
+    )
+    routes: list[route_components_pb2.Route] = [
+        _direct(
+            "list-models",
+            200,
+            {
+                "object": "list",
+                "data": [{"id": m.name, "object": "model", "owned_by": "controlplane"} for m in fleet.models],
+            },
+            route_components_pb2.RouteMatch(
+                path="/v1/models",
+                headers=[
+                    route_components_pb2.HeaderMatcher(
+                        name=":method",
+                        string_match=string_pb2.StringMatcher(exact="GET"),
+                    )
+                ],
+            ),
+        )
+    ]
+    for model in fleet.models:
+        routes.append(
+            route_components_pb2.Route(
+                name=f"header/{model.name}",
+                match=route_components_pb2.RouteMatch(
+                    prefix="/",
+                    headers=[
+                        route_components_pb2.HeaderMatcher(
+                            name=MODEL_HEADER,
+                            string_match=string_pb2.StringMatcher(exact=model.name),
+                        )
+                    ],
+                ),
+                route=_model_action(fleet, model),
+            )
+        )
+    for model in fleet.models:
+        routes.append(
+            route_components_pb2.Route(
+                name=f"body/{model.name}",
+                match=route_components_pb2.RouteMatch(
+                    prefix="/",
+                    headers=[header_absent],
+                    dynamic_metadata=[
+                        _metadata_model(
+                            value_pb2.ValueMatcher(string_match=string_pb2.StringMatcher(exact=model.name))
+                        )
+                    ],
+                ),
+                route=_model_action(fleet, model),
+            )
+        )
+    routes.append(
+        _direct(
+            "unknown-model-header",
+            404,
+            ERR_UNKNOWN_MODEL,
+            route_components_pb2.RouteMatch(
+                prefix="/",
+                headers=[route_components_pb2.HeaderMatcher(name=MODEL_HEADER, present_match=True)],
+            ),
+        )
+    )
+    routes.append(
+        _direct(
+            "unknown-model-body",
+            404,
+            ERR_UNKNOWN_MODEL,
+            route_components_pb2.RouteMatch(
+                prefix="/",
+                dynamic_metadata=[_metadata_model(value_pb2.ValueMatcher(present_match=True))],
+            ),
+        )
+    )
+    routes.append(_direct("no-model", 400, ERR_NO_MODEL, route_components_pb2.RouteMatch(prefix="/")))
+    return route_pb2.RouteConfiguration(
+        name=names.GATEWAY_ROUTES,
+        virtual_hosts=[route_components_pb2.VirtualHost(name="inference", domains=["*"], routes=routes)],
+    )
+
+
+def build_api_routes(fleet: Fleet, model: Model) -> route_pb2.RouteConfiguration:
+    """Routes for a proxyless gRPC client of one model: everything to the stable cluster."""
+    return route_pb2.RouteConfiguration(
+        name=names.api_route_name(model.name),
+        virtual_hosts=[
+            route_components_pb2.VirtualHost(
+                name=model.name,
+                domains=["*"],
+                routes=[
+                    route_components_pb2.Route(
+                        match=route_components_pb2.RouteMatch(prefix=""),
+                        route=_model_action(fleet, model),
+                    )
+                ],
+            )
+        ],
+    )
+
+
+def cluster_refs(msg: Message) -> frozenset[str]:
+    """The cluster names a RouteConfiguration (or a Listener) sends traffic to."""
+    out: set[str] = set()
+    if isinstance(msg, route_pb2.RouteConfiguration):
+        for vh in msg.virtual_hosts:
+            for r in vh.routes:
+                if r.HasField("route"):
+                    if r.route.cluster:
+                        out.add(r.route.cluster)
+                    for wc in r.route.weighted_clusters.clusters:
+                        out.add(wc.name)
+    return frozenset(out)

@@ -1,0 +1,64 @@
+"""Render Envoy (and proxyless gRPC) bootstraps from the templates in the top-level envoy/."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+_PKG_TEMPLATES = Path(__file__).resolve().parent.parent / "_envoy_templates"
+_REPO_TEMPLATES = Path(__file__).resolve().parents[2] / "envoy"
+
+
+def template_dir() -> Path:
+    """The templates: packaged in a wheel, or the repository's envoy/ in a checkout."""
+    return _PKG_TEMPLATES if _PKG_TEMPLATES.is_dir() else _REPO_TEMPLATES
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"--xds: expected HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def envoy_bootstrap(
+    node_id: str,
+    xds: list[str],
+    *,
+    delta: bool = False,
+    admin_port: int = 9901,
+    admin_address: str = "127.0.0.1",
+    node_cluster: str = "inference-gateway",
+) -> str:
+    """An Envoy bootstrap YAML that connects to the control plane over ADS."""
+    if not node_id:
+        raise ValueError("--node-id: must not be empty")
+    endpoints = []
+    for addr in xds:
+        host, port = _split(addr)
+        endpoints.append(
+            "        - endpoint:\n"
+            f'            address: {{socket_address: {{address: "{host}", port_value: {port}}}}}'
+        )
+    text = (template_dir() / "bootstrap-ads.yaml").read_text()
+    return string.Template(text).substitute(
+        node_id=_quote(node_id),
+        node_cluster=_quote(node_cluster),
+        admin_address=admin_address,
+        admin_port=admin_port,
+        api_type="DELTA_GRPC" if delta else "GRPC",
+        xds_endpoints="\n".join(endpoints),
+    )
+
+
+def grpc_bootstrap(node_id: str, xds: str, node_cluster: str = "proxyless") -> str:
+    """A bootstrap JSON for proxyless gRPC clients (GRPC_XDS_BOOTSTRAP)."""
+    _split(xds)
+    text = (template_dir() / "grpc-bootstrap.json").read_text()
+    return string.Template(text).substitute(
+        node_id=node_id.replace('"', ""), node_cluster=node_cluster, xds_address=xds
+    )
+
+
+def _quote(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,32 @@
+"""The current snapshot, and a way for streams to wait for a newer one."""
+
+from __future__ import annotations
+
+import asyncio
+
+from controlplane.xds.snapshot import Snapshot
+
+
+class SnapshotCache:
+    """Holds the latest snapshot; waiters wake once per publish, whatever their number."""
+
+    def __init__(self) -> None:
+        self._snapshot: Snapshot | None = None
+        self._changed: asyncio.Future[Snapshot] | None = None
+
+    @property
+    def current(self) -> Snapshot | None:
+        return self._snapshot
+
+    def publish(self, snapshot: Snapshot) -> None:
+        """Make `snapshot` current and wake every stream waiting for a change."""
+        self._snapshot = snapshot
+        fut, self._changed = self._changed, None
+        if fut is not None and not fut.done():
+            fut.set_result(snapshot)
+
+    def changed(self) -> asyncio.Future[Snapshot]:
+        """A future resolved at the next publish (shared by all waiters)."""
+        if self._changed is None or self._changed.done():
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed

@@ -1,0 +1,454 @@
+"""The per-stream xDS protocol as a pure object (sans-IO), for SotW and delta, ADS or one type.
+
+Feed it requests (`receive`) and snapshots (`set_snapshot`); it returns events: bytes to
+send, ACKs, NACKs, stale nonces. It never does I/O, so every protocol corner is unit-tested.
+
+Rules it keeps:
+- one response in flight per type: the next goes out only after the ACK or NACK, so a slow
+  proxy gets the latest state, coalesced, never a backlog;
+- a NACKed response is never re-sent: the same content waits until it changes;
+- stale nonces are ignored (SotW: the whole request; delta: only its ACK part);
+- on ADS with a wildcard cluster subscription (Envoy), make-before-break: a route is sent
+  only once every cluster it names has been ACKed with its endpoints, and a cluster is
+  removed only after no route the proxy has (or is being sent) names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from envoy.service.discovery.v3 import discovery_pb2
+
+from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
+from controlplane.xds import wire
+from controlplane.xds.snapshot import Snapshot, SnapshotResource
+
+FULL_STATE_TYPES = frozenset({LISTENER, CLUSTER})
+WILDCARD = "*"
+
+
+@dataclass(frozen=True)
+class Send:
+    """Write `payload` (a serialised response) to the stream."""
+
+    type_url: str
+    nonce: str
+    version: str
+    payload: bytes
+    names: tuple[str, ...]
+    removed: tuple[str, ...]
+    generation: int
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The proxy applied a response. `latency_s` runs from the snapshot's creation."""
+
+    type_url: str
+    nonce: str
+    version: str
+    generation: int
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class Nack:
+    """The proxy rejected a response; it keeps its previous config."""
+
+    type_url: str
+    nonce: str
+    version: str
+    message: str
+
+
+@dataclass(frozen=True)
+class StaleNonce:
+    type_url: str
+    nonce: str
+
+
+@dataclass(frozen=True)
+class UnknownType:
+    type_url: str
+
+
+@dataclass(frozen=True)
+class NodeIdentified:
+    node_id: str
+    cluster: str
+    user_agent: str
+
+
+Event = Send | Ack | Nack | StaleNonce | UnknownType | NodeIdentified
+
+
+@dataclass
+class _InFlight:
+    nonce: str
+    version: str
+    resources: dict[str, SnapshotResource]
+    removed: frozenset[str]
+    generation: int
+    created_at: float
+    content_key: str
+
+
+@dataclass
+class TypeState:
+    """What one stream knows about one resource type."""
+
+    requested: bool = False
+    wildcard: bool = False
+    names: set[str] = field(default_factory=set)
+    latest_nonce: str = ""
+    in_flight: _InFlight | None = None
+    responded: bool = False
+    # What the proxy has, as far as we know: name -> version, and the resource when we sent it.
+    acked: dict[str, str] = field(default_factory=dict)
+    acked_res: dict[str, SnapshotResource] = field(default_factory=dict)
+    acked_version: str = ""
+    acked_key: str = ""
+    last_subscription: tuple[bool, frozenset[str]] = (False, frozenset())
+    # NACK memory: full-state content key, or per-resource versions.
+    rejected_key: str = ""
+    rejected: dict[str, str] = field(default_factory=dict)
+    last_error: str = ""
+    last_nacked: bool = False
+    answered: set[str] = field(default_factory=set)
+
+
+def _key(resources: Iterable[tuple[str, str]]) -> str:
+    h = hashlib.blake2b(digest_size=6)
+    for name, version in sorted(resources):
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(version.encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+class XdsStream:
+    """Protocol state of one xDS stream (ADS carries every type; other services one)."""
+
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        *,
+        delta: bool,
+        ads: bool = True,
+        type_url: str | None = None,
+    ) -> None:
+        if not ads and type_url is None:
+            raise ValueError("a non-ADS stream serves exactly one type_url")
+        self.snapshot = snapshot
+        self.delta = delta
+        self.ads = ads
+        self.fixed_type = type_url
+        self.types: dict[str, TypeState] = {}
+        self.node_id = ""
+        self._nonce = 0
+        self._unknown_reported: set[str] = set()
+
+    # ---- inputs -------------------------------------------------------------------------
+
+    def set_snapshot(self, snapshot: Snapshot, now: float) -> list[Event]:
+        """A new desired state: send what changed, in make-before-break order."""
+        self.snapshot = snapshot
+        return list(self._pump())
+
+    def receive(
+        self,
+        request: discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscoveryRequest,
+        now: float,
+    ) -> list[Event]:
+        """One request from the proxy: subscription change, ACK or NACK."""
+        events: list[Event] = []
+        if request.HasField("node") and request.node.id and not self.node_id:
+            self.node_id = request.node.id
+            events.append(NodeIdentified(request.node.id, request.node.cluster, request.node.user_agent_name))
+        type_url = request.type_url or (self.fixed_type or "")
+        if type_url not in TYPE_URLS or (self.fixed_type and type_url != self.fixed_type):
+            if type_url not in self._unknown_reported:
+                self._unknown_reported.add(type_url)
+                events.append(UnknownType(type_url))
+            return events
+        ts = self.types.setdefault(type_url, TypeState())
+        if isinstance(request, discovery_pb2.DeltaDiscoveryRequest):
+            events.extend(self._receive_delta(type_url, ts, request, now))
+        else:
+            events.extend(self._receive_sotw(type_url, ts, request, now))
+        events.extend(self._pump())
+        return events
+
+    # ---- request handling ---------------------------------------------------------------
+
+    def _receive_sotw(
+        self, type_url: str, ts: TypeState, req: discovery_pb2.DiscoveryRequest, now: float
+    ) -> list[Event]:
+        nonce = req.response_nonce
+        if nonce and nonce != ts.latest_nonce:
+            return [StaleNonce(type_url, nonce)]
+        events = self._ack_or_nack(type_url, ts, nonce, req.error_detail.message, req.error_detail.code, now)
+        names = set(req.resource_names)
+        if not ts.requested:
+            # Legacy wildcard: a first request without names subscribes to everything.
+            ts.wildcard = not names or WILDCARD in names
+        else:
+            ts.wildcard = WILDCARD in names or (ts.wildcard and not names and not ts.names)
+        ts.requested = True
+        ts.names = names - {WILDCARD}
+        self._forget_uninterested(type_url, ts)
+        return events
+
+    def _receive_delta(
+        self, type_url: str, ts: TypeState, req: discovery_pb2.DeltaDiscoveryRequest, now: float
+    ) -> list[Event]:
+        events: list[Event] = []
+        nonce = req.response_nonce
+        if nonce and ts.in_flight is not None and nonce == ts.in_flight.nonce:
+            events.extend(
+                self._ack_or_nack(type_url, ts, nonce, req.error_detail.message, req.error_detail.code, now)
+            )
+        elif nonce:
+            events.append(StaleNonce(type_url, nonce))
+        subscribe = set(req.resource_names_subscribe)
+        unsubscribe = set(req.resource_names_unsubscribe)
+        if not ts.requested:
+            ts.wildcard = not subscribe
+            for name, version in req.initial_resource_versions.items():
+                ts.acked[name] = version
+        ts.requested = True
+        if WILDCARD in subscribe:
+            ts.wildcard = True
+        if WILDCARD in unsubscribe:
+            ts.wildcard = False
+        ts.names |= subscribe - {WILDCARD}
+        ts.names -= unsubscribe
+        for name in unsubscribe:
+            ts.acked.pop(name, None)
+            ts.acked_res.pop(name, None)
+            ts.answered.discard(name)
+        return events
+
+    def _ack_or_nack(
+        self, type_url: str, ts: TypeState, nonce: str, error: str, code: int, now: float
+    ) -> list[Event]:
+        flight = ts.in_flight
+        if flight is None or nonce != flight.nonce:
+            return []
+        ts.in_flight = None
+        if error or code:
+            ts.last_error = error or f"rejected with code {code}"
+            ts.last_nacked = True
+            if type_url in FULL_STATE_TYPES and not self.delta:
+                ts.rejected_key = flight.content_key
+            else:
+                ts.rejected.update({n: r.version for n, r in flight.resources.items()})
+            return [Nack(type_url, nonce, flight.version, ts.last_error)]
+        ts.last_nacked = False
+        if type_url in FULL_STATE_TYPES and not self.delta:
+            ts.acked_res = dict(flight.resources)
+            ts.acked = {n: r.version for n, r in flight.resources.items()}
+            ts.rejected_key = ""
+        else:
+            for name, res in flight.resources.items():
+                ts.acked_res[name] = res
+                ts.acked[name] = res.version
+                ts.rejected.pop(name, None)
+            for name in flight.removed:
+                ts.acked.pop(name, None)
+                ts.acked_res.pop(name, None)
+        ts.acked_version = flight.version
+        ts.acked_key = flight.content_key
+        return [
+            Ack(
+                type_url,
+                nonce,
+                flight.version,
+                flight.generation,
+                max(0.0, now - flight.created_at),
+            )
+        ]
+
+    def _interested(self, type_url: str, ts: TypeState, name: str) -> bool:
+        return name in ts.names or (ts.wildcard and name in self.snapshot.wildcard_names(type_url))
+
+    def _forget_uninterested(self, type_url: str, ts: TypeState) -> None:
+        # A SotW proxy drops what it no longer subscribes to; so do we.
+        if type_url in FULL_STATE_TYPES:
+            return
+        for name in [n for n in ts.acked if not self._interested(type_url, ts, n)]:
+            ts.acked.pop(name, None)
+            ts.acked_res.pop(name, None)
+            ts.answered.discard(name)
+
+    # ---- what to send -------------------------------------------------------------------
+
+    def _gating(self) -> bool:
+        cds = self.types.get(CLUSTER)
+        return self.ads and cds is not None and cds.wildcard
+
+    def _ready_clusters(self) -> set[str]:
+        cds = self.types.get(CLUSTER)
+        eds = self.types.get(ENDPOINT)
+        if cds is None or eds is None:
+            return set()
+        return {n for n in cds.acked if n in eds.acked}
+
+    def _referenced_clusters(self) -> set[str]:
+        """Clusters named by routes the proxy has or is being sent."""
+        out: set[str] = set()
+        for t in (ROUTE, LISTENER):
+            ts = self.types.get(t)
+            if ts is None:
+                continue
+            for res in ts.acked_res.values():
+                out |= res.refs
+            if ts.in_flight is not None:
+                for res in ts.in_flight.resources.values():
+                    out |= res.refs
+        return out
+
+    def desired(self, type_url: str) -> dict[str, SnapshotResource]:
+        """What this proxy should hold now for a type, with make-before-break applied."""
+        ts = self.types.get(type_url)
+        if ts is None:
+            return {}
+        wanted = set(ts.names)
+        if ts.wildcard:
+            wanted |= self.snapshot.wildcard_names(type_url)
+        out: dict[str, SnapshotResource] = {}
+        for name in wanted:
+            res = self.snapshot.get(type_url, name)
+            if res is not None:
+                out[name] = res
+        if not self._gating():
+            return out
+        if type_url == CLUSTER:
+            for name in self._referenced_clusters() - set(out):
+                kept = ts.acked_res.get(name)
+                if kept is not None:
+                    out[name] = kept
+                elif name in ts.acked and ts.wildcard:
+                    # Delta: the proxy has it from before (initial versions); do not remove it.
+                    out[name] = _Placeholder.of(name, ts.acked[name])
+        elif type_url in (ROUTE, LISTENER):
+            ready = self._ready_clusters()
+            for name, res in list(out.items()):
+                if res.refs <= ready:
+                    continue
+                held = ts.acked_res.get(name)
+                if held is not None and held.refs <= ready:
+                    out[name] = held
+                else:
+                    del out[name]
+        return out
+
+    def _pump(self) -> Iterable[Event]:
+        order: Sequence[str] = TYPE_URLS if self.ads else (self.fixed_type or "",)
+        for type_url in order:
+            ts = self.types.get(type_url)
+            if ts is None or not ts.requested or ts.in_flight is not None:
+                continue
+            send = self._next_response(type_url, ts)
+            if send is not None:
+                yield send
+
+    def _next_response(self, type_url: str, ts: TypeState) -> Send | None:
+        desired = self.desired(type_url)
+        full = type_url in FULL_STATE_TYPES and not self.delta
+        if full:
+            key = _key((n, r.version) for n, r in desired.items())
+            subscription = (ts.wildcard, frozenset(ts.names))
+            if ts.responded and key == ts.acked_key and subscription == ts.last_subscription:
+                return None
+            if key == ts.rejected_key:
+                return None
+            ts.last_subscription = subscription
+            return self._emit(type_url, ts, desired, frozenset(), key, key)
+        updates = {
+            n: r
+            for n, r in desired.items()
+            if ts.acked.get(n) != r.version
+            and ts.rejected.get(n) != r.version
+            and not isinstance(r, _Placeholder)
+        }
+        removed: frozenset[str] = frozenset()
+        if self.delta:
+            gone = {n for n in ts.acked if n not in desired}
+            # Names asked for that do not exist are answered once, as removed.
+            gone |= {n for n in ts.names if n not in desired and n not in ts.answered}
+            removed = frozenset(gone)
+        if not updates and not removed and ts.responded:
+            return None
+        after = {n: v for n, v in ts.acked.items() if n not in removed}
+        after.update({n: r.version for n, r in updates.items()})
+        key = _key(after.items())
+        return self._emit(type_url, ts, updates, removed, key, key)
+
+    def _emit(
+        self,
+        type_url: str,
+        ts: TypeState,
+        resources: dict[str, SnapshotResource],
+        removed: frozenset[str],
+        version: str,
+        content_key: str,
+    ) -> Send:
+        self._nonce += 1
+        nonce = str(self._nonce)
+        names = tuple(sorted(resources))
+        if self.delta:
+            payload = wire.delta_response(
+                version, type_url, nonce, (resources[n].delta_field for n in names), sorted(removed)
+            )
+        else:
+            payload = wire.sotw_response(version, type_url, nonce, (resources[n].sotw_field for n in names))
+        ts.latest_nonce = nonce
+        ts.responded = True
+        ts.answered |= set(resources) | removed
+        ts.in_flight = _InFlight(
+            nonce=nonce,
+            version=version,
+            resources=resources,
+            removed=removed,
+            generation=self.snapshot.generation,
+            created_at=self.snapshot.created_at,
+            content_key=content_key,
+        )
+        return Send(
+            type_url,
+            nonce,
+            version,
+            payload,
+            names,
+            tuple(sorted(removed)),
+            self.snapshot.generation,
+        )
+
+    # ---- status -------------------------------------------------------------------------
+
+    def status(self, type_url: str) -> str:
+        """SYNCED, STALE, NACKED or NOT_SENT for one type, as an operator reads it."""
+        ts = self.types.get(type_url)
+        if ts is None or not ts.requested or not ts.responded:
+            return "NOT_SENT"
+        if ts.in_flight is not None:
+            return "STALE"
+        if ts.last_nacked:
+            return "NACKED"
+        desired = self.desired(type_url)
+        if any(ts.acked.get(n) != r.version for n, r in desired.items()):
+            return "STALE"
+        return "SYNCED"
+
+
+@dataclass(frozen=True)
+class _Placeholder(SnapshotResource):
+    """A resource the proxy holds from an earlier connection; kept, never re-sent."""
+
+    @classmethod
+    def of(cls, name: str, version: str) -> _Placeholder:
+        return cls(name=name, type_url=CLUSTER, version=version, sotw_field=b"", delta_field=b"")

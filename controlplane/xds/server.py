@@ -1,0 +1,280 @@
+"""grpc.aio servicers for ADS (SotW and delta) and the per-type discovery services.
+
+A thin shell around `XdsStream`: it reads requests, waits for snapshots, writes the bytes
+the protocol returns, and turns protocol events into logs and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from envoy.service.discovery.v3 import discovery_pb2
+
+from controlplane.obs.metrics import Metrics, type_label
+from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
+from controlplane.xds.cache import SnapshotCache
+from controlplane.xds.protocol import (
+    Ack,
+    Event,
+    Nack,
+    NodeIdentified,
+    Send,
+    StaleNonce,
+    UnknownType,
+    XdsStream,
+)
+
+log = structlog.get_logger("controlplane.xds")
+
+ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
+# service name -> (type served, SotW method, delta method)
+PER_TYPE_SERVICES: dict[str, tuple[str, str, str]] = {
+    "envoy.service.cluster.v3.ClusterDiscoveryService": (
+        CLUSTER,
+        "StreamClusters",
+        "DeltaClusters",
+    ),
+    "envoy.service.endpoint.v3.EndpointDiscoveryService": (
+        ENDPOINT,
+        "StreamEndpoints",
+        "DeltaEndpoints",
+    ),
+    "envoy.service.listener.v3.ListenerDiscoveryService": (
+        LISTENER,
+        "StreamListeners",
+        "DeltaListeners",
+    ),
+    "envoy.service.route.v3.RouteDiscoveryService": (ROUTE, "StreamRoutes", "DeltaRoutes"),
+}
+_SERVICE_LABEL = {
+    ADS_SERVICE: "ads",
+    **{name: type_label(t) for name, (t, _, _) in PER_TYPE_SERVICES.items()},
+}
+
+
+@dataclass
+class ConnectedStream:
+    """One live xDS stream, as shown to operators."""
+
+    stream_id: int
+    peer: str
+    service: str
+    transport: str
+    connected_at: float
+    protocol: XdsStream
+    cluster: str = ""
+    user_agent: str = ""
+    nacks: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready view: node, peer, and per type the ACKed version and status."""
+        types = {}
+        for type_url in TYPE_URLS:
+            ts = self.protocol.types.get(type_url)
+            if ts is None:
+                continue
+            types[type_label(type_url)] = {
+                "status": self.protocol.status(type_url),
+                "acked_version": ts.acked_version,
+                "last_nack": ts.last_error,
+                "resources": len(ts.acked),
+            }
+        return {
+            "stream_id": self.stream_id,
+            "node_id": self.protocol.node_id,
+            "node_cluster": self.cluster,
+            "user_agent": self.user_agent,
+            "peer": self.peer,
+            "service": self.service,
+            "transport": self.transport,
+            "connected_seconds": round(time.monotonic() - self.connected_at, 3),
+            "types": types,
+        }
+
+
+class ProxyRegistry:
+    """Every connected stream, for status pages and the proxies_nacked gauge."""
+
+    def __init__(self) -> None:
+        self.streams: dict[int, ConnectedStream] = {}
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [s.describe() for s in sorted(self.streams.values(), key=lambda s: s.stream_id)]
+
+
+class XdsServer:
+    """Serves ADS and the per-type discovery services from a SnapshotCache."""
+
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        metrics: Metrics,
+        registry: ProxyRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cache = cache
+        self.metrics = metrics
+        self.registry = registry or ProxyRegistry()
+        self.clock = clock
+        self._ids = itertools.count(1)
+
+    def handlers(self) -> Sequence[grpc.GenericRpcHandler]:
+        """Generic handlers: requests are parsed, responses are already bytes."""
+        out: list[grpc.GenericRpcHandler] = []
+        services = {ADS_SERVICE: (None, "StreamAggregatedResources", "DeltaAggregatedResources")}
+        services.update({k: (t, s, d) for k, (t, s, d) in PER_TYPE_SERVICES.items()})
+        for service, (type_url, sotw_method, delta_method) in services.items():
+            out.append(
+                grpc.method_handlers_generic_handler(
+                    service,
+                    {
+                        sotw_method: grpc.stream_stream_rpc_method_handler(
+                            self._handler(service, type_url, delta=False),
+                            request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
+                            response_serializer=_identity,
+                        ),
+                        delta_method: grpc.stream_stream_rpc_method_handler(
+                            self._handler(service, type_url, delta=True),
+                            request_deserializer=discovery_pb2.DeltaDiscoveryRequest.FromString,
+                            response_serializer=_identity,
+                        ),
+                    },
+                )
+            )
+        return out
+
+    def _handler(self, service: str, type_url: str | None, *, delta: bool) -> Callable[..., Any]:
+        async def handle(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+            await self._serve_stream(context, service, type_url, delta=delta)
+
+        return handle
+
+    async def _serve_stream(
+        self,
+        context: grpc.aio.ServicerContext,
+        service: str,
+        type_url: str | None,
+        *,
+        delta: bool,
+    ) -> None:
+        snapshot = self.cache.current
+        if snapshot is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "no complete configuration yet: the fleet config has not loaded; "
+                "the proxy keeps its current config and should retry",
+            )
+            return
+        transport = "delta" if delta else "sotw"
+        proto = XdsStream(snapshot, delta=delta, ads=type_url is None, type_url=type_url)
+        conn = ConnectedStream(
+            stream_id=next(self._ids),
+            peer=context.peer() or "",
+            service=_SERVICE_LABEL[service],
+            transport=transport,
+            connected_at=self.clock(),
+            protocol=proto,
+        )
+        self.registry.streams[conn.stream_id] = conn
+        gauge = self.metrics.streams.labels(conn.service, transport)
+        gauge.inc()
+        slog = log.bind(stream=conn.stream_id, peer=conn.peer, transport=transport)
+        slog.info("xds stream opened", service=conn.service)
+        read: asyncio.Task[Any] | None = None
+        try:
+            changed = self.cache.changed()
+            read = asyncio.ensure_future(context.read())
+            while True:
+                done, _ = await asyncio.wait({read, changed}, return_when=asyncio.FIRST_COMPLETED)
+                events: list[Event] = []
+                if changed in done:
+                    changed = self.cache.changed()
+                    current = self.cache.current
+                    if current is not None and current.generation != proto.snapshot.generation:
+                        events.extend(proto.set_snapshot(current, self.clock()))
+                if read in done:
+                    request = read.result()
+                    if request is grpc.aio.EOF:
+                        break
+                    events.extend(proto.receive(request, self.clock()))
+                    read = asyncio.ensure_future(context.read())
+                await self._handle_events(context, conn, events, slog)
+        except grpc.aio.AioRpcError:
+            pass  # the peer went away mid-write
+        finally:
+            if read is not None and not read.done():
+                read.cancel()
+            gauge.dec()
+            self.registry.streams.pop(conn.stream_id, None)
+            self._refresh_nacked()
+            slog.info("xds stream closed", node=proto.node_id)
+
+    async def _handle_events(
+        self,
+        context: grpc.aio.ServicerContext,
+        conn: ConnectedStream,
+        events: list[Event],
+        slog: Any,
+    ) -> None:
+        nack_changed = False
+        for ev in events:
+            if isinstance(ev, Send):
+                started = time.perf_counter()
+                await context.write(ev.payload)
+                t = type_label(ev.type_url)
+                self.metrics.push_duration.labels(t).observe(time.perf_counter() - started)
+                self.metrics.pushes.labels(t, conn.transport).inc()
+                self.metrics.push_bytes.labels(t, conn.transport).inc(len(ev.payload))
+                slog.debug(
+                    "xds push",
+                    type=t,
+                    version=ev.version,
+                    nonce=ev.nonce,
+                    resources=len(ev.names),
+                    removed=len(ev.removed),
+                )
+            elif isinstance(ev, Ack):
+                t = type_label(ev.type_url)
+                self.metrics.acks.labels(t).inc()
+                self.metrics.convergence.labels(t).observe(ev.latency_s)
+                if conn.nacks.pop(ev.type_url, None) is not None:
+                    nack_changed = True
+                slog.debug("xds ack", type=t, version=ev.version, node=conn.protocol.node_id)
+            elif isinstance(ev, Nack):
+                t = type_label(ev.type_url)
+                self.metrics.nacks.labels(t).inc()
+                conn.nacks[ev.type_url] = ev.message
+                nack_changed = True
+                slog.warning(
+                    "xds nack: proxy rejected config and keeps its previous one; not re-sending",
+                    type=t,
+                    version=ev.version,
+                    node=conn.protocol.node_id,
+                    error=ev.message,
+                )
+            elif isinstance(ev, StaleNonce):
+                self.metrics.stale_nonces.labels(type_label(ev.type_url)).inc()
+            elif isinstance(ev, NodeIdentified):
+                conn.cluster = ev.cluster
+                conn.user_agent = ev.user_agent
+                slog.info("xds node", node=ev.node_id, cluster=ev.cluster, user_agent=ev.user_agent)
+            elif isinstance(ev, UnknownType):
+                slog.warning("xds request for a type this server does not serve", type_url=ev.type_url)
+        if nack_changed:
+            self._refresh_nacked()
+
+    def _refresh_nacked(self) -> None:
+        for type_url in TYPE_URLS:
+            count = sum(1 for s in self.registry.streams.values() if type_url in s.nacks)
+            self.metrics.proxies_nacked.labels(type_label(type_url)).set(count)
+
+
+def _identity(payload: bytes) -> bytes:
+    return payload

@@ -1,0 +1,102 @@
+"""Versioned snapshots: every resource serialised once, with a content hash as its version."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from google.protobuf.message import Message
+
+from controlplane.routing.translate import (
+    ENDPOINT,
+    ROUTE,
+    DesiredResources,
+    cluster_refs,
+    empty_assignment,
+)
+from controlplane.xds import wire
+
+
+@dataclass(frozen=True)
+class SnapshotResource:
+    """One resource, serialised once: its Any bytes and both response encodings."""
+
+    name: str
+    type_url: str
+    version: str
+    sotw_field: bytes
+    delta_field: bytes
+    # Clusters this resource sends traffic to (routes); make-before-break waits on them.
+    refs: frozenset[str] = frozenset()
+
+
+def content_version(data: bytes) -> str:
+    """A short, stable hash of serialised bytes: equal bytes, equal version on every replica."""
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def encode_resource(type_url: str, name: str, msg: Message) -> SnapshotResource:
+    """Serialise a message once into both wire encodings."""
+    value = msg.SerializeToString(deterministic=True)
+    version = content_version(value)
+    payload = wire.any_bytes(type_url, value)
+    return SnapshotResource(
+        name=name,
+        type_url=type_url,
+        version=version,
+        sotw_field=wire.sotw_resource_field(payload),
+        delta_field=wire.delta_resource_field(name, version, payload),
+        refs=cluster_refs(msg) if type_url == ROUTE else frozenset(),
+    )
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The complete desired state at one moment, shared read-only by every stream."""
+
+    generation: int
+    created_at: float
+    resources: Mapping[str, Mapping[str, SnapshotResource]]
+    # Per type, the names a wildcard subscription gets; a type not listed gets all.
+    wildcard: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+    def get(self, type_url: str, name: str) -> SnapshotResource | None:
+        """The named resource, or for EDS an empty assignment, or None."""
+        res = self.resources.get(type_url, {}).get(name)
+        if res is None and type_url == ENDPOINT:
+            return encode_resource(ENDPOINT, name, empty_assignment(name))
+        return res
+
+    def wildcard_names(self, type_url: str) -> frozenset[str]:
+        """What a wildcard subscription to this type receives."""
+        if type_url in self.wildcard:
+            return self.wildcard[type_url]
+        return frozenset(self.resources.get(type_url, {}))
+
+    def count(self, type_url: str) -> int:
+        return len(self.resources.get(type_url, {}))
+
+
+def build_snapshot(
+    desired: DesiredResources,
+    generation: int,
+    created_at: float,
+    previous: Snapshot | None = None,
+) -> Snapshot:
+    """Serialise desired resources; reuse the previous snapshot's objects for unchanged bytes."""
+    resources: dict[str, dict[str, SnapshotResource]] = {}
+    for type_url, by_name in desired.by_type.items():
+        prev = previous.resources.get(type_url, {}) if previous else {}
+        out: dict[str, SnapshotResource] = {}
+        for name, msg in by_name.items():
+            res = encode_resource(type_url, name, msg)
+            old = prev.get(name)
+            out[name] = old if old is not None and old.version == res.version else res
+        resources[type_url] = out
+    return Snapshot(
+        generation=generation,
+        created_at=created_at,
+        resources=resources,
+        wildcard=dict(desired.wildcard),
+    )
