@@ -150,6 +150,8 @@ class XdsStream:
         self.node_id = ""
         self._nonce = 0
         self._unknown_reported: set[str] = set()
+        # A cluster new to the proxy warms on EDS sent after it: name -> CDS response nonce.
+        self._eds_fresh_after: dict[str, int] = {}
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -254,6 +256,10 @@ class XdsStream:
             ts.rejected_key = ""
         else:
             for name, res in flight.resources.items():
+                if not ts.wildcard and name not in ts.names:
+                    continue  # unsubscribed while the response was in flight: the proxy dropped it
+                if type_url == ENDPOINT and self._eds_fresh_after.get(name, 0) > int(flight.nonce):
+                    continue  # applied before its cluster was (re)created: does not warm it
                 ts.acked_res[name] = res
                 ts.acked[name] = res.version
                 ts.rejected.pop(name, None)
@@ -295,7 +301,15 @@ class XdsStream:
         eds = self.types.get(ENDPOINT)
         if cds is None or eds is None:
             return set()
-        return {n for n in cds.acked if n in eds.acked}
+        ready = {n for n in cds.acked if n in eds.acked}
+        flight = cds.in_flight
+        if flight is not None:
+            # A cluster response on its way may remove clusters: they are not ready any more.
+            if self.delta:
+                ready -= flight.removed
+            else:
+                ready &= set(flight.resources)
+        return ready
 
     def _referenced_clusters(self) -> set[str]:
         """Clusters named by routes the proxy has or is being sent."""
@@ -313,9 +327,14 @@ class XdsStream:
 
     def desired(self, type_url: str) -> dict[str, SnapshotResource]:
         """What this proxy should hold now for a type, with make-before-break applied."""
+        return self._desired(type_url)[0]
+
+    def _desired(self, type_url: str) -> tuple[dict[str, SnapshotResource], set[str]]:
+        """(resources, names held back because a cluster they name is not ready yet)."""
+        held_back: set[str] = set()
         ts = self.types.get(type_url)
         if ts is None:
-            return {}
+            return {}, held_back
         wanted = set(ts.names)
         if ts.wildcard:
             wanted |= self.snapshot.wildcard_names(type_url)
@@ -325,7 +344,7 @@ class XdsStream:
             if res is not None:
                 out[name] = res
         if not self._gating():
-            return out
+            return out, held_back
         if type_url == CLUSTER:
             for name in self._referenced_clusters() - set(out):
                 kept = ts.acked_res.get(name)
@@ -344,7 +363,8 @@ class XdsStream:
                     out[name] = held
                 else:
                     del out[name]
-        return out
+                held_back.add(name)
+        return out, held_back
 
     def _pump(self) -> Iterable[Event]:
         order: Sequence[str] = TYPE_URLS if self.ads else (self.fixed_type or "",)
@@ -357,7 +377,7 @@ class XdsStream:
                 yield send
 
     def _next_response(self, type_url: str, ts: TypeState) -> Send | None:
-        desired = self.desired(type_url)
+        desired, held_back = self._desired(type_url)
         full = type_url in FULL_STATE_TYPES and not self.delta
         if full:
             key = _key((n, r.version) for n, r in desired.items())
@@ -380,8 +400,9 @@ class XdsStream:
             gone = {n for n in ts.acked if n not in desired}
             # Names asked for that do not exist are answered once, as removed.
             gone |= {n for n in ts.names if n not in desired and n not in ts.answered}
-            removed = frozenset(gone)
-        if not updates and not removed and ts.responded:
+            removed = frozenset(gone - held_back)
+        if not updates and not removed and (ts.responded or not self.delta):
+            # SotW routes and endpoints: an empty response says nothing; wait for content.
             return None
         after = {n: v for n, v in ts.acked.items() if n not in removed}
         after.update({n: r.version for n, r in updates.items()})
@@ -399,6 +420,14 @@ class XdsStream:
     ) -> Send:
         self._nonce += 1
         nonce = str(self._nonce)
+        if type_url == CLUSTER:
+            eds = self.types.get(ENDPOINT)
+            for name in resources:
+                if name not in ts.acked:
+                    self._eds_fresh_after[name] = self._nonce
+                    if eds is not None:
+                        eds.acked.pop(name, None)
+                        eds.acked_res.pop(name, None)
         names = tuple(sorted(resources))
         if self.delta:
             payload = wire.delta_response(

@@ -1,0 +1,160 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controlplane.cli.main import main
+from controlplane.fleet import FleetConfigInvalid, load_fleet, parse_fleet
+from controlplane.fleet.loader import parse_address, parse_duration
+from tests.fleets import BASIC
+
+
+def errors_of(text: str) -> list[str]:
+    with pytest.raises(FleetConfigInvalid) as e:
+        parse_fleet(text, "fleet.yaml")
+    return [str(x) for x in e.value.errors]
+
+
+def test_the_documented_shape_loads() -> None:
+    fleet = parse_fleet(BASIC)
+    assert fleet.listener.port == 10000
+    assert [t.name for t in fleet.tiers] == ["small", "medium", "large"]
+    m = fleet.model("llama-3-8b")
+    assert m.tier == "small"
+    assert m.stable == "v1"
+    assert [e.address for e in m.version("v1").endpoints] == ["127.0.0.1:8101", "127.0.0.1:8102"]
+    assert m.version("v1").endpoints[0].gpu == "A100"
+    assert m.version("v1").endpoints[0].gpu_memory_gb == 80
+    assert fleet.tier("medium").timeout_s == 180
+
+
+@pytest.mark.parametrize(
+    ("params", "tier"), [(8, "small"), (15, "small"), (15.5, "medium"), (70, "medium"), (405, "large")]
+)
+def test_tier_is_derived_from_size(params: float, tier: str) -> None:
+    fleet = parse_fleet(BASIC.replace("    params_b: 8\n", f"    params_b: {params}\n"))
+    assert fleet.model("llama-3-8b").tier == tier
+
+
+def test_explicit_tier_wins() -> None:
+    fleet = parse_fleet(BASIC.replace("    params_b: 8\n", "    params_b: 8\n    tier: large\n"))
+    assert fleet.model("llama-3-8b").tier == "large"
+
+
+def test_unknown_key_names_path_and_line() -> None:
+    errs = errors_of(BASIC.replace("stable: v1", "stable: v1\n    stabel: v2"))
+    assert errs == [
+        "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: cluster_overrides, params_b, "
+        "protocol, stable, tier, versions)"
+    ]
+
+
+def test_bad_address() -> None:
+    errs = errors_of(BASIC.replace("127.0.0.1:8102", "localhost:8102"))
+    assert len(errs) == 1
+    assert "models.llama-3-8b.versions.v1.endpoints[1].address" in errs[0]
+    assert "not an IP address" in errs[0]
+
+
+def test_bad_port() -> None:
+    errs = errors_of(BASIC.replace("127.0.0.1:8102", "127.0.0.1:99999"))
+    assert "port must be 1-65535" in errs[0]
+
+
+def test_duplicate_endpoint_across_versions() -> None:
+    errs = errors_of(BASIC.replace("127.0.0.1:8103", "127.0.0.1:8101"))
+    assert len(errs) == 1
+    assert "versions.v2.endpoints[0].address: duplicate endpoint 127.0.0.1:8101" in errs[0]
+    assert "already at models.llama-3-8b.versions.v1.endpoints[0]" in errs[0]
+
+
+def test_stable_naming_a_missing_version() -> None:
+    errs = errors_of(BASIC.replace("stable: v1", "stable: v9"))
+    assert errs == ["fleet.yaml:9: models.llama-3-8b.stable: names version 'v9', which is not under versions"]
+
+
+def test_a_model_no_tier_can_hold() -> None:
+    text = BASIC.replace("  large:  {timeout: 600s}\n", "").replace("    params_b: 8\n", "    params_b: 405\n")
+    errs = errors_of(text)
+    assert len(errs) == 1
+    assert "models.llama-3-8b.params_b: no tier can hold a 405B model" in errs[0]
+
+
+def test_explicit_tier_too_small() -> None:
+    errs = errors_of(BASIC.replace("    params_b: 8\n", "    params_b: 70\n    tier: small\n"))
+    assert "tier 'small' holds models up to 15B; this one has 70B" in errs[0]
+
+
+def test_duplicate_yaml_key() -> None:
+    errs = errors_of(BASIC.replace("stable: v1", "stable: v1\n    stable: v2"))
+    assert any("models.llama-3-8b.stable: duplicate key" in e for e in errs)
+
+
+def test_bad_duration_and_tier_order() -> None:
+    text = BASIC.replace("timeout: 60s", "timeout: soon").replace("max_params_b: 80", "max_params_b: 10")
+    errs = errors_of(text)
+    assert any("tiers.small.timeout: expected a duration" in e for e in errs)
+    assert any("tiers.medium.max_params_b: tiers must be listed smallest first" in e for e in errs)
+
+
+def test_unbounded_tier_must_be_last() -> None:
+    text = BASIC.replace("  small:  {max_params_b: 15, timeout: 60s}", "  small:  {timeout: 60s}")
+    errs = errors_of(text)
+    assert any("tiers.medium: tier 'small' has no max_params_b" in e for e in errs)
+
+
+def test_every_error_is_reported_at_once() -> None:
+    text = BASIC.replace("stable: v1", "stable: v9").replace("127.0.0.1:8102", "nope")
+    assert len(errors_of(text)) == 2
+
+
+def test_not_yaml() -> None:
+    errs = errors_of("listener: {port: 10000\n")
+    assert "not valid YAML" in errs[0]
+
+
+def test_cluster_overrides_are_checked_against_the_envoy_schema() -> None:
+    ok = parse_fleet(BASIC.replace("stable: v1", "stable: v1\n    cluster_overrides: {connect_timeout: 5s}"))
+    assert ok.model("llama-3-8b").cluster_overrides == {"connect_timeout": "5s"}
+    errs = errors_of(BASIC.replace("stable: v1", "stable: v1\n    cluster_overrides: {conect_timeout: 5s}"))
+    assert "models.llama-3-8b.cluster_overrides: not a valid Envoy Cluster fragment" in errs[0]
+    errs = errors_of(BASIC.replace("stable: v1", "stable: v1\n    cluster_overrides: {name: x}"))
+    assert "cluster_overrides.name: is managed by the control plane" in errs[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("60s", 60), ("500ms", 0.5), ("3m", 180), ("1h", 3600), (2, 2), ("1.5s", 1.5)]
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["", "5", "5x", "-1s", "0s", True, None])
+def test_bad_durations(bad: object) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(bad)
+
+
+def test_ipv6_address() -> None:
+    assert parse_address("[::1]:8000") == ("::1", 8000)
+
+
+def test_check_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(BASIC)
+    assert main(["check-config", str(good)]) == 0
+    assert "ok: 3 tiers, 1 models, 3 endpoints" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BASIC.replace("stable: v1", "stable: v9"))
+    assert main(["check-config", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}:9: models.llama-3-8b.stable: names version 'v9'" in err
+    assert main(["check-config", str(tmp_path / "missing.yaml")]) == 1
+    assert "cannot read file" in capsys.readouterr().err
+
+
+def test_load_fleet_reads_a_file(tmp_path: Path) -> None:
+    p = tmp_path / "f.yaml"
+    p.write_text(BASIC)
+    assert load_fleet(p).model("llama-3-8b").stable == "v1"

@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+from controlplane.fleet import parse_fleet
+from controlplane.routing.translate import (
+    CLUSTER,
+    ENDPOINT,
+    LISTENER,
+    ROUTE,
+    cluster_refs,
+    translate,
+)
+from controlplane.xds.snapshot import build_snapshot
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from tests.fleets import BASIC
+
+
+def test_one_cluster_and_assignment_per_model_version() -> None:
+    d = translate(parse_fleet(BASIC))
+    assert set(d.by_type[CLUSTER]) == {"llama-3-8b@v1", "llama-3-8b@v2"}
+    assert set(d.by_type[ENDPOINT]) == {"llama-3-8b@v1", "llama-3-8b@v2"}
+    c = d.by_type[CLUSTER]["llama-3-8b@v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    assert c.type == cluster_pb2.Cluster.EDS
+    assert c.eds_cluster_config.service_name == "llama-3-8b@v1"
+    assert c.eds_cluster_config.eds_config.HasField("ads")
+    assert c.alt_stat_name == "llama-3-8b_v1"
+    policies = [p.typed_extension_config.name for p in c.load_balancing_policy.policies]
+    assert policies[0] == "envoy.load_balancing_policies.least_request"
+    assert not c.typed_extension_protocol_options  # HTTP/1.1 by default
+
+
+def test_assignment_has_a_weighted_locality_and_every_endpoint() -> None:
+    d = translate(parse_fleet(BASIC), {"llama-3-8b@v1": {"127.0.0.1:8102": 7}})
+    cla = d.by_type[ENDPOINT]["llama-3-8b@v1"]
+    assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
+    [loc] = cla.endpoints
+    assert loc.HasField("locality")  # gRPC rejects an assignment without it
+    assert loc.load_balancing_weight.value == 1
+    got = [
+        (e.endpoint.address.socket_address.address, e.endpoint.address.socket_address.port_value,
+         e.load_balancing_weight.value)
+        for e in loc.lb_endpoints
+    ]
+    assert got == [("127.0.0.1", 8101, 1), ("127.0.0.1", 8102, 7)]
+
+
+def test_routes_header_then_body_then_404_then_400() -> None:
+    d = translate(parse_fleet(BASIC))
+    rc = d.by_type[ROUTE]["inference"]
+    assert isinstance(rc, route_pb2.RouteConfiguration)
+    routes = rc.virtual_hosts[0].routes
+    assert [r.name for r in routes] == [
+        "list-models",
+        "header/llama-3-8b",
+        "body/llama-3-8b",
+        "unknown-model-header",
+        "unknown-model-body",
+        "no-model",
+    ]
+    header, body = routes[1], routes[2]
+    assert header.match.headers[0].name == "x-model"
+    assert header.match.headers[0].string_match.exact == "llama-3-8b"
+    assert header.route.cluster == "llama-3-8b@v1"
+    assert header.route.timeout.seconds == 60  # the small tier's timeout
+    assert body.match.headers[0].invert_match  # only when no x-model header
+    assert body.match.dynamic_metadata[0].value.string_match.exact == "llama-3-8b"
+    assert routes[3].direct_response.status == 404
+    assert routes[5].direct_response.status == 400
+    assert b"model_required" in routes[5].direct_response.body.inline_string.encode()
+    assert cluster_refs(rc) == {"llama-3-8b@v1"}
+
+
+def test_stable_selects_the_routed_cluster_and_tier_timeout() -> None:
+    text = BASIC.replace("stable: v1", "stable: v2").replace("    params_b: 8\n", "    params_b: 70\n")
+    rc = translate(parse_fleet(text)).by_type[ROUTE]["inference"]
+    assert cluster_refs(rc) == {"llama-3-8b@v2"}
+    assert rc.virtual_hosts[0].routes[1].route.timeout.seconds == 180
+
+
+def test_gateway_listener_uses_rds_over_ads_and_body_routing_filter() -> None:
+    d = translate(parse_fleet(BASIC))
+    lst = d.by_type[LISTENER]["inference"]
+    assert isinstance(lst, listener_pb2.Listener)
+    assert lst.address.socket_address.port_value == 10000
+    assert lst.address.socket_address.address == "127.0.0.1"
+    hcm = hcm_pb2.HttpConnectionManager()
+    lst.filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    assert hcm.rds.route_config_name == "inference"
+    assert [f.name for f in hcm.http_filters] == [
+        "envoy.filters.http.json_to_metadata",
+        "envoy.filters.http.router",
+    ]
+    assert d.wildcard[LISTENER] == {"inference"}
+
+
+def test_proxyless_api_listener_per_model() -> None:
+    d = translate(parse_fleet(BASIC))
+    api = d.by_type[LISTENER]["llama-3-8b"]
+    assert isinstance(api, listener_pb2.Listener)
+    hcm = hcm_pb2.HttpConnectionManager()
+    api.api_listener.api_listener.Unpack(hcm)
+    assert hcm.rds.route_config_name == "grpc/llama-3-8b"
+    assert cluster_refs(d.by_type[ROUTE]["grpc/llama-3-8b"]) == {"llama-3-8b@v1"}
+
+
+def test_http2_protocol_and_cluster_overrides() -> None:
+    text = BASIC.replace(
+        "stable: v1", "stable: v1\n    protocol: http2\n    cluster_overrides: {connect_timeout: 5s}"
+    )
+    c = translate(parse_fleet(text)).by_type[CLUSTER]["llama-3-8b@v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    opts = http_protocol_options_pb2.HttpProtocolOptions()
+    c.typed_extension_protocol_options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].Unpack(opts)
+    assert opts.explicit_http_config.HasField("http2_protocol_options")
+    assert c.connect_timeout.seconds == 5
+
+
+def test_translation_is_deterministic_to_the_byte() -> None:
+    a = build_snapshot(translate(parse_fleet(BASIC)), 1, 0.0)
+    b = build_snapshot(translate(parse_fleet(BASIC)), 2, 0.0)
+    for t in (CLUSTER, ENDPOINT, LISTENER, ROUTE):
+        assert {n: r.version for n, r in a.resources[t].items()} == {
+            n: r.version for n, r in b.resources[t].items()
+        }
+
+
+def test_unchanged_resources_are_reused_not_reserialised() -> None:
+    a = build_snapshot(translate(parse_fleet(BASIC)), 1, 0.0)
+    changed = BASIC.replace("127.0.0.1:8103", "127.0.0.1:8104")
+    b = build_snapshot(translate(parse_fleet(changed)), 2, 0.0, previous=a)
+    assert b.resources[ENDPOINT]["llama-3-8b@v1"] is a.resources[ENDPOINT]["llama-3-8b@v1"]
+    assert b.resources[ENDPOINT]["llama-3-8b@v2"] is not a.resources[ENDPOINT]["llama-3-8b@v2"]

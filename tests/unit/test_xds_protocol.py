@@ -1,0 +1,389 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.fleet import parse_fleet
+from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, translate
+from controlplane.xds.protocol import Ack, Event, Nack, NodeIdentified, Send, StaleNonce, UnknownType, XdsStream
+from controlplane.xds.snapshot import Snapshot, build_snapshot
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+from tests.fleets import fleet_yaml
+from tests.unit.fake_envoy import FakeEnvoy
+
+ONE = {"a": {"v1": ["10.0.0.1:80", "10.0.0.2:80"]}}
+TWO = {"a": {"v1": ["10.0.0.1:80", "10.0.0.2:80"]}, "b": {"v1": ["10.0.1.1:80"]}}
+
+
+def snap(models: dict[str, dict[str, list[str]]], gen: int = 1, **kw: object) -> Snapshot:
+    fleet = parse_fleet(fleet_yaml(models, **kw))  # type: ignore[arg-type]
+    return build_snapshot(translate(fleet), gen, created_at=float(gen))
+
+
+def sends(events: Iterable[Event]) -> list[Send]:
+    return [e for e in events if isinstance(e, Send)]
+
+
+def sotw(payload: bytes) -> discovery_pb2.DiscoveryResponse:
+    return discovery_pb2.DiscoveryResponse.FromString(payload)
+
+
+def req(type_url: str, names: Iterable[str] = (), nonce: str = "", error: str = "") -> discovery_pb2.DiscoveryRequest:
+    r = discovery_pb2.DiscoveryRequest(type_url=type_url, resource_names=list(names), response_nonce=nonce)
+    if error:
+        r.error_detail.code = 3
+        r.error_detail.message = error
+    return r
+
+
+def cluster_names(payload: bytes) -> set[str]:
+    return {cluster_pb2.Cluster.FromString(a.value).name for a in sotw(payload).resources}
+
+
+# ---- state of the world -------------------------------------------------------------------
+
+
+def test_first_request_gets_the_full_state_and_node_is_reported() -> None:
+    s = XdsStream(snap(ONE), delta=False)
+    r = req(CLUSTER)
+    r.node.id = "n1"
+    ev = s.receive(r, 0)
+    assert isinstance(ev[0], NodeIdentified) and ev[0].node_id == "n1"
+    [out] = sends(ev)
+    assert out.type_url == CLUSTER
+    assert cluster_names(out.payload) == {"a@v1"}
+    assert sotw(out.payload).nonce == out.nonce
+    assert sotw(out.payload).version_info == out.version
+
+
+def test_ack_is_recorded_and_nothing_is_resent() -> None:
+    s = XdsStream(snap(ONE), delta=False)
+    [out] = sends(s.receive(req(CLUSTER), 0))
+    ev = s.receive(req(CLUSTER, nonce=out.nonce), 5.0)
+    acks = [e for e in ev if isinstance(e, Ack)]
+    assert len(acks) == 1 and acks[0].latency_s == 4.0  # snapshot created at t=1
+    assert sends(ev) == []
+    assert s.status(CLUSTER) == "SYNCED"
+    # The same content in a new snapshot is not pushed again.
+    assert sends(s.set_snapshot(snap(ONE, gen=2), 6)) == []
+
+
+def test_nack_is_never_answered_with_the_same_config() -> None:
+    s = XdsStream(snap(ONE), delta=False)
+    [first] = sends(s.receive(req(CLUSTER), 0))
+    s.receive(req(CLUSTER, nonce=first.nonce), 0)
+    [bad] = sends(s.set_snapshot(snap(TWO, gen=2), 1))
+    ev = s.receive(req(CLUSTER, nonce=bad.nonce, error="no"), 2)
+    assert [type(e) for e in ev] == [Nack]
+    assert s.status(CLUSTER) == "NACKED"
+    assert s.types[CLUSTER].last_error == "no"
+    # Re-requesting, or a new snapshot with identical content, sends nothing.
+    assert sends(s.receive(req(CLUSTER, nonce=bad.nonce), 3)) == []
+    assert sends(s.set_snapshot(snap(TWO, gen=3), 4)) == []
+    # Different content goes out, and once ACKed the status clears.
+    [fixed] = sends(s.set_snapshot(snap({"a": {"v1": ["10.0.0.1:80"]}, "c": {"v1": ["10.0.2.1:80"]}}, 5), 5))
+    assert cluster_names(fixed.payload) == {"a@v1", "c@v1"}
+    s.receive(req(CLUSTER, nonce=fixed.nonce), 6)
+    assert s.status(CLUSTER) == "SYNCED"
+
+
+def test_nack_then_revert_to_previously_good_content_is_sent() -> None:
+    s = XdsStream(snap(ONE), delta=False)
+    [first] = sends(s.receive(req(CLUSTER), 0))
+    s.receive(req(CLUSTER, nonce=first.nonce), 0)
+    [bad] = sends(s.set_snapshot(snap(TWO, gen=2), 1))
+    s.receive(req(CLUSTER, nonce=bad.nonce, error="no"), 2)
+    # Back to what the proxy has: nothing to send, and the status is not stuck on NACKED.
+    assert sends(s.set_snapshot(snap(ONE, gen=3), 3)) == []
+
+
+def test_stale_nonce_is_ignored() -> None:
+    s = XdsStream(snap(TWO), delta=False)
+    [out] = sends(s.receive(req(ENDPOINT, ["a@v1"]), 0))
+    s.receive(req(ENDPOINT, ["a@v1"], nonce=out.nonce), 0)
+    [out2] = sends(s.receive(req(ENDPOINT, ["a@v1", "b@v1"], nonce=out.nonce), 0))
+    # A request still carrying the old nonce (and an old subscription) changes nothing.
+    ev = s.receive(req(ENDPOINT, ["a@v1"], nonce=out.nonce), 0)
+    assert ev == [StaleNonce(ENDPOINT, out.nonce)]
+    assert s.types[ENDPOINT].names == {"a@v1", "b@v1"}
+    assert s.types[ENDPOINT].in_flight is not None and s.types[ENDPOINT].in_flight.nonce == out2.nonce
+
+
+def test_one_response_in_flight_coalesces_to_the_latest_snapshot() -> None:
+    s = XdsStream(snap(ONE), delta=False)
+    [out] = sends(s.receive(req(CLUSTER), 0))
+    assert sends(s.set_snapshot(snap(TWO, gen=2), 1)) == []  # waiting for the ACK
+    three = {**TWO, "c": {"v1": ["10.0.2.1:80"]}}
+    assert sends(s.set_snapshot(snap(three, gen=3), 2)) == []
+    [latest] = sends(s.receive(req(CLUSTER, nonce=out.nonce), 3))
+    assert cluster_names(latest.payload) == {"a@v1", "b@v1", "c@v1"}
+    assert latest.generation == 3
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [([], {"a@v1", "b@v1"}), (["*"], {"a@v1", "b@v1"}), (["b@v1"], {"b@v1"}), (["*", "b@v1"], {"a@v1", "b@v1"})],
+)
+def test_wildcard_legacy_star_and_named(names: list[str], expected: set[str]) -> None:
+    s = XdsStream(snap(TWO), delta=False)
+    [out] = sends(s.receive(req(CLUSTER, names), 0))
+    assert cluster_names(out.payload) == expected
+
+
+def test_legacy_wildcard_ends_when_names_are_given() -> None:
+    s = XdsStream(snap(TWO), delta=False)
+    [out] = sends(s.receive(req(CLUSTER), 0))
+    [out2] = sends(s.receive(req(CLUSTER, ["b@v1"], nonce=out.nonce), 0))
+    assert cluster_names(out2.payload) == {"b@v1"}
+
+
+def test_wildcard_listeners_exclude_proxyless_api_listeners() -> None:
+    s = XdsStream(snap(TWO), delta=False)
+    [out] = sends(s.receive(req(LISTENER), 0))
+    assert [a.type_url for a in sotw(out.payload).resources] == [LISTENER]
+    assert len(sotw(out.payload).resources) == 1  # the gateway listener only
+    s2 = XdsStream(snap(TWO), delta=False)
+    [named] = sends(s2.receive(req(LISTENER, ["a"]), 0))
+    assert len(sotw(named.payload).resources) == 1
+
+
+def test_unknown_eds_name_gets_an_empty_assignment() -> None:
+    s = XdsStream(snap(ONE), delta=False)
+    [out] = sends(s.receive(req(ENDPOINT, ["ghost@v1"]), 0))
+    [res] = sotw(out.payload).resources
+    cla = endpoint_pb2.ClusterLoadAssignment.FromString(res.value)
+    assert cla.cluster_name == "ghost@v1" and len(cla.endpoints) == 0
+
+
+def test_unsubscribe_then_resubscribe_resends() -> None:
+    s = XdsStream(snap(TWO), delta=False)
+    [out] = sends(s.receive(req(ENDPOINT, ["a@v1", "b@v1"]), 0))
+    s.receive(req(ENDPOINT, ["a@v1", "b@v1"], nonce=out.nonce), 0)
+    assert sends(s.receive(req(ENDPOINT, ["a@v1"], nonce=out.nonce), 0)) == []
+    assert set(s.types[ENDPOINT].acked) == {"a@v1"}
+    [again] = sends(s.receive(req(ENDPOINT, ["a@v1", "b@v1"], nonce=out.nonce), 0))
+    assert again.names == ("b@v1",)
+
+
+def test_eds_sends_only_changed_assignments() -> None:
+    s = XdsStream(snap(TWO), delta=False)
+    [out] = sends(s.receive(req(ENDPOINT, ["a@v1", "b@v1"]), 0))
+    s.receive(req(ENDPOINT, ["a@v1", "b@v1"], nonce=out.nonce), 0)
+    changed = {"a": TWO["a"], "b": {"v1": ["10.0.1.1:80", "10.0.1.2:80"]}}
+    [upd] = sends(s.set_snapshot(snap(changed, gen=2), 1))
+    assert upd.names == ("b@v1",)
+
+
+def test_unknown_type_is_reported_once_and_ignored() -> None:
+    s = XdsStream(snap(ONE), delta=False)
+    secret = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+    assert s.receive(req(secret), 0) == [UnknownType(secret)]
+    assert s.receive(req(secret), 0) == []
+
+
+def test_per_type_stream_serves_only_its_type() -> None:
+    s = XdsStream(snap(ONE), delta=False, ads=False, type_url=CLUSTER)
+    [out] = sends(s.receive(req(""), 0))  # type_url may be omitted on per-type services
+    assert out.type_url == CLUSTER
+    assert s.receive(req(LISTENER), 0) == [UnknownType(LISTENER)]
+
+
+def test_proxyless_grpc_flow_is_not_gated() -> None:
+    """gRPC asks LDS, RDS, CDS, EDS by name, one after another; none may wait on another."""
+    s = XdsStream(snap(ONE), delta=False)
+    [lds] = sends(s.receive(req(LISTENER, ["a"]), 0))
+    s.receive(req(LISTENER, ["a"], nonce=lds.nonce), 0)
+    [rds] = sends(s.receive(req(ROUTE, ["grpc/a"]), 0))
+    [cds] = sends(s.receive(req(CLUSTER, ["a@v1"]), 0))
+    [eds] = sends(s.receive(req(ENDPOINT, ["a@v1"]), 0))
+    assert (rds.names, cds.names, eds.names) == (("grpc/a",), ("a@v1",), ("a@v1",))
+
+
+# ---- make-before-break, with a model of Envoy ----------------------------------------------
+
+
+def run(stream: XdsStream, envoy: FakeEnvoy, now: float = 0.0, limit: int = 200) -> None:
+    """Exchange messages until both sides are quiet."""
+    for _ in range(limit):
+        if not envoy.outbox:
+            return
+        for ev in stream.receive(envoy.outbox.popleft(), now):
+            if isinstance(ev, Send):
+                envoy.receive(ev.payload)
+    raise AssertionError("no quiescence")
+
+
+def publish(stream: XdsStream, envoy: FakeEnvoy, s: Snapshot) -> None:
+    for ev in stream.set_snapshot(s, 0):
+        if isinstance(ev, Send):
+            envoy.receive(ev.payload)
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_initial_sync_sends_routes_only_after_clusters_and_endpoints(delta: bool) -> None:
+    s = XdsStream(snap(TWO), delta=delta)
+    envoy = FakeEnvoy(delta=delta)
+    envoy.start()
+    run(s, envoy)
+    assert envoy.violations == []
+    assert envoy.routed_clusters() == {"a@v1", "b@v1"} <= envoy.active_clusters()
+    assert {t: s.status(t) for t in (CLUSTER, ENDPOINT, LISTENER, ROUTE)} == dict.fromkeys(
+        (CLUSTER, ENDPOINT, LISTENER, ROUTE), "SYNCED"
+    )
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_adding_and_removing_a_model_is_make_before_break(delta: bool) -> None:
+    s = XdsStream(snap(ONE), delta=delta)
+    envoy = FakeEnvoy(delta=delta)
+    envoy.start()
+    run(s, envoy)
+    publish(s, envoy, snap(TWO, gen=2))
+    run(s, envoy)
+    assert envoy.violations == []
+    assert "b@v1" in envoy.routed_clusters()
+    publish(s, envoy, snap(ONE, gen=3))
+    run(s, envoy)
+    assert envoy.violations == []
+    assert set(envoy.clusters) == {"a@v1"}  # removed once no route named it
+    assert envoy.routed_clusters() == {"a@v1"}
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_changing_stable_moves_routes_after_the_new_cluster_is_warm(delta: bool) -> None:
+    s = XdsStream(snap({"a": {"v1": ["10.0.0.1:80"]}}), delta=delta)
+    envoy = FakeEnvoy(delta=delta)
+    envoy.start()
+    run(s, envoy)
+    both = {"a": {"v1": ["10.0.0.1:80"], "v2": ["10.0.0.2:80"]}}
+    publish(s, envoy, snap(both, gen=2, stable={"a": "v2"}))
+    run(s, envoy)
+    assert envoy.violations == []
+    assert envoy.routed_clusters() == {"a@v2"}
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_rejected_cluster_keeps_routes_on_the_old_config(delta: bool) -> None:
+    s = XdsStream(snap(ONE), delta=delta)
+    envoy = FakeEnvoy(delta=delta, reject_clusters={"b@v1"})
+    envoy.start()
+    run(s, envoy)
+    publish(s, envoy, snap(TWO, gen=2))
+    run(s, envoy)
+    assert envoy.violations == []
+    assert envoy.routed_clusters() == {"a@v1"}  # the route to b never arrives
+    assert s.status(CLUSTER) == "NACKED"
+    before = envoy.responses
+    publish(s, envoy, snap(TWO, gen=3))
+    run(s, envoy)
+    assert envoy.responses == before  # not re-sent
+
+
+def test_delta_initial_versions_skip_unchanged_resources_and_remove_gone_ones() -> None:
+    s = XdsStream(snap(ONE), delta=True)
+    first = snap(ONE)
+    known = first.resources[CLUSTER]["a@v1"].version
+    r = discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER)
+    r.initial_resource_versions["a@v1"] = known
+    r.initial_resource_versions["old@v1"] = "x"
+    [out] = sends(s.receive(r, 0))
+    d = discovery_pb2.DeltaDiscoveryResponse.FromString(out.payload)
+    assert [x.name for x in d.resources] == []
+    assert list(d.removed_resources) == ["old@v1"]
+
+
+def test_delta_named_subscription_of_missing_resource_is_answered_as_removed() -> None:
+    s = XdsStream(snap(ONE), delta=True)
+    r = discovery_pb2.DeltaDiscoveryRequest(type_url=ROUTE, resource_names_subscribe=["nope"])
+    [out] = sends(s.receive(r, 0))
+    d = discovery_pb2.DeltaDiscoveryResponse.FromString(out.payload)
+    assert list(d.removed_resources) == ["nope"]
+    assert d.resources[:] == []
+
+
+def test_delta_stale_nonce_still_applies_subscription_changes() -> None:
+    s = XdsStream(snap(TWO), delta=True)
+    r = discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, resource_names_subscribe=["a@v1"])
+    [out] = sends(s.receive(r, 0))
+    r2 = discovery_pb2.DeltaDiscoveryRequest(
+        type_url=ENDPOINT, response_nonce="999", resource_names_subscribe=["b@v1"]
+    )
+    ev = s.receive(r2, 0)
+    assert StaleNonce(ENDPOINT, "999") in ev
+    assert s.types[ENDPOINT].names == {"a@v1", "b@v1"}
+    ack = discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, response_nonce=out.nonce)
+    [more] = sends(s.receive(ack, 0))
+    assert more.names == ("b@v1",)
+
+
+MODEL_SETS = [
+    {},
+    ONE,
+    TWO,
+    {"b": {"v1": ["10.0.1.1:80"]}},
+    {"a": {"v1": ["10.0.0.1:80"], "v2": ["10.0.0.3:80"]}},
+    {"c": {"v1": ["10.0.2.1:80"]}, "a": {"v2": ["10.0.0.3:80"]}},
+]
+STABLES = [{}, {"a": "v2"}]
+
+
+@settings(max_examples=int(os.environ.get("XDS_FUZZ_EXAMPLES", "150")), deadline=None)
+@given(
+    delta=st.booleans(),
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("publish"), st.integers(0, len(MODEL_SETS) - 1), st.integers(0, 1)),
+            st.tuples(st.just("to_server"), st.integers(1, 3), st.just(0)),
+            st.tuples(st.just("to_client"), st.integers(1, 3), st.just(0)),
+        ),
+        max_size=40,
+    ),
+)
+def test_any_interleaving_never_routes_to_a_missing_cluster(delta: bool, steps: list[tuple[str, int, int]]) -> None:
+    """Random snapshots and message interleavings: Envoy never routes to a cluster it lacks,
+    and once quiet it converges to the latest snapshot."""
+    gen = 1
+    current = snap(ONE)
+    s = XdsStream(current, delta=delta)
+    envoy = FakeEnvoy(delta=delta)
+    envoy.start()
+    wire: list[bytes] = []
+    for kind, a, b in steps:
+        if kind == "publish":
+            gen += 1
+            models = MODEL_SETS[a]
+            stable = {k: v for k, v in STABLES[b].items() if k in models and v in models[k]}
+            stable.update({m: next(iter(vs)) for m, vs in models.items() if m not in stable})
+            current = snap(models, gen=gen, stable=stable) if models else _empty_snapshot(gen)
+            wire += [e.payload for e in s.set_snapshot(current, gen) if isinstance(e, Send)]
+        elif kind == "to_server":
+            for _ in range(a):
+                if envoy.outbox:
+                    wire += [e.payload for e in s.receive(envoy.outbox.popleft(), gen) if isinstance(e, Send)]
+        else:
+            for _ in range(a):
+                if wire:
+                    envoy.receive(wire.pop(0))
+        assert envoy.violations == []
+    for _ in range(500):
+        if wire:
+            envoy.receive(wire.pop(0))
+        elif envoy.outbox:
+            wire += [e.payload for e in s.receive(envoy.outbox.popleft(), gen) if isinstance(e, Send)]
+        else:
+            break
+    assert envoy.violations == []
+    assert set(envoy.clusters) == set(current.resources[CLUSTER])
+    expected_routes = current.resources[ROUTE]["inference"].refs
+    assert envoy.routed_clusters() == expected_routes
+
+
+def _empty_snapshot(gen: int) -> Snapshot:
+    text = "listener: {port: 10000}\ntiers:\n  small: {timeout: 30s}\nmodels: {}\n"
+    return build_snapshot(translate(parse_fleet(text)), gen, float(gen))
