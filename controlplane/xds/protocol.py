@@ -64,6 +64,13 @@ class Nack:
 
 
 @dataclass(frozen=True)
+class NackCleared:
+    """The desired config went back to what the proxy has: its rejection no longer matters."""
+
+    type_url: str
+
+
+@dataclass(frozen=True)
 class StaleNonce:
     type_url: str
     nonce: str
@@ -81,7 +88,7 @@ class NodeIdentified:
     user_agent: str
 
 
-Event = Send | Ack | Nack | StaleNonce | UnknownType | NodeIdentified
+Event = Send | Ack | Nack | NackCleared | StaleNonce | UnknownType | NodeIdentified
 
 
 @dataclass
@@ -372,9 +379,18 @@ class XdsStream:
             ts = self.types.get(type_url)
             if ts is None or not ts.requested or ts.in_flight is not None:
                 continue
+            if ts.last_nacked and self._matches_acked(type_url, ts):
+                ts.last_nacked = False
+                yield NackCleared(type_url)
             send = self._next_response(type_url, ts)
             if send is not None:
                 yield send
+
+    def _matches_acked(self, type_url: str, ts: TypeState) -> bool:
+        desired = self.desired(type_url)
+        if type_url in FULL_STATE_TYPES and not self.delta and set(desired) != set(ts.acked):
+            return False
+        return all(ts.acked.get(n) == r.version for n, r in desired.items())
 
     def _next_response(self, type_url: str, ts: TypeState) -> Send | None:
         desired, held_back = self._desired(type_url)

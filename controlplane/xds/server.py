@@ -24,6 +24,7 @@ from controlplane.xds.protocol import (
     Ack,
     Event,
     Nack,
+    NackCleared,
     NodeIdentified,
     Send,
     StaleNonce,
@@ -259,6 +260,9 @@ class XdsServer:
                     node=conn.protocol.node_id,
                     error=ev.message,
                 )
+            elif isinstance(ev, NackCleared):
+                if conn.nacks.pop(ev.type_url, None) is not None:
+                    nack_changed = True
             elif isinstance(ev, StaleNonce):
                 self.metrics.stale_nonces.labels(type_label(ev.type_url)).inc()
             elif isinstance(ev, NodeIdentified):

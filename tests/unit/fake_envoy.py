@@ -215,5 +215,3 @@ def _name(msg: object) -> str:
     if isinstance(msg, endpoint_pb2.ClusterLoadAssignment):
         return msg.cluster_name
     return str(getattr(msg, "name"))  # noqa: B009
-
-

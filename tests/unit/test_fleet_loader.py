@@ -75,7 +75,9 @@ def test_stable_naming_a_missing_version() -> None:
 
 
 def test_a_model_no_tier_can_hold() -> None:
-    text = BASIC.replace("  large:  {timeout: 600s}\n", "").replace("    params_b: 8\n", "    params_b: 405\n")
+    text = BASIC.replace("  large:  {timeout: 600s}\n", "").replace(
+        "    params_b: 8\n", "    params_b: 405\n"
+    )
     errs = errors_of(text)
     assert len(errs) == 1
     assert "models.llama-3-8b.params_b: no tier can hold a 405B model" in errs[0]

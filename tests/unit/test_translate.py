@@ -44,8 +44,11 @@ def test_assignment_has_a_weighted_locality_and_every_endpoint() -> None:
     assert loc.HasField("locality")  # gRPC rejects an assignment without it
     assert loc.load_balancing_weight.value == 1
     got = [
-        (e.endpoint.address.socket_address.address, e.endpoint.address.socket_address.port_value,
-         e.load_balancing_weight.value)
+        (
+            e.endpoint.address.socket_address.address,
+            e.endpoint.address.socket_address.port_value,
+            e.load_balancing_weight.value,
+        )
         for e in loc.lb_endpoints
     ]
     assert got == [("127.0.0.1", 8101, 1), ("127.0.0.1", 8102, 7)]

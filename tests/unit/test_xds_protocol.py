@@ -9,7 +9,17 @@ from hypothesis import strategies as st
 
 from controlplane.fleet import parse_fleet
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, translate
-from controlplane.xds.protocol import Ack, Event, Nack, NodeIdentified, Send, StaleNonce, UnknownType, XdsStream
+from controlplane.xds.protocol import (
+    Ack,
+    Event,
+    Nack,
+    NackCleared,
+    NodeIdentified,
+    Send,
+    StaleNonce,
+    UnknownType,
+    XdsStream,
+)
 from controlplane.xds.snapshot import Snapshot, build_snapshot
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
@@ -34,7 +44,9 @@ def sotw(payload: bytes) -> discovery_pb2.DiscoveryResponse:
     return discovery_pb2.DiscoveryResponse.FromString(payload)
 
 
-def req(type_url: str, names: Iterable[str] = (), nonce: str = "", error: str = "") -> discovery_pb2.DiscoveryRequest:
+def req(
+    type_url: str, names: Iterable[str] = (), nonce: str = "", error: str = ""
+) -> discovery_pb2.DiscoveryRequest:
     r = discovery_pb2.DiscoveryRequest(type_url=type_url, resource_names=list(names), response_nonce=nonce)
     if error:
         r.error_detail.code = 3
@@ -93,14 +105,30 @@ def test_nack_is_never_answered_with_the_same_config() -> None:
     assert s.status(CLUSTER) == "SYNCED"
 
 
-def test_nack_then_revert_to_previously_good_content_is_sent() -> None:
-    s = XdsStream(snap(ONE), delta=False)
-    [first] = sends(s.receive(req(CLUSTER), 0))
-    s.receive(req(CLUSTER, nonce=first.nonce), 0)
+@pytest.mark.parametrize("delta", [False, True])
+def test_nack_then_revert_to_what_the_proxy_has_clears_the_nack(delta: bool) -> None:
+    s = XdsStream(snap(ONE), delta=delta)
+    first_req = discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER) if delta else req(CLUSTER)
+    [first] = sends(s.receive(first_req, 0))
+    ack = (
+        discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER, response_nonce=first.nonce)
+        if delta
+        else req(CLUSTER, nonce=first.nonce)
+    )
+    s.receive(ack, 0)
     [bad] = sends(s.set_snapshot(snap(TWO, gen=2), 1))
-    s.receive(req(CLUSTER, nonce=bad.nonce, error="no"), 2)
+    nack = (
+        discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER, response_nonce=bad.nonce)
+        if delta
+        else req(CLUSTER, nonce=bad.nonce)
+    )
+    nack.error_detail.message = "no"
+    assert [type(e) for e in s.receive(nack, 2)] == [Nack]
+    assert s.status(CLUSTER) == "NACKED"
     # Back to what the proxy has: nothing to send, and the status is not stuck on NACKED.
-    assert sends(s.set_snapshot(snap(ONE, gen=3), 3)) == []
+    ev = s.set_snapshot(snap(ONE, gen=3), 3)
+    assert ev == [NackCleared(CLUSTER)]
+    assert s.status(CLUSTER) == "SYNCED"
 
 
 def test_stale_nonce_is_ignored() -> None:
@@ -128,7 +156,12 @@ def test_one_response_in_flight_coalesces_to_the_latest_snapshot() -> None:
 
 @pytest.mark.parametrize(
     ("names", "expected"),
-    [([], {"a@v1", "b@v1"}), (["*"], {"a@v1", "b@v1"}), (["b@v1"], {"b@v1"}), (["*", "b@v1"], {"a@v1", "b@v1"})],
+    [
+        ([], {"a@v1", "b@v1"}),
+        (["*"], {"a@v1", "b@v1"}),
+        (["b@v1"], {"b@v1"}),
+        (["*", "b@v1"], {"a@v1", "b@v1"}),
+    ],
 )
 def test_wildcard_legacy_star_and_named(names: list[str], expected: set[str]) -> None:
     s = XdsStream(snap(TWO), delta=False)
@@ -345,7 +378,9 @@ STABLES = [{}, {"a": "v2"}]
         max_size=40,
     ),
 )
-def test_any_interleaving_never_routes_to_a_missing_cluster(delta: bool, steps: list[tuple[str, int, int]]) -> None:
+def test_any_interleaving_never_routes_to_a_missing_cluster(
+    delta: bool, steps: list[tuple[str, int, int]]
+) -> None:
     """Random snapshots and message interleavings: Envoy never routes to a cluster it lacks,
     and once quiet it converges to the latest snapshot."""
     gen = 1

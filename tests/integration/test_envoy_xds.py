@@ -1,0 +1,174 @@
+"""The real Envoy binary against the real control plane, over SotW and delta ADS."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.integration.conftest import Stack
+from tests.integration.harness import Client, ControlPlane, Reply, TrafficLoop, wait_until
+
+pytestmark = pytest.mark.envoy
+
+MODELS = {"llama": {"v1": ["l1", "l2"], "v2": ["l3"]}, "qwen": {"v1": ["q1"]}}
+
+
+def alternate(client: Client, i: int) -> Reply:
+    """Half by header, half by JSON body."""
+    return client.post(header="llama") if i % 2 else client.post("llama")
+
+
+def test_routes_by_header_and_by_body(stack: Stack) -> None:
+    stack.write(MODELS)
+    stack.start()
+    c = stack.client()
+    by_header = {c.post(header="llama").backend for _ in range(20)}
+    assert by_header == {"l1", "l2"}  # the stable version's endpoints, balanced
+    assert {c.post("llama").backend for _ in range(20)} == {"l1", "l2"}
+    assert c.post("qwen").backend == "q1"
+    assert c.post(header="qwen").backend == "q1"
+    # The header wins over the body.
+    assert c.post("llama", header="qwen").backend == "q1"
+    unknown = c.post("gpt-9")
+    assert unknown.status == 404 and json.loads(unknown.body)["error"]["code"] == "model_not_found"
+    assert c.post(header="gpt-9").status == 404
+    missing = c.post(None)
+    assert missing.status == 400 and json.loads(missing.body)["error"]["code"] == "model_required"
+    listed = c.request("GET", "/v1/models", None, {})
+    assert listed.status == 200
+    assert [m["id"] for m in json.loads(listed.body)["data"]] == ["llama", "qwen"]
+
+
+def test_live_edits_apply_within_two_seconds_with_zero_failed_requests(stack: Stack) -> None:
+    stack.write(MODELS)
+    stack.start()
+    assert stack.cp is not None
+    with TrafficLoop(stack.listener_port, alternate) as loop:
+        wait_until(lambda: loop.total() > 20, 5, "traffic to flow")
+
+        # 1. Add an endpoint: it takes traffic within 2 s.
+        stack.write({**MODELS, "llama": {"v1": ["l1", "l2", "l4"], "v2": ["l3"]}})
+        took = wait_until(lambda: loop.backends["l4"] > 0, 2.0, "the new endpoint to get traffic")
+        print(f"new endpoint live after {took:.2f}s")
+
+        # 2. Add a model: it answers 404 until it is live, never 503 (make-before-break).
+        probe = stack.client()
+        seen: list[int] = []
+
+        def mistral_live() -> bool:
+            r = probe.post("mistral")
+            seen.append(r.status)
+            return r.status == 200 and r.backend == "m1"
+
+        stack.write({**MODELS, "llama": {"v1": ["l1", "l2", "l4"], "v2": ["l3"]}, "mistral": {"v1": ["m1"]}})
+        took = wait_until(mistral_live, 2.0, "the new model to route", interval=0.01)
+        print(f"new model live after {took:.2f}s; probe statuses {sorted(set(seen))}")
+        assert set(seen) <= {404, 200}
+
+        # 3. Change stable: all traffic moves to v2's endpoint within 2 s.
+        models = {**MODELS, "llama": {"v1": ["l1", "l2", "l4"], "v2": ["l3"]}, "mistral": {"v1": ["m1"]}}
+        stack.write(models, stable={"llama": "v2"})
+        took = wait_until(
+            lambda: [r.backend for r in loop.last(10)] == ["l3"] * 10, 2.0, "traffic to move to v2"
+        )
+        print(f"stable change live after {took:.2f}s")
+
+        # 4. A broken edit changes nothing and is reported.
+        before = stack.cp.metric("controlplane_config_reloads_total", result="invalid")
+        stack.write_text(stack.config.read_text().replace("stable: v2", "stable: v7"))
+        wait_until(
+            lambda: (
+                stack.cp is not None
+                and stack.cp.metric("controlplane_config_reloads_total", result="invalid") == before + 1
+            ),
+            2.0,
+            "the invalid edit to be counted",
+        )
+        assert stack.cp.metric("controlplane_config_valid") == 0
+        assert "fleet config refused" in stack.cp.proc.log()  # type: ignore[union-attr]
+        assert "names version 'v7'" in stack.cp.proc.log()  # type: ignore[union-attr]
+        time.sleep(0.5)
+        assert {r.backend for r in loop.last(10)} == {"l3"}
+        assert probe.post("mistral").status == 200
+    assert loop.failures == [], loop.failures[:5]
+    assert loop.total() > 100
+
+
+def test_control_plane_restart_drops_no_request_and_envoy_resyncs(stack: Stack) -> None:
+    stack.write(MODELS)
+    stack.start()
+    cp = stack.cp
+    assert cp is not None and cp.proc is not None
+    with TrafficLoop(stack.listener_port, alternate) as loop:
+        wait_until(lambda: loop.total() > 20, 5, "traffic to flow")
+        cp.proc.kill()  # SIGKILL: no goodbye to Envoy
+        served = loop.total()
+        wait_until(lambda: loop.total() > served + 50, 5, "traffic to keep flowing without a control plane")
+        # Edit while the control plane is down, then bring it back on the same ports.
+        stack.write({**MODELS, "llama": {"v1": ["l1", "l2", "l5"], "v2": ["l3"]}})
+        restarted = ControlPlane(cp.config, cp.log_dir, xds_port=cp.xds_port, metrics_port=cp.metrics_port)
+        stack.cp = restarted.start()
+        took = wait_until(
+            lambda: loop.backends["l5"] > 0, 10, "Envoy to resync from the restarted control plane"
+        )
+        print(f"resynced {took:.2f}s after restart")
+
+        def synced() -> bool:
+            [proxy] = restarted.proxies()
+            return proxy["node_id"] == "envoy-1" and all(
+                t["status"] == "SYNCED" for t in proxy["types"].values()
+            )
+
+        wait_until(synced, 5, "the proxy to show SYNCED on every type")
+    assert loop.failures == [], loop.failures[:5]
+
+
+def test_rejected_config_keeps_envoy_on_the_previous_one_and_is_not_resent(stack: Stack) -> None:
+    stack.write(MODELS)
+    stack.start()
+    cp, envoy = stack.cp, stack.envoy
+    assert cp is not None and envoy is not None
+    with TrafficLoop(stack.listener_port, alternate) as loop:
+        wait_until(lambda: loop.total() > 20, 5, "traffic to flow")
+        # Valid for our schema, rejected by Envoy's validation (connect_timeout must be > 0).
+        stack.write(MODELS, extra_model_keys={"llama": "cluster_overrides: {connect_timeout: -1s}"})
+        wait_until(lambda: cp.metric("controlplane_xds_nacks_total", type="cluster") >= 1, 3, "the NACK")
+        pushes = cp.metric("controlplane_xds_pushes_total", type="cluster")
+        rejected = envoy.stat("cluster_manager.cds.update_rejected")
+        time.sleep(2.0)
+        # Not re-sent in a loop: no new cluster push, no new rejection.
+        assert cp.metric("controlplane_xds_pushes_total", type="cluster") == pushes
+        assert envoy.stat("cluster_manager.cds.update_rejected") == rejected
+        assert cp.metric("controlplane_xds_proxies_nacked", type="cluster") == 1
+        [proxy] = cp.proxies()
+        assert proxy["types"]["cluster"]["status"] == "NACKED"
+        assert "Expected positive duration" in proxy["types"]["cluster"]["last_nack"]
+        log = cp.proc.log()  # type: ignore[union-attr]
+        assert "xds nack" in log and "Expected positive duration" in log
+        assert {r.status for r in loop.last(10)} == {200}
+
+        # Fixing the file clears it.
+        stack.write({**MODELS, "llama": {"v1": ["l1", "l2", "l6"], "v2": ["l3"]}})
+        wait_until(lambda: loop.backends["l6"] > 0, 3, "the fixed config to go live")
+        wait_until(
+            lambda: cp.metric("controlplane_xds_proxies_nacked", type="cluster") == 0, 3, "NACK to clear"
+        )
+    assert loop.failures == [], loop.failures[:5]
+
+
+def test_metrics_report_streams_pushes_acks_and_convergence(stack: Stack) -> None:
+    stack.write(MODELS)
+    stack.start()
+    cp = stack.cp
+    assert cp is not None
+    transport = "delta" if stack.delta else "sotw"
+    assert cp.metric("controlplane_xds_streams", service="ads", transport=transport) == 1
+    for t in ("cluster", "endpoint", "listener", "route"):
+        assert cp.metric("controlplane_xds_pushes_total", type=t, transport=transport) >= 1
+        assert cp.metric("controlplane_xds_acks_total", type=t) >= 1
+        assert cp.metric("controlplane_xds_convergence_seconds_count", type=t) >= 1
+    assert cp.metric("controlplane_snapshot_resources", type="cluster") == 3
+    assert cp.metric("controlplane_snapshot_generation") == 1
+    assert cp.metric("controlplane_config_reloads_total", result="success") == 1
