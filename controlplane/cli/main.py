@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from controlplane.sim.demo import run_demo
 
-        return run_demo(duration_s=args.duration, delta=args.delta)
+        return int(run_demo(duration_s=args.duration, delta=args.delta))
     return 2
 
 

@@ -213,7 +213,9 @@ def _listener(value: Any, errs: _Errors) -> ListenerSpec | None:
     except (ValueError, TypeError):
         errs.add("listener.address", f"expected an IP address, got {address!r}")
         ok = False
-    return ListenerSpec(port=port, address=address) if ok else None
+    if not ok or not isinstance(port, int):
+        return None
+    return ListenerSpec(port=port, address=str(address))
 
 
 def _tiers(value: Any, errs: _Errors) -> list[Tier] | None:

@@ -129,7 +129,9 @@ class XdsServer:
     def handlers(self) -> Sequence[grpc.GenericRpcHandler]:
         """Generic handlers: requests are parsed, responses are already bytes."""
         out: list[grpc.GenericRpcHandler] = []
-        services = {ADS_SERVICE: (None, "StreamAggregatedResources", "DeltaAggregatedResources")}
+        services: dict[str, tuple[str | None, str, str]] = {
+            ADS_SERVICE: (None, "StreamAggregatedResources", "DeltaAggregatedResources")
+        }
         services.update({k: (t, s, d) for k, (t, s, d) in PER_TYPE_SERVICES.items()})
         for service, (type_url, sotw_method, delta_method) in services.items():
             out.append(

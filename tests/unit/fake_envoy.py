@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, cluster_refs
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
@@ -19,6 +18,8 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 from envoy.service.discovery.v3 import discovery_pb2
+
+from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, cluster_refs
 
 _MSG = {
     CLUSTER: cluster_pb2.Cluster,

@@ -1,5 +1,14 @@
 from __future__ import annotations
 
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+
 from controlplane.fleet import parse_fleet
 from controlplane.routing.translate import (
     CLUSTER,
@@ -10,14 +19,6 @@ from controlplane.routing.translate import (
     translate,
 )
 from controlplane.xds.snapshot import build_snapshot
-from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.endpoint.v3 import endpoint_pb2
-from envoy.config.listener.v3 import listener_pb2
-from envoy.config.route.v3 import route_pb2
-from envoy.extensions.filters.network.http_connection_manager.v3 import (
-    http_connection_manager_pb2 as hcm_pb2,
-)
-from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from tests.fleets import BASIC
 
 

@@ -4,6 +4,9 @@ import os
 from collections.abc import Iterable
 
 import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.service.discovery.v3 import discovery_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,9 +24,6 @@ from controlplane.xds.protocol import (
     XdsStream,
 )
 from controlplane.xds.snapshot import Snapshot, build_snapshot
-from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.endpoint.v3 import endpoint_pb2
-from envoy.service.discovery.v3 import discovery_pb2
 from tests.fleets import fleet_yaml
 from tests.unit.fake_envoy import FakeEnvoy
 

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
+from envoy.service.discovery.v3 import discovery_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.xds import wire
-from envoy.service.discovery.v3 import discovery_pb2
 
 names = st.text(min_size=1, max_size=30)
 payloads = st.binary(max_size=300)
