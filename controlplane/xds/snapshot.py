@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,6 +52,12 @@ def encode_resource(type_url: str, name: str, msg: Message) -> SnapshotResource:
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _empty_assignment_resource(name: str) -> SnapshotResource:
+    """Empty assignments are encoded once per name, not once per stream that asks."""
+    return encode_resource(ENDPOINT, name, empty_assignment(name))
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """The complete desired state at one moment, shared read-only by every stream."""
@@ -65,7 +72,7 @@ class Snapshot:
         """The named resource, or for EDS an empty assignment, or None."""
         res = self.resources.get(type_url, {}).get(name)
         if res is None and type_url == ENDPOINT:
-            return encode_resource(ENDPOINT, name, empty_assignment(name))
+            return _empty_assignment_resource(name)
         return res
 
     def wildcard_names(self, type_url: str) -> frozenset[str]:
