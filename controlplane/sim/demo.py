@@ -204,7 +204,7 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
         threads = [threading.Thread(target=traffic.run, args=(w,), daemon=True) for w in range(4)]
         for t in threads:
             t.start()
-        edits: list[tuple[float, str, Callable[[], None]]] = [
+        edits: list[tuple[float, str, Callable[[], object]]] = [
             (
                 0.25,
                 "add endpoint llama-c to llama-3-8b v1",
