@@ -17,11 +17,10 @@ from controlplane.fleet.loader import FleetConfigInvalid
 from controlplane.fleet.model import Fleet
 from controlplane.fleet.watch import FleetFileWatcher
 from controlplane.obs.http import StatusHTTPServer
-from controlplane.obs.metrics import Metrics, type_label
-from controlplane.routing.translate import TYPE_URLS, translate
+from controlplane.obs.metrics import Metrics
 from controlplane.xds.cache import SnapshotCache
+from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_SERVICE, PER_TYPE_SERVICES, XdsServer
-from controlplane.xds.snapshot import Snapshot, build_snapshot
 
 log = structlog.get_logger("controlplane")
 
@@ -33,62 +32,6 @@ class ServeOptions:
     metrics_listen: str = "127.0.0.1:9102"
     debounce_s: float = 0.1
     watch_interval_s: float = 0.25
-
-
-class Reconciler:
-    """Turns 'something changed' into at most one new snapshot per debounce window."""
-
-    def __init__(self, cache: SnapshotCache, metrics: Metrics, debounce_s: float) -> None:
-        self.cache = cache
-        self.metrics = metrics
-        self.debounce_s = debounce_s
-        self.fleet: Fleet | None = None
-        self._dirty = asyncio.Event()
-        self._generation = 0
-
-    def set_fleet(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-        self._dirty.set()
-
-    def rebuild_now(self) -> Snapshot | None:
-        """Translate and publish immediately (used at startup)."""
-        if self.fleet is None:
-            return None
-        started = time.perf_counter()
-        desired = translate(self.fleet)
-        snap = build_snapshot(desired, self._generation + 1, time.monotonic(), self.cache.current)
-        if self.cache.current is not None and _same_content(self.cache.current, snap):
-            return self.cache.current
-        self._generation += 1
-        self.cache.publish(snap)
-        self.metrics.snapshot_build.observe(time.perf_counter() - started)
-        self.metrics.snapshot_generation.set(snap.generation)
-        for type_url in TYPE_URLS:
-            self.metrics.snapshot_resources.labels(type_label(type_url)).set(snap.count(type_url))
-        log.info(
-            "snapshot published",
-            generation=snap.generation,
-            **{type_label(t): snap.count(t) for t in TYPE_URLS},
-        )
-        return snap
-
-    async def run(self) -> None:
-        while True:
-            await self._dirty.wait()
-            await asyncio.sleep(self.debounce_s)  # coalesce a burst of changes
-            self._dirty.clear()
-            try:
-                self.rebuild_now()
-            except Exception:
-                log.exception("snapshot build failed; still serving the previous snapshot")
-
-
-def _same_content(a: Snapshot, b: Snapshot) -> bool:
-    for type_url in set(a.resources) | set(b.resources):
-        ra, rb = a.resources.get(type_url, {}), b.resources.get(type_url, {})
-        if ra.keys() != rb.keys() or any(ra[n].version != rb[n].version for n in ra):
-            return False
-    return dict(a.wildcard) == dict(b.wildcard)
 
 
 class ControlPlane:

@@ -30,6 +30,8 @@ class SnapshotResource:
     delta_field: bytes
     # Clusters this resource sends traffic to (routes); make-before-break waits on them.
     refs: frozenset[str] = frozenset()
+    # The message it was built from: the same object next time means the same bytes.
+    message: Message | None = field(default=None, compare=False, repr=False)
 
 
 def content_version(data: bytes) -> str:
@@ -49,6 +51,7 @@ def encode_resource(type_url: str, name: str, msg: Message) -> SnapshotResource:
         sotw_field=wire.sotw_resource_field(payload),
         delta_field=wire.delta_resource_field(name, version, payload),
         refs=cluster_refs(msg) if type_url == ROUTE else frozenset(),
+        message=msg,
     )
 
 
@@ -67,6 +70,9 @@ class Snapshot:
     resources: Mapping[str, Mapping[str, SnapshotResource]]
     # Per type, the names a wildcard subscription gets; a type not listed gets all.
     wildcard: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # Per type, names added, changed or removed since the snapshot `parent` (None: unknown).
+    changes: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    parent: int | None = None
 
     def get(self, type_url: str, name: str) -> SnapshotResource | None:
         """The named resource, or for EDS an empty assignment, or None."""
@@ -77,9 +83,7 @@ class Snapshot:
 
     def wildcard_names(self, type_url: str) -> frozenset[str]:
         """What a wildcard subscription to this type receives."""
-        if type_url in self.wildcard:
-            return self.wildcard[type_url]
-        return frozenset(self.resources.get(type_url, {}))
+        return self.wildcard.get(type_url, frozenset())
 
     def count(self, type_url: str) -> int:
         return len(self.resources.get(type_url, {}))
@@ -91,19 +95,38 @@ def build_snapshot(
     created_at: float,
     previous: Snapshot | None = None,
 ) -> Snapshot:
-    """Serialise desired resources; reuse the previous snapshot's objects for unchanged bytes."""
+    """Serialise desired resources; reuse the previous snapshot's objects for unchanged input.
+
+    A message object seen in the previous snapshot is not serialised again; an equal
+    serialisation reuses the previous resource object too.
+    """
     resources: dict[str, dict[str, SnapshotResource]] = {}
+    changes: dict[str, frozenset[str]] = {}
     for type_url, by_name in desired.by_type.items():
         prev = previous.resources.get(type_url, {}) if previous else {}
         out: dict[str, SnapshotResource] = {}
+        changed: set[str] = set()
         for name, msg in by_name.items():
-            res = encode_resource(type_url, name, msg)
             old = prev.get(name)
-            out[name] = old if old is not None and old.version == res.version else res
+            if old is not None and old.message is msg:
+                out[name] = old
+                continue
+            res = encode_resource(type_url, name, msg)
+            if old is not None and old.version == res.version:
+                res = old
+            else:
+                changed.add(name)
+            out[name] = res
+        changed.update(n for n in prev if n not in out)
         resources[type_url] = out
+        changes[type_url] = frozenset(changed)
+    wildcard = {t: frozenset(r) for t, r in resources.items()}
+    wildcard.update(desired.wildcard)
     return Snapshot(
         generation=generation,
         created_at=created_at,
         resources=resources,
-        wildcard=dict(desired.wildcard),
+        wildcard=wildcard,
+        changes=changes if previous is not None else {},
+        parent=previous.generation if previous is not None else None,
     )

@@ -1,0 +1,104 @@
+"""The reconcile loop: fleet and weights in, at most one snapshot per debounce window out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+
+import structlog
+
+from controlplane.fleet.model import Fleet
+from controlplane.obs.metrics import Metrics, type_label
+from controlplane.routing.incremental import IncrementalTranslator
+from controlplane.routing.translate import TYPE_URLS
+from controlplane.xds.cache import SnapshotCache
+from controlplane.xds.snapshot import Snapshot, build_snapshot
+
+log = structlog.get_logger("controlplane.reconcile")
+
+
+class Reconciler:
+    """Turns 'something changed' into at most one new snapshot per debounce window.
+
+    The window is trailing: a snapshot is built once no change has arrived for
+    `debounce_s`, but never later than `max_delay_s` after the first change of a burst,
+    so a steady stream of changes (weights every second) still gets published.
+    """
+
+    def __init__(
+        self,
+        cache: SnapshotCache,
+        metrics: Metrics,
+        debounce_s: float = 0.1,
+        max_delay_s: float = 1.0,
+    ) -> None:
+        self.cache = cache
+        self.metrics = metrics
+        self.debounce_s = debounce_s
+        self.max_delay_s = max(max_delay_s, debounce_s)
+        self.fleet: Fleet | None = None
+        self.weights: dict[str, Mapping[str, int]] = {}
+        self.translator = IncrementalTranslator()
+        self.on_publish: list[Callable[[Snapshot], None]] = []
+        self._dirty = asyncio.Event()
+        self._last_change = 0.0
+        self._generation = 0
+
+    def _changed(self) -> None:
+        self._last_change = time.monotonic()
+        self._dirty.set()
+
+    def set_fleet(self, fleet: Fleet) -> None:
+        """A new fleet (from the file or the store)."""
+        self.fleet = fleet
+        self._changed()
+
+    def set_weights(self, cluster: str, weights: Mapping[str, int]) -> None:
+        """New endpoint weights (by address) for one cluster."""
+        self.weights[cluster] = dict(weights)
+        self._changed()
+
+    def rebuild_now(self) -> Snapshot | None:
+        """Translate and publish now if anything's bytes changed; return the current snapshot."""
+        if self.fleet is None:
+            return None
+        started = time.perf_counter()
+        desired = self.translator.translate(self.fleet, self.weights)
+        previous = self.cache.current
+        snap = build_snapshot(desired, self._generation + 1, time.monotonic(), previous)
+        if previous is not None and not any(snap.changes.values()) and snap.wildcard == previous.wildcard:
+            return previous
+        self._generation += 1
+        self.cache.publish(snap)
+        self.metrics.snapshot_build.observe(time.perf_counter() - started)
+        self.metrics.snapshot_generation.set(snap.generation)
+        for type_url in TYPE_URLS:
+            self.metrics.snapshot_resources.labels(type_label(type_url)).set(snap.count(type_url))
+        for hook in self.on_publish:
+            hook(snap)
+        log.info(
+            "snapshot published",
+            generation=snap.generation,
+            changed={type_label(t): len(n) for t, n in snap.changes.items() if n},
+            **{type_label(t): snap.count(t) for t in TYPE_URLS},
+        )
+        return snap
+
+    async def run(self) -> None:
+        """Debounce changes into snapshots until cancelled."""
+        while True:
+            await self._dirty.wait()
+            first = self._last_change
+            while True:
+                now = time.monotonic()
+                quiet_at = self._last_change + self.debounce_s
+                deadline = first + self.max_delay_s
+                if now >= quiet_at or now >= deadline:
+                    break
+                await asyncio.sleep(min(quiet_at, deadline) - now)
+            self._dirty.clear()
+            try:
+                self.rebuild_now()
+            except Exception:
+                log.exception("snapshot build failed; still serving the previous snapshot")
