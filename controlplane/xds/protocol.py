@@ -15,6 +15,7 @@ Rules it keeps:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ class _InFlight:
     generation: int
     created_at: float
     content_key: str
+    complete: bool = True  # it carried everything desired at `generation` (nothing held back)
 
 
 @dataclass
@@ -124,6 +126,52 @@ class TypeState:
     last_error: str = ""
     last_nacked: bool = False
     answered: set[str] = field(default_factory=set)
+    # XOR of per-(name, version) hashes of `acked`: the proxy's state version in O(1).
+    state_xor: int = 0
+    # The snapshot generation this type was last found fully in sync with (-1: not known).
+    settled: int = -1
+
+    def unsettle(self) -> None:
+        """The subscription changed: recompute on the next pump, even after an ACK."""
+        self.settled = -1
+        if self.in_flight is not None:
+            self.in_flight.complete = False
+
+    def hold(self, name: str, version: str, res: SnapshotResource | None = None) -> None:
+        """Record that the proxy holds `name` at `version`."""
+        old = self.acked.get(name)
+        if old is not None:
+            self.state_xor ^= _h(name, old)
+        self.acked[name] = version
+        self.state_xor ^= _h(name, version)
+        if res is not None:
+            self.acked_res[name] = res
+        else:
+            self.acked_res.pop(name, None)
+
+    def drop(self, name: str) -> None:
+        """Record that the proxy no longer holds `name`."""
+        old = self.acked.pop(name, None)
+        if old is not None:
+            self.state_xor ^= _h(name, old)
+        self.acked_res.pop(name, None)
+
+    def state_after(self, updates: dict[str, SnapshotResource], removed: Iterable[str]) -> str:
+        """The state version once `updates` and `removed` are applied, without a full scan."""
+        x = self.state_xor
+        for name in removed:
+            if name in self.acked:
+                x ^= _h(name, self.acked[name])
+        for name, res in updates.items():
+            if name in self.acked:
+                x ^= _h(name, self.acked[name])
+            x ^= _h(name, res.version)
+        return f"{x:016x}"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _h(name: str, version: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{name}\0{version}".encode(), digest_size=8).digest(), "big")
 
 
 def _key(resources: Iterable[tuple[str, str]]) -> str:
@@ -159,13 +207,15 @@ class XdsStream:
         self._unknown_reported: set[str] = set()
         # A cluster new to the proxy warms on EDS sent after it: name -> CDS response nonce.
         self._eds_fresh_after: dict[str, int] = {}
+        self._complete = True
 
     # ---- inputs -------------------------------------------------------------------------
 
     def set_snapshot(self, snapshot: Snapshot, now: float) -> list[Event]:
         """A new desired state: send what changed, in make-before-break order."""
+        previous = self.snapshot.generation
         self.snapshot = snapshot
-        return list(self._pump())
+        return list(self._pump(fast_from=previous if snapshot.parent == previous else None))
 
     def receive(
         self,
@@ -203,9 +253,12 @@ class XdsStream:
         names = set(req.resource_names)
         if not ts.requested:
             # Legacy wildcard: a first request without names subscribes to everything.
-            ts.wildcard = not names or WILDCARD in names
+            wildcard = not names or WILDCARD in names
         else:
-            ts.wildcard = WILDCARD in names or (ts.wildcard and not names and not ts.names)
+            wildcard = WILDCARD in names or (ts.wildcard and not names and not ts.names)
+        if not ts.requested or wildcard != ts.wildcard or names - {WILDCARD} != ts.names:
+            ts.unsettle()
+        ts.wildcard = wildcard
         ts.requested = True
         ts.names = names - {WILDCARD}
         self._forget_uninterested(type_url, ts)
@@ -224,10 +277,12 @@ class XdsStream:
             events.append(StaleNonce(type_url, nonce))
         subscribe = set(req.resource_names_subscribe)
         unsubscribe = set(req.resource_names_unsubscribe)
+        if subscribe or unsubscribe or not ts.requested:
+            ts.unsettle()
         if not ts.requested:
             ts.wildcard = not subscribe
             for name, version in req.initial_resource_versions.items():
-                ts.acked[name] = version
+                ts.hold(name, version)
         ts.requested = True
         if WILDCARD in subscribe:
             ts.wildcard = True
@@ -236,8 +291,7 @@ class XdsStream:
         ts.names |= subscribe - {WILDCARD}
         ts.names -= unsubscribe
         for name in unsubscribe:
-            ts.acked.pop(name, None)
-            ts.acked_res.pop(name, None)
+            ts.drop(name)
             ts.answered.discard(name)
         return events
 
@@ -248,6 +302,7 @@ class XdsStream:
         if flight is None or nonce != flight.nonce:
             return []
         ts.in_flight = None
+        ts.settled = -1
         if error or code:
             ts.last_error = error or f"rejected with code {code}"
             ts.last_nacked = True
@@ -260,6 +315,7 @@ class XdsStream:
         if type_url in FULL_STATE_TYPES and not self.delta:
             ts.acked_res = dict(flight.resources)
             ts.acked = {n: r.version for n, r in flight.resources.items()}
+            ts.state_xor = 0
             ts.rejected_key = ""
         else:
             for name, res in flight.resources.items():
@@ -267,14 +323,13 @@ class XdsStream:
                     continue  # unsubscribed while the response was in flight: the proxy dropped it
                 if type_url == ENDPOINT and self._eds_fresh_after.get(name, 0) > int(flight.nonce):
                     continue  # applied before its cluster was (re)created: does not warm it
-                ts.acked_res[name] = res
-                ts.acked[name] = res.version
+                ts.hold(name, res.version, res)
                 ts.rejected.pop(name, None)
             for name in flight.removed:
-                ts.acked.pop(name, None)
-                ts.acked_res.pop(name, None)
+                ts.drop(name)
         ts.acked_version = flight.version
         ts.acked_key = flight.content_key
+        ts.settled = flight.generation if flight.complete else -1
         return [
             Ack(
                 type_url,
@@ -293,8 +348,7 @@ class XdsStream:
         if type_url in FULL_STATE_TYPES:
             return
         for name in [n for n in ts.acked if not self._interested(type_url, ts, n)]:
-            ts.acked.pop(name, None)
-            ts.acked_res.pop(name, None)
+            ts.drop(name)
             ts.answered.discard(name)
 
     # ---- what to send -------------------------------------------------------------------
@@ -354,6 +408,7 @@ class XdsStream:
             return out, held_back
         if type_url == CLUSTER:
             for name in self._referenced_clusters() - set(out):
+                held_back.add(name)  # to be removed later: not in sync yet
                 kept = ts.acked_res.get(name)
                 if kept is not None:
                     out[name] = kept
@@ -373,18 +428,59 @@ class XdsStream:
                 held_back.add(name)
         return out, held_back
 
-    def _pump(self) -> Iterable[Event]:
+    def _pump(self, fast_from: int | None = None) -> Iterable[Event]:
+        """Send what each type needs. With `fast_from`, the snapshot is a known successor of
+        generation `fast_from`, and a type settled at that generation only looks at the
+        names that changed: one cluster's change costs O(1) per stream, not O(clusters)."""
         order: Sequence[str] = TYPE_URLS if self.ads else (self.fixed_type or "",)
+        gen = self.snapshot.generation
         for type_url in order:
             ts = self.types.get(type_url)
-            if ts is None or not ts.requested or ts.in_flight is not None:
+            if ts is None or not ts.requested:
                 continue
+            if ts.in_flight is not None:
+                continue
+            if ts.settled == gen and not ts.last_nacked:
+                continue
+            if fast_from is not None and ts.settled == fast_from and not ts.last_nacked:
+                changed = self.snapshot.changes.get(type_url, frozenset())
+                if not changed:
+                    ts.settled = gen
+                    continue
+                if type_url == ENDPOINT:
+                    send = self._changed_endpoints(ts, changed)
+                    if send is None:
+                        ts.settled = gen
+                    else:
+                        yield send
+                    continue
             if ts.last_nacked and self._matches_acked(type_url, ts):
                 ts.last_nacked = False
                 yield NackCleared(type_url)
             send = self._next_response(type_url, ts)
             if send is not None:
                 yield send
+
+    def _changed_endpoints(self, ts: TypeState, changed: frozenset[str]) -> Send | None:
+        """EDS after a snapshot that changed only `changed`, for a stream that was in sync."""
+        updates: dict[str, SnapshotResource] = {}
+        removed: set[str] = set()
+        for name in changed:
+            if name in ts.names:
+                res = self.snapshot.get(ENDPOINT, name)
+                assert res is not None  # EDS always has at least an empty assignment
+                if ts.acked.get(name) != res.version and ts.rejected.get(name) != res.version:
+                    updates[name] = res
+            elif ts.wildcard:
+                res = self.snapshot.resources.get(ENDPOINT, {}).get(name)
+                if res is not None and ts.acked.get(name) != res.version:
+                    updates[name] = res
+                elif res is None and name in ts.acked and self.delta:
+                    removed.add(name)
+        if not updates and not removed:
+            return None
+        key = ts.state_after(updates, removed)
+        return self._emit(ENDPOINT, ts, updates, frozenset(removed), key, key)
 
     def _matches_acked(self, type_url: str, ts: TypeState) -> bool:
         desired = self.desired(type_url)
@@ -394,6 +490,9 @@ class XdsStream:
 
     def _next_response(self, type_url: str, ts: TypeState) -> Send | None:
         desired, held_back = self._desired(type_url)
+        # In sync with this snapshot unless something is sent or held back below.
+        ts.settled = self.snapshot.generation if not held_back else -1
+        self._complete = not held_back
         full = type_url in FULL_STATE_TYPES and not self.delta
         if full:
             key = _key((n, r.version) for n, r in desired.items())
@@ -420,9 +519,7 @@ class XdsStream:
         if not updates and not removed and (ts.responded or not self.delta):
             # SotW routes and endpoints: an empty response says nothing; wait for content.
             return None
-        after = {n: v for n, v in ts.acked.items() if n not in removed}
-        after.update({n: r.version for n, r in updates.items()})
-        key = _key(after.items())
+        key = ts.state_after(updates, removed)
         return self._emit(type_url, ts, updates, removed, key, key)
 
     def _emit(
@@ -436,14 +533,15 @@ class XdsStream:
     ) -> Send:
         self._nonce += 1
         nonce = str(self._nonce)
+        ts.settled = -1
         if type_url == CLUSTER:
             eds = self.types.get(ENDPOINT)
             for name in resources:
                 if name not in ts.acked:
                     self._eds_fresh_after[name] = self._nonce
                     if eds is not None:
-                        eds.acked.pop(name, None)
-                        eds.acked_res.pop(name, None)
+                        eds.drop(name)
+                        eds.settled = -1
         names = tuple(sorted(resources))
         if self.delta:
             payload = wire.delta_response(
@@ -462,7 +560,9 @@ class XdsStream:
             generation=self.snapshot.generation,
             created_at=self.snapshot.created_at,
             content_key=content_key,
+            complete=self._complete,
         )
+        self._complete = True
         return Send(
             type_url,
             nonce,

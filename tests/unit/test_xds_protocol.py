@@ -31,9 +31,15 @@ ONE = {"a": {"v1": ["10.0.0.1:80", "10.0.0.2:80"]}}
 TWO = {"a": {"v1": ["10.0.0.1:80", "10.0.0.2:80"]}, "b": {"v1": ["10.0.1.1:80"]}}
 
 
-def snap(models: dict[str, dict[str, list[str]]], gen: int = 1, **kw: object) -> Snapshot:
+def snap(
+    models: dict[str, dict[str, list[str]]],
+    gen: int = 1,
+    previous: Snapshot | None = None,
+    weights: dict[str, dict[str, int]] | None = None,
+    **kw: object,
+) -> Snapshot:
     fleet = parse_fleet(fleet_yaml(models, **kw))  # type: ignore[arg-type]
-    return build_snapshot(translate(fleet), gen, created_at=float(gen))
+    return build_snapshot(translate(fleet, weights), gen, created_at=float(gen), previous=previous)
 
 
 def sends(events: Iterable[Event]) -> list[Send]:
@@ -372,6 +378,8 @@ STABLES = [{}, {"a": "v2"}]
     steps=st.lists(
         st.one_of(
             st.tuples(st.just("publish"), st.integers(0, len(MODEL_SETS) - 1), st.integers(0, 1)),
+            st.tuples(st.just("weights"), st.integers(0, 3), st.integers(1, 50)),
+            st.tuples(st.just("drain"), st.just(0), st.just(0)),
             st.tuples(st.just("to_server"), st.integers(1, 3), st.just(0)),
             st.tuples(st.just("to_client"), st.integers(1, 3), st.just(0)),
         ),
@@ -389,14 +397,37 @@ def test_any_interleaving_never_routes_to_a_missing_cluster(
     envoy = FakeEnvoy(delta=delta)
     envoy.start()
     wire: list[bytes] = []
+    models: dict[str, dict[str, list[str]]] = ONE
+    stable: dict[str, str] = {}
+    weights: dict[str, dict[str, int]] = {}
     for kind, a, b in steps:
-        if kind == "publish":
+        if kind in ("publish", "weights"):
             gen += 1
-            models = MODEL_SETS[a]
-            stable = {k: v for k, v in STABLES[b].items() if k in models and v in models[k]}
-            stable.update({m: next(iter(vs)) for m, vs in models.items() if m not in stable})
-            current = snap(models, gen=gen, stable=stable) if models else _empty_snapshot(gen)
+            if kind == "publish":
+                models = MODEL_SETS[a]
+                stable = {k: v for k, v in STABLES[b].items() if k in models and v in models[k]}
+                stable.update({m: next(iter(vs)) for m, vs in models.items() if m not in stable})
+            else:
+                # One cluster's endpoint weights change: the fast path's case.
+                clusters = [f"{m}@{v}" for m, vs in models.items() for v in vs]
+                if clusters:
+                    c = clusters[a % len(clusters)]
+                    m, v = c.split("@")
+                    weights = {**weights, c: {addr: b for addr in models[m][v]}}
+            current = (
+                snap(models, gen=gen, stable=stable, previous=current, weights=weights)
+                if models
+                else _empty_snapshot(gen, current)
+            )
             wire += [e.payload for e in s.set_snapshot(current, gen) if isinstance(e, Send)]
+        elif kind == "drain":
+            for _ in range(500):
+                if wire:
+                    envoy.receive(wire.pop(0))
+                elif envoy.outbox:
+                    wire += [e.payload for e in s.receive(envoy.outbox.popleft(), gen) if isinstance(e, Send)]
+                else:
+                    break
         elif kind == "to_server":
             for _ in range(a):
                 if envoy.outbox:
@@ -417,8 +448,30 @@ def test_any_interleaving_never_routes_to_a_missing_cluster(
     assert set(envoy.clusters) == set(current.resources[CLUSTER])
     expected_routes = current.resources[ROUTE]["inference"].refs
     assert envoy.routed_clusters() == expected_routes
+    for name, res in current.resources[ENDPOINT].items():
+        assert envoy.assignments[name].SerializeToString(deterministic=True) == res.message.SerializeToString(  # type: ignore[union-attr]
+            deterministic=True
+        ), f"{name}: endpoints not converged"
 
 
-def _empty_snapshot(gen: int) -> Snapshot:
+def _empty_snapshot(gen: int, previous: Snapshot | None = None) -> Snapshot:
     text = "listener: {port: 10000}\ntiers:\n  small: {timeout: 30s}\nmodels: {}\n"
-    return build_snapshot(translate(parse_fleet(text)), gen, float(gen))
+    return build_snapshot(translate(parse_fleet(text)), gen, float(gen), previous=previous)
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_one_clusters_weight_change_sends_just_that_assignment(delta: bool) -> None:
+    first = snap(TWO)
+    s = XdsStream(first, delta=delta)
+    envoy = FakeEnvoy(delta=delta)
+    envoy.start()
+    run(s, envoy)
+    assert all(ts.settled == 1 for ts in s.types.values())
+    second = snap(TWO, gen=2, previous=first, weights={"b@v1": {"10.0.1.1:80": 5}})
+    [out] = sends(s.set_snapshot(second, 2))
+    assert out.type_url == ENDPOINT and out.names == ("b@v1",)
+    envoy.receive(out.payload)
+    run(s, envoy)
+    [loc] = envoy.assignments["b@v1"].endpoints
+    assert loc.lb_endpoints[0].load_balancing_weight.value == 5
+    assert all(ts.settled == 2 for ts in s.types.values())

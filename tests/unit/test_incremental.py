@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.fleet import parse_fleet
+from controlplane.routing.incremental import IncrementalTranslator
+from controlplane.routing.translate import CLUSTER, ENDPOINT, ROUTE, translate
+from controlplane.xds.snapshot import build_snapshot
+from tests.fleets import fleet_yaml
+
+FLEETS = [
+    {"a": {"v1": ["10.0.0.1:80", "10.0.0.2:80"]}},
+    {"a": {"v1": ["10.0.0.1:80", "10.0.0.2:80"]}, "b": {"v1": ["10.0.1.1:80"]}},
+    {"a": {"v1": ["10.0.0.1:80"], "v2": ["10.0.0.3:80"]}, "b": {"v1": ["10.0.1.1:80"]}},
+    {"b": {"v1": ["10.0.1.1:80", "10.0.1.2:80"]}},
+]
+ADDRS = ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80", "10.0.1.1:80", "10.0.1.2:80"]
+
+
+def serialised(d: object) -> dict[str, dict[str, bytes]]:
+    by_type = d.by_type  # type: ignore[attr-defined]
+    return {
+        t: {n: m.SerializeToString(deterministic=True) for n, m in ms.items()} for t, ms in by_type.items()
+    }
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, len(FLEETS) - 1),
+            st.sampled_from(["v1", "v2"]),
+            st.dictionaries(
+                st.sampled_from(["a@v1", "a@v2", "b@v1"]),
+                st.dictionaries(st.sampled_from(ADDRS), st.integers(1, 100), max_size=3),
+                max_size=3,
+            ),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_incremental_equals_full_translation(steps: list[tuple[int, str, dict[str, dict[str, int]]]]) -> None:
+    inc = IncrementalTranslator()
+    for fleet_i, stable_a, weights in steps:
+        models = FLEETS[fleet_i]
+        stable = {"a": stable_a} if "a" in models and stable_a in models["a"] else {}
+        fleet = parse_fleet(fleet_yaml(models, stable=stable))
+        assert serialised(inc.translate(fleet, weights)) == serialised(translate(fleet, weights))
+
+
+def test_one_clusters_weight_change_builds_one_message_and_one_serialisation() -> None:
+    models = {f"m{i}": {"v1": [f"10.0.{i}.{j}:80" for j in range(5)]} for i in range(50)}
+    fleet = parse_fleet(fleet_yaml(models))
+    inc = IncrementalTranslator()
+    first = build_snapshot(inc.translate(fleet, {}), 1, 0.0)
+    assert inc.built == 50 + 50 + 2 * 50 + 2  # clusters, assignments, API listener+route, gateway
+    weights = {"m7@v1": {"10.0.7.1:80": 9}}
+    second = build_snapshot(inc.translate(fleet, weights), 2, 0.0, previous=first)
+    assert inc.built == 1
+    assert second.changes[ENDPOINT] == {"m7@v1"}
+    assert second.changes[CLUSTER] == frozenset() and second.changes[ROUTE] == frozenset()
+    reused = sum(
+        second.resources[t][n] is first.resources[t][n] for t in first.resources for n in first.resources[t]
+    )
+    assert reused == sum(len(r) for r in first.resources.values()) - 1
+
+
+def test_snapshot_changes_list_removals() -> None:
+    inc = IncrementalTranslator()
+    a = build_snapshot(inc.translate(parse_fleet(fleet_yaml(FLEETS[1]))), 1, 0.0)
+    b = build_snapshot(inc.translate(parse_fleet(fleet_yaml(FLEETS[0]))), 2, 0.0, previous=a)
+    assert b.changes[CLUSTER] == {"b@v1"}
+    assert "b@v1" not in b.resources[CLUSTER]
+    assert b.parent == 1

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import asyncio
+
+from controlplane.fleet import parse_fleet
+from controlplane.obs.metrics import Metrics
+from controlplane.xds.cache import SnapshotCache
+from controlplane.xds.reconciler import Reconciler
+from controlplane.xds.snapshot import Snapshot
+from tests.fleets import fleet_yaml
+
+MODELS = {f"m{i}": {"v1": [f"10.0.{i}.1:80", f"10.0.{i}.2:80"]} for i in range(20)}
+
+
+def make(debounce: float = 0.05, max_delay: float = 1.0) -> tuple[Reconciler, list[Snapshot]]:
+    r = Reconciler(SnapshotCache(), Metrics(), debounce_s=debounce, max_delay_s=max_delay)
+    published: list[Snapshot] = []
+    r.on_publish.append(published.append)
+    r.set_fleet(parse_fleet(fleet_yaml(MODELS)))
+    r.rebuild_now()
+    published.clear()
+    return r, published
+
+
+def test_a_burst_of_100_weight_changes_in_100ms_gives_one_snapshot() -> None:
+    async def scenario() -> list[Snapshot]:
+        r, published = make(debounce=0.1)
+        task = asyncio.create_task(r.run())
+        for i in range(100):
+            r.set_weights(f"m{i % 20}@v1", {f"10.0.{i % 20}.1:80": i + 2})
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.4)
+        task.cancel()
+        return published
+
+    published = asyncio.run(scenario())
+    assert len(published) == 1
+    assert (
+        len(published[0].changes["type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"]) == 20
+    )
+
+
+def test_a_steady_stream_of_changes_still_publishes_by_the_max_delay() -> None:
+    async def scenario() -> list[Snapshot]:
+        r, published = make(debounce=0.1, max_delay=0.3)
+        task = asyncio.create_task(r.run())
+        for i in range(40):  # a change every 25 ms for 1 s: never 100 ms of quiet
+            r.set_weights("m1@v1", {"10.0.1.1:80": i + 2})
+            await asyncio.sleep(0.025)
+        await asyncio.sleep(0.3)
+        task.cancel()
+        return published
+
+    published = asyncio.run(scenario())
+    assert 3 <= len(published) <= 6
+
+
+def test_no_snapshot_when_nothing_changed() -> None:
+    r, published = make()
+    r.set_weights("m1@v1", {})
+    assert r.rebuild_now() is r.cache.current
+    assert published == []
