@@ -73,6 +73,7 @@ class ConnectedStream:
     cluster: str = ""
     user_agent: str = ""
     nacks: dict[str, str] = field(default_factory=dict)
+    sent: dict[str, int] = field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
         """A JSON-ready view: node, peer, and per type the ACKed version and status."""
@@ -86,6 +87,7 @@ class ConnectedStream:
                 "acked_version": ts.acked_version,
                 "last_nack": ts.last_error,
                 "resources": len(ts.acked),
+                "responses_sent": self.sent.get(type_url, 0),
             }
         return {
             "stream_id": self.stream_id,
@@ -232,6 +234,7 @@ class XdsServer:
                 started = time.perf_counter()
                 await context.write(ev.payload)
                 t = type_label(ev.type_url)
+                conn.sent[ev.type_url] = conn.sent.get(ev.type_url, 0) + 1
                 self.metrics.push_duration.labels(t).observe(time.perf_counter() - started)
                 self.metrics.pushes.labels(t, conn.transport).inc()
                 self.metrics.push_bytes.labels(t, conn.transport).inc(len(ev.payload))

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections.abc import Iterator
 
+import grpc
 import pytest
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
+from controlplane.routing.translate import CLUSTER, ENDPOINT
 from tests.integration.conftest import Stack
 from tests.integration.harness import Client, ControlPlane, Reply, TrafficLoop, wait_until
 
@@ -172,3 +177,45 @@ def test_metrics_report_streams_pushes_acks_and_convergence(stack: Stack) -> Non
     assert cp.metric("controlplane_snapshot_resources", type="cluster") == 3
     assert cp.metric("controlplane_snapshot_generation") == 1
     assert cp.metric("controlplane_config_reloads_total", result="success") == 1
+
+
+def test_a_proxy_that_stops_reading_does_not_delay_the_others(stack: Stack) -> None:
+    """A stuck client holds at most one response per type; Envoy keeps converging."""
+    stack.write(MODELS)
+    stack.start()
+    cp = stack.cp
+    assert cp is not None
+    channel = grpc.insecure_channel(cp.xds)
+    requests = [
+        discovery_pb2.DiscoveryRequest(type_url=CLUSTER, node={"id": "stuck"}),
+        discovery_pb2.DiscoveryRequest(type_url=ENDPOINT, resource_names=["llama@v1", "llama@v2", "qwen@v1"]),
+    ]
+    done = threading.Event()
+
+    def keep_open() -> Iterator[discovery_pb2.DiscoveryRequest]:
+        yield from requests
+        done.wait(60)  # never half-closes, like a real proxy
+
+    stuck = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources(keep_open())
+    try:
+        wait_until(lambda: any(p["node_id"] == "stuck" for p in cp.proxies()), 5, "the stuck stream")
+        endpoints = ["l1", "l2"]
+        c = stack.client()
+        for i in range(8):  # eight edits, each must reach Envoy within 2 s
+            endpoints.append(f"x{i}")
+            stack.write({**MODELS, "llama": {"v1": endpoints, "v2": ["l3"]}})
+            name = f"x{i}"
+            wait_until(
+                lambda n=name: any(c.post(header="llama").backend == n for _ in range(20)), 2, f"{name} live"
+            )
+        [stuck_view] = [p for p in cp.proxies() if p["node_id"] == "stuck"]
+        # It never read or ACKed: exactly one response per type was written to it.
+        assert stuck_view["types"]["cluster"]["responses_sent"] == 1
+        assert stuck_view["types"]["endpoint"]["responses_sent"] == 1
+        assert stuck_view["types"]["endpoint"]["status"] == "STALE"
+        [envoy_view] = [p for p in cp.proxies() if p["node_id"] == "envoy-1"]
+        assert envoy_view["types"]["endpoint"]["status"] == "SYNCED"
+    finally:
+        done.set()
+        stuck.cancel()
+        channel.close()
