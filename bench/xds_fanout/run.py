@@ -63,6 +63,8 @@ class Result:
     cpu_per_push: list[float] = field(default_factory=list)
     rss_per_stream: float = 0.0
     burst_pushes: float | None = None
+    burst_s: float = 0.0
+    burst_snapshots: int = 0
     rebuild_ms: float | None = None
 
     def q(self, p: float) -> float:
@@ -150,8 +152,11 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
         if impl == "ours":
             send("pushes")
             before = int(wait_for(sq, "pushes", 10).split()[1])
+            time.sleep(2.0)  # let the server go idle, so the burst is not stretched by ACK work
             send("burst 100 1")
+            res.burst_s = float(wait_for(sq, "burst_done", 30).split()[1])
             time.sleep(2.0)
+            res.burst_snapshots = sum(1 for line in list(sq.queue) if line.startswith("published"))
             while not cq.empty():
                 cq.get_nowait()
             send("pushes")
@@ -177,14 +182,18 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
 def show(results: list[Result]) -> None:
     print()
     print(f"{'impl':<6} {'xds':<5} {'N':>5} {'C':>5} {'sync s':>7} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'max ms':>7} {'B/client':>9} {'cpu/push s':>10} {'KB/stream':>9} {'burst':>6} {'rebuild ms':>10}")
+          f"{'max ms':>7} {'B/client':>9} {'cpu/push s':>10} {'KB/stream':>9} {'burst pushes/snapshots/time':>28} {'rebuild ms':>10}")
     for r in results:
-        burst = f"{r.burst_pushes:.2f}" if r.burst_pushes is not None else "-"
+        burst = (
+            f"{r.burst_pushes:.2f}/{r.burst_snapshots}/{r.burst_s * 1000:.0f}ms"
+            if r.burst_pushes is not None
+            else "-"
+        )
         rebuild = f"{r.rebuild_ms:.1f}" if r.rebuild_ms is not None else "-"
         print(f"{r.impl:<6} {r.transport:<5} {r.streams:>5} {r.clusters:>5} {r.sync_s:>7.2f} "
               f"{r.q(0.5) * 1000:>7.1f} {r.q(0.99) * 1000:>7.1f} {max(r.conv) * 1000:>7.1f} "
               f"{statistics.mean(r.update_bytes):>9.0f} {statistics.mean(r.cpu_per_push):>10.3f} "
-              f"{r.rss_per_stream / 1024:>9.1f} {burst:>6} {rebuild:>10}")
+              f"{r.rss_per_stream / 1024:>9.1f} {burst:>28} {rebuild:>10}")
     print()
     print("ratios ours/floor (spread = max convergence; same run, same machine):")
     floor = {(r.transport, r.streams, r.clusters): r for r in results if r.impl == "floor"}

@@ -64,10 +64,12 @@ async def run_ours(args: argparse.Namespace) -> None:
             cname, w = new_weights(fleet, int(cmd[1]), int(cmd[2]))
             reconciler.set_weights(cname, w)
         elif cmd[0] == "burst":
+            t = time.monotonic()
             for i in range(int(cmd[1])):
                 cname, w = new_weights(fleet, i * 7919, 10_000 + i)
                 reconciler.set_weights(cname, w)
                 await asyncio.sleep(float(cmd[2]) / 1000)
+            say(f"burst_done {time.monotonic() - t:.6f}")
         elif cmd[0] == "pushes":
             total = sum(
                 metrics.registry.get_sample_value(

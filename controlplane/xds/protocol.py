@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -110,7 +112,7 @@ class TypeState:
 
     requested: bool = False
     wildcard: bool = False
-    names: set[str] = field(default_factory=set)
+    names: frozenset[str] = frozenset()
     latest_nonce: str = ""
     in_flight: _InFlight | None = None
     responded: bool = False
@@ -128,6 +130,10 @@ class TypeState:
     answered: set[str] = field(default_factory=set)
     # XOR of per-(name, version) hashes of `acked`: the proxy's state version in O(1).
     state_xor: int = 0
+    last_names: tuple[int, int] = (0, 0)  # length and hash of the last SotW names list
+    # Whether to keep the resource objects the proxy holds (routes and clusters need them
+    # for make-before-break; endpoint assignments do not, and are the bulk).
+    keep_resources: bool = True
     # The snapshot generation this type was last found fully in sync with (-1: not known).
     settled: int = -1
 
@@ -144,7 +150,7 @@ class TypeState:
             self.state_xor ^= _h(name, old)
         self.acked[name] = version
         self.state_xor ^= _h(name, version)
-        if res is not None:
+        if res is not None and self.keep_resources:
             self.acked_res[name] = res
         else:
             self.acked_res.pop(name, None)
@@ -167,6 +173,23 @@ class TypeState:
                 x ^= _h(name, self.acked[name])
             x ^= _h(name, res.version)
         return f"{x:016x}"
+
+
+_SHARED_NAMES: OrderedDict[frozenset[str], frozenset[str]] = OrderedDict()
+
+
+def shared_names(names: Iterable[str]) -> frozenset[str]:
+    """One frozenset per distinct subscription, of interned strings, shared by every stream:
+    a thousand proxies subscribed to the same thousand clusters hold one set, not a thousand."""
+    key = frozenset(sys.intern(n) for n in names)
+    found = _SHARED_NAMES.get(key)
+    if found is not None:
+        _SHARED_NAMES.move_to_end(key)
+        return found
+    _SHARED_NAMES[key] = key
+    if len(_SHARED_NAMES) > 256:
+        _SHARED_NAMES.popitem(last=False)
+    return key
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -233,7 +256,9 @@ class XdsStream:
                 self._unknown_reported.add(type_url)
                 events.append(UnknownType(type_url))
             return events
-        ts = self.types.setdefault(type_url, TypeState())
+        ts = self.types.get(type_url)
+        if ts is None:
+            ts = self.types[type_url] = TypeState(keep_resources=type_url != ENDPOINT)
         if isinstance(request, discovery_pb2.DeltaDiscoveryRequest):
             events.extend(self._receive_delta(type_url, ts, request, now))
         else:
@@ -250,7 +275,12 @@ class XdsStream:
         if nonce and nonce != ts.latest_nonce:
             return [StaleNonce(type_url, nonce)]
         events = self._ack_or_nack(type_url, ts, nonce, req.error_detail.message, req.error_detail.code, now)
-        names = set(req.resource_names)
+        raw_names = tuple(req.resource_names)
+        fingerprint = (len(raw_names), hash(raw_names))
+        if ts.requested and fingerprint == ts.last_names:
+            return events  # an ACK with the same subscription: the common case
+        ts.last_names = fingerprint
+        names = set(raw_names)
         if not ts.requested:
             # Legacy wildcard: a first request without names subscribes to everything.
             wildcard = not names or WILDCARD in names
@@ -260,7 +290,7 @@ class XdsStream:
             ts.unsettle()
         ts.wildcard = wildcard
         ts.requested = True
-        ts.names = names - {WILDCARD}
+        ts.names = shared_names(names - {WILDCARD})
         self._forget_uninterested(type_url, ts)
         return events
 
@@ -288,8 +318,8 @@ class XdsStream:
             ts.wildcard = True
         if WILDCARD in unsubscribe:
             ts.wildcard = False
-        ts.names |= subscribe - {WILDCARD}
-        ts.names -= unsubscribe
+        if subscribe or unsubscribe:
+            ts.names = shared_names((ts.names | (subscribe - {WILDCARD})) - unsubscribe)
         for name in unsubscribe:
             ts.drop(name)
             ts.answered.discard(name)
@@ -313,16 +343,21 @@ class XdsStream:
             return [Nack(type_url, nonce, flight.version, ts.last_error)]
         ts.last_nacked = False
         if type_url in FULL_STATE_TYPES and not self.delta:
-            ts.acked_res = dict(flight.resources)
-            ts.acked = {n: r.version for n, r in flight.resources.items()}
+            # Replaced whole, never mutated: may be the snapshot's own dicts, shared by streams.
+            ts.acked_res = flight.resources
+            ts.acked = self.snapshot.versions(type_url, flight.resources)
             ts.state_xor = 0
             ts.rejected_key = ""
         else:
             for name, res in flight.resources.items():
                 if not ts.wildcard and name not in ts.names:
                     continue  # unsubscribed while the response was in flight: the proxy dropped it
-                if type_url == ENDPOINT and self._eds_fresh_after.get(name, 0) > int(flight.nonce):
-                    continue  # applied before its cluster was (re)created: does not warm it
+                if type_url == ENDPOINT and name in self._eds_fresh_after:
+                    if self._eds_fresh_after[name] > int(flight.nonce):
+                        continue  # applied before its cluster was (re)created: does not warm it
+                    del self._eds_fresh_after[name]
+                    if not self._eds_fresh_after:
+                        self._eds_fresh_after = {}  # dicts never shrink; let the table go
                 ts.hold(name, res.version, res)
                 ts.rejected.pop(name, None)
             for name in flight.removed:
@@ -396,18 +431,27 @@ class XdsStream:
         ts = self.types.get(type_url)
         if ts is None:
             return {}, held_back
-        wanted = set(ts.names)
-        if ts.wildcard:
-            wanted |= self.snapshot.wildcard_names(type_url)
-        out: dict[str, SnapshotResource] = {}
-        for name in wanted:
-            res = self.snapshot.get(type_url, name)
-            if res is not None:
-                out[name] = res
+        every = self.snapshot.resources.get(type_url, {})
+        wildcard_names = self.snapshot.wildcard_names(type_url)
+        out: dict[str, SnapshotResource]
+        if ts.wildcard and len(wildcard_names) == len(every) and all(n in every for n in ts.names):
+            out = dict(every) if not isinstance(every, dict) else every  # shared: copy before changing
+        else:
+            wanted = set(ts.names)
+            if ts.wildcard:
+                wanted |= wildcard_names
+            out = {}
+            for name in wanted:
+                res = self.snapshot.get(type_url, name)
+                if res is not None:
+                    out[name] = res
         if not self._gating():
             return out, held_back
         if type_url == CLUSTER:
-            for name in self._referenced_clusters() - set(out):
+            kept_names = [n for n in self._referenced_clusters() if n not in out]
+            if kept_names:
+                out = dict(out)
+            for name in kept_names:
                 held_back.add(name)  # to be removed later: not in sync yet
                 kept = ts.acked_res.get(name)
                 if kept is not None:
@@ -417,6 +461,9 @@ class XdsStream:
                     out[name] = _Placeholder.of(name, ts.acked[name])
         elif type_url in (ROUTE, LISTENER):
             ready = self._ready_clusters()
+            if all(res.refs <= ready for res in out.values()):
+                return out, held_back
+            out = dict(out)
             for name, res in list(out.items()):
                 if res.refs <= ready:
                     continue
@@ -551,7 +598,7 @@ class XdsStream:
             payload = wire.sotw_response(version, type_url, nonce, (resources[n].sotw_field for n in names))
         ts.latest_nonce = nonce
         ts.responded = True
-        ts.answered |= set(resources) | removed
+        ts.answered |= removed
         ts.in_flight = _InFlight(
             nonce=nonce,
             version=version,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ def content_version(data: bytes) -> str:
 
 def encode_resource(type_url: str, name: str, msg: Message) -> SnapshotResource:
     """Serialise a message once into both wire encodings."""
+    name = sys.intern(name)  # streams intern the names they subscribe to: one string each
     value = msg.SerializeToString(deterministic=True)
     version = content_version(value)
     payload = wire.any_bytes(type_url, value)
@@ -73,6 +75,16 @@ class Snapshot:
     # Per type, names added, changed or removed since the snapshot `parent` (None: unknown).
     changes: Mapping[str, frozenset[str]] = field(default_factory=dict)
     parent: int | None = None
+    _versions: dict[str, dict[str, str]] = field(default_factory=dict, compare=False, repr=False)
+
+    def versions(self, type_url: str, held: Mapping[str, SnapshotResource]) -> dict[str, str]:
+        """name -> version of `held`; one shared dict when `held` is this snapshot's whole type."""
+        if held is self.resources.get(type_url):
+            cached = self._versions.get(type_url)
+            if cached is None:
+                cached = self._versions[type_url] = {n: r.version for n, r in held.items()}
+            return cached
+        return {n: r.version for n, r in held.items()}
 
     def get(self, type_url: str, name: str) -> SnapshotResource | None:
         """The named resource, or for EDS an empty assignment, or None."""
