@@ -18,10 +18,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DELTA_METHOD, SOTW_METHOD  # noqa: E402
-
-from envoy.config.cluster.v3 import cluster_pb2  # noqa: E402
-from envoy.service.discovery.v3 import discovery_pb2  # noqa: E402
+from common import DELTA_METHOD, SOTW_METHOD
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.service.discovery.v3 import discovery_pb2
 
 CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -44,7 +43,9 @@ async def stream(target: str, sid: str, delta: bool, ready: asyncio.Event) -> No
     )()
     subs: dict[str, list[str]] = {}
 
-    def request(type_url: str, nonce: str = "", names: list[str] | None = None, new: list[str] | None = None) -> object:
+    def request(
+        type_url: str, nonce: str = "", names: list[str] | None = None, new: list[str] | None = None
+    ) -> object:
         if delta:
             return Req(type_url=type_url, response_nonce=nonce, resource_names_subscribe=new or [])
         return Req(type_url=type_url, response_nonce=nonce, resource_names=names or [])

@@ -22,7 +22,9 @@ def bench_fleet(clusters: int, endpoints: int) -> Fleet:
         for _ in range(per):
             eps.append(Endpoint(host=f"10.{n // 65536 % 256}.{n // 256 % 256}.{n % 256}", port=8000))
             n += 1
-        models.append(Model(name=f"m{c}", tier="all", stable="v1", versions=(Version("v1", tuple(eps)),), params_b=8))
+        models.append(
+            Model(name=f"m{c}", tier="all", stable="v1", versions=(Version("v1", tuple(eps)),), params_b=8)
+        )
     return Fleet(
         listener=ListenerSpec(port=10000),
         tiers=(Tier("all", None, 60.0),),

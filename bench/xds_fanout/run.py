@@ -103,9 +103,22 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
     port = free_port()
     delta = transport == "delta"
     server = subprocess.Popen(
-        [sys.executable, str(HERE / "server.py"), "--impl", impl, "--port", str(port),
-         "--clusters", str(c), "--endpoints", str(endpoints), *(["--delta"] if delta else [])],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            str(HERE / "server.py"),
+            "--impl",
+            impl,
+            "--port",
+            str(port),
+            "--clusters",
+            str(c),
+            "--endpoints",
+            str(endpoints),
+            *(["--delta"] if delta else []),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     sq: queue.Queue[str] = queue.Queue()
     Lines(server, sq)
@@ -128,9 +141,20 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
             if k == 0:
                 continue
             p = subprocess.Popen(
-                [sys.executable, str(HERE / "clients.py"), "--target", f"127.0.0.1:{port}",
-                 "--streams", str(k), "--worker", f"w{i}", *(["--delta"] if delta else [])],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    str(HERE / "clients.py"),
+                    "--target",
+                    f"127.0.0.1:{port}",
+                    "--streams",
+                    str(k),
+                    "--worker",
+                    f"w{i}",
+                    *(["--delta"] if delta else []),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
             )
             clients.append(p)
             Lines(p, cq)
@@ -150,19 +174,28 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
             res.conv += [float(x[2]) - published for x in got]
             res.update_bytes += [int(x[3]) for x in got]
         if impl == "ours":
+            time.sleep(2.0)  # let the server go idle (pushes are counted when their write completes)
+            while not sq.empty():
+                sq.get_nowait()
             send("pushes")
             before = int(wait_for(sq, "pushes", 10).split()[1])
-            time.sleep(2.0)  # let the server go idle, so the burst is not stretched by ACK work
             send("burst 100 1")
-            res.burst_s = float(wait_for(sq, "burst_done", 30).split()[1])
-            time.sleep(2.0)
-            res.burst_snapshots = sum(1 for line in list(sq.queue) if line.startswith("published"))
+            end = time.monotonic() + 3.0
+            while (left := end - time.monotonic()) > 0:
+                try:
+                    line = sq.get(timeout=left)
+                except queue.Empty:
+                    break
+                if line.startswith("burst_done"):
+                    res.burst_s = float(line.split()[1])
+                elif line.startswith("published"):
+                    res.burst_snapshots += 1
             while not cq.empty():
                 cq.get_nowait()
             send("pushes")
             after = int(wait_for(sq, "pushes", 10).split()[1])
             res.burst_pushes = (after - before) / n
-            send(f"rebuild 3 999")
+            send("rebuild 3 999")
             res.rebuild_ms = float(wait_for(sq, "rebuilt", 10).split()[1]) * 1000
     finally:
         for p in clients:
@@ -181,8 +214,10 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
 
 def show(results: list[Result]) -> None:
     print()
-    print(f"{'impl':<6} {'xds':<5} {'N':>5} {'C':>5} {'sync s':>7} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'max ms':>7} {'B/client':>9} {'cpu/push s':>10} {'KB/stream':>9} {'burst pushes/snapshots/time':>28} {'rebuild ms':>10}")
+    print(
+        f"{'impl':<6} {'xds':<5} {'N':>5} {'C':>5} {'sync s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'max ms':>7} {'B/client':>9} {'cpu/push s':>10} {'KB/stream':>9} {'burst pushes/snapshots/time':>28} {'rebuild ms':>10}"
+    )
     for r in results:
         burst = (
             f"{r.burst_pushes:.2f}/{r.burst_snapshots}/{r.burst_s * 1000:.0f}ms"
@@ -190,10 +225,12 @@ def show(results: list[Result]) -> None:
             else "-"
         )
         rebuild = f"{r.rebuild_ms:.1f}" if r.rebuild_ms is not None else "-"
-        print(f"{r.impl:<6} {r.transport:<5} {r.streams:>5} {r.clusters:>5} {r.sync_s:>7.2f} "
-              f"{r.q(0.5) * 1000:>7.1f} {r.q(0.99) * 1000:>7.1f} {max(r.conv) * 1000:>7.1f} "
-              f"{statistics.mean(r.update_bytes):>9.0f} {statistics.mean(r.cpu_per_push):>10.3f} "
-              f"{r.rss_per_stream / 1024:>9.1f} {burst:>28} {rebuild:>10}")
+        print(
+            f"{r.impl:<6} {r.transport:<5} {r.streams:>5} {r.clusters:>5} {r.sync_s:>7.2f} "
+            f"{r.q(0.5) * 1000:>7.1f} {r.q(0.99) * 1000:>7.1f} {max(r.conv) * 1000:>7.1f} "
+            f"{statistics.mean(r.update_bytes):>9.0f} {statistics.mean(r.cpu_per_push):>10.3f} "
+            f"{r.rss_per_stream / 1024:>9.1f} {burst:>28} {rebuild:>10}"
+        )
     print()
     print("ratios ours/floor (spread = max convergence; same run, same machine):")
     floor = {(r.transport, r.streams, r.clusters): r for r in results if r.impl == "floor"}
@@ -201,10 +238,12 @@ def show(results: list[Result]) -> None:
         f = floor.get((r.transport, r.streams, r.clusters))
         if r.impl != "ours" or f is None:
             continue
-        print(f"  {r.transport:<5} N={r.streams:<5} C={r.clusters:<5} spread {max(r.conv) / max(f.conv):5.2f}x  "
-              f"p99 {r.q(0.99) / f.q(0.99):5.2f}x  sync {r.sync_s / f.sync_s:5.2f}x  "
-              f"cpu/push {statistics.mean(r.cpu_per_push) / max(1e-9, statistics.mean(f.cpu_per_push)):5.2f}x  "
-              f"memory/stream +{(r.rss_per_stream - f.rss_per_stream) / 1024:.1f} KB")
+        print(
+            f"  {r.transport:<5} N={r.streams:<5} C={r.clusters:<5} spread {max(r.conv) / max(f.conv):5.2f}x  "
+            f"p99 {r.q(0.99) / f.q(0.99):5.2f}x  sync {r.sync_s / f.sync_s:5.2f}x  "
+            f"cpu/push {statistics.mean(r.cpu_per_push) / max(1e-9, statistics.mean(f.cpu_per_push)):5.2f}x  "
+            f"memory/stream +{(r.rss_per_stream - f.rss_per_stream) / 1024:.1f} KB"
+        )
 
 
 def main() -> None:
@@ -226,8 +265,11 @@ def main() -> None:
                 for impl in ("floor", "ours"):
                     r = run_one(impl, transport, n, c, a.endpoints, a.updates, a.workers)
                     results.append(r)
-                    print(f"done {impl} {transport} N={n} C={c}: sync {r.sync_s:.2f}s "
-                          f"spread {max(r.conv) * 1000:.1f}ms", flush=True)
+                    print(
+                        f"done {impl} {transport} N={n} C={c}: sync {r.sync_s:.2f}s "
+                        f"spread {max(r.conv) * 1000:.1f}ms",
+                        flush=True,
+                    )
     show(results)
 
 

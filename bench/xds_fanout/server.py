@@ -20,13 +20,13 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bench_fleet, new_weights  # noqa: E402
+from common import bench_fleet, new_weights
 
-from controlplane.obs.metrics import Metrics  # noqa: E402
-from controlplane.routing.translate import ENDPOINT, translate  # noqa: E402
-from controlplane.xds.cache import SnapshotCache  # noqa: E402
-from controlplane.xds.reconciler import Reconciler  # noqa: E402
-from controlplane.xds.server import XdsServer  # noqa: E402
+from controlplane.obs.metrics import Metrics
+from controlplane.routing.translate import ENDPOINT, translate
+from controlplane.xds.cache import SnapshotCache
+from controlplane.xds.reconciler import Reconciler
+from controlplane.xds.server import XdsServer
 
 
 def say(line: str) -> None:
@@ -64,11 +64,13 @@ async def run_ours(args: argparse.Namespace) -> None:
             cname, w = new_weights(fleet, int(cmd[1]), int(cmd[2]))
             reconciler.set_weights(cname, w)
         elif cmd[0] == "burst":
+            # N changes at fixed offsets GAP_MS apart (not N sleeps, which drift on a busy loop).
             t = time.monotonic()
-            for i in range(int(cmd[1])):
+            n, gap = int(cmd[1]), float(cmd[2]) / 1000
+            for i in range(n):
+                await asyncio.sleep(max(0.0, t + i * gap - time.monotonic()))
                 cname, w = new_weights(fleet, i * 7919, 10_000 + i)
                 reconciler.set_weights(cname, w)
-                await asyncio.sleep(float(cmd[2]) / 1000)
             say(f"burst_done {time.monotonic() - t:.6f}")
         elif cmd[0] == "pushes":
             total = sum(
@@ -94,9 +96,8 @@ async def run_ours(args: argparse.Namespace) -> None:
 
 async def run_floor(args: argparse.Namespace) -> None:
     """The floor from DESIGN.md: serialise once, write the same bytes to every stream."""
-    from google.protobuf import any_pb2
-
     from envoy.service.discovery.v3 import discovery_pb2
+    from google.protobuf import any_pb2
 
     fleet = bench_fleet(args.clusters, args.endpoints)
     desired = translate(fleet)
@@ -111,7 +112,9 @@ async def run_floor(args: argparse.Namespace) -> None:
         return r.SerializeToString()
 
     def delta(type_url: str, named: dict[str, object]) -> bytes:
-        r = discovery_pb2.DeltaDiscoveryResponse(system_version_info=str(version), type_url=type_url, nonce=str(version))
+        r = discovery_pb2.DeltaDiscoveryResponse(
+            system_version_info=str(version), type_url=type_url, nonce=str(version)
+        )
         for name, m in named.items():
             res = r.resources.add(name=name, version=str(version))
             res.resource.Pack(m)  # type: ignore[arg-type]

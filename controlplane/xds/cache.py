@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from controlplane.xds.snapshot import Snapshot
 
@@ -13,6 +14,14 @@ class SnapshotCache:
     def __init__(self) -> None:
         self._snapshot: Snapshot | None = None
         self._changed: asyncio.Future[Snapshot] | None = None
+        self._subscribers: set[Callable[[], None]] = set()
+
+    def subscribe(self, wake: Callable[[], None]) -> None:
+        """Call `wake()` at every publish (cheap: each stream sets its own event)."""
+        self._subscribers.add(wake)
+
+    def unsubscribe(self, wake: Callable[[], None]) -> None:
+        self._subscribers.discard(wake)
 
     @property
     def current(self) -> Snapshot | None:
@@ -24,6 +33,8 @@ class SnapshotCache:
         fut, self._changed = self._changed, None
         if fut is not None and not fut.done():
             fut.set_result(snapshot)
+        for wake in list(self._subscribers):
+            wake()
 
     def changed(self) -> asyncio.Future[Snapshot]:
         """A future resolved at the next publish (shared by all waiters)."""

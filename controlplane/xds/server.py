@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -127,6 +128,7 @@ class XdsServer:
         self.registry = registry or ProxyRegistry()
         self.clock = clock
         self._ids = itertools.count(1)
+        self._metric_children: dict[tuple[str, str], _TypeMetrics] = {}
 
     def handlers(self) -> Sequence[grpc.GenericRpcHandler]:
         """Generic handlers: requests are parsed, responses are already bytes."""
@@ -192,30 +194,48 @@ class XdsServer:
         gauge.inc()
         slog = log.bind(stream=conn.stream_id, peer=conn.peer, transport=transport)
         slog.info("xds stream opened", service=conn.service)
-        read: asyncio.Task[Any] | None = None
-        try:
-            changed = self.cache.changed()
-            read = asyncio.ensure_future(context.read())
-            while True:
-                done, _ = await asyncio.wait({read, changed}, return_when=asyncio.FIRST_COMPLETED)
-                events: list[Event] = []
-                if changed in done:
-                    changed = self.cache.changed()
-                    current = self.cache.current
-                    if current is not None and current.generation != proto.snapshot.generation:
-                        events.extend(proto.set_snapshot(current, self.clock()))
-                if read in done:
-                    request = read.result()
+        inbox: deque[Any] = deque()
+        wake = asyncio.Event()
+
+        async def read_requests() -> None:
+            # One reader per stream; the main loop below wakes on a request or a snapshot.
+            try:
+                while True:
+                    request = await context.read()
+                    inbox.append(request)
+                    wake.set()
                     if request is grpc.aio.EOF:
+                        return
+            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                inbox.append(grpc.aio.EOF)
+                wake.set()
+
+        reader = asyncio.create_task(read_requests())
+        self.cache.subscribe(wake.set)
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                events: list[Event] = []
+                current = self.cache.current
+                if current is not None and current.generation != proto.snapshot.generation:
+                    events.extend(proto.set_snapshot(current, self.clock()))
+                closed = False
+                while inbox:
+                    request = inbox.popleft()
+                    if request is grpc.aio.EOF:
+                        closed = True
                         break
                     events.extend(proto.receive(request, self.clock()))
-                    read = asyncio.ensure_future(context.read())
-                await self._handle_events(context, conn, events, slog)
+                if events:
+                    await self._handle_events(context, conn, events, slog)
+                if closed:
+                    break
         except grpc.aio.AioRpcError:
             pass  # the peer went away mid-write
         finally:
-            if read is not None and not read.done():
-                read.cancel()
+            self.cache.unsubscribe(wake.set)
+            reader.cancel()
             gauge.dec()
             self.registry.streams.pop(conn.stream_id, None)
             self._refresh_nacked()
@@ -235,9 +255,10 @@ class XdsServer:
                 await context.write(ev.payload)
                 t = type_label(ev.type_url)
                 conn.sent[ev.type_url] = conn.sent.get(ev.type_url, 0) + 1
-                self.metrics.push_duration.labels(t).observe(time.perf_counter() - started)
-                self.metrics.pushes.labels(t, conn.transport).inc()
-                self.metrics.push_bytes.labels(t, conn.transport).inc(len(ev.payload))
+                m = self._push_metrics(t, conn.transport)
+                m.duration.observe(time.perf_counter() - started)
+                m.pushes.inc()
+                m.bytes.inc(len(ev.payload))
                 slog.debug(
                     "xds push",
                     type=t,
@@ -248,8 +269,9 @@ class XdsServer:
                 )
             elif isinstance(ev, Ack):
                 t = type_label(ev.type_url)
-                self.metrics.acks.labels(t).inc()
-                self.metrics.convergence.labels(t).observe(ev.latency_s)
+                m = self._push_metrics(t, conn.transport)
+                m.acks.inc()
+                m.convergence.observe(ev.latency_s)
                 if conn.nacks.pop(ev.type_url, None) is not None:
                     nack_changed = True
                 slog.debug("xds ack", type=t, version=ev.version, node=conn.protocol.node_id)
@@ -279,10 +301,33 @@ class XdsServer:
         if nack_changed:
             self._refresh_nacked()
 
+    def _push_metrics(self, t: str, transport: str) -> _TypeMetrics:
+        # Label lookups cost more than the increments; resolve each combination once.
+        key = (t, transport)
+        m = self._metric_children.get(key)
+        if m is None:
+            m = self._metric_children[key] = _TypeMetrics(
+                pushes=self.metrics.pushes.labels(t, transport),
+                bytes=self.metrics.push_bytes.labels(t, transport),
+                duration=self.metrics.push_duration.labels(t),
+                acks=self.metrics.acks.labels(t),
+                convergence=self.metrics.convergence.labels(t),
+            )
+        return m
+
     def _refresh_nacked(self) -> None:
         for type_url in TYPE_URLS:
             count = sum(1 for s in self.registry.streams.values() if type_url in s.nacks)
             self.metrics.proxies_nacked.labels(type_label(type_url)).set(count)
+
+
+@dataclass(frozen=True)
+class _TypeMetrics:
+    pushes: Any
+    bytes: Any
+    duration: Any
+    acks: Any
+    convergence: Any
 
 
 def _identity(payload: bytes) -> bytes:
