@@ -216,7 +216,8 @@ def show(results: list[Result]) -> None:
     print()
     print(
         f"{'impl':<6} {'xds':<5} {'N':>5} {'C':>5} {'sync s':>7} {'p50 ms':>7} {'p99 ms':>7} "
-        f"{'max ms':>7} {'B/client':>9} {'cpu/push s':>10} {'KB/stream':>9} {'burst pushes/snapshots/time':>28} {'rebuild ms':>10}"
+        f"{'max ms':>7} {'B/client':>9} {'cpu/push s':>10} {'KB/stream':>9} "
+        f"{'burst pushes/snapshots/time':>28} {'rebuild ms':>10}"
     )
     for r in results:
         burst = (
@@ -239,7 +240,8 @@ def show(results: list[Result]) -> None:
         if r.impl != "ours" or f is None:
             continue
         print(
-            f"  {r.transport:<5} N={r.streams:<5} C={r.clusters:<5} spread {max(r.conv) / max(f.conv):5.2f}x  "
+            f"  {r.transport:<5} N={r.streams:<5} C={r.clusters:<5} "
+            f"spread {max(r.conv) / max(f.conv):5.2f}x  "
             f"p99 {r.q(0.99) / f.q(0.99):5.2f}x  sync {r.sync_s / f.sync_s:5.2f}x  "
             f"cpu/push {statistics.mean(r.cpu_per_push) / max(1e-9, statistics.mean(f.cpu_per_push)):5.2f}x  "
             f"memory/stream +{(r.rss_per_stream - f.rss_per_stream) / 1024:.1f} KB"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import deque
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
