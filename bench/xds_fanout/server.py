@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import bench_fleet, new_weights
 
+from controlplane.obs.logging import configure_logging
 from controlplane.obs.metrics import Metrics
 from controlplane.routing.translate import ENDPOINT, translate
 from controlplane.xds.cache import SnapshotCache
@@ -205,6 +206,7 @@ def main() -> None:
     p.add_argument("--delta", action="store_true", help="floor: which encoding updates use")
     p.add_argument("--debounce", type=float, default=0.1)
     args = p.parse_args()
+    configure_logging("json", "info")  # as `controlplane serve` runs by default
     asyncio.run(run_ours(args) if args.impl == "ours" else run_floor(args))
 
 

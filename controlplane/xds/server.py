@@ -7,6 +7,7 @@ the protocol returns, and turns protocol events into logs and metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -159,7 +160,9 @@ class XdsServer:
 
     def _handler(self, service: str, type_url: str | None, *, delta: bool) -> Callable[..., Any]:
         async def handle(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-            await self._serve_stream(context, service, type_url, delta=delta)
+            # Cancelled when the server stops or the RPC ends: nothing left to do.
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._serve_stream(context, service, type_url, delta=delta)
 
         return handle
 
