@@ -31,6 +31,7 @@ class ServeOptions:
     xds_listen: str = "127.0.0.1:18000"
     metrics_listen: str = "127.0.0.1:9102"
     debounce_s: float = 0.1
+    max_delay_s: float = 1.0
     watch_interval_s: float = 0.25
 
 
@@ -42,7 +43,7 @@ class ControlPlane:
         self.metrics = metrics or Metrics()
         self.cache = SnapshotCache()
         self.xds = XdsServer(self.cache, self.metrics)
-        self.reconciler = Reconciler(self.cache, self.metrics, options.debounce_s)
+        self.reconciler = Reconciler(self.cache, self.metrics, options.debounce_s, options.max_delay_s)
         self.health = health.aio.HealthServicer()
         self.watcher = FleetFileWatcher(
             options.config, self._on_fleet, self._on_invalid, options.watch_interval_s

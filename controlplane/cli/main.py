@@ -47,7 +47,14 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=0.1,
         metavar="SECONDS",
-        help="coalesce changes within this window into one snapshot (default: %(default)s)",
+        help="publish a snapshot once changes have been quiet this long (default: %(default)s)",
+    )
+    s.add_argument(
+        "--max-delay",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="but never later than this after the first change of a burst (default: %(default)s)",
     )
 
     c = sub.add_parser(
@@ -174,6 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
         xds_listen=args.xds_listen,
         metrics_listen=args.metrics_listen,
         debounce_s=args.debounce,
+        max_delay_s=args.max_delay,
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_run_until_signal(options))
