@@ -33,7 +33,27 @@ def say(line: str) -> None:
 
 
 async def stream(target: str, sid: str, delta: bool, ready: asyncio.Event) -> None:
+    """One proxy; if its connection fails before it has synced, it reconnects (as Envoy does)."""
+    for attempt in range(5):
+        try:
+            await _stream(target, sid, delta)
+            return
+        except grpc.aio.AioRpcError as e:
+            say(f"retry {sid} {attempt} {e.code().name}")
+            await asyncio.sleep(0.5 * (attempt + 1))
+        except TimeoutError:
+            say(f"retry {sid} {attempt} no-answer")
+
+
+async def _stream(target: str, sid: str, delta: bool) -> None:
     channel = grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+    try:
+        await _exchange(channel, sid, delta)
+    finally:
+        await channel.close()
+
+
+async def _exchange(channel: grpc.aio.Channel, sid: str, delta: bool) -> None:
     Req = discovery_pb2.DeltaDiscoveryRequest if delta else discovery_pb2.DiscoveryRequest
     Resp = discovery_pb2.DeltaDiscoveryResponse if delta else discovery_pb2.DiscoveryResponse
     call = channel.stream_stream(
@@ -59,7 +79,9 @@ async def stream(target: str, sid: str, delta: bool, ready: asyncio.Event) -> No
     synced = False
     total = 0
     while True:
-        raw = await call.read()
+        # A connection attempt lost under a connection storm hangs without an error; give up
+        # on it and reconnect, as Envoy's xDS client does after its initial fetch timeout.
+        raw = await (call.read() if synced else asyncio.wait_for(call.read(), 30))
         if raw is grpc.aio.EOF:
             return
         total += len(raw)
@@ -94,7 +116,7 @@ async def main_async(args: argparse.Namespace) -> None:
     for i in range(args.streams):
         tasks.append(asyncio.create_task(stream(args.target, f"{args.worker}-{i}", args.delta, ready)))
         if i % 50 == 49:
-            await asyncio.sleep(0)  # let connections start without starving the loop
+            await asyncio.sleep(0.02)  # pace connection setup: a SYN flood loses connections
 
     async def flusher() -> None:
         while True:

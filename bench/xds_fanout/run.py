@@ -92,7 +92,10 @@ def collect(q: queue.Queue[str], prefix: str, n: int, timeout: float) -> list[li
         left = end - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"only {len(out)}/{n} '{prefix}' lines within {timeout}s")
-        line = q.get(timeout=left)
+        try:
+            line = q.get(timeout=left)
+        except queue.Empty:
+            raise TimeoutError(f"only {len(out)}/{n} '{prefix}' lines within {timeout}s") from None
         if line.startswith(prefix):
             out.append(line.split())
     return out
@@ -118,6 +121,7 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # the server's own logs (one line per stream opened/closed)
         text=True,
     )
     sq: queue.Queue[str] = queue.Queue()

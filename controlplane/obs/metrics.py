@@ -87,6 +87,11 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
             registry=r,
         )
+        self.serialisations = Counter(
+            "controlplane_snapshot_resources_serialised_total",
+            "Resources serialised into snapshots: once per resource version, whatever the streams.",
+            registry=r,
+        )
         self.config_reloads = Counter(
             "controlplane_config_reloads_total",
             "Fleet config loads, by result (success, invalid).",

@@ -13,7 +13,7 @@ from controlplane.obs.metrics import Metrics, type_label
 from controlplane.routing.incremental import IncrementalTranslator
 from controlplane.routing.translate import TYPE_URLS
 from controlplane.xds.cache import SnapshotCache
-from controlplane.xds.snapshot import Snapshot, build_snapshot
+from controlplane.xds.snapshot import SERIALISED, Snapshot, build_snapshot
 
 log = structlog.get_logger("controlplane.reconcile")
 
@@ -64,6 +64,7 @@ class Reconciler:
         if self.fleet is None:
             return None
         started = time.perf_counter()
+        serialised = SERIALISED.value
         desired = self.translator.translate(self.fleet, self.weights)
         previous = self.cache.current
         snap = build_snapshot(desired, self._generation + 1, time.monotonic(), previous)
@@ -71,6 +72,7 @@ class Reconciler:
             return previous
         self._generation += 1
         self.cache.publish(snap)
+        self.metrics.serialisations.inc(SERIALISED.value - serialised)
         self.metrics.snapshot_build.observe(time.perf_counter() - started)
         self.metrics.snapshot_generation.set(snap.generation)
         for type_url in TYPE_URLS:

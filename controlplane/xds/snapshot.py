@@ -40,8 +40,18 @@ def content_version(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
+class _Counter:
+    """Resources serialised so far in this process (exported as a metric; tests read it)."""
+
+    value = 0
+
+
+SERIALISED = _Counter()
+
+
 def encode_resource(type_url: str, name: str, msg: Message) -> SnapshotResource:
     """Serialise a message once into both wire encodings."""
+    SERIALISED.value += 1
     name = sys.intern(name)  # streams intern the names they subscribe to: one string each
     value = msg.SerializeToString(deterministic=True)
     version = content_version(value)

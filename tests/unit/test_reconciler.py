@@ -60,3 +60,41 @@ def test_no_snapshot_when_nothing_changed() -> None:
     r.set_weights("m1@v1", {})
     assert r.rebuild_now() is r.cache.current
     assert published == []
+
+
+def test_serialisation_happens_once_per_version_whatever_the_number_of_streams() -> None:
+    from envoy.service.discovery.v3 import discovery_pb2
+
+    from controlplane.routing.translate import ENDPOINT
+    from controlplane.xds.protocol import Send, XdsStream
+    from controlplane.xds.snapshot import SERIALISED
+
+    r, _ = make()
+    first = r.cache.current
+    assert first is not None
+    names = sorted(first.resources[ENDPOINT])
+    streams = [XdsStream(first, delta=False) for _ in range(50)]
+    for s in streams:
+        [out] = [
+            e
+            for e in s.receive(discovery_pb2.DiscoveryRequest(type_url=ENDPOINT, resource_names=names), 0)
+            if isinstance(e, Send)
+        ]
+        s.receive(
+            discovery_pb2.DiscoveryRequest(type_url=ENDPOINT, resource_names=names, response_nonce=out.nonce),
+            0,
+        )
+    before = SERIALISED.value
+    metric = "controlplane_snapshot_resources_serialised_total"
+    counted = r.metrics.registry.get_sample_value(metric) or 0.0
+    r.set_weights("m3@v1", {"10.0.3.1:80": 7})
+    second = r.rebuild_now()
+    assert second is not None and second is not first
+    sent = [[e for e in s.set_snapshot(second, 1) if isinstance(e, Send)] for s in streams]
+    assert SERIALISED.value - before == 1  # one assignment changed: one serialisation, for 50 streams
+    assert (
+        r.metrics.registry.get_sample_value("controlplane_snapshot_resources_serialised_total") == counted + 1
+    )
+    # Every stream was sent the very same encoded bytes object for it.
+    field = second.resources[ENDPOINT]["m3@v1"].sotw_field
+    assert all(len(out) == 1 and field in out[0].payload for out in sent)

@@ -421,13 +421,7 @@ def test_any_interleaving_never_routes_to_a_missing_cluster(
             )
             wire += [e.payload for e in s.set_snapshot(current, gen) if isinstance(e, Send)]
         elif kind == "drain":
-            for _ in range(500):
-                if wire:
-                    envoy.receive(wire.pop(0))
-                elif envoy.outbox:
-                    wire += [e.payload for e in s.receive(envoy.outbox.popleft(), gen) if isinstance(e, Send)]
-                else:
-                    break
+            _drain(s, envoy, wire, gen)
         elif kind == "to_server":
             for _ in range(a):
                 if envoy.outbox:
@@ -437,13 +431,7 @@ def test_any_interleaving_never_routes_to_a_missing_cluster(
                 if wire:
                     envoy.receive(wire.pop(0))
         assert envoy.violations == []
-    for _ in range(500):
-        if wire:
-            envoy.receive(wire.pop(0))
-        elif envoy.outbox:
-            wire += [e.payload for e in s.receive(envoy.outbox.popleft(), gen) if isinstance(e, Send)]
-        else:
-            break
+    _drain(s, envoy, wire, gen)
     assert envoy.violations == []
     assert set(envoy.clusters) == set(current.resources[CLUSTER])
     expected_routes = current.resources[ROUTE]["inference"].refs
@@ -452,6 +440,17 @@ def test_any_interleaving_never_routes_to_a_missing_cluster(
         assert envoy.assignments[name].SerializeToString(deterministic=True) == res.message.SerializeToString(  # type: ignore[union-attr]
             deterministic=True
         ), f"{name}: endpoints not converged"
+
+
+def _drain(s: XdsStream, envoy: FakeEnvoy, wire: list[bytes], now: float) -> None:
+    """Deliver everything both ways, in order, until both sides are quiet."""
+    for _ in range(500):
+        if wire:
+            envoy.receive(wire.pop(0))
+        elif envoy.outbox:
+            wire += [e.payload for e in s.receive(envoy.outbox.popleft(), now) if isinstance(e, Send)]
+        else:
+            return
 
 
 def _empty_snapshot(gen: int, previous: Snapshot | None = None) -> Snapshot:
