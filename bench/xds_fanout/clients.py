@@ -33,27 +33,34 @@ def say(line: str) -> None:
 
 
 async def stream(target: str, sid: str, delta: bool, ready: asyncio.Event) -> None:
-    """One proxy; if its connection fails before it has synced, it reconnects (as Envoy does)."""
+    """One proxy. If it has not synced within 30 s (a connection lost in a connection storm
+    hangs without an error), it starts over, as Envoy does after its initial fetch timeout."""
     for attempt in range(5):
+        synced = asyncio.Event()
+        task = asyncio.create_task(_stream(target, sid, delta, synced))
         try:
-            await _stream(target, sid, delta)
+            await asyncio.wait_for(asyncio.shield(synced.wait()), 30)
+        except TimeoutError:
+            task.cancel()
+            say(f"retry {sid} {attempt} no-sync")
+            continue
+        try:
+            await task
             return
         except grpc.aio.AioRpcError as e:
             say(f"retry {sid} {attempt} {e.code().name}")
             await asyncio.sleep(0.5 * (attempt + 1))
-        except TimeoutError:
-            say(f"retry {sid} {attempt} no-answer")
 
 
-async def _stream(target: str, sid: str, delta: bool) -> None:
+async def _stream(target: str, sid: str, delta: bool, synced: asyncio.Event) -> None:
     channel = grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
     try:
-        await _exchange(channel, sid, delta)
+        await _exchange(channel, sid, delta, synced)
     finally:
         await channel.close()
 
 
-async def _exchange(channel: grpc.aio.Channel, sid: str, delta: bool) -> None:
+async def _exchange(channel: grpc.aio.Channel, sid: str, delta: bool, synced_event: asyncio.Event) -> None:
     Req = discovery_pb2.DeltaDiscoveryRequest if delta else discovery_pb2.DiscoveryRequest
     Resp = discovery_pb2.DeltaDiscoveryResponse if delta else discovery_pb2.DiscoveryResponse
     call = channel.stream_stream(
@@ -79,9 +86,7 @@ async def _exchange(channel: grpc.aio.Channel, sid: str, delta: bool) -> None:
     synced = False
     total = 0
     while True:
-        # A connection attempt lost under a connection storm hangs without an error; give up
-        # on it and reconnect, as Envoy's xDS client does after its initial fetch timeout.
-        raw = await (call.read() if synced else asyncio.wait_for(call.read(), 30))
+        raw = await call.read()
         if raw is grpc.aio.EOF:
             return
         total += len(raw)
@@ -106,6 +111,7 @@ async def _exchange(channel: grpc.aio.Channel, sid: str, delta: bool) -> None:
         have.add(t)
         if not synced and len(have) == 4 and not eds_pending:
             synced = True
+            synced_event.set()
             say(f"sync {sid} {time.monotonic():.6f} {total}")
             sys.stdout.flush()
 

@@ -162,7 +162,13 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
             )
             clients.append(p)
             Lines(p, cq)
-        synced = collect(cq, "sync", n, 60 + n * 0.1)
+        try:
+            synced = collect(cq, "sync", n, float(__import__("os").environ.get("SYNC_TIMEOUT", 60 + n * 0.1)))
+        except TimeoutError:
+            if impl == "ours":
+                send("status")
+                print(wait_for(sq, "status", 10), flush=True)
+            raise
         res.sync_s = max(float(x[2]) for x in synced) - started
         time.sleep(1.0)
         res.rss_per_stream = (rss_bytes(server.pid) - rss0) / n

@@ -82,6 +82,20 @@ async def run_ours(args: argparse.Namespace) -> None:
                 for t in ("sotw", "delta")
             )
             say(f"pushes {int(total)}")
+        elif cmd[0] == "status":
+            # Per type: how many streams are in each protocol status (for diagnosing stalls).
+            from collections import Counter
+
+            from controlplane.obs.metrics import type_label
+
+            counts: Counter[str] = Counter()
+            for conn in list(xds.registry.streams.values()):
+                for t, ts in conn.protocol.types.items():
+                    flight = "inflight" if ts.in_flight is not None else "idle"
+                    counts[f"{type_label(t)}:{conn.protocol.status(t)}:{flight}"] += 1
+                if len(conn.protocol.types) < 4:
+                    counts[f"types-requested:{len(conn.protocol.types)}"] += 1
+            say("status " + " ".join(f"{k}={v}" for k, v in sorted(counts.items())))
         elif cmd[0] == "rebuild":
             # Time one incremental rebuild after one cluster's change, in-process.
             cname, w = new_weights(fleet, int(cmd[1]), int(cmd[2]))
