@@ -241,7 +241,8 @@ class XdsServer:
             reader.cancel()
             gauge.dec()
             self.registry.streams.pop(conn.stream_id, None)
-            self._refresh_nacked()
+            if conn.nacks:  # only then can the count change; keeps mass disconnects O(N)
+                self._refresh_nacked()
             slog.info("xds stream closed", node=proto.node_id)
 
     async def _handle_events(
