@@ -202,8 +202,14 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
                     res.burst_snapshots += 1
             while not cq.empty():
                 cq.get_nowait()
-            send("pushes")
-            after = int(wait_for(sq, "pushes", 10).split()[1])
+            # Pushes are counted as their writes complete: wait until the count settles.
+            after, stable_since = -1, time.monotonic()
+            while time.monotonic() - stable_since < 1.0:
+                send("pushes")
+                now = int(wait_for(sq, "pushes", 10).split()[1])
+                if now != after:
+                    after, stable_since = now, time.monotonic()
+                time.sleep(0.2)
             res.burst_pushes = (after - before) / n
             send("rebuild 3 999")
             res.rebuild_ms = float(wait_for(sq, "rebuilt", 10).split()[1]) * 1000
