@@ -135,6 +135,17 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
         server.stdin.write(cmd + "\n")
         server.stdin.flush()
 
+    def settled_pushes() -> int:
+        # Pushes are counted as their writes complete: wait until the count stops moving.
+        count, stable_since = -1, time.monotonic()
+        while time.monotonic() - stable_since < 1.0:
+            send("pushes")
+            now = int(wait_for(sq, "pushes", 10).split()[1])
+            if now != count:
+                count, stable_since = now, time.monotonic()
+            time.sleep(0.2)
+        return count
+
     try:
         wait_for(sq, "ready", 60)
         time.sleep(0.3)
@@ -187,8 +198,7 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
             time.sleep(2.0)  # let the server go idle (pushes are counted when their write completes)
             while not sq.empty():
                 sq.get_nowait()
-            send("pushes")
-            before = int(wait_for(sq, "pushes", 10).split()[1])
+            before = settled_pushes()
             send("burst 100 1")
             end = time.monotonic() + 3.0
             while (left := end - time.monotonic()) > 0:
@@ -202,15 +212,7 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
                     res.burst_snapshots += 1
             while not cq.empty():
                 cq.get_nowait()
-            # Pushes are counted as their writes complete: wait until the count settles.
-            after, stable_since = -1, time.monotonic()
-            while time.monotonic() - stable_since < 1.0:
-                send("pushes")
-                now = int(wait_for(sq, "pushes", 10).split()[1])
-                if now != after:
-                    after, stable_since = now, time.monotonic()
-                time.sleep(0.2)
-            res.burst_pushes = (after - before) / n
+            res.burst_pushes = (settled_pushes() - before) / n
             send("rebuild 3 999")
             res.rebuild_ms = float(wait_for(sq, "rebuilt", 10).split()[1]) * 1000
     finally:
