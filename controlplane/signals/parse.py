@@ -1,0 +1,164 @@
+"""Parse an inference server's /metrics page into one sample of its load (pure, no I/O).
+
+Four dialects are understood, detected from the metric names on the page: vLLM
+(`vllm:*`), SGLang (`sglang:*`), TGI (`tgi_*`) and Triton (`nv_inference_*`). `_FIELDS`
+maps each dialect's metric names to running, waiting, KV use (0-1), latency sum/count and
+success/failure counters; a dialect that does not export a quantity leaves it None.
+Counters are cumulative; `derive` turns two samples into interval rates. The page is
+parsed with prometheus_client's own text parser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+DIALECTS = ("vllm", "sglang", "tgi", "triton")
+
+
+class MetricsPageInvalid(ValueError):
+    """The page is not Prometheus text, or carries none of the metrics a dialect needs."""
+
+
+@dataclass(frozen=True)
+class ServerSample:
+    """One scrape of one server (for one model when the page labels models)."""
+
+    dialect: str
+    running: float | None = None
+    waiting: float | None = None
+    kv_use: float | None = None
+    latency_sum_s: float | None = None
+    latency_count: float | None = None
+    successes: float | None = None
+    failures: float | None = None
+
+
+@dataclass(frozen=True)
+class LoadDelta:
+    """What happened between two samples of the same server."""
+
+    mean_latency_s: float | None
+    error_rate: float | None
+    completed: float
+
+
+# name -> (field, scale); summed over the samples that match the model.
+_FIELDS: dict[str, dict[str, tuple[str, float]]] = {
+    "vllm": {
+        "vllm:num_requests_running": ("running", 1.0),
+        "vllm:num_requests_waiting": ("waiting", 1.0),
+        "vllm:kv_cache_usage_perc": ("kv_use", 1.0),
+        "vllm:gpu_cache_usage_perc": ("kv_use_legacy", 1.0),
+        "vllm:e2e_request_latency_seconds_sum": ("latency_sum_s", 1.0),
+        "vllm:e2e_request_latency_seconds_count": ("latency_count", 1.0),
+        "vllm:request_success_total": ("successes", 1.0),
+    },
+    "sglang": {
+        "sglang:num_running_reqs": ("running", 1.0),
+        "sglang:num_queue_reqs": ("waiting", 1.0),
+        "sglang:token_usage": ("kv_use", 1.0),
+        "sglang:e2e_request_latency_seconds_sum": ("latency_sum_s", 1.0),
+        "sglang:e2e_request_latency_seconds_count": ("latency_count", 1.0),
+    },
+    "tgi": {
+        "tgi_batch_current_size": ("running", 1.0),
+        "tgi_queue_size": ("waiting", 1.0),
+        "tgi_request_duration_sum": ("latency_sum_s", 1.0),
+        "tgi_request_duration_count": ("latency_count", 1.0),
+        "tgi_request_success_total": ("successes", 1.0),
+        "tgi_request_success": ("successes", 1.0),
+        "tgi_request_failure_total": ("failures", 1.0),
+        "tgi_request_failure": ("failures", 1.0),
+    },
+    "triton": {
+        "nv_inference_pending_request_count": ("waiting", 1.0),
+        "nv_inference_request_duration_us": ("latency_sum_s", 1e-6),
+        "nv_inference_request_duration_us_total": ("latency_sum_s", 1e-6),
+        "nv_inference_request_success": ("successes", 1.0),
+        "nv_inference_request_success_total": ("successes", 1.0),
+        "nv_inference_request_failure": ("failures", 1.0),
+        "nv_inference_request_failure_total": ("failures", 1.0),
+    },
+}
+_MODEL_LABELS = ("model_name", "model")
+_DETECT = {
+    "vllm": "vllm:",
+    "sglang": "sglang:",
+    "tgi": "tgi_",
+    "triton": "nv_inference_",
+}
+
+
+def parse_metrics(text: str, model: str | None = None) -> ServerSample:
+    """Parse a /metrics page. With `model`, count only samples labelled with that model
+    (or unlabelled ones). Raise MetricsPageInvalid with the reason."""
+    try:
+        samples = [
+            (s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples
+        ]
+    except (ValueError, IndexError, KeyError, TypeError) as e:
+        raise MetricsPageInvalid(f"not Prometheus text format: {e}") from None
+    dialect = _detect(name for name, _, _ in samples)
+    if dialect is None:
+        raise MetricsPageInvalid(
+            "no vLLM, SGLang, TGI or Triton metrics on the page "
+            f"({len(samples)} samples; expected names starting with "
+            f"{', '.join(repr(p) for p in _DETECT.values())})"
+        )
+    fields = _FIELDS[dialect]
+    values: dict[str, float] = {}
+    for name, labels, value in samples:
+        target = fields.get(name)
+        if target is None:
+            continue
+        labelled = next((labels[k] for k in _MODEL_LABELS if k in labels), None)
+        if model is not None and labelled is not None and labelled != model:
+            continue
+        if value != value or value in (float("inf"), float("-inf")):
+            raise MetricsPageInvalid(f"{name}: value {value} is not a finite number")
+        field, scale = target
+        values[field] = values.get(field, 0.0) + value * scale
+    if "kv_use" not in values and "kv_use_legacy" in values:
+        values["kv_use"] = values["kv_use_legacy"]
+    values.pop("kv_use_legacy", None)
+    if dialect == "triton" and "successes" in values:
+        values["latency_count"] = values["successes"]
+    if "kv_use" in values and values["kv_use"] > 1.0:
+        values["kv_use"] = values["kv_use"] / 100.0  # some exporters report percent
+    if not values:
+        raise MetricsPageInvalid(f"{dialect} page has none of its load metrics for model {model!r}")
+    return ServerSample(dialect=dialect, **values)
+
+
+def _detect(names: Iterable[str]) -> str | None:
+    counts = dict.fromkeys(DIALECTS, 0)
+    for name in names:
+        for dialect, prefix in _DETECT.items():
+            if name.startswith(prefix):
+                counts[dialect] += 1
+    best = max(counts, key=lambda d: counts[d])
+    return best if counts[best] else None
+
+
+def derive(previous: ServerSample | None, current: ServerSample) -> LoadDelta:
+    """Rates between two samples: mean latency of the requests completed in between, and
+    their error rate. A counter that went backwards (a restarted server) starts afresh."""
+    if previous is None or previous.dialect != current.dialect:
+        return LoadDelta(None, None, 0.0)
+
+    def delta(a: float | None, b: float | None) -> float | None:
+        if a is None or b is None:
+            return None
+        return b - a if b >= a else b  # a reset: the new value is all since the restart
+
+    d_sum = delta(previous.latency_sum_s, current.latency_sum_s)
+    d_count = delta(previous.latency_count, current.latency_count)
+    mean = d_sum / d_count if d_sum is not None and d_count else None
+    d_ok = delta(previous.successes, current.successes) or 0.0
+    d_fail = delta(previous.failures, current.failures) or 0.0
+    done = d_ok + d_fail
+    error_rate = d_fail / done if done else None
+    return LoadDelta(mean, error_rate, done if done else (d_count or 0.0))

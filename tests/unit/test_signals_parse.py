@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controlplane.signals.parse import MetricsPageInvalid, ServerSample, derive, parse_metrics
+
+# Metric names and types as vLLM documents them (production metrics, with model_name).
+VLLM = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="llama-3-8b"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="llama-3-8b"} 7.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="llama-3-8b"} 0.42
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{finished_reason="stop",model_name="llama-3-8b"} 90.0
+vllm:request_success_total{finished_reason="length",model_name="llama-3-8b"} 10.0
+# HELP vllm:e2e_request_latency_seconds Histogram of end to end request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="llama-3-8b"} 60.0
+vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="llama-3-8b"} 100.0
+vllm:e2e_request_latency_seconds_count{model_name="llama-3-8b"} 100.0
+vllm:e2e_request_latency_seconds_sum{model_name="llama-3-8b"} 150.0
+"""
+
+
+def test_vllm_page_parses_into_the_right_load() -> None:
+    s = parse_metrics(VLLM, "llama-3-8b")
+    assert s == ServerSample(
+        dialect="vllm",
+        running=3.0,
+        waiting=7.0,
+        kv_use=0.42,
+        latency_sum_s=150.0,
+        latency_count=100.0,
+        successes=100.0,
+    )
+
+
+def test_older_vllm_gpu_cache_name_is_understood() -> None:
+    page = VLLM.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+    assert parse_metrics(page).kv_use == 0.42
+
+
+def test_other_models_on_the_same_page_are_ignored() -> None:
+    page = VLLM + 'vllm:num_requests_running{model_name="other"} 50.0\n'
+    assert parse_metrics(page, "llama-3-8b").running == 3.0
+    assert parse_metrics(page).running == 53.0
+
+
+@pytest.mark.parametrize(
+    "page",
+    ["", "garbage here {{{", "<html>502 Bad Gateway</html>", "process_cpu_seconds_total 12.0\n"],
+)
+def test_garbage_pages_are_rejected_with_a_reason(page: str) -> None:
+    with pytest.raises(MetricsPageInvalid) as e:
+        parse_metrics(page)
+    assert str(e.value)
+
+
+def test_non_finite_values_are_rejected() -> None:
+    with pytest.raises(MetricsPageInvalid, match="not a finite number"):
+        parse_metrics(VLLM.replace("} 7.0", "} NaN"))
+
+
+def test_sglang_tgi_and_triton_dialects() -> None:
+    sglang = (
+        'sglang:num_running_reqs{model_name="m"} 2\n'
+        'sglang:num_queue_reqs{model_name="m"} 5\n'
+        'sglang:token_usage{model_name="m"} 0.5\n'
+    )
+    assert parse_metrics(sglang) == ServerSample(dialect="sglang", running=2, waiting=5, kv_use=0.5)
+    tgi = (
+        "# TYPE tgi_queue_size gauge\ntgi_queue_size 4\n# TYPE tgi_batch_current_size gauge\n"
+        "tgi_batch_current_size 8\n# TYPE tgi_request_success counter\ntgi_request_success 30\n"
+        "# TYPE tgi_request_failure counter\ntgi_request_failure 3\n"
+    )
+    t = parse_metrics(tgi)
+    assert (t.dialect, t.running, t.waiting, t.successes, t.failures) == ("tgi", 8, 4, 30, 3)
+    triton = (
+        'nv_inference_pending_request_count{model="m",version="1"} 6\n'
+        'nv_inference_request_success{model="m",version="1"} 200\n'
+        'nv_inference_request_failure{model="m",version="1"} 2\n'
+        'nv_inference_request_duration_us{model="m",version="1"} 4000000\n'
+        'nv_inference_queue_duration_us{model="m",version="1"} 10\n'
+    )
+    tr = parse_metrics(triton, "m")
+    assert (tr.dialect, tr.waiting, tr.successes, tr.failures) == ("triton", 6, 200, 2)
+    assert tr.latency_sum_s == pytest.approx(4.0) and tr.latency_count == 200
+
+
+def test_derive_gives_interval_latency_and_error_rate() -> None:
+    a = ServerSample("tgi", latency_sum_s=10.0, latency_count=10, successes=10, failures=0)
+    b = ServerSample("tgi", latency_sum_s=40.0, latency_count=20, successes=18, failures=2)
+    d = derive(a, b)
+    assert d.mean_latency_s == pytest.approx(3.0)
+    assert d.error_rate == pytest.approx(0.2)
+    assert d.completed == 10
+    assert derive(None, b).mean_latency_s is None
+
+
+def test_derive_survives_a_counter_reset() -> None:
+    a = ServerSample("vllm", latency_sum_s=100.0, latency_count=50, successes=50)
+    b = ServerSample("vllm", latency_sum_s=4.0, latency_count=2, successes=2)  # server restarted
+    d = derive(a, b)
+    assert d.mean_latency_s == pytest.approx(2.0)
+    assert d.completed == 2
+
+
+@given(
+    running=st.integers(0, 10_000),
+    waiting=st.integers(0, 10_000),
+    kv=st.floats(0, 1, allow_nan=False),
+    count=st.integers(0, 10**9),
+)
+def test_rendered_vllm_values_round_trip(running: int, waiting: int, kv: float, count: int) -> None:
+    page = (
+        f'vllm:num_requests_running{{model_name="m"}} {running}\n'
+        f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
+        f'vllm:kv_cache_usage_perc{{model_name="m"}} {kv!r}\n'
+        f'vllm:e2e_request_latency_seconds_count{{model_name="m"}} {count}\n'
+    )
+    s = parse_metrics(page, "m")
+    assert (s.running, s.waiting, s.kv_use, s.latency_count) == (running, waiting, kv, count)
