@@ -1,1 +1,1 @@
-"""balancing room."""
+"""Pure balancing policies: endpoint loads -> EDS weights, and smoothing across updates."""

@@ -1,1 +1,1 @@
-"""cli room."""
+"""The `controlplane` command line."""

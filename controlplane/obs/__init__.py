@@ -1,1 +1,1 @@
-"""obs room."""
+"""Observability: Prometheus metrics, the status HTTP server, structlog setup."""

@@ -1,1 +1,1 @@
-"""routing room."""
+"""Pure translation: fleet (and endpoint weights) -> Envoy Listener, Route, Cluster, CLA."""

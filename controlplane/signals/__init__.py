@@ -1,1 +1,1 @@
-"""signals room."""
+"""Load signals from inference servers and Envoy: parsing (and, to come, scraping and LRS)."""
