@@ -174,7 +174,7 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
             clients.append(p)
             Lines(p, cq)
         try:
-            synced = collect(cq, "sync", n, float(__import__("os").environ.get("SYNC_TIMEOUT", 60 + n * 0.1)))
+            synced = collect(cq, "sync", n, 60 + n * 0.1)
         except TimeoutError:
             if impl == "ours":
                 send("status")

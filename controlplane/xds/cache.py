@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from controlplane.xds.snapshot import Snapshot
@@ -13,7 +12,6 @@ class SnapshotCache:
 
     def __init__(self) -> None:
         self._snapshot: Snapshot | None = None
-        self._changed: asyncio.Future[Snapshot] | None = None
         self._subscribers: set[Callable[[], None]] = set()
 
     def subscribe(self, wake: Callable[[], None]) -> None:
@@ -30,14 +28,5 @@ class SnapshotCache:
     def publish(self, snapshot: Snapshot) -> None:
         """Make `snapshot` current and wake every stream waiting for a change."""
         self._snapshot = snapshot
-        fut, self._changed = self._changed, None
-        if fut is not None and not fut.done():
-            fut.set_result(snapshot)
         for wake in list(self._subscribers):
             wake()
-
-    def changed(self) -> asyncio.Future[Snapshot]:
-        """A future resolved at the next publish (shared by all waiters)."""
-        if self._changed is None or self._changed.done():
-            self._changed = asyncio.get_running_loop().create_future()
-        return self._changed
