@@ -102,7 +102,6 @@ class _InFlight:
     removed: frozenset[str]
     generation: int
     created_at: float
-    content_key: str
     complete: bool = True  # it carried everything desired at `generation` (nothing held back)
 
 
@@ -119,8 +118,7 @@ class TypeState:
     # What the proxy has, as far as we know: name -> version, and the resource when we sent it.
     acked: dict[str, str] = field(default_factory=dict)
     acked_res: dict[str, SnapshotResource] = field(default_factory=dict)
-    acked_version: str = ""
-    acked_key: str = ""
+    acked_version: str = ""  # also the content key of what the proxy holds
     last_subscription: tuple[bool, frozenset[str]] = (False, frozenset())
     # NACK memory: full-state content key, or per-resource versions.
     rejected_key: str = ""
@@ -230,7 +228,6 @@ class XdsStream:
         self._unknown_reported: set[str] = set()
         # A cluster new to the proxy warms on EDS sent after it: name -> CDS response nonce.
         self._eds_fresh_after: dict[str, int] = {}
-        self._complete = True
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -337,7 +334,7 @@ class XdsStream:
             ts.last_error = error or f"rejected with code {code}"
             ts.last_nacked = True
             if type_url in FULL_STATE_TYPES and not self.delta:
-                ts.rejected_key = flight.content_key
+                ts.rejected_key = flight.version
             else:
                 ts.rejected.update({n: r.version for n, r in flight.resources.items()})
             return [Nack(type_url, nonce, flight.version, ts.last_error)]
@@ -363,7 +360,6 @@ class XdsStream:
             for name in flight.removed:
                 ts.drop(name)
         ts.acked_version = flight.version
-        ts.acked_key = flight.content_key
         ts.settled = flight.generation if flight.complete else -1
         return [
             Ack(
@@ -435,7 +431,8 @@ class XdsStream:
         wildcard_names = self.snapshot.wildcard_names(type_url)
         out: dict[str, SnapshotResource]
         if ts.wildcard and len(wildcard_names) == len(every) and all(n in every for n in ts.names):
-            out = dict(every) if not isinstance(every, dict) else every  # shared: copy before changing
+            # The snapshot's own dict, shared by every stream: copied below before any change.
+            out = every if isinstance(every, dict) else dict(every)
         else:
             wanted = set(ts.names)
             if ts.wildcard:
@@ -526,8 +523,7 @@ class XdsStream:
                     removed.add(name)
         if not updates and not removed:
             return None
-        key = ts.state_after(updates, removed)
-        return self._emit(ENDPOINT, ts, updates, frozenset(removed), key, key)
+        return self._emit(ENDPOINT, ts, updates, frozenset(removed), ts.state_after(updates, removed))
 
     def _matches_acked(self, type_url: str, ts: TypeState) -> bool:
         desired = self.desired(type_url)
@@ -539,17 +535,17 @@ class XdsStream:
         desired, held_back = self._desired(type_url)
         # In sync with this snapshot unless something is sent or held back below.
         ts.settled = self.snapshot.generation if not held_back else -1
-        self._complete = not held_back
+        complete = not held_back
         full = type_url in FULL_STATE_TYPES and not self.delta
         if full:
             key = _key((n, r.version) for n, r in desired.items())
             subscription = (ts.wildcard, frozenset(ts.names))
-            if ts.responded and key == ts.acked_key and subscription == ts.last_subscription:
+            if ts.responded and key == ts.acked_version and subscription == ts.last_subscription:
                 return None
             if key == ts.rejected_key:
                 return None
             ts.last_subscription = subscription
-            return self._emit(type_url, ts, desired, frozenset(), key, key)
+            return self._emit(type_url, ts, desired, frozenset(), key, complete)
         updates = {
             n: r
             for n, r in desired.items()
@@ -566,8 +562,7 @@ class XdsStream:
         if not updates and not removed and (ts.responded or not self.delta):
             # SotW routes and endpoints: an empty response says nothing; wait for content.
             return None
-        key = ts.state_after(updates, removed)
-        return self._emit(type_url, ts, updates, removed, key, key)
+        return self._emit(type_url, ts, updates, removed, ts.state_after(updates, removed), complete)
 
     def _emit(
         self,
@@ -576,8 +571,10 @@ class XdsStream:
         resources: dict[str, SnapshotResource],
         removed: frozenset[str],
         version: str,
-        content_key: str,
+        complete: bool = True,
     ) -> Send:
+        """Put a response in flight. `version` is also its content key (NACK memory);
+        `complete` says it carries everything desired (nothing held back)."""
         self._nonce += 1
         nonce = str(self._nonce)
         ts.settled = -1
@@ -606,10 +603,8 @@ class XdsStream:
             removed=removed,
             generation=self.snapshot.generation,
             created_at=self.snapshot.created_at,
-            content_key=content_key,
-            complete=self._complete,
+            complete=complete,
         )
-        self._complete = True
         return Send(
             type_url,
             nonce,
@@ -631,10 +626,7 @@ class XdsStream:
             return "STALE"
         if ts.last_nacked:
             return "NACKED"
-        desired = self.desired(type_url)
-        if any(ts.acked.get(n) != r.version for n, r in desired.items()):
-            return "STALE"
-        return "SYNCED"
+        return "SYNCED" if self._matches_acked(type_url, ts) else "STALE"
 
 
 @dataclass(frozen=True)
