@@ -44,6 +44,8 @@ class ControlPlane:
         self.cache = SnapshotCache()
         self.xds = XdsServer(self.cache, self.metrics)
         self.reconciler = Reconciler(self.cache, self.metrics, options.debounce_s, options.max_delay_s)
+        # The first snapshot turns health to SERVING (until then streams get UNAVAILABLE).
+        self.reconciler.on_publish.append(self._on_publish)
         self.health = health.aio.HealthServicer()
         self.watcher = FleetFileWatcher(
             options.config, self._on_fleet, self._on_invalid, options.watch_interval_s
@@ -51,7 +53,8 @@ class ControlPlane:
         self.grpc_server: grpc.aio.Server | None = None
         self.http: StatusHTTPServer | None = None
         self.xds_port = 0
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Future[None]] = []
+        self._serving = False
 
     def _on_fleet(self, fleet: Fleet) -> None:
         first = self.reconciler.fleet is None
@@ -110,10 +113,9 @@ class ControlPlane:
         self.grpc_server = server
         self.http.start()
         await self._set_health()
-        self._tasks = [
+        self._tasks += [
             asyncio.create_task(self.reconciler.run()),
             asyncio.create_task(self.watcher.run()),
-            asyncio.create_task(self._health_loop()),
         ]
         log.info(
             "control plane serving",
@@ -122,19 +124,20 @@ class ControlPlane:
             config=str(self.options.config),
         )
 
+    def _on_publish(self, snapshot: object) -> None:
+        if self.grpc_server is not None and not self._serving:
+            self._serving = True
+            self._tasks.append(asyncio.ensure_future(self._set_health()))
+
     async def _set_health(self) -> None:
+        self._serving = self.cache.current is not None
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if self.cache.current is not None
+            if self._serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in ("", ADS_SERVICE):
             await self.health.set(name, status)
-
-    async def _health_loop(self) -> None:
-        while self.cache.current is None:
-            await asyncio.sleep(0.1)
-        await self._set_health()
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.grpc_server is not None:
@@ -146,13 +149,3 @@ class ControlPlane:
                 await t
         if self.http is not None:
             self.http.stop()
-
-
-async def serve_forever(options: ServeOptions) -> None:
-    """Run the control plane until cancelled (SIGINT/SIGTERM)."""
-    cp = ControlPlane(options)
-    await cp.start()
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await cp.stop()

@@ -80,7 +80,7 @@ class Snapshot:
     generation: int
     created_at: float
     resources: Mapping[str, Mapping[str, SnapshotResource]]
-    # Per type, the names a wildcard subscription gets; a type not listed gets all.
+    # Per type, the names a wildcard subscription gets (build_snapshot fills every type).
     wildcard: Mapping[str, frozenset[str]] = field(default_factory=dict)
     # Per type, names added, changed or removed since the snapshot `parent` (None: unknown).
     changes: Mapping[str, frozenset[str]] = field(default_factory=dict)
