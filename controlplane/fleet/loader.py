@@ -11,7 +11,17 @@ from typing import Any
 
 import yaml
 
-from controlplane.fleet.model import Endpoint, Fleet, ListenerSpec, Model, Tier, Version
+from controlplane.balancing.policies import POLICIES
+from controlplane.fleet.model import (
+    Endpoint,
+    Fleet,
+    GpuClass,
+    ListenerSpec,
+    Model,
+    SignalsSpec,
+    Tier,
+    Version,
+)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -122,7 +132,7 @@ def _mapping(value: Any, path: str, errs: _Errors, allowed: set[str]) -> dict[st
 def _kind(value: Any) -> str:
     if value is None:
         return "nothing"
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean"}.get(
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "a number"}.get(
         type(value), f"a {type(value).__name__}"
     )
 
@@ -184,15 +194,84 @@ def parse_address(value: Any) -> tuple[str, int]:
 
 
 def _fleet(data: Any, errs: _Errors) -> Fleet | None:
-    top = _mapping(data, "", errs, {"listener", "tiers", "models"})
+    top = _mapping(data, "", errs, {"listener", "tiers", "models", "gpu_classes", "signals"})
     if top is None:
         return None
     listener = _listener(top.get("listener"), errs)
     tiers = _tiers(top.get("tiers"), errs)
+    gpu_classes = _gpu_classes(top.get("gpu_classes"), errs)
+    signals = _signals(top.get("signals"), errs)
     models = _models(top.get("models"), tiers, errs)
-    if listener is None or tiers is None or models is None:
+    if listener is None or tiers is None or models is None or gpu_classes is None or signals is None:
         return None
-    return Fleet(listener=listener, tiers=tuple(tiers), models=tuple(models))
+    return Fleet(
+        listener=listener,
+        tiers=tuple(tiers),
+        models=tuple(models),
+        gpu_classes=tuple(gpu_classes),
+        signals=signals,
+    )
+
+
+def _policy(value: Any, path: str, errs: _Errors) -> str | None:
+    if value not in POLICIES:
+        errs.add(path, f"unknown balancing policy {value!r} (policies: {', '.join(POLICIES)})")
+        return None
+    return str(value)
+
+
+def _gpu_classes(value: Any, errs: _Errors) -> list[GpuClass] | None:
+    m = _mapping(value, "gpu_classes", errs, set(value) if isinstance(value, dict) else set())
+    if m is None:
+        return None
+    out: list[GpuClass] = []
+    for name, spec in m.items():
+        path = f"gpu_classes.{name}"
+        g = _mapping(spec, path, errs, {"capacity"})
+        if g is None:
+            continue
+        capacity = _number(g.get("capacity", 1.0), f"{path}.capacity", errs)
+        if capacity is not None:
+            out.append(GpuClass(name=str(name), capacity=capacity))
+    return out
+
+
+_SIGNAL_DURATIONS = {
+    "interval": "interval_s",
+    "timeout": "timeout_s",
+    "stale_after": "stale_after_s",
+    "stale_full": "stale_full_s",
+    "slow_start": "slow_start_s",
+}
+
+
+def _signals(value: Any, errs: _Errors) -> SignalsSpec | None:
+    allowed = {"enabled", "metrics_path", "health_path", *_SIGNAL_DURATIONS}
+    m = _mapping(value, "signals", errs, allowed)
+    if m is None:
+        return None
+    before = len(errs.items)
+    kwargs: dict[str, Any] = {}
+    if "enabled" in m:
+        if not isinstance(m["enabled"], bool):
+            errs.add("signals.enabled", f"expected true or false, got {_kind(m['enabled'])}")
+        kwargs["enabled"] = m["enabled"]
+    for key in ("metrics_path", "health_path"):
+        if key in m:
+            if not isinstance(m[key], str) or not m[key].startswith("/"):
+                errs.add(f"signals.{key}", f"expected a path starting with '/', got {m[key]!r}")
+            kwargs[key] = m[key]
+    for key, field_name in _SIGNAL_DURATIONS.items():
+        if key in m:
+            kwargs[field_name] = _duration(m[key], f"signals.{key}", errs)
+    if len(errs.items) != before:
+        return None
+    spec = SignalsSpec(**kwargs)
+    if spec.timeout_s > spec.interval_s:
+        errs.add("signals.timeout", f"must not exceed signals.interval ({spec.interval_s:g}s)")
+    if spec.stale_full_s <= spec.stale_after_s:
+        errs.add("signals.stale_full", f"must be greater than signals.stale_after ({spec.stale_after_s:g}s)")
+    return spec if len(errs.items) == before else None
 
 
 def _listener(value: Any, errs: _Errors) -> ListenerSpec | None:
@@ -233,7 +312,7 @@ def _tiers(value: Any, errs: _Errors) -> list[Tier] | None:
         if not isinstance(name, str) or not _VERSION.match(name):
             errs.add(path, "tier names use letters, digits, '.', '_' and '-'")
             continue
-        m = _mapping(spec, path, errs, {"max_params_b", "timeout"})
+        m = _mapping(spec, path, errs, {"max_params_b", "timeout", "balancing"})
         if m is None:
             continue
         max_b: float | None = None
@@ -248,12 +327,13 @@ def _tiers(value: Any, errs: _Errors) -> list[Tier] | None:
         if "max_params_b" not in m:
             unbounded = name
         timeout = _duration(m.get("timeout", "60s"), f"{path}.timeout", errs)
-        if timeout is not None:
-            out.append(Tier(name=name, max_params_b=max_b, timeout_s=timeout))
+        policy = _policy(m.get("balancing", "adaptive"), f"{path}.balancing", errs)
+        if timeout is not None and policy is not None:
+            out.append(Tier(name=name, max_params_b=max_b, timeout_s=timeout, balancing=policy))
     return out
 
 
-_MODEL_KEYS = {"params_b", "tier", "stable", "versions", "protocol", "cluster_overrides"}
+_MODEL_KEYS = {"params_b", "tier", "stable", "versions", "protocol", "cluster_overrides", "balancing"}
 
 
 def _models(value: Any, tiers: list[Tier] | None, errs: _Errors) -> list[Model] | None:
@@ -290,6 +370,7 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         errs.add(f"{path}.stable", "missing: name the version that takes traffic")
     elif versions is not None and stable not in {v.name for v in versions}:
         errs.add(f"{path}.stable", f"names version {stable!r}, which is not under versions")
+    balancing = _policy(m["balancing"], f"{path}.balancing", errs) if "balancing" in m else None
     overrides = m.get("cluster_overrides")
     if overrides is not None:
         _check_cluster_overrides(overrides, f"{path}.cluster_overrides", errs)
@@ -302,6 +383,7 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         versions=tuple(versions),
         params_b=params_b,
         protocol=protocol,
+        balancing=balancing,
         cluster_overrides=overrides,
     )
 
@@ -384,7 +466,7 @@ def _endpoints(
         p = f"{epath}[{i}]"
         if isinstance(spec, str):
             spec = {"address": spec}
-        m = _mapping(spec, p, errs, {"address", "gpu", "gpu_memory_gb"})
+        m = _mapping(spec, p, errs, {"address", "gpu", "gpu_memory_gb", "capacity"})
         if m is None:
             continue
         try:
@@ -406,7 +488,12 @@ def _endpoints(
             mem = _number(m["gpu_memory_gb"], f"{p}.gpu_memory_gb", errs)
             if mem is None:
                 continue
-        out.append(Endpoint(host=host, port=port, gpu=gpu, gpu_memory_gb=mem))
+        capacity = None
+        if "capacity" in m:
+            capacity = _number(m["capacity"], f"{p}.capacity", errs)
+            if capacity is None:
+                continue
+        out.append(Endpoint(host=host, port=port, gpu=gpu, gpu_memory_gb=mem, capacity=capacity))
     return out
 
 

@@ -15,6 +15,7 @@ class Endpoint:
     port: int
     gpu: str | None = None
     gpu_memory_gb: float | None = None
+    capacity: float | None = None  # relative throughput; None: the GPU class's (or 1.0)
 
     @property
     def address(self) -> str:
@@ -37,6 +38,7 @@ class Tier:
     name: str
     max_params_b: float | None
     timeout_s: float
+    balancing: str = "adaptive"  # the policy its models use unless they name their own
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Model:
     versions: tuple[Version, ...]
     params_b: float | None = None
     protocol: str = "http1"
+    balancing: str | None = None  # None: the tier's policy
     # Merged verbatim into every generated Cluster of this model; Envoy has the last word.
     cluster_overrides: Mapping[str, Any] | None = field(default=None, compare=True)
 
@@ -68,12 +71,36 @@ class ListenerSpec:
 
 
 @dataclass(frozen=True)
+class GpuClass:
+    """A GPU class and its throughput relative to the others (capacity 1.0 = reference)."""
+
+    name: str
+    capacity: float = 1.0
+
+
+@dataclass(frozen=True)
+class SignalsSpec:
+    """How load signals are collected from the inference servers."""
+
+    enabled: bool = True
+    interval_s: float = 1.0  # scrape period, and the period weights are recomputed
+    timeout_s: float = 0.5  # per endpoint and scrape; a slow server cannot delay the others
+    metrics_path: str = "/metrics"
+    health_path: str = "/health"
+    stale_after_s: float = 5.0  # signals older than this start losing influence...
+    stale_full_s: float = 30.0  # ...and have none left at this age (capacity only)
+    slow_start_s: float = 30.0  # ramp to full weight after an endpoint becomes ready
+
+
+@dataclass(frozen=True)
 class Fleet:
     """The whole configured world, as one immutable value."""
 
     listener: ListenerSpec
     tiers: tuple[Tier, ...]
     models: tuple[Model, ...]
+    gpu_classes: tuple[GpuClass, ...] = ()
+    signals: SignalsSpec = field(default_factory=SignalsSpec)
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -86,3 +113,16 @@ class Fleet:
             if m.name == name:
                 return m
         raise KeyError(name)
+
+    def policy_of(self, model: Model) -> str:
+        """The balancing policy a model uses: its own, else its tier's."""
+        return model.balancing or self.tier(model.tier).balancing
+
+    def capacity_of(self, endpoint: Endpoint) -> float:
+        """An endpoint's relative capacity: its own, else its GPU class's, else 1.0."""
+        if endpoint.capacity is not None:
+            return endpoint.capacity
+        for g in self.gpu_classes:
+            if g.name == endpoint.gpu:
+                return g.capacity
+        return 1.0

@@ -16,6 +16,7 @@ from envoy.config.core.v3 import (
     base_pb2,
     config_source_pb2,
     extension_pb2,
+    health_check_pb2,
     protocol_pb2,
 )
 from envoy.config.endpoint.v3 import endpoint_pb2
@@ -64,6 +65,8 @@ ERR_NO_MODEL = {
 }
 
 # Weights per cluster name, then per endpoint address; missing entries weigh DEFAULT_WEIGHT.
+# A weight of 0 holds the endpoint out: it is sent with health status UNHEALTHY, so neither
+# Envoy nor proxyless gRPC sends it new requests (a not-ready, still-warming server).
 EndpointWeights = Mapping[str, Mapping[str, int]]
 DEFAULT_WEIGHT = 1
 
@@ -128,6 +131,9 @@ def build_cluster(model: Model, cname: str) -> cluster_pb2.Cluster:
         connect_timeout=_duration(1.0),
         load_balancing_policy=least_request_policy(),
     )
+    # No panic mode: Envoy's default (below 50% healthy, ignore health) would send traffic
+    # to servers that said they are not ready. All held out means 503, which is the truth.
+    c.common_lb_config.healthy_panic_threshold.value = 0.0
     if model.protocol == "http2":
         opts = http_protocol_options_pb2.HttpProtocolOptions(
             explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
@@ -170,7 +176,8 @@ def _lb_policy(name: str, msg: Message) -> cluster_pb2.LoadBalancingPolicy.Polic
 def build_assignment(
     cname: str, version: Version, weights: Mapping[str, int]
 ) -> endpoint_pb2.ClusterLoadAssignment:
-    """Every endpoint of the version with its weight, in one weighted locality."""
+    """Every endpoint of the version with its weight, in one weighted locality; weight 0 is
+    sent as UNHEALTHY (held out) with weight 1, since EDS weights must be at least 1."""
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cname)
     if not version.endpoints:
         return cla
@@ -182,8 +189,10 @@ def build_assignment(
         lb.endpoint.address.socket_address.CopyFrom(
             address_pb2.SocketAddress(address=ep.host, port_value=ep.port)
         )
-        w = max(1, int(weights.get(ep.address, DEFAULT_WEIGHT)))
-        lb.load_balancing_weight.value = w
+        w = int(weights.get(ep.address, DEFAULT_WEIGHT))
+        if w <= 0:
+            lb.health_status = health_check_pb2.UNHEALTHY
+        lb.load_balancing_weight.value = max(1, w)
     return cla
 
 

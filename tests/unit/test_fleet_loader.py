@@ -45,8 +45,8 @@ def test_explicit_tier_wins() -> None:
 def test_unknown_key_names_path_and_line() -> None:
     errs = errors_of(BASIC.replace("stable: v1", "stable: v1\n    stabel: v2"))
     assert errs == [
-        "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: cluster_overrides, params_b, "
-        "protocol, stable, tier, versions)"
+        "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: balancing, cluster_overrides, "
+        "params_b, protocol, stable, tier, versions)"
     ]
 
 
@@ -160,3 +160,38 @@ def test_load_fleet_reads_a_file(tmp_path: Path) -> None:
     p = tmp_path / "f.yaml"
     p.write_text(BASIC)
     assert load_fleet(p).model("llama-3-8b").stable == "v1"
+
+
+def test_balancing_gpu_classes_and_signals() -> None:
+    text = (
+        BASIC.replace(
+            "small:  {max_params_b: 15, timeout: 60s}", "small:  {max_params_b: 15, balancing: round_robin}"
+        ).replace("{address: 127.0.0.1:8102}", "{address: 127.0.0.1:8102, capacity: 0.5}")
+        + "gpu_classes: {A100: {capacity: 2.5}}\nsignals: {interval: 2s, timeout: 300ms, slow_start: 10s}\n"
+    )
+    fleet = parse_fleet(text)
+    m = fleet.model("llama-3-8b")
+    assert fleet.policy_of(m) == "round_robin"
+    assert [fleet.capacity_of(e) for e in m.version("v1").endpoints] == [2.5, 0.5]
+    assert fleet.capacity_of(m.version("v2").endpoints[0]) == 1.0  # no GPU class: the reference
+    assert (fleet.signals.interval_s, fleet.signals.timeout_s, fleet.signals.slow_start_s) == (2.0, 0.3, 10.0)
+    # A model's own policy wins over its tier's; the default is adaptive.
+    own = parse_fleet(
+        BASIC.replace("    stable: v1\n", "    stable: v1\n    balancing: least_connections\n", 1)
+    )
+    assert own.policy_of(own.model("llama-3-8b")) == "least_connections"
+    assert parse_fleet(BASIC).policy_of(parse_fleet(BASIC).model("llama-3-8b")) == "adaptive"
+
+
+def test_balancing_and_signals_errors_name_the_field() -> None:
+    errs = errors_of(
+        BASIC.replace("stable: v1", "stable: v1\n    balancing: fastest", 1)
+        + "gpu_classes: {L4: {capacity: 0}}\nsignals: {interval: 1s, timeout: 2s, metrics_path: metrics}\n"
+    )
+    assert any(
+        "models.llama-3-8b.balancing: unknown balancing policy 'fastest' (policies: " in e for e in errs
+    )
+    assert any("gpu_classes.L4.capacity: must be greater than 0, got 0" in e for e in errs)
+    assert any("signals.metrics_path: expected a path starting with '/', got 'metrics'" in e for e in errs)
+    errs = errors_of(BASIC + "signals: {interval: 1s, timeout: 2s}\n")
+    assert errs == ["fleet.yaml:17: signals.timeout: must not exceed signals.interval (1s)"]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
@@ -141,3 +142,16 @@ def test_unchanged_resources_are_reused_not_reserialised() -> None:
     b = build_snapshot(translate(parse_fleet(changed)), 2, 0.0, previous=a)
     assert b.resources[ENDPOINT]["llama-3-8b@v1"] is a.resources[ENDPOINT]["llama-3-8b@v1"]
     assert b.resources[ENDPOINT]["llama-3-8b@v2"] is not a.resources[ENDPOINT]["llama-3-8b@v2"]
+
+
+def test_weight_zero_holds_an_endpoint_out_and_panic_mode_is_off() -> None:
+    d = translate(parse_fleet(BASIC), {"llama-3-8b@v1": {"127.0.0.1:8101": 0, "127.0.0.1:8102": 5}})
+    cla = d.by_type[ENDPOINT]["llama-3-8b@v1"]
+    assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
+    got = [(e.health_status, e.load_balancing_weight.value) for e in cla.endpoints[0].lb_endpoints]
+    assert got == [(health_check_pb2.UNHEALTHY, 1), (health_check_pb2.UNKNOWN, 5)]
+    c = d.by_type[CLUSTER]["llama-3-8b@v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    # Envoy's default panic threshold would route to held-out servers once half are out.
+    assert c.common_lb_config.HasField("healthy_panic_threshold")
+    assert c.common_lb_config.healthy_panic_threshold.value == 0.0
