@@ -10,14 +10,17 @@ from pathlib import Path
 
 import grpc
 import structlog
+from envoy.service.load_stats.v3 import lrs_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from controlplane.balancing.controller import WeightController
 from controlplane.fleet.loader import FleetConfigInvalid
 from controlplane.fleet.model import Fleet
 from controlplane.fleet.watch import FleetFileWatcher
 from controlplane.obs.http import StatusHTTPServer
 from controlplane.obs.metrics import Metrics
+from controlplane.signals import lrs
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_SERVICE, PER_TYPE_SERVICES, XdsServer
@@ -46,6 +49,10 @@ class ControlPlane:
         self.reconciler = Reconciler(self.cache, self.metrics, options.debounce_s, options.max_delay_s)
         # The first snapshot turns health to SERVING (until then streams get UNAVAILABLE).
         self.reconciler.on_publish.append(self._on_publish)
+        self.weights = WeightController(self.reconciler, self.metrics)
+        self.lrs = lrs.LoadReportingServer(
+            self.weights.store, streams_gauge=self.metrics.balancing.lrs_streams
+        )
         self.health = health.aio.HealthServicer()
         self.watcher = FleetFileWatcher(
             options.config, self._on_fleet, self._on_invalid, options.watch_interval_s
@@ -86,6 +93,13 @@ class ControlPlane:
 
     async def start(self) -> None:
         self.watcher.check()
+        if self.reconciler.fleet is not None:
+            # One bounded scrape round first, so the first snapshot already holds out
+            # servers that say they are not ready.
+            try:
+                await self.weights.tick()
+            except Exception:
+                log.exception("first signal round failed; starting with capacity weights")
         self.reconciler.rebuild_now()
         server = grpc.aio.server(
             options=[
@@ -97,8 +111,16 @@ class ControlPlane:
         )
         server.add_generic_rpc_handlers(tuple(self.xds.handlers()))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        lrs_pb2_grpc.add_LoadReportingServiceServicer_to_server(self.lrs, server)
         reflection.enable_server_reflection(
-            (ADS_SERVICE, *PER_TYPE_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (
+                ADS_SERVICE,
+                *PER_TYPE_SERVICES,
+                lrs.SERVICE_NAME,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ),
+            server,
         )
         try:
             self.http = StatusHTTPServer(self.options.metrics_listen, self.metrics, self.xds.registry)
@@ -116,6 +138,7 @@ class ControlPlane:
         self._tasks += [
             asyncio.create_task(self.reconciler.run()),
             asyncio.create_task(self.watcher.run()),
+            asyncio.create_task(self.weights.run()),
         ]
         log.info(
             "control plane serving",
@@ -147,5 +170,6 @@ class ControlPlane:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        await self.weights.close()
         if self.http is not None:
             self.http.stop()

@@ -88,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--node-cluster", default="inference-gateway", help="the proxy's node cluster")
     b.add_argument("--grpc", action="store_true", help="print a proxyless gRPC bootstrap (JSON)")
+    b.add_argument(
+        "--no-load-reports",
+        action="store_true",
+        help="do not send Envoy load reports (LRS) to the control plane; by default Envoy reports "
+        "per-endpoint requests in flight, issued, succeeded and failed every second",
+    )
 
     d = sub.add_parser(
         "demo",
@@ -149,6 +155,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
                     delta=args.delta,
                     admin_port=args.admin_port,
                     node_cluster=args.node_cluster,
+                    load_reports=not args.no_load_reports,
                 ),
                 end="",
             )

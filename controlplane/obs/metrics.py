@@ -108,9 +108,76 @@ class Metrics:
             "1 if the config file on disk is valid and served; 0 if the last edit was refused.",
             registry=r,
         )
+        self.balancing = BalancingMetrics(r)
         self.proxies_nacked = Gauge(
             "controlplane_xds_proxies_nacked",
             "Connected proxies whose latest response of a type was rejected (NACKed).",
             ["type"],
             registry=r,
+        )
+
+
+ENDPOINT_LABELS = ["model", "version", "endpoint"]
+
+
+class BalancingMetrics:
+    """Per-endpoint loads and weights, per-model balance; registered on the Metrics registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ENDPOINT_LABELS, registry=r)
+
+        self.weight = gauge(
+            "controlplane_endpoint_weight",
+            "EDS load_balancing_weight pushed for the endpoint (0: held out, not ready).",
+        )
+        self.ready = gauge("controlplane_endpoint_ready", "1 if the endpoint is ready (/health), else 0.")
+        self.running = gauge("controlplane_endpoint_running", "Requests the server reports running.")
+        self.waiting = gauge("controlplane_endpoint_waiting", "Requests the server reports queued.")
+        self.kv = gauge("controlplane_endpoint_kv_cache_usage", "KV-cache use the server reports (0-1).")
+        self.latency = gauge(
+            "controlplane_endpoint_latency_seconds",
+            "EWMA of the mean end-to-end request latency the server reports, per scrape interval.",
+        )
+        self.error_rate = gauge(
+            "controlplane_endpoint_error_rate",
+            "EWMA error share: the worse of the server's counters and the proxies' load reports.",
+        )
+        self.in_flight = gauge(
+            "controlplane_endpoint_in_flight",
+            "Requests in progress to the endpoint, summed over all proxies' load reports (LRS).",
+        )
+        self.signal_age = gauge(
+            "controlplane_endpoint_signal_age_seconds",
+            "Age of the endpoint's newest readable metrics page (+Inf: never read).",
+        )
+        self.scrape_errors = Counter(
+            "controlplane_endpoint_scrape_errors_total",
+            "Scrapes of the endpoint's /metrics that failed or returned an unreadable page.",
+            ENDPOINT_LABELS,
+            registry=r,
+        )
+        self.balance_degree = Gauge(
+            "controlplane_model_load_balance_degree",
+            "L: standard deviation of the utilisation ((running + waiting) / capacity) of the ready "
+            "endpoints of the model's stable version. 0 is perfectly even.",
+            ["model"],
+            registry=r,
+        )
+        self.scrape_round = Histogram(
+            "controlplane_signals_scrape_round_seconds",
+            "Time to scrape every endpoint once (bounded by the scrape timeout).",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
+        self.weight_updates = Counter(
+            "controlplane_weight_updates_total",
+            "Weight changes handed to the reconciler, by model.",
+            ["model"],
+            registry=r,
+        )
+        self.lrs_streams = Gauge(
+            "controlplane_lrs_streams", "Connected Envoy load-reporting (LRS) streams.", registry=r
         )

@@ -27,3 +27,9 @@ def api_route_name(model: str) -> str:
 def stat_name(name: str) -> str:
     """A name safe for Envoy stats (dots would split Envoy's tag extraction)."""
     return _STAT_UNSAFE.sub("_", name)
+
+
+def model_of_cluster(cluster: str) -> str | None:
+    """The model a generated cluster name belongs to (`llama-3-8b@v1` -> `llama-3-8b`)."""
+    model, sep, version = cluster.rpartition("@")
+    return model if sep and model and version else None

@@ -29,8 +29,10 @@ def envoy_bootstrap(
     admin_port: int = 9901,
     admin_address: str = "127.0.0.1",
     node_cluster: str = "inference-gateway",
+    load_reports: bool = True,
 ) -> str:
-    """An Envoy bootstrap YAML that connects to the control plane over ADS."""
+    """An Envoy bootstrap YAML that connects to the control plane over ADS and, unless
+    `load_reports` is off, sends it load reports (LRS) over the same connection."""
     if not node_id:
         raise ValueError("--node-id: must not be empty")
     endpoints = []
@@ -48,7 +50,19 @@ def envoy_bootstrap(
         admin_port=admin_port,
         api_type="DELTA_GRPC" if delta else "GRPC",
         xds_endpoints="\n".join(endpoints),
+        load_stats=_LOAD_STATS if load_reports else "",
     )
+
+
+# Envoy reports per-endpoint request counts to the control plane (LRS) when asked.
+_LOAD_STATS = """\
+cluster_manager:
+  load_stats_config:
+    api_type: GRPC
+    transport_api_version: V3
+    grpc_services:
+    - envoy_grpc: {cluster_name: xds_cluster}
+"""
 
 
 def grpc_bootstrap(node_id: str, xds: str, node_cluster: str = "proxyless") -> str:

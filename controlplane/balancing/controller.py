@@ -1,0 +1,150 @@
+"""The weight loop (thin I/O shell): scrape, fold into the store, weigh, hand to the reconciler.
+
+Every `signals.interval` of the fleet file: one concurrent scrape round (bounded by
+`signals.timeout`), then every cluster's weights are recomputed from the store (scrapes
+plus Envoy load reports) and only changed clusters go to the reconciler, which debounces
+them into a snapshot. Per-endpoint gauges are refreshed each round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from controlplane.balancing.weigher import Weigher, load_balance_degree
+from controlplane.fleet.model import Fleet
+from controlplane.obs.metrics import Metrics
+from controlplane.routing.names import cluster_name
+from controlplane.signals.scrape import Scraper, scrape_targets
+from controlplane.signals.store import SignalStore
+from controlplane.xds.reconciler import Reconciler
+
+log = structlog.get_logger("controlplane.balancing")
+
+
+class WeightController:
+    """Owns the signal store, the scraper and the weigher; drives them once per interval."""
+
+    def __init__(self, reconciler: Reconciler, metrics: Metrics, store: SignalStore | None = None) -> None:
+        self.reconciler = reconciler
+        self.metrics = metrics
+        self.store = store or SignalStore()
+        self.weigher = Weigher()
+        self._scraper: Scraper | None = None
+        self._exported: set[tuple[str, str, str]] = set()
+        self._errors_exported: dict[tuple[str, str, str], int] = {}
+        self._ready: dict[tuple[str, str], bool] = {}
+        self._models_exported: set[str] = set()
+        self._closing: asyncio.Future[None] | None = None
+        self.rounds = 0
+
+    def _scraper_for(self, fleet: Fleet) -> Scraper:
+        s = fleet.signals
+        cur = self._scraper
+        if cur is None or (cur.timeout_s, cur.metrics_path, cur.health_path) != (
+            s.timeout_s,
+            s.metrics_path,
+            s.health_path,
+        ):
+            if cur is not None:
+                self._closing = asyncio.ensure_future(cur.close())
+            cur = self._scraper = Scraper(s.timeout_s, s.metrics_path, s.health_path)
+        return cur
+
+    async def close(self) -> None:
+        if self._scraper is not None:
+            await self._scraper.close()
+
+    async def tick(self) -> None:
+        """One round: scrape (if enabled), recompute weights, push changes, export metrics."""
+        fleet = self.reconciler.fleet
+        if fleet is None:
+            return
+        targets = scrape_targets(fleet)
+        self.store.retain(set(targets))
+        if fleet.signals.enabled:
+            started = time.perf_counter()
+            results = await self._scraper_for(fleet).scrape_round(targets)
+            self.metrics.balancing.scrape_round.observe(time.perf_counter() - started)
+            now = time.monotonic()
+            for key, result in results.items():
+                self.store.record_scrape(key, result, now)
+        fleet = self.reconciler.fleet or fleet  # the file may have changed while we scraped
+        now = time.monotonic()
+        changed = self.weigher.update(
+            fleet, lambda m, ep: self.store.load((m.name, ep.address), fleet.capacity_of(ep), now)
+        )
+        for cname, weights in changed.items():
+            self.reconciler.set_weights(cname, weights)
+            self.metrics.balancing.weight_updates.labels(cname.rpartition("@")[0]).inc()
+        self._log_readiness()
+        self._export(fleet, now)
+        self.rounds += 1
+
+    def _log_readiness(self) -> None:
+        for view in self.weigher.views.values():
+            for load in view.loads:
+                key = (view.model, load.address)
+                was = self._ready.get(key)
+                if was is not None and was != load.ready:
+                    sig = self.store.endpoints.get(key)
+                    log.info(
+                        "endpoint ready" if load.ready else "endpoint held out",
+                        model=view.model,
+                        version=view.version,
+                        endpoint=load.address,
+                        reason=None if load.ready or sig is None else sig.last_error or "health check",
+                    )
+                self._ready[key] = load.ready
+
+    def _export(self, fleet: Fleet, now: float) -> None:
+        b = self.metrics.balancing
+        seen: set[tuple[str, str, str]] = set()
+        for view in self.weigher.views.values():
+            for load in view.loads:
+                labels = (view.model, view.version, load.address)
+                seen.add(labels)
+                b.weight.labels(*labels).set(view.weights.get(load.address, 0))
+                b.ready.labels(*labels).set(1 if load.ready else 0)
+                b.running.labels(*labels).set(load.running)
+                b.waiting.labels(*labels).set(load.waiting)
+                b.kv.labels(*labels).set(load.kv_use)
+                b.latency.labels(*labels).set(load.latency_s if load.latency_s is not None else float("nan"))
+                b.error_rate.labels(*labels).set(load.error_rate)
+                b.signal_age.labels(*labels).set(load.age_s)
+                b.in_flight.labels(*labels).set(self.store.lrs_totals((view.model, load.address), now)[0])
+                sig = self.store.endpoints.get((view.model, load.address))
+                errors = sig.scrape_errors if sig is not None else 0
+                new = errors - self._errors_exported.get(labels, 0)
+                b.scrape_errors.labels(*labels).inc(max(0, new))
+                self._errors_exported[labels] = errors
+        for labels in self._exported - seen:
+            for g in (b.weight, b.ready, b.running, b.waiting, b.kv, b.latency, b.error_rate, b.signal_age):
+                g.remove(*labels)
+            b.in_flight.remove(*labels)
+            b.scrape_errors.remove(*labels)
+            self._errors_exported.pop(labels, None)
+        self._exported = seen
+        models: set[str] = set()
+        for m in fleet.models:
+            stable = self.weigher.views.get(cluster_name(m.name, m.stable))
+            if stable is not None:
+                b.balance_degree.labels(m.name).set(load_balance_degree(stable.loads))
+                models.add(m.name)
+        for gone in self._models_exported - models:
+            b.balance_degree.remove(gone)
+        self._models_exported = models
+
+    async def run(self) -> None:
+        """Tick every `signals.interval` until cancelled; a failed round is logged and skipped."""
+        while True:
+            started = time.monotonic()
+            fleet = self.reconciler.fleet
+            interval = fleet.signals.interval_s if fleet is not None else 1.0
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("weight update failed; the weights in force stay")
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))

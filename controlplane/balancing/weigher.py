@@ -1,0 +1,94 @@
+"""From loads to the weights each cluster gets, one update at a time (pure).
+
+`Weigher.update` runs every model's policy (its own or its tier's) over the loads of each
+of its versions' endpoints, smooths the result against the weights in force, and returns
+only the clusters whose weights changed, so the reconciler publishes nothing when nothing
+moved. Held-out endpoints (weight 0) come back at their target at once; the smoothing
+and slow start live in `policies`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+from controlplane.balancing.policies import (
+    POLICIES,
+    EndpointLoad,
+    PolicyConfig,
+    SmoothingConfig,
+    smooth,
+)
+from controlplane.fleet.model import Endpoint, Fleet, Model
+from controlplane.routing.names import cluster_name
+
+LoadOf = Callable[[Model, Endpoint], EndpointLoad]
+
+
+def policy_config(fleet: Fleet) -> PolicyConfig:
+    """The policy knobs the fleet file sets (signals section); the rest keep defaults."""
+    s = fleet.signals
+    return dataclasses.replace(
+        PolicyConfig(),
+        stale_after_s=s.stale_after_s,
+        stale_full_s=s.stale_full_s,
+        slow_start_s=s.slow_start_s,
+    )
+
+
+def utilisation(load: EndpointLoad) -> float:
+    """Requests in flight (running + waiting) per unit of capacity."""
+    return (load.running + load.waiting) / load.capacity if load.capacity > 0 else 0.0
+
+
+def load_balance_degree(loads: Sequence[EndpointLoad]) -> float:
+    """The seed's L: the standard deviation of ready endpoints' utilisation (0 = even)."""
+    u = [utilisation(e) for e in loads if e.ready]
+    if len(u) < 2:
+        return 0.0
+    mean = sum(u) / len(u)
+    return math.sqrt(sum((x - mean) ** 2 for x in u) / len(u))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterView:
+    """One cluster after an update: its model, policy, the loads seen and the weights in force."""
+
+    model: str
+    version: str
+    policy: str
+    loads: tuple[EndpointLoad, ...]
+    weights: Mapping[str, int]
+
+
+class Weigher:
+    """Holds the weights in force per cluster and moves them towards each policy's target."""
+
+    def __init__(self, smoothing: SmoothingConfig | None = None) -> None:
+        self.smoothing = smoothing or SmoothingConfig()
+        self.current: dict[str, dict[str, int]] = {}
+        self.views: dict[str, ClusterView] = {}
+
+    def update(self, fleet: Fleet, load_of: LoadOf) -> dict[str, dict[str, int]]:
+        """Recompute every cluster; return {cluster: weights} for those that changed."""
+        cfg = policy_config(fleet)
+        changed: dict[str, dict[str, int]] = {}
+        views: dict[str, ClusterView] = {}
+        for model in fleet.models:
+            policy_name = fleet.policy_of(model)
+            policy = POLICIES[policy_name]
+            for version in model.versions:
+                cname = cluster_name(model.name, version.name)
+                loads = tuple(load_of(model, ep) for ep in version.endpoints)
+                target = policy(loads, cfg)
+                previous = self.current.get(cname, {})
+                weights = smooth(previous, target, self.smoothing)
+                if weights != previous:
+                    changed[cname] = weights
+                    self.current[cname] = weights
+                views[cname] = ClusterView(model.name, version.name, policy_name, loads, weights)
+        for gone in [c for c in self.current if c not in views]:
+            del self.current[gone]
+        self.views = views
+        return changed

@@ -1,0 +1,92 @@
+"""Envoy load reporting (LRS, envoy.service.load_stats.v3) server (thin I/O shell).
+
+Each proxy opens one stream. We answer its first request by asking for every cluster
+(`send_all_clusters`), at endpoint granularity, every `interval_s`. Each report's
+per-endpoint counts (in progress, issued, succeeded, failed) go into the SignalStore,
+keyed by the proxy's node id; when the stream ends, that proxy's contribution is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from envoy.service.load_stats.v3 import lrs_pb2, lrs_pb2_grpc
+from google.protobuf import duration_pb2
+from prometheus_client import Gauge
+
+from controlplane.routing.names import model_of_cluster
+from controlplane.signals.store import SignalStore
+
+log = structlog.get_logger("controlplane.lrs")
+
+SERVICE_NAME = "envoy.service.load_stats.v3.LoadReportingService"
+
+
+def _address(sock_host: str, port: int) -> str:
+    return f"[{sock_host}]:{port}" if ":" in sock_host else f"{sock_host}:{port}"
+
+
+class LoadReportingServer(lrs_pb2_grpc.LoadReportingServiceServicer):  # type: ignore[misc]
+    """Collects Envoy load reports into the store."""
+
+    def __init__(
+        self, store: SignalStore, interval_s: float = 1.0, streams_gauge: Gauge | None = None
+    ) -> None:
+        self.store = store
+        self.interval_s = interval_s
+        self.streams_gauge = streams_gauge
+        self.streams = 0
+        self.reports = 0
+
+    async def StreamLoadStats(
+        self,
+        request_iterator: AsyncIterator[lrs_pb2.LoadStatsRequest],
+        context: grpc.aio.ServicerContext[lrs_pb2.LoadStatsRequest, lrs_pb2.LoadStatsResponse],
+    ) -> AsyncIterator[lrs_pb2.LoadStatsResponse]:
+        node = ""
+        self.streams += 1
+        if self.streams_gauge is not None:
+            self.streams_gauge.inc()
+        try:
+            async for req in request_iterator:
+                if not node:
+                    node = req.node.id or context.peer()
+                    log.info("load reporting stream opened", node=node)
+                    interval = duration_pb2.Duration()
+                    interval.FromNanoseconds(int(self.interval_s * 1e9))
+                    yield lrs_pb2.LoadStatsResponse(
+                        send_all_clusters=True,
+                        load_reporting_interval=interval,
+                        report_endpoint_granularity=True,
+                    )
+                self._record(node, req)
+        finally:
+            self.streams -= 1
+            if self.streams_gauge is not None:
+                self.streams_gauge.dec()
+            if node:
+                self.store.forget_node(node)
+                log.info("load reporting stream closed", node=node)
+
+    def _record(self, node: str, req: lrs_pb2.LoadStatsRequest) -> None:
+        now = time.monotonic()
+        for cs in req.cluster_stats:
+            model = model_of_cluster(cs.cluster_name)
+            if model is None:
+                continue  # not one of ours (a static cluster)
+            self.reports += 1
+            for loc in cs.upstream_locality_stats:
+                for es in loc.upstream_endpoint_stats:
+                    sa = es.address.socket_address
+                    self.store.record_lrs(
+                        (model, _address(sa.address, sa.port_value)),
+                        node,
+                        in_progress=float(es.total_requests_in_progress),
+                        issued=float(es.total_issued_requests),
+                        succeeded=float(es.total_successful_requests),
+                        failed=float(es.total_error_requests),
+                        now=now,
+                    )

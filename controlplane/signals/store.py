@@ -1,0 +1,185 @@
+"""What the control plane knows about each endpoint's load, and how old it is (pure).
+
+Two sources feed it: scrapes of each server's `/metrics` and `/health`, and Envoy load
+reports (LRS), summed over every proxy. `SignalStore.load` turns the latest of both into
+one `EndpointLoad` for the balancing policies. Time is an input (`now`, monotonic
+seconds), so every rule here is unit-tested without sleeping.
+
+Rules (docs/signals.md):
+- Readiness: `/health` 2xx is ready, 404 means the server has no health endpoint (ready),
+  any other status is not ready at once. Unreachable (refused, timeout) counts as not
+  ready after `UNREACHABLE_AFTER` scrapes in a row; before that the last verdict stands.
+  An endpoint never scraped yet is assumed ready.
+- A ready endpoint seen turning ready (not at first sight) gets `ready_for_s` from that
+  moment, for the slow-start ramp.
+- A page that cannot be parsed counts a scrape error and leaves the last good sample in
+  place, so its age grows and the policy fades it towards capacity only.
+- Latency and error rate are EWMAs over scrape intervals with completions. The error rate
+  is the worse of the server's own counters and the proxies' LRS error share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from controlplane.balancing.policies import EndpointLoad
+from controlplane.signals.parse import MetricsPageInvalid, ServerSample, derive, parse_metrics
+
+UNREACHABLE_AFTER = 3  # scrapes in a row that fail to connect before an endpoint is held out
+EWMA_ALPHA = 0.3  # weight of the newest interval in latency and error-rate averages
+LRS_MAX_AGE_S = 10.0  # a proxy's report older than this no longer counts
+
+EndpointKey = tuple[str, str]  # (model, address)
+
+
+@dataclass(frozen=True)
+class ScrapeResult:
+    """One scrape of one endpoint: /health status (or why it failed) and the /metrics page."""
+
+    health_status: int | None = None
+    health_error: str | None = None
+    metrics_text: str | None = None
+    metrics_error: str | None = None
+
+
+@dataclass
+class _LrsEntry:
+    in_progress: float
+    issued: float
+    succeeded: float
+    failed: float
+    at: float
+
+
+@dataclass
+class EndpointSignals:
+    """Mutable state of one endpoint's signals."""
+
+    sample: ServerSample | None = None
+    sample_at: float | None = None
+    latency_s: float | None = None
+    error_rate: float = 0.0
+    ready: bool | None = None  # None: not seen yet
+    ready_since: float | None = None  # when it was seen turning ready
+    unreachable: int = 0  # failed health scrapes in a row
+    scrape_errors: int = 0
+    last_error: str | None = None
+    lrs: dict[str, _LrsEntry] = field(default_factory=dict)  # by proxy node id
+
+
+class SignalStore:
+    """Latest signals per (model, address)."""
+
+    def __init__(self) -> None:
+        self.endpoints: dict[EndpointKey, EndpointSignals] = {}
+
+    def _get(self, key: EndpointKey) -> EndpointSignals:
+        sig = self.endpoints.get(key)
+        if sig is None:
+            sig = self.endpoints[key] = EndpointSignals()
+        return sig
+
+    def retain(self, keys: set[EndpointKey]) -> None:
+        """Forget endpoints that are no longer in the fleet."""
+        for key in [k for k in self.endpoints if k not in keys]:
+            del self.endpoints[key]
+
+    def record_scrape(self, key: EndpointKey, result: ScrapeResult, now: float) -> None:
+        """Fold one scrape into the endpoint's state."""
+        sig = self._get(key)
+        self._record_health(sig, result, now)
+        if result.metrics_error is not None:
+            sig.scrape_errors += 1
+            sig.last_error = result.metrics_error
+            return
+        if result.metrics_text is None:
+            return
+        try:
+            sample = parse_metrics(result.metrics_text, key[0])
+        except MetricsPageInvalid as e:
+            sig.scrape_errors += 1
+            sig.last_error = f"unreadable metrics page: {e}"
+            return
+        delta = derive(sig.sample, sample)
+        if delta.mean_latency_s is not None:
+            sig.latency_s = _ewma(sig.latency_s, delta.mean_latency_s)
+        if delta.error_rate is not None:
+            sig.error_rate = _ewma(sig.error_rate, delta.error_rate) or 0.0
+        sig.sample = sample
+        sig.sample_at = now
+        sig.last_error = None
+
+    def _record_health(self, sig: EndpointSignals, result: ScrapeResult, now: float) -> None:
+        if result.health_status is None and result.health_error is None:
+            return
+        was = sig.ready
+        if result.health_status is not None:
+            sig.unreachable = 0
+            ready = 200 <= result.health_status < 300 or result.health_status == 404
+        else:
+            sig.unreachable += 1
+            sig.last_error = f"health check failed: {result.health_error}"
+            ready = False if sig.unreachable >= UNREACHABLE_AFTER else (was if was is not None else True)
+        sig.ready = ready
+        if ready and was is False:
+            sig.ready_since = now
+        elif not ready:
+            sig.ready_since = None
+
+    def record_lrs(
+        self,
+        key: EndpointKey,
+        node: str,
+        *,
+        in_progress: float,
+        issued: float,
+        succeeded: float,
+        failed: float,
+        now: float,
+    ) -> None:
+        """One proxy's load report for one endpoint (counts are for the report interval)."""
+        self._get(key).lrs[node] = _LrsEntry(in_progress, issued, succeeded, failed, now)
+
+    def forget_node(self, node: str) -> None:
+        """A proxy's LRS stream ended: its in-flight counts no longer hold."""
+        for sig in self.endpoints.values():
+            sig.lrs.pop(node, None)
+
+    def lrs_totals(self, key: EndpointKey, now: float) -> tuple[float, float, float, float]:
+        """(in progress, issued, succeeded, failed) summed over proxies with recent reports."""
+        sig = self.endpoints.get(key)
+        if sig is None:
+            return (0.0, 0.0, 0.0, 0.0)
+        live = [e for e in sig.lrs.values() if now - e.at <= LRS_MAX_AGE_S]
+        return (
+            sum(e.in_progress for e in live),
+            sum(e.issued for e in live),
+            sum(e.succeeded for e in live),
+            sum(e.failed for e in live),
+        )
+
+    def load(self, key: EndpointKey, capacity: float, now: float) -> EndpointLoad:
+        """The endpoint's load as the policies see it."""
+        sig = self.endpoints.get(key) or EndpointSignals()
+        in_progress, _, ok, failed = self.lrs_totals(key, now)
+        s = sig.sample
+        lrs_errors = failed / (ok + failed) if ok + failed else 0.0
+        running = s.running if s is not None and s.running is not None else in_progress
+        ready_for = math.inf if sig.ready_since is None else max(0.0, now - sig.ready_since)
+        return EndpointLoad(
+            address=key[1],
+            ready=sig.ready is not False,
+            running=running,
+            waiting=(s.waiting or 0.0) if s is not None else 0.0,
+            kv_use=(s.kv_use or 0.0) if s is not None else 0.0,
+            latency_s=sig.latency_s,
+            error_rate=max(sig.error_rate, lrs_errors),
+            age_s=math.inf if sig.sample_at is None else max(0.0, now - sig.sample_at),
+            capacity=capacity,
+            ready_for_s=ready_for,
+        )
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + EWMA_ALPHA * (new - old)

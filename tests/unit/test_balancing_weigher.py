@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from controlplane.balancing.policies import EndpointLoad
+from controlplane.balancing.weigher import LoadOf, Weigher, load_balance_degree, policy_config
+from controlplane.fleet import parse_fleet
+from controlplane.fleet.model import Endpoint, Model
+from tests.fleets import fleet_yaml
+
+FLEET = parse_fleet(
+    fleet_yaml(
+        {
+            "chat": {"v1": ["10.0.0.1:80", "10.0.0.2:80"], "v2": ["10.0.0.3:80"]},
+            "embed": {"v1": ["10.0.1.1:80"]},
+        },
+        extra_model_keys={"embed": "balancing: round_robin"},
+    )
+    + "signals: {slow_start: 10s, stale_after: 2s, stale_full: 4s}\n"
+)
+
+
+def loads(table: dict[str, EndpointLoad]) -> LoadOf:
+    def load_of(model: Model, ep: Endpoint) -> EndpointLoad:
+        return table.get(ep.address, EndpointLoad(ep.address))
+
+    return load_of
+
+
+def test_only_changed_clusters_come_back() -> None:
+    w = Weigher()
+    first = w.update(FLEET, loads({}))
+    assert set(first) == {"chat@v1", "chat@v2", "embed@v1"}
+    assert first["chat@v1"] == {"10.0.0.1:80": 100, "10.0.0.2:80": 100}
+    assert w.update(FLEET, loads({})) == {}
+    busy = {"10.0.0.2:80": EndpointLoad("10.0.0.2:80", waiting=20.0)}
+    changed = w.update(FLEET, loads(busy))
+    assert set(changed) == {"chat@v1"}
+    assert changed["chat@v1"]["10.0.0.2:80"] < 100
+    assert w.views["chat@v1"].policy == "adaptive"
+    assert w.views["embed@v1"].policy == "round_robin"
+
+
+def test_not_ready_is_held_out_at_once() -> None:
+    w = Weigher()
+    w.update(FLEET, loads({}))
+    cold = {"10.0.0.1:80": EndpointLoad("10.0.0.1:80", ready=False)}
+    assert w.update(FLEET, loads(cold))["chat@v1"]["10.0.0.1:80"] == 0
+
+
+def test_removed_clusters_are_forgotten() -> None:
+    w = Weigher()
+    w.update(FLEET, loads({}))
+    smaller = parse_fleet(fleet_yaml({"chat": {"v1": ["10.0.0.1:80"]}}))
+    w.update(smaller, loads({}))
+    assert set(w.current) == {"chat@v1"} and set(w.views) == {"chat@v1"}
+
+
+def test_policy_config_takes_the_signals_section() -> None:
+    cfg = policy_config(FLEET)
+    assert (cfg.slow_start_s, cfg.stale_after_s, cfg.stale_full_s) == (10.0, 2.0, 4.0)
+
+
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [
+        ([(2, 0, 1.0), (2, 0, 1.0)], 0.0),
+        ([(4, 0, 1.0), (0, 0, 1.0)], 2.0),
+        ([(4, 0, 2.0), (2, 0, 1.0)], 0.0),  # utilisation is per unit of capacity
+        ([(1, 3, 1.0), (0, 0, 1.0), (0, 0, 1.0), (0, 0, 1.0)], math.sqrt(3.0)),
+        ([(5, 0, 1.0)], 0.0),
+    ],
+)
+def test_load_balance_degree(table: list[tuple[float, float, float]], expected: float) -> None:
+    ls = [EndpointLoad(f"e{i}", running=r, waiting=q, capacity=c) for i, (r, q, c) in enumerate(table)]
+    assert load_balance_degree(ls) == pytest.approx(expected)
+
+
+def test_load_balance_degree_ignores_held_out_endpoints() -> None:
+    ls = [
+        EndpointLoad("a", running=2),
+        EndpointLoad("b", running=2),
+        EndpointLoad("c", ready=False, running=9),
+    ]
+    assert load_balance_degree(ls) == 0.0

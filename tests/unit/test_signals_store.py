@@ -1,0 +1,129 @@
+from __future__ import annotations
+
+import itertools
+import math
+
+from controlplane.balancing.policies import PolicyConfig, adaptive
+from controlplane.signals.store import UNREACHABLE_AFTER, ScrapeResult, SignalStore
+from tests.unit.test_signals_parse import VLLM
+
+KEY = ("llama-3-8b", "10.0.0.1:8000")
+OK = ScrapeResult(health_status=200, metrics_text=VLLM)
+
+
+def page(success: float, latency_sum: float, waiting: float = 7.0) -> str:
+    return (
+        VLLM.replace(
+            'finished_reason="stop",model_name="llama-3-8b"} 90.0',
+            f'finished_reason="stop",model_name="llama-3-8b"}} {success - 10}',
+        )
+        .replace('_count{model_name="llama-3-8b"} 100.0', f'_count{{model_name="llama-3-8b"}} {success}')
+        .replace('_sum{model_name="llama-3-8b"} 150.0', f'_sum{{model_name="llama-3-8b"}} {latency_sum}')
+        .replace('waiting{model_name="llama-3-8b"} 7.0', f'waiting{{model_name="llama-3-8b"}} {waiting}')
+    )
+
+
+def test_a_vllm_page_becomes_the_endpoint_load() -> None:
+    store = SignalStore()
+    store.record_scrape(KEY, OK, now=10.0)
+    load = store.load(KEY, capacity=2.0, now=10.5)
+    assert (load.ready, load.running, load.waiting, load.kv_use) == (True, 3.0, 7.0, 0.42)
+    assert load.age_s == 0.5
+    assert load.capacity == 2.0
+    assert load.latency_s is None  # needs two samples: latency is per interval
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=page(110, 170.0)), now=11.0)
+    assert store.load(KEY, 1.0, 11.0).latency_s == 2.0  # 20 s over 10 requests
+
+
+def test_latency_is_an_ewma_over_intervals() -> None:
+    store = SignalStore()
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=page(100, 100.0)), now=0.0)
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=page(110, 110.0)), now=1.0)  # 1 s each
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=page(120, 160.0)), now=2.0)  # 5 s each
+    latency = store.load(KEY, 1.0, 2.0).latency_s
+    assert latency is not None and 1.0 < latency < 5.0
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=page(120, 160.0)), now=3.0)  # none done
+    assert store.load(KEY, 1.0, 3.0).latency_s == latency
+
+
+def test_garbage_counts_an_error_keeps_the_sample_and_the_weight_fades_not_jumps() -> None:
+    store = SignalStore()
+    busy = ("m", "10.0.0.2:8000")
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=page(100, 100.0, waiting=0.0)), now=0.0)
+    store.record_scrape(
+        busy,
+        ScrapeResult(200, metrics_text=page(100, 100.0, waiting=20.0).replace('"llama-3-8b"', '"m"')),
+        now=0.0,
+    )
+    cfg = PolicyConfig()
+    before = adaptive([store.load(KEY, 1.0, 0.0), store.load(busy, 1.0, 0.0)], cfg)
+    assert before["10.0.0.2:8000"] < before["10.0.0.1:8000"] / 2
+    history = []
+    for t in range(1, 40):
+        store.record_scrape(busy, ScrapeResult(200, metrics_text="<html>oops</html>"), now=float(t))
+        store.record_scrape(KEY, ScrapeResult(200, metrics_text=page(100, 100.0, waiting=0.0)), now=float(t))
+        w = adaptive([store.load(KEY, 1.0, float(t)), store.load(busy, 1.0, float(t))], cfg)
+        history.append(w["10.0.0.2:8000"])
+    sig = store.endpoints[busy]
+    assert sig.scrape_errors == 39
+    assert sig.last_error is not None and sig.last_error.startswith("unreadable metrics page")
+    assert sig.sample is not None and sig.sample.waiting == 20.0  # the last good sample stays
+    assert history[0] == before["10.0.0.2:8000"]  # fresh enough: still trusted
+    assert history[-1] == cfg.max_weight  # fully stale: capacity only, like its peer
+    steps = [b - a for a, b in itertools.pairwise(history)]
+    assert all(s >= 0 for s in steps) and max(steps) <= cfg.max_weight // 5  # gradual
+
+
+def test_health_503_holds_out_and_recovery_starts_the_slow_start_clock() -> None:
+    store = SignalStore()
+    store.record_scrape(KEY, ScrapeResult(health_status=200), now=0.0)
+    assert store.load(KEY, 1.0, 0.0).ready_for_s == math.inf  # ready at first sight: no ramp
+    store.record_scrape(KEY, ScrapeResult(health_status=503), now=1.0)
+    assert not store.load(KEY, 1.0, 1.0).ready
+    store.record_scrape(KEY, ScrapeResult(health_status=200), now=5.0)
+    load = store.load(KEY, 1.0, 7.5)
+    assert load.ready and load.ready_for_s == 2.5
+
+
+def test_a_server_without_a_health_endpoint_is_ready() -> None:
+    store = SignalStore()
+    store.record_scrape(KEY, ScrapeResult(health_status=404), now=0.0)
+    assert store.load(KEY, 1.0, 0.0).ready
+
+
+def test_unreachable_is_held_out_only_after_several_failures() -> None:
+    store = SignalStore()
+    store.record_scrape(KEY, ScrapeResult(health_status=200), now=0.0)
+    for i in range(1, UNREACHABLE_AFTER):
+        store.record_scrape(KEY, ScrapeResult(health_error="connection refused"), now=float(i))
+        assert store.load(KEY, 1.0, float(i)).ready
+    store.record_scrape(KEY, ScrapeResult(health_error="connection refused"), now=9.0)
+    assert not store.load(KEY, 1.0, 9.0).ready
+    store.record_scrape(KEY, ScrapeResult(health_status=200), now=10.0)
+    assert store.load(KEY, 1.0, 10.0).ready
+
+
+def test_never_scraped_is_assumed_ready_with_no_trusted_signal() -> None:
+    load = SignalStore().load(KEY, 1.5, 0.0)
+    assert load.ready and load.age_s == math.inf and load.capacity == 1.5
+
+
+def test_load_reports_sum_over_proxies_expire_and_feed_errors() -> None:
+    store = SignalStore()
+    store.record_lrs(KEY, "envoy-a", in_progress=3, issued=10, succeeded=8, failed=2, now=0.0)
+    store.record_lrs(KEY, "envoy-b", in_progress=2, issued=5, succeeded=5, failed=0, now=5.0)
+    assert store.lrs_totals(KEY, 6.0) == (5.0, 15.0, 13.0, 2.0)
+    load = store.load(KEY, 1.0, 6.0)
+    assert load.running == 5.0  # no metrics page: in flight from the proxies
+    assert load.error_rate == 2 / 15
+    assert store.lrs_totals(KEY, 12.0) == (2.0, 5.0, 5.0, 0.0)  # envoy-a's report is too old
+    store.forget_node("envoy-b")
+    assert store.lrs_totals(KEY, 12.0) == (0.0, 0.0, 0.0, 0.0)
+
+
+def test_retain_forgets_endpoints_that_left_the_fleet() -> None:
+    store = SignalStore()
+    store.record_scrape(KEY, OK, now=0.0)
+    store.record_scrape(("m", "10.0.0.9:1"), OK, now=0.0)
+    store.retain({KEY})
+    assert set(store.endpoints) == {KEY}
