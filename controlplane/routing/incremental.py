@@ -34,16 +34,16 @@ from controlplane.routing.translate import (
 _RouteKey = tuple[ListenerSpec, tuple[tuple[str, str, float], ...]]
 
 
-def _cluster_key(model: Model) -> tuple[str, str]:
+def _cluster_key(fleet: Fleet, model: Model) -> tuple[str, str, str]:
     overrides = json.dumps(model.cluster_overrides, sort_keys=True) if model.cluster_overrides else ""
-    return model.protocol, overrides
+    return model.protocol, overrides, fleet.policy_of(model)
 
 
 class IncrementalTranslator:
     """Memoised translation. Keep one per process; it holds the last message per name."""
 
     def __init__(self) -> None:
-        self._clusters: dict[str, tuple[tuple[str, str], Message]] = {}
+        self._clusters: dict[str, tuple[tuple[str, str, str], Message]] = {}
         self._assignments: dict[str, tuple[tuple[Endpoint, ...], dict[str, int], Message]] = {}
         self._api: dict[str, tuple[tuple[str, str, float], Message, Message]] = {}
         self._gateway: tuple[_RouteKey, Message, Message] | None = None
@@ -58,7 +58,7 @@ class IncrementalTranslator:
         listeners: dict[str, Message] = {}
         routes: dict[str, Message] = {}
         for model in fleet.models:
-            ckey = _cluster_key(model)
+            ckey = _cluster_key(fleet, model)
             for version in model.versions:
                 cname = names.cluster_name(model.name, version.name)
                 clusters[cname] = self._cluster(model, cname, ckey)
@@ -86,12 +86,12 @@ class IncrementalTranslator:
             wildcard={LISTENER: frozenset({names.GATEWAY_LISTENER})},
         )
 
-    def _cluster(self, model: Model, cname: str, key: tuple[str, str]) -> Message:
+    def _cluster(self, model: Model, cname: str, key: tuple[str, str, str]) -> Message:
         cached = self._clusters.get(cname)
         if cached is not None and cached[0] == key:
             return cached[1]
         self.built += 1
-        msg = build_cluster(model, cname)
+        msg = build_cluster(model, cname, key[2])
         self._clusters[cname] = (key, msg)
         return msg
 

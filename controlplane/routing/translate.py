@@ -87,7 +87,7 @@ def translate(fleet: Fleet, weights: EndpointWeights | None = None) -> DesiredRe
     for model in fleet.models:
         for version in model.versions:
             cname = names.cluster_name(model.name, version.name)
-            clusters[cname] = build_cluster(model, cname)
+            clusters[cname] = build_cluster(model, cname, fleet.policy_of(model))
             assignments[cname] = build_assignment(cname, version, weights.get(cname, {}))
     gateway_routes = build_gateway_routes(fleet)
     listeners: dict[str, Message] = {names.GATEWAY_LISTENER: build_gateway_listener(fleet)}
@@ -121,15 +121,16 @@ def _ads() -> config_source_pb2.ConfigSource:
     )
 
 
-def build_cluster(model: Model, cname: str) -> cluster_pb2.Cluster:
-    """One EDS cluster per model version, weighted least request, HTTP/1.1 unless configured."""
+def build_cluster(model: Model, cname: str, policy: str = "adaptive") -> cluster_pb2.Cluster:
+    """One EDS cluster per model version, HTTP/1.1 unless configured. Weighted least request,
+    except for the `round_robin` balancing policy, which gets Envoy's round robin."""
     c = cluster_pb2.Cluster(
         name=cname,
         alt_stat_name=names.stat_name(cname),
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads(), service_name=cname),
         connect_timeout=_duration(1.0),
-        load_balancing_policy=least_request_policy(),
+        load_balancing_policy=round_robin_policy() if policy == "round_robin" else least_request_policy(),
     )
     # No panic mode: Envoy's default (below 50% healthy, ignore health) would send traffic
     # to servers that said they are not ready. All held out means 503, which is the truth.
@@ -164,6 +165,15 @@ def least_request_policy() -> cluster_pb2.LoadBalancingPolicy:
             _lb_policy("envoy.load_balancing_policies.least_request", least_request_pb2.LeastRequest()),
             _lb_policy("envoy.load_balancing_policies.wrr_locality", wrr),
         ]
+    )
+
+
+def round_robin_policy() -> cluster_pb2.LoadBalancingPolicy:
+    """Plain (weighted) round robin, for Envoy and proxyless gRPC alike."""
+    rr = _lb_policy("envoy.load_balancing_policies.round_robin", round_robin_pb2.RoundRobin())
+    wrr = wrr_locality_pb2.WrrLocality(endpoint_picking_policy=cluster_pb2.LoadBalancingPolicy(policies=[rr]))
+    return cluster_pb2.LoadBalancingPolicy(
+        policies=[rr, _lb_policy("envoy.load_balancing_policies.wrr_locality", wrr)]
     )
 
 

@@ -155,3 +155,13 @@ def test_weight_zero_holds_an_endpoint_out_and_panic_mode_is_off() -> None:
     # Envoy's default panic threshold would route to held-out servers once half are out.
     assert c.common_lb_config.HasField("healthy_panic_threshold")
     assert c.common_lb_config.healthy_panic_threshold.value == 0.0
+
+
+def test_round_robin_policy_gets_envoys_round_robin() -> None:
+    fleet = parse_fleet(BASIC.replace("stable: v1", "stable: v1\n    balancing: round_robin", 1))
+    c = translate(fleet).by_type[CLUSTER]["llama-3-8b@v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    assert [p.typed_extension_config.name for p in c.load_balancing_policy.policies] == [
+        "envoy.load_balancing_policies.round_robin",
+        "envoy.load_balancing_policies.wrr_locality",
+    ]
