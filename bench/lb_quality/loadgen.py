@@ -1,0 +1,122 @@
+"""Open-loop Poisson load against an OpenAI-compatible endpoint; prints one JSON summary line.
+
+Arrivals are a Poisson process at `--rate` requests/s whatever the responses do (open
+loop: a slow fleet builds a queue, as real users would). Each request asks for a number
+of output tokens drawn from a lognormal, so request costs differ by ~100x. Run as its
+own process so that the load generator and the system under test do not share a GIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+
+import aiohttp
+
+
+def output_tokens(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma))))
+
+
+def mean_output_tokens(median: float, sigma: float, lo: int, hi: int, seed: int = 7) -> float:
+    """The mean of the clipped lognormal, estimated once (the bench sizes its load with it)."""
+    rng = random.Random(seed)
+    n = 200_000
+    return sum(output_tokens(rng, median, sigma, lo, hi) for _ in range(n)) / n
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    rng = random.Random(args.seed)
+    url = f"http://{args.target}/v1/completions"
+    latencies: list[float] = []
+    statuses: dict[str, int] = {}
+    by_backend: dict[str, int] = {}
+    errors: list[str] = []
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+
+    async def one(session: aiohttp.ClientSession, tokens: int, measure: bool) -> None:
+        body = {"model": args.model, "prompt": "bench " * 32, "max_tokens": tokens}
+        started = time.monotonic()
+        try:
+            async with session.post(url, json=body) as resp:
+                await resp.read()
+                status = str(resp.status)
+                backend = resp.headers.get("x-emulator-server", "")
+        except Exception as e:  # a failed request is a result, not a crash
+            status = type(e).__name__
+            backend = ""
+            if measure and len(errors) < 20:
+                errors.append(repr(e))
+        if not measure:
+            return
+        statuses[status] = statuses.get(status, 0) + 1
+        by_backend[backend] = by_backend.get(backend, 0) + 1
+        if status == "200":
+            latencies.append(time.monotonic() - started)
+
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        tasks: set[asyncio.Task[None]] = set()
+        start = time.monotonic()
+        t = 0.0
+        end = args.warmup + args.duration
+        while True:
+            t += rng.expovariate(args.rate)
+            if t >= end:
+                break
+            delay = start + t - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tokens = output_tokens(rng, args.tokens_median, args.tokens_sigma, 1, args.tokens_max)
+            task = asyncio.create_task(one(session, tokens, measure=t >= args.warmup))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.wait(tasks)
+    ok = statuses.get("200", 0)
+    return {
+        "requests": sum(statuses.values()),
+        "ok": ok,
+        "errors": sum(statuses.values()) - ok,
+        "statuses": statuses,
+        "by_backend": by_backend,
+        "p50": percentile(latencies, 0.50),
+        "p90": percentile(latencies, 0.90),
+        "p99": percentile(latencies, 0.99),
+        "mean": sum(latencies) / len(latencies) if latencies else float("nan"),
+        "error_samples": errors,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--target", required=True, help="HOST:PORT of the Envoy listener")
+    p.add_argument("--model", required=True)
+    p.add_argument("--rate", type=float, required=True, help="mean arrivals per second")
+    p.add_argument("--duration", type=float, default=30.0, help="measured seconds")
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--tokens-median", type=float, default=24.0)
+    p.add_argument("--tokens-sigma", type=float, default=0.9)
+    p.add_argument("--tokens-max", type=int, default=400)
+    p.add_argument("--timeout", type=float, default=120.0, help="per request")
+    args = p.parse_args(argv)
+    summary = asyncio.run(run(args))
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
