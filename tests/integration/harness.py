@@ -214,9 +214,55 @@ class Envoy:
                 return int(value)
         return 0
 
+    def endpoints(self, cluster: str) -> dict[str, tuple[int, str]]:
+        """Envoy's own view (admin /clusters) of a cluster: address -> (weight, health flags)."""
+        _, text = http_get(f"http://127.0.0.1:{self.admin_port}/clusters")
+        out: dict[str, tuple[int, str]] = {}
+        weights: dict[str, int] = {}
+        for line in text.splitlines():
+            parts = line.split("::")
+            if len(parts) == 4 and parts[0] == cluster:
+                if parts[2] == "weight":
+                    weights[parts[1]] = int(parts[3])
+                elif parts[2] == "health_flags":
+                    out[parts[1]] = (0, parts[3])
+        return {a: (weights.get(a, 0), out.get(a, (0, ""))[1]) for a in weights}
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop()
+
+
+class Emulator:
+    """One `controlplane emulate` process (one emulated GPU server) on a free port."""
+
+    def __init__(self, name: str, log_dir: Path, model: str, **flags: object) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        args = [str(BIN / "controlplane"), "emulate", "--listen", self.address, "--model", model]
+        for key, value in flags.items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        self.proc = Proc(name, args, log_dir)
+        wait_until(self._listening, 15, f"emulated server {name} to listen")
+
+    def _listening(self) -> bool:
+        if not self.proc.alive():
+            raise AssertionError(f"emulator exited:\n{self.proc.log()[-3000:]}")
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+            return True
+
+    def set_faults(self, **faults: object) -> None:
+        req = urllib.request.Request(
+            f"http://{self.address}/emulator/faults",
+            data=json.dumps(faults).encode(),
+            headers={"content-type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.status == 200, r.read()
+
+    def stop(self) -> None:
+        self.proc.stop()
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
@@ -265,12 +311,63 @@ class Client:
             raise
         if (r.getheader("connection") or "").lower() == "close":
             self.close()
-        return Reply(r.status, r.getheader("x-backend") or "", data)
+        backend = r.getheader("x-backend") or r.getheader("x-emulator-server") or ""
+        return Reply(r.status, backend, data)
 
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+
+
+class LoadLoop:
+    """`threads` closed-loop clients posting completions to Envoy; records (time, server, status)."""
+
+    def __init__(self, port: int, model: str, threads: int = 8, max_tokens: int = 10) -> None:
+        self.port = port
+        self.body = json.dumps({"model": model, "prompt": "hello " * 16, "max_tokens": max_tokens}).encode()
+        self.records: list[tuple[float, str, int]] = []
+        self.failures: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _run(self) -> None:
+        client = Client(self.port)
+        headers = {"content-type": "application/json"}
+        while not self._stop.is_set():
+            try:
+                reply = client.request("POST", "/v1/completions", self.body, headers)
+            except Exception as e:
+                with self._lock:
+                    self.failures.append(repr(e))
+                time.sleep(0.01)
+                continue
+            with self._lock:
+                self.records.append((time.monotonic(), reply.backend, reply.status))
+                if reply.status != 200:
+                    self.failures.append(f"{reply.status} {reply.body[:200]}")
+        client.close()
+
+    def share(self, since: float, until: float | None = None) -> Counter[str]:
+        """Requests answered per server between two monotonic times."""
+        end = until if until is not None else time.monotonic()
+        with self._lock:
+            return Counter(b for t, b, _ in self.records if since <= t <= end)
+
+    def statuses(self) -> Counter[int]:
+        with self._lock:
+            return Counter(s for _, _, s in self.records)
+
+    def __enter__(self) -> LoadLoop:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(15)
 
 
 class TrafficLoop:
