@@ -13,6 +13,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A peer closing its keep-alive connection (the scraper, Envoy) is not an error."""
+
+
 class EchoBackend:
     """One backend on host:port (port 0 picks a free one), served from a thread."""
 
@@ -68,7 +73,7 @@ class EchoBackend:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server = _QuietServer((host, port), Handler)
         self._server.daemon_threads = True
         self.host = host
         self.port = int(self._server.server_address[1])
