@@ -13,7 +13,7 @@ import time
 
 import structlog
 
-from controlplane.balancing.weigher import Weigher, load_balance_degree
+from controlplane.balancing.weigher import Weigher, load_balance_degree, relative_capacity
 from controlplane.fleet.model import Fleet
 from controlplane.obs.metrics import Metrics
 from controlplane.routing.names import cluster_name
@@ -73,8 +73,17 @@ class WeightController:
                 self.store.record_scrape(key, result, now)
         fleet = self.reconciler.fleet or fleet  # the file may have changed while we scraped
         now = time.monotonic()
+        capacity: dict[tuple[str, str], float] = {}
+        for m in fleet.models:
+            for v in m.versions:
+                rel = relative_capacity(
+                    {ep.address: fleet.declared_capacity(ep) for ep in v.endpoints},
+                    {ep.address: self.store.learnt_throughput((m.name, ep.address)) for ep in v.endpoints},
+                )
+                capacity.update({(m.name, a): c for a, c in rel.items()})
         changed = self.weigher.update(
-            fleet, lambda m, ep: self.store.load((m.name, ep.address), fleet.capacity_of(ep), now)
+            fleet,
+            lambda m, ep: self.store.load((m.name, ep.address), capacity.get((m.name, ep.address), 1.0), now),
         )
         for cname, weights in changed.items():
             self.reconciler.set_weights(cname, weights)
@@ -108,6 +117,7 @@ class WeightController:
                 seen.add(labels)
                 b.weight.labels(*labels).set(view.weights.get(load.address, 0))
                 b.ready.labels(*labels).set(1 if load.ready else 0)
+                b.capacity.labels(*labels).set(load.capacity)
                 b.running.labels(*labels).set(load.running)
                 b.waiting.labels(*labels).set(load.waiting)
                 b.kv.labels(*labels).set(load.kv_use)
@@ -121,7 +131,17 @@ class WeightController:
                 b.scrape_errors.labels(*labels).inc(max(0, new))
                 self._errors_exported[labels] = errors
         for labels in self._exported - seen:
-            for g in (b.weight, b.ready, b.running, b.waiting, b.kv, b.latency, b.error_rate, b.signal_age):
+            for g in (
+                b.weight,
+                b.capacity,
+                b.ready,
+                b.running,
+                b.waiting,
+                b.kv,
+                b.latency,
+                b.error_rate,
+                b.signal_age,
+            ):
                 g.remove(*labels)
             b.in_flight.remove(*labels)
             b.scrape_errors.remove(*labels)

@@ -51,6 +51,29 @@ def load_balance_degree(loads: Sequence[EndpointLoad]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in u) / len(u))
 
 
+LEARNT_CAPACITY_FLOOR = 0.1
+
+
+def relative_capacity(
+    declared: Mapping[str, float | None], learnt: Mapping[str, float | None]
+) -> dict[str, float]:
+    """Each endpoint's capacity: the declared one (GPU class or endpoint), else its learnt
+    throughput relative to the best learnt throughput among its peers (so the fastest is 1.0,
+    and no server drops below 0.1), else 1.0. Learning needs at least two endpoints with a
+    learnt throughput to compare."""
+    known = [v for v in learnt.values() if v is not None and v > 0]
+    best = max(known) if len(known) >= 2 else None
+    out: dict[str, float] = {}
+    for addr, cap in declared.items():
+        if cap is not None:
+            out[addr] = cap
+        elif best is not None and (mine := learnt.get(addr)) is not None and mine > 0:
+            out[addr] = max(LEARNT_CAPACITY_FLOOR, mine / best)
+        else:
+            out[addr] = 1.0
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterView:
     """One cluster after an update: its model, policy, the loads seen and the weights in force."""

@@ -120,9 +120,14 @@ class Fleet:
 
     def capacity_of(self, endpoint: Endpoint) -> float:
         """An endpoint's relative capacity: its own, else its GPU class's, else 1.0."""
+        declared = self.declared_capacity(endpoint)
+        return 1.0 if declared is None else declared
+
+    def declared_capacity(self, endpoint: Endpoint) -> float | None:
+        """The endpoint's own capacity, else its GPU class's; None if neither is configured."""
         if endpoint.capacity is not None:
             return endpoint.capacity
         for g in self.gpu_classes:
             if g.name == endpoint.gpu:
                 return g.capacity
-        return 1.0
+        return None

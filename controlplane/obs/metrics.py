@@ -133,6 +133,11 @@ class BalancingMetrics:
             "controlplane_endpoint_weight",
             "EDS load_balancing_weight pushed for the endpoint (0: held out, not ready).",
         )
+        self.capacity = gauge(
+            "controlplane_endpoint_capacity",
+            "Relative capacity used for the endpoint: declared (GPU class or endpoint) or learnt "
+            "from its observed throughput against its peers'.",
+        )
         self.ready = gauge("controlplane_endpoint_ready", "1 if the endpoint is ready (/health), else 0.")
         self.running = gauge("controlplane_endpoint_running", "Requests the server reports running.")
         self.waiting = gauge("controlplane_endpoint_waiting", "Requests the server reports queued.")

@@ -60,6 +60,8 @@ class EndpointSignals:
     sample_at: float | None = None
     latency_s: float | None = None
     error_rate: float = 0.0
+    throughput: float | None = None  # learnt: completions/s per running request x peak running
+    peak_running: float = 0.0
     ready: bool | None = None  # None: not seen yet
     ready_since: float | None = None  # when it was seen turning ready
     unreachable: int = 0  # failed health scrapes in a row
@@ -102,6 +104,7 @@ class SignalStore:
             sig.last_error = f"unreadable metrics page: {e}"
             return
         delta = derive(sig.sample, sample)
+        self._learn_throughput(sig, sample, delta.completed, now)
         if delta.mean_latency_s is not None:
             sig.latency_s = _ewma(sig.latency_s, delta.mean_latency_s)
         if delta.error_rate is not None:
@@ -109,6 +112,28 @@ class SignalStore:
         sig.sample = sample
         sig.sample_at = now
         sig.last_error = None
+
+    @staticmethod
+    def _learn_throughput(sig: EndpointSignals, sample: ServerSample, completed: float, now: float) -> None:
+        """Learn what the server can do from what it did while busy: completions per second per
+        running request (1 / service time) times the most requests it has been seen running
+        (its slots, once it has been full). Only intervals with at least one request running
+        throughout count, so an idle server's low throughput is not mistaken for low capacity."""
+        prev = sig.sample
+        if prev is None or sig.sample_at is None or prev.running is None or sample.running is None:
+            return
+        sig.peak_running = max(sig.peak_running, sample.running, prev.running)
+        dt = now - sig.sample_at
+        busy = min(prev.running, sample.running)
+        if dt <= 0 or busy < 1 or completed <= 0:
+            return
+        rate = completed / (dt * (prev.running + sample.running) / 2)
+        sig.throughput = _ewma(sig.throughput, rate * sig.peak_running, alpha=0.2)
+
+    def learnt_throughput(self, key: EndpointKey) -> float | None:
+        """Requests/s the endpoint has shown it can complete at its peak concurrency, if learnt."""
+        sig = self.endpoints.get(key)
+        return sig.throughput if sig is not None else None
 
     def _record_health(self, sig: EndpointSignals, result: ScrapeResult, now: float) -> None:
         if result.health_status is None and result.health_error is None:
@@ -181,5 +206,5 @@ class SignalStore:
         )
 
 
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else old + EWMA_ALPHA * (new - old)
+def _ewma(old: float | None, new: float, alpha: float = EWMA_ALPHA) -> float:
+    return new if old is None else old + alpha * (new - old)

@@ -33,7 +33,7 @@ class Rig:
         self.servers[name] = Emulator(name, self.tmp, MODEL, **{**FAST, **flags})
         return self.servers[name]
 
-    def start(self, endpoints: list[tuple[str, str]], signals: str = "{}") -> None:
+    def start(self, endpoints: list[tuple[str, str | None]], signals: str = "{}") -> None:
         lines = [
             f"listener: {{port: {self.listener}}}",
             "tiers: {small: {max_params_b: 15, timeout: 60s}}",
@@ -41,7 +41,10 @@ class Rig:
             f"signals: {signals}",
             f"models: {{{MODEL}: {{params_b: 8, stable: v1, versions: {{v1: {{endpoints: [",
         ]
-        lines += [f"  {{address: '{self.servers[n].address}', gpu: {gpu}}}," for n, gpu in endpoints]
+        lines += [
+            f"  {{address: '{self.servers[n].address}'" + (f", gpu: {gpu}}}," if gpu else "},")
+            for n, gpu in endpoints
+        ]
         lines.append("]}}}}")
         (self.tmp / "fleet.yaml").write_text("\n".join(lines) + "\n")
         self.cp = ControlPlane(self.tmp / "fleet.yaml", self.tmp).start()
@@ -164,3 +167,19 @@ def test_cold_server_gets_no_traffic_until_warm_then_ramps(rig: Rig) -> None:
         assert ramp == sorted(ramp), ramp
         assert rig.share(load, time.monotonic() - 2).get("cold", 0) > 0
     assert load.statuses() == {200: sum(load.statuses().values())}, load.failures[:5]
+
+
+def test_capacity_is_learnt_when_no_gpu_class_declares_it(rig: Rig) -> None:
+    rig.server("a")
+    rig.server("slow", speed=0.33)
+    rig.start([("a", None), ("slow", None)])
+    assert rig.cp is not None
+    cp = rig.cp
+
+    def capacity(name: str) -> float:
+        return cp.metric("controlplane_endpoint_capacity", endpoint=rig.servers[name].address)
+
+    assert capacity("slow") == capacity("a") == 1.0  # nothing learnt yet
+    with LoadLoop(rig.listener, MODEL, threads=10):
+        wait_until(lambda: 0.15 < capacity("slow") < 0.6 and capacity("a") == 1.0, 20, "the learnt capacity")
+        wait_until(lambda: rig.weights()["slow"] < 0.7 * rig.weights()["a"], 10, "a lower weight for it")

@@ -5,7 +5,13 @@ import math
 import pytest
 
 from controlplane.balancing.policies import EndpointLoad
-from controlplane.balancing.weigher import LoadOf, Weigher, load_balance_degree, policy_config
+from controlplane.balancing.weigher import (
+    LoadOf,
+    Weigher,
+    load_balance_degree,
+    policy_config,
+    relative_capacity,
+)
 from controlplane.fleet import parse_fleet
 from controlplane.fleet.model import Endpoint, Model
 from tests.fleets import fleet_yaml
@@ -85,3 +91,16 @@ def test_load_balance_degree_ignores_held_out_endpoints() -> None:
         EndpointLoad("c", ready=False, running=9),
     ]
     assert load_balance_degree(ls) == 0.0
+
+
+def test_relative_capacity_prefers_declared_then_learnt_then_one() -> None:
+    got = relative_capacity(
+        {"a": None, "b": None, "c": None, "d": 2.0, "e": None},
+        {"a": 10.0, "b": 3.0, "c": 10.0, "d": 1.0, "e": None},
+    )
+    assert got == {"a": 1.0, "b": 0.3, "c": 1.0, "d": 2.0, "e": 1.0}
+
+
+def test_relative_capacity_is_bounded_and_needs_peers() -> None:
+    assert relative_capacity({"a": None, "b": None}, {"a": 100.0, "b": 1.0}) == {"a": 1.0, "b": 0.1}
+    assert relative_capacity({"a": None, "b": None}, {"a": 3.0, "b": None}) == {"a": 1.0, "b": 1.0}

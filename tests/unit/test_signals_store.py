@@ -127,3 +127,23 @@ def test_retain_forgets_endpoints_that_left_the_fleet() -> None:
     store.record_scrape(("m", "10.0.0.9:1"), OK, now=0.0)
     store.retain({KEY})
     assert set(store.endpoints) == {KEY}
+
+
+def busy_page(running: float, completed: float) -> str:
+    return page(completed, completed).replace(
+        'running{model_name="llama-3-8b"} 3.0', f'running{{model_name="llama-3-8b"}} {running}'
+    )
+
+
+def test_throughput_is_learnt_only_while_busy() -> None:
+    store = SignalStore()
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=busy_page(0, 100)), now=0.0)
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=busy_page(0, 101)), now=1.0)
+    assert store.learnt_throughput(KEY) is None  # idle: says nothing about capacity
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=busy_page(4, 101)), now=2.0)
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=busy_page(4, 109)), now=3.0)
+    # 8 completions in 1 s with 4 running: 2 per running request per second, x 4 slots seen.
+    assert store.learnt_throughput(KEY) == 8.0
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=busy_page(4, 113)), now=4.0)
+    learnt = store.learnt_throughput(KEY)
+    assert learnt is not None and 4.0 < learnt < 8.0  # smoothed towards the new 4/s
