@@ -183,3 +183,27 @@ def test_capacity_is_learnt_when_no_gpu_class_declares_it(rig: Rig) -> None:
     with LoadLoop(rig.listener, MODEL, threads=10):
         wait_until(lambda: 0.15 < capacity("slow") < 0.6 and capacity("a") == 1.0, 20, "the learnt capacity")
         wait_until(lambda: rig.weights()["slow"] < 0.7 * rig.weights()["a"], 10, "a lower weight for it")
+
+
+def test_envoy_load_reports_feed_in_flight_and_errors(rig: Rig) -> None:
+    rig.server("a")
+    rig.server("bad", error_rate=0.5)
+    rig.start([("a", "fast"), ("bad", "fast")])
+    assert rig.cp is not None
+    cp = rig.cp
+    bad = rig.servers["bad"].address
+    with LoadLoop(rig.listener, MODEL, threads=8) as load:
+        # vLLM's counters only count successes: the 500s are seen through Envoy's load reports.
+        wait_until(lambda: cp.metric("controlplane_endpoint_in_flight", model=MODEL) > 0, 10, "LRS in-flight")
+        wait_until(
+            lambda: cp.metric("controlplane_endpoint_error_rate", endpoint=bad) > 0.2, 10, "LRS errors"
+        )
+        wait_until(lambda: rig.weights()["bad"] < rig.weights()["a"] / 8, 15, "the erroring server's weight")
+        t0 = time.monotonic()
+        time.sleep(3)
+        share = rig.share(load, t0)
+    # Less traffic, though not in proportion to the weight: its errors return at once, so it
+    # rarely has requests in flight and least request keeps picking it (outlier detection,
+    # which ejects it, is the tier policy's job).
+    assert share.get("bad", 0) < 0.6 * share["a"], (share, rig.weights())
+    assert cp.metric("controlplane_endpoint_error_rate", endpoint=rig.servers["a"].address) == 0
