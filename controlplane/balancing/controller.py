@@ -97,7 +97,7 @@ class WeightController:
             for load in view.loads:
                 key = (view.model, load.address)
                 was = self._ready.get(key)
-                if was is not None and was != load.ready:
+                if (was is None and not load.ready) or (was is not None and was != load.ready):
                     sig = self.store.endpoints.get(key)
                     log.info(
                         "endpoint ready" if load.ready else "endpoint held out",
