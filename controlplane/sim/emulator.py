@@ -1,0 +1,596 @@
+"""The inference-server emulator: honest stand-ins for GPU model servers, on real HTTP.
+
+Each `EmulatedServer` is one aiohttp site on its own port that answers the OpenAI API
+(`/v1/completions`, `/v1/chat/completions`, `/v1/models`), `/health` and a vLLM-dialect
+`/metrics` page. Latency comes from a continuous-batching model running in real time
+(`emulator_engine`), with `ServerSpec`'s parameters. Faults (slowness, errors, OOMs,
+crashes, a backlog, garbage metrics) are set at runtime over `/emulator/faults` or from
+Python. One process can host many servers; `start_emulators` starts a set on free ports.
+docs/emulator.md describes the behaviour, the HTTP API and the command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from types import TracebackType
+from typing import Any, TypeVar
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from controlplane.sim.emulator_engine import LiveBatchingServer
+from controlplane.sim.emulator_metrics import GARBAGE_PAGE, VllmMetrics
+from controlplane.sim.emulator_protocol import (
+    ApiError,
+    Faults,
+    FaultsInvalid,
+    RequestKind,
+    completion_body,
+    parse_completion_request,
+    sse,
+    stream_chunk,
+)
+from controlplane.sim.service import ServerSpec
+
+__all__ = [
+    "EmulatedServer",
+    "EmulatorConfig",
+    "Emulators",
+    "EmulatorsThread",
+    "Faults",
+    "FaultsInvalid",
+    "start_emulators",
+]
+
+T = TypeVar("T")
+SERVER_HEADER = "x-emulator-server"
+_GRACE_S = 0.5  # how long a graceful stop lets in-flight requests finish
+
+
+@dataclass(frozen=True)
+class EmulatorConfig:
+    """One emulated server. Token times are seconds at speed 1 (ServerSpec's defaults)."""
+
+    model: str
+    gpu: str | None = None  # GPU class, informational (stats, logs)
+    speed: float = ServerSpec.speed  # relative GPU speed: 0.33 serves 3x slower
+    slots: int = ServerSpec.slots  # sequences decoded at once (continuous batching)
+    prefill_s_per_token: float = ServerSpec.prefill_s_per_token
+    decode_s_per_token: float = ServerSpec.decode_s_per_token
+    kv_capacity_tokens: int = ServerSpec.kv_capacity_tokens
+    cold_start_s: float = 0.0  # /health and the API answer 503 this long after each start
+    default_max_tokens: int = 16  # output tokens when a request sets no max_tokens
+    max_tokens_limit: int = 4096  # a larger max_tokens is refused with 400
+    phantom_prompt_tokens: int = 256  # size of each backlog phantom request
+    phantom_output_tokens: int = 256
+    faults: Faults = field(default_factory=Faults)  # in force from the start
+    seed: int | None = None  # seeds the error/OOM draws, for repeatable runs
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError(f"model: must be a non-empty string, got {self.model!r}")
+        for name in ("speed", "decode_s_per_token"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
+        for name in ("prefill_s_per_token", "cold_start_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+        for name in (
+            "slots",
+            "kv_capacity_tokens",
+            "max_tokens_limit",
+            "phantom_prompt_tokens",
+            "phantom_output_tokens",
+        ):
+            value = getattr(self, name)
+            minimum = 0 if name == "phantom_prompt_tokens" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError(
+                f"default_max_tokens: must be between 1 and max_tokens_limit ({self.max_tokens_limit}), "
+                f"got {self.default_max_tokens!r}"
+            )
+        if self.faults.crash:
+            raise ValueError("faults.crash: a server cannot start crashed")
+
+    @property
+    def spec(self) -> ServerSpec:
+        return ServerSpec(
+            slots=self.slots,
+            speed=self.speed,
+            prefill_s_per_token=self.prefill_s_per_token,
+            decode_s_per_token=self.decode_s_per_token,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+        )
+
+
+@dataclass
+class _Life:
+    """What an emulated server process holds between a start and a crash or stop."""
+
+    runner: web.AppRunner
+    engine: LiveBatchingServer
+    metrics: VllmMetrics
+    started_at: float  # event-loop time
+
+
+class EmulatedServer:
+    """One emulated inference server on host:port (port 0: the OS picks one at start)."""
+
+    def __init__(self, config: EmulatorConfig, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.config = config
+        self.host = host
+        self.port = port
+        self.faults = config.faults
+        # The emulator's own bookkeeping, kept across crashes (the /metrics page is not).
+        self.requests_total = 0  # completion and chat requests received, whatever the answer
+        self.responses_by_status: Counter[int] = Counter()
+        self.aborted_total = 0  # requests whose client went away (or the server crashed) mid-way
+        self.crashes = 0
+        self._rng = random.Random(config.seed)
+        self._life: _Life | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- state -------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    @property
+    def is_up(self) -> bool:
+        return self._life is not None
+
+    @property
+    def is_warm(self) -> bool:
+        return self._life is not None and self._cold_for(self._life) <= 0
+
+    @property
+    def running(self) -> int:
+        return self._life.engine.num_running if self._life else 0
+
+    @property
+    def waiting(self) -> int:
+        return self._life.engine.num_waiting if self._life else 0
+
+    def stats(self) -> dict[str, Any]:
+        """The emulator's counters and current load (also served at GET /emulator/stats)."""
+        engine = self._life.engine if self._life else None
+        return {
+            "address": self.address,
+            "model": self.config.model,
+            "gpu": self.config.gpu,
+            "speed": self.config.speed,
+            "slots": self.config.slots,
+            "up": self.is_up,
+            "warm": self.is_warm,
+            "requests_total": self.requests_total,
+            "responses_by_status": {str(k): v for k, v in sorted(self.responses_by_status.items())},
+            "aborted_total": self.aborted_total,
+            "crashes": self.crashes,
+            "running": engine.num_running if engine else 0,
+            "waiting": engine.num_waiting if engine else 0,
+            "phantoms": engine.backlog if engine else 0,
+            "kv_cache_usage": engine.kv_use if engine else 0.0,
+            "faults": self.faults.to_json(),
+        }
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> EmulatedServer:
+        """Listen and serve; cold for `cold_start_s` from now. Raise OSError if the port is taken."""
+        if self._life is not None:
+            raise RuntimeError(f"emulated server {self.address} is already running")
+        engine = LiveBatchingServer(self.config.spec)
+        runner = web.AppRunner(
+            self._app(), access_log=None, handler_cancellation=True, shutdown_timeout=_GRACE_S
+        )
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.host, self.port)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self.port = int(runner.addresses[0][1])
+        self._life = _Life(runner, engine, VllmMetrics(self.config.model), engine.now())
+        self.faults = replace(self.faults, crash=False)
+        await self._apply(self.faults)
+        return self
+
+    async def stop(self) -> None:
+        """Stop listening, let in-flight requests finish for a moment, then close."""
+        life, self._life = self._life, None
+        if life is not None:
+            await self._teardown(life, abrupt=False)
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # a crash being carried out
+
+    async def crash(self) -> None:
+        """Die as a crashed process does: the port refuses connections, open ones are reset,
+        queued and running requests are lost. It stays down until `restart()`."""
+        life, self._life = self._life, None
+        if life is None:
+            return
+        self.faults = replace(self.faults, crash=True)
+        self.crashes += 1
+        await self._teardown(life, abrupt=True)
+
+    async def restart(self) -> EmulatedServer:
+        """Start again on the same port as a fresh process: new /metrics counters, cold start
+        again. Faults other than `crash` stay as they were set."""
+        life, self._life = self._life, None
+        if life is not None:
+            await self._teardown(life, abrupt=True)
+        self.faults = replace(self.faults, crash=False)
+        return await self.start()
+
+    async def _teardown(self, life: _Life, *, abrupt: bool) -> None:
+        for site in list(life.runner.sites):
+            await site.stop()  # the listening socket closes: connection refused from here on
+        if abrupt and life.runner.server is not None:
+            for conn in life.runner.server.connections:
+                if conn.transport is not None:
+                    conn.transport.abort()
+        await life.engine.close()
+        await life.runner.cleanup()
+
+    # --- faults ------------------------------------------------------------------------
+
+    async def set_faults(
+        self,
+        *,
+        slow: float | None = None,
+        error_rate: float | None = None,
+        oom_rate: float | None = None,
+        crash: bool | None = None,
+        backlog: int | None = None,
+        garbage_metrics: bool | None = None,
+    ) -> Faults:
+        """Change the named faults (None leaves one as it is); raise FaultsInvalid naming a
+        bad one. `crash=True` crashes the server (see `crash`). Returns the faults in force."""
+        changes = {
+            k: v
+            for k, v in (
+                ("slow", slow),
+                ("error_rate", error_rate),
+                ("oom_rate", oom_rate),
+                ("crash", crash),
+                ("backlog", backlog),
+                ("garbage_metrics", garbage_metrics),
+            )
+            if v is not None
+        }
+        wanted = self.faults.updated(changes)
+        await self._apply(wanted)
+        if wanted.crash:
+            await self.crash()
+        return self.faults
+
+    async def _apply(self, wanted: Faults) -> None:
+        """Put every fault but `crash` in force (or keep them for the next start if down)."""
+        self.faults = replace(wanted, crash=self.faults.crash if self._life is None else False)
+        if self._life is not None:
+            engine = self._life.engine
+            engine.slow = wanted.slow
+            await engine.set_backlog(
+                wanted.backlog, self.config.phantom_prompt_tokens, self.config.phantom_output_tokens
+            )
+
+    # --- HTTP --------------------------------------------------------------------------
+
+    def _app(self) -> web.Application:
+        app = web.Application(middlewares=[self._http_errors])
+        app.on_response_prepare.append(self._stamp)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/emulator/faults", self._get_faults)
+        app.router.add_post("/emulator/faults", self._post_faults)
+        app.router.add_get("/emulator/stats", self._get_stats)
+        return app
+
+    async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[SERVER_HEADER] = self.address
+
+    @web.middleware
+    async def _http_errors(
+        self, request: web.Request, handler: Any
+    ) -> web.StreamResponse:  # unknown paths and methods answer in OpenAI's error shape too
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            kind = "not_found" if e.status == 404 else "invalid_request"
+            err = ApiError(e.status, f"{request.method} {request.path}: {e.reason}", code=kind)
+            return web.json_response(err.body(), status=e.status)
+
+    def _cold_for(self, life: _Life) -> float:
+        return life.started_at + self.config.cold_start_s - life.engine.now()
+
+    def _check_warm(self, life: _Life) -> None:
+        left = self._cold_for(life)
+        if left > 0:
+            raise ApiError(
+                503,
+                f"model '{self.config.model}' is loading; ready in {left:.1f} s",
+                type="server_error",
+                code="model_loading",
+            )
+
+    def _error(self, e: ApiError) -> web.Response:
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return web.json_response(e.body(), status=e.status, headers=headers)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "completion")
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "chat")
+
+    def _draw_fault(self) -> None:
+        f = self.faults
+        if not (f.error_rate or f.oom_rate):
+            return
+        u = self._rng.random()
+        if u < f.error_rate:
+            raise ApiError(
+                500, "internal server error (emulated fault)", type="server_error", code="internal_error"
+            )
+        if u < f.error_rate + f.oom_rate:
+            raise ApiError(
+                507,
+                "CUDA out of memory: no free KV-cache blocks for this request (emulated fault)",
+                type="server_error",
+                code="out_of_memory",
+            )
+
+    async def _complete(self, request: web.Request, kind: RequestKind) -> web.StreamResponse:
+        self.requests_total += 1
+        life = self._life
+        assert life is not None  # handlers run only while the server is up
+        try:
+            self._check_warm(life)
+            req = parse_completion_request(
+                await request.read(),
+                kind,
+                served_model=self.config.model,
+                default_max_tokens=self.config.default_max_tokens,
+                max_tokens_limit=self.config.max_tokens_limit,
+            )
+            self._draw_fault()
+        except ApiError as e:
+            self.responses_by_status[e.status] += 1
+            return self._error(e)
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        engine = life.engine
+        stream: web.StreamResponse | None = None
+        if req.stream:
+            stream = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await stream.prepare(request)
+        self.responses_by_status[200] += 1
+        try:
+            async with engine.admit(req.prompt_tokens, req.output_tokens) as seq:
+                if stream is not None:
+                    for k in range(req.output_tokens):
+                        await engine.wait_until(seq.token_time(k))
+                        await stream.write(sse(stream_chunk(req, request_id, created, k)))
+                await engine.wait_until(seq.finished)
+            life.metrics.observe_finished(seq, req.finish_reason)
+            if stream is None:
+                return web.json_response(completion_body(req, request_id, created))
+            await stream.write(sse(stream_chunk(req, request_id, created, None)))
+            if req.include_usage:
+                await stream.write(sse(stream_chunk(req, request_id, created, None, with_usage=True)))
+            await stream.write(sse("[DONE]"))
+            await stream.write_eof()
+            return stream
+        except (asyncio.CancelledError, ConnectionError):
+            self.aborted_total += 1
+            raise
+
+    async def _models(self, request: web.Request) -> web.Response:
+        life = self._life
+        assert life is not None
+        try:
+            self._check_warm(life)
+        except ApiError as e:
+            return self._error(e)
+        model = {
+            "id": self.config.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "emulator",
+            "root": self.config.model,
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        life = self._life
+        assert life is not None
+        left = self._cold_for(life)
+        if left > 0:
+            return web.json_response(
+                {"status": "loading", "ready_in_s": round(left, 3)}, status=503, headers={"Retry-After": "1"}
+            )
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        life = self._life
+        assert life is not None
+        if self.faults.garbage_metrics:
+            return web.Response(body=GARBAGE_PAGE, content_type="text/html")
+        engine = life.engine
+        page = life.metrics.render(engine.num_running, engine.num_waiting, engine.kv_use)
+        return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(self.faults.to_json())
+
+    async def _post_faults(self, request: web.Request) -> web.StreamResponse:
+        try:
+            wanted = self.faults.updated(json.loads(await request.read()))
+        except FaultsInvalid as e:
+            return self._error(ApiError(400, str(e), param=e.field, code="invalid_value"))
+        except (ValueError, UnicodeDecodeError) as e:
+            return self._error(ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json"))
+        await self._apply(wanted)
+        if not wanted.crash:
+            return web.json_response(self.faults.to_json())
+        # Answer first, then crash: the caller learns it worked, then finds the port dead.
+        response = web.json_response({**self.faults.to_json(), "crash": True})
+        await response.prepare(request)
+        await response.write_eof()
+        self._spawn(self.crash())
+        return response
+
+    async def _get_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class Emulators:
+    """A set of emulated servers in this process; an async context manager that starts them
+    (each on its own port, 0 = a free one) and stops them all on exit."""
+
+    def __init__(
+        self,
+        configs: Sequence[EmulatorConfig],
+        host: str = "127.0.0.1",
+        ports: Sequence[int] | None = None,
+    ) -> None:
+        if ports is not None and len(ports) != len(configs):
+            raise ValueError(f"ports: {len(ports)} given for {len(configs)} servers")
+        self.servers = [
+            EmulatedServer(c, host, ports[i] if ports is not None else 0) for i, c in enumerate(configs)
+        ]
+
+    async def start(self) -> Emulators:
+        """Start every server not yet up; if one cannot listen, stop the rest and raise."""
+        try:
+            for server in self.servers:
+                if not server.is_up:
+                    await server.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(s.stop() for s in self.servers))
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+    def __getitem__(self, index: int) -> EmulatedServer:
+        return self.servers[index]
+
+    def __iter__(self) -> Iterator[EmulatedServer]:
+        return iter(self.servers)
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    async def __aenter__(self) -> Emulators:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+
+async def start_emulators(
+    configs: Sequence[EmulatorConfig], host: str = "127.0.0.1", ports: Sequence[int] | None = None
+) -> Emulators:
+    """Start emulated servers (ports=None: free ports chosen by the OS). Stop them with
+    `await emulators.stop()`, or use the result as `async with`."""
+    return await Emulators(configs, host, ports).start()
+
+
+class EmulatorsThread:
+    """Emulators on their own event loop in a daemon thread, for synchronous callers (the
+    demo, tests that drive Envoy). `call` runs a coroutine there: `t.call(t[0].crash())`."""
+
+    def __init__(
+        self,
+        configs: Sequence[EmulatorConfig],
+        host: str = "127.0.0.1",
+        ports: Sequence[int] | None = None,
+    ) -> None:
+        self._configs, self._host, self._ports = list(configs), host, ports
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="emulators")
+        self.emulators: Emulators | None = None
+
+    def start(self, timeout: float = 10.0) -> EmulatorsThread:
+        self._thread.start()
+        try:
+            self.emulators = self.call(start_emulators(self._configs, self._host, self._ports), timeout)
+        except BaseException:
+            self.stop(timeout)
+            raise
+        return self
+
+    def call(self, coro: Awaitable[T], timeout: float = 10.0) -> T:
+        """Run `coro` on the emulators' loop and return its result."""
+
+        async def run() -> T:
+            return await coro
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
+
+    @property
+    def servers(self) -> list[EmulatedServer]:
+        return self.emulators.servers if self.emulators else []
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+    def __getitem__(self, index: int) -> EmulatedServer:
+        return self.servers[index]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.emulators is not None:
+            self.call(self.emulators.stop(), timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> EmulatorsThread:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,175 @@
+"""Continuous batching in real time: the asyncio twin of `sim.service.BatchingServer`.
+
+The same model, driven by the event loop's clock instead of a simulated one: `slots`
+sequences run at once; a sequence prefills (prompt tokens x prefill time) and then decodes
+(output tokens x decode time), both divided by the GPU's speed; requests beyond the slots
+wait in FIFO order and start the moment a slot frees. A freed slot passes to the next
+request at the time the finished sequence was due, not when its task happened to wake, so
+timer jitter does not accumulate along a queue. A request whose client goes away frees its
+slot at once, as vLLM aborts it.
+
+Backlog phantoms are long requests with no client: each one queues, runs, and queues again
+at the tail, so the server stays backlogged by that many requests until the backlog is
+lowered, and real requests interleave with them in FIFO order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from controlplane.sim.service import ServerSpec
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in the engine. Times are event-loop times (seconds)."""
+
+    prompt_tokens: int
+    output_tokens: int
+    submitted: float
+    phantom: bool = False
+    started: float = math.nan
+    first_token: float = math.nan
+    finished: float = math.nan
+    decode_s_per_token: float = math.nan
+
+    def token_time(self, k: int) -> float:
+        """When output token k (0-based) is out: the first at the end of prefill, then one
+        per decode step. The sequence holds its slot until `finished`, one step after the last."""
+        return self.first_token + k * self.decode_s_per_token
+
+    def held_tokens(self, now: float) -> float:
+        """KV-cache tokens held at `now`: the prompt plus the tokens generated so far."""
+        if math.isnan(self.started):
+            return 0.0
+        generated = 0.0
+        if now > self.first_token:
+            generated = min(self.output_tokens, (now - self.first_token) / self.decode_s_per_token)
+        return self.prompt_tokens + generated
+
+    @property
+    def queue_s(self) -> float:
+        return self.started - self.submitted
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token - self.submitted
+
+    @property
+    def latency_s(self) -> float:
+        return self.finished - self.submitted
+
+
+class LiveBatchingServer:
+    """The GPU of one emulated server. Use `admit` around the life of a request."""
+
+    def __init__(self, spec: ServerSpec) -> None:
+        if spec.slots < 1 or spec.speed <= 0 or spec.decode_s_per_token <= 0:
+            raise ValueError("slots must be >= 1, speed > 0 and decode_s_per_token > 0")
+        self.spec = spec
+        self.slow = 1.0  # service-time multiplier for sequences that start from now on
+        self.running: list[Sequence] = []
+        self._waiting: deque[tuple[Sequence, asyncio.Future[None]]] = deque()
+        self._phantoms: list[asyncio.Task[None]] = []
+        self._ending: set[asyncio.Task[None]] = set()
+        self._loop = asyncio.get_running_loop()
+
+    def now(self) -> float:
+        return self._loop.time()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for _, fut in self._waiting if not fut.done())
+
+    @property
+    def backlog(self) -> int:
+        return len(self._phantoms)
+
+    @property
+    def kv_use(self) -> float:
+        """Tokens held by running sequences over KV capacity (0-1)."""
+        now = self.now()
+        held = sum(q.held_tokens(now) for q in self.running)
+        return min(1.0, held / self.spec.kv_capacity_tokens)
+
+    @contextlib.asynccontextmanager
+    async def admit(
+        self, prompt_tokens: int, output_tokens: int, *, phantom: bool = False
+    ) -> AsyncIterator[Sequence]:
+        """Wait (FIFO) for a slot; yield the started sequence, whose timing is then fixed;
+        free the slot on exit (early if the caller is cancelled: an aborted request)."""
+        seq = Sequence(max(0, prompt_tokens), max(1, output_tokens), self.now(), phantom)
+        if len(self.running) < self.spec.slots and not self.num_waiting:
+            self._start(seq, seq.submitted)
+        else:
+            entry = (seq, self._loop.create_future())
+            self._waiting.append(entry)
+            try:
+                await entry[1]
+            except asyncio.CancelledError:
+                if entry[1].done() and not entry[1].cancelled():
+                    self._release(seq)  # handed a slot just as the caller gave up
+                elif entry in self._waiting:
+                    self._waiting.remove(entry)
+                raise
+        try:
+            yield seq
+        finally:
+            self._release(seq)
+
+    async def wait_until(self, when: float) -> None:
+        """Sleep until event-loop time `when` (no-op if it has passed)."""
+        delay = when - self.now()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def _start(self, seq: Sequence, at: float) -> None:
+        s = self.spec
+        factor = self.slow / s.speed
+        seq.started = at
+        seq.first_token = at + seq.prompt_tokens * s.prefill_s_per_token * factor
+        seq.decode_s_per_token = s.decode_s_per_token * factor
+        seq.finished = seq.first_token + seq.output_tokens * seq.decode_s_per_token
+        self.running.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq not in self.running:
+            return
+        self.running.remove(seq)
+        at = min(self.now(), seq.finished)  # due time if it ran to the end, now if aborted
+        while self._waiting and len(self.running) < self.spec.slots:
+            nxt, fut = self._waiting.popleft()
+            if fut.done():  # its caller was cancelled while waiting
+                continue
+            self._start(nxt, max(at, nxt.submitted))
+            fut.set_result(None)
+
+    async def set_backlog(self, n: int, prompt_tokens: int, output_tokens: int) -> None:
+        """Keep `n` phantom requests in the server; returns once they have queued or left."""
+        while len(self._phantoms) < n:
+            self._phantoms.append(asyncio.create_task(self._phantom(prompt_tokens, output_tokens)))
+        while len(self._phantoms) > n:
+            task = self._phantoms.pop()  # the newest is furthest back in the queue
+            task.cancel()
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
+        await asyncio.sleep(0)  # let new phantoms take their place and cancelled ones leave
+
+    async def _phantom(self, prompt_tokens: int, output_tokens: int) -> None:
+        while True:
+            async with self.admit(prompt_tokens, output_tokens, phantom=True) as seq:
+                await self.wait_until(seq.finished)
+
+    async def close(self) -> None:
+        """Drop the phantoms (callers' own requests end with their tasks)."""
+        await self.set_backlog(0, 0, 1)
+        await asyncio.gather(*self._ending, return_exceptions=True)
