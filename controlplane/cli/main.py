@@ -1,11 +1,13 @@
-"""`controlplane`: serve, check-config, bootstrap, demo."""
+"""`controlplane`: serve, check-config, bootstrap, demo, emulate."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from controlplane import __version__
@@ -104,7 +106,152 @@ def _parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--duration", type=float, default=20.0, help="seconds of traffic (default: %(default)s)")
     d.add_argument("--delta", action="store_true", help="run Envoy with delta xDS")
+    _add_emulate_parser(sub)
     return p
+
+
+def _add_emulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from controlplane.sim.service import ServerSpec
+
+    spec = ServerSpec()
+    e = sub.add_parser(
+        "emulate",
+        help="run emulated inference servers (OpenAI API, vLLM /metrics, fault injection)",
+        description="Run emulated GPU model servers: OpenAI-compatible completions with latency "
+        "from a continuous-batching model, /health, vLLM-style /metrics, and runtime faults over "
+        "POST /emulator/faults. Runs until SIGINT or SIGTERM. See docs/emulator.md.",
+    )
+    e.add_argument(
+        "--listen",
+        default="127.0.0.1:8000",
+        metavar="HOST:PORT",
+        help="address of the first server; --count N uses N consecutive ports from PORT "
+        "(PORT 0: free ports chosen by the OS) (default: %(default)s, loopback only)",
+    )
+    e.add_argument(
+        "--model", required=True, metavar="NAME", help="the model name served and checked in requests"
+    )
+    e.add_argument(
+        "--gpu", metavar="CLASS", help="GPU class, e.g. A100 (informational: logs and /emulator/stats)"
+    )
+    e.add_argument(
+        "--speed",
+        type=_number(0, strict=True),
+        default=spec.speed,
+        metavar="X",
+        help="relative GPU speed; prefill and decode times are divided by it (0.33 is 3x slower) "
+        "(default: %(default)s)",
+    )
+    e.add_argument(
+        "--slots",
+        type=_integer(1),
+        default=spec.slots,
+        metavar="N",
+        help="sequences decoded at once; more requests wait in FIFO order (default: %(default)s)",
+    )
+    e.add_argument(
+        "--cold-start",
+        type=_number(0),
+        default=0.0,
+        metavar="SECONDS",
+        help="/health and the API answer 503 this long after start (default: %(default)s)",
+    )
+    e.add_argument(
+        "--count", type=_integer(1), default=1, metavar="N", help="servers to run (default: %(default)s)"
+    )
+    e.add_argument(
+        "--prefill-ms-per-token",
+        type=_number(0),
+        default=spec.prefill_s_per_token * 1000,
+        metavar="MS",
+        help="prefill time per prompt token at speed 1 (default: %(default)s)",
+    )
+    e.add_argument(
+        "--decode-ms-per-token",
+        type=_number(0, strict=True),
+        default=spec.decode_s_per_token * 1000,
+        metavar="MS",
+        help="decode time per output token at speed 1 (default: %(default)s)",
+    )
+    e.add_argument(
+        "--kv-capacity-tokens",
+        type=_integer(1),
+        default=spec.kv_capacity_tokens,
+        metavar="N",
+        help="KV-cache size in tokens; KV use = tokens held by running sequences / N (default: %(default)s)",
+    )
+    e.add_argument(
+        "--max-tokens",
+        type=_integer(1, 4096),
+        default=16,
+        metavar="N",
+        help="output tokens of a request that sets no max_tokens, 1-4096 (default: %(default)s)",
+    )
+    e.add_argument(
+        "--error-rate",
+        type=_number(0, 1),
+        default=0.0,
+        metavar="P",
+        help="fraction of requests answered 500, 0-1 (default: %(default)s)",
+    )
+    e.add_argument(
+        "--oom-rate",
+        type=_number(0, 1),
+        default=0.0,
+        metavar="P",
+        help="fraction of requests answered 507 (out of memory), 0-1 (default: %(default)s)",
+    )
+    e.add_argument(
+        "--slow",
+        type=_number(0, strict=True),
+        default=1.0,
+        metavar="X",
+        help="multiplier on service time, on top of --speed (default: %(default)s)",
+    )
+    e.add_argument(
+        "--crash-after",
+        type=_number(0, strict=True),
+        metavar="SECONDS",
+        help="crash every server this long after start: the port then refuses connections (default: never)",
+    )
+    e.add_argument(
+        "--seed", type=int, metavar="INT", help="seed for the error and OOM draws (default: random)"
+    )
+    e.add_argument("--log-format", choices=["console", "json"], default="console", help="log output format")
+    e.add_argument("--log-level", default="info", help="debug, info, warning, error (default: info)")
+
+
+def _number(low: float, high: float | None = None, *, strict: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] (or > low when strict)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text!r}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"between {low} and {high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+        return value
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         from controlplane.sim.demo import run_demo
 
         return int(run_demo(duration_s=args.duration, delta=args.delta))
+    if args.command == "emulate":
+        return _emulate(args)
     return 2
 
 
@@ -213,6 +362,95 @@ async def _run_until_signal(options: object) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await cp.stop()
+
+
+def _emulate(args: argparse.Namespace) -> int:
+    from controlplane.obs.http import split_host_port
+    from controlplane.obs.logging import configure_logging
+    from controlplane.sim.emulator import EmulatorConfig, Faults, FaultsInvalid
+
+    configure_logging(args.log_format, args.log_level)
+    try:
+        host, port = split_host_port(args.listen)
+    except ValueError as e:
+        print(f"controlplane emulate: --listen: {e}", file=sys.stderr)
+        return 2
+    if port > 65535 or (port and port + args.count - 1 > 65535):
+        print(
+            f"controlplane emulate: --listen: ports {port}..{port + args.count - 1} go beyond 65535",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        faults = Faults(slow=args.slow, error_rate=args.error_rate, oom_rate=args.oom_rate)
+    except FaultsInvalid as e:
+        print(f"controlplane emulate: --{(e.field or '').replace('_', '-')}: {e}", file=sys.stderr)
+        return 2
+    config = EmulatorConfig(
+        model=args.model,
+        gpu=args.gpu,
+        speed=args.speed,
+        slots=args.slots,
+        prefill_s_per_token=args.prefill_ms_per_token / 1000,
+        decode_s_per_token=args.decode_ms_per_token / 1000,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        cold_start_s=args.cold_start,
+        default_max_tokens=args.max_tokens,
+        faults=faults,
+        seed=args.seed,
+    )
+    ports = [port + i if port else 0 for i in range(args.count)]
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(_run_emulators_until_signal(config, host, ports, args.crash_after))
+    return 0
+
+
+async def _run_emulators_until_signal(
+    config: object, host: str, ports: list[int], crash_after: float | None
+) -> int:
+    import signal
+
+    import structlog
+
+    from controlplane.sim.emulator import EmulatorConfig, Emulators
+
+    assert isinstance(config, EmulatorConfig)
+    log = structlog.get_logger("controlplane.emulate")
+    emulators = Emulators([config] * len(ports), host, ports)
+    try:
+        await emulators.start()
+    except OSError as e:
+        print(f"controlplane emulate: {e}", file=sys.stderr)
+        return 2
+    for server in emulators:
+        log.info(
+            "emulated server started",
+            address=server.address,
+            model=config.model,
+            gpu=config.gpu,
+            speed=config.speed,
+            slots=config.slots,
+            cold_start_s=config.cold_start_s,
+        )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def crash_later() -> None:
+        assert crash_after is not None
+        await asyncio.sleep(crash_after)
+        for server in emulators:
+            await server.crash()
+            log.warning("emulated server crashed (--crash-after)", address=server.address)
+
+    crasher = asyncio.create_task(crash_later()) if crash_after is not None else None
+    await stop.wait()
+    if crasher is not None:
+        crasher.cancel()
+    await emulators.stop()
+    log.info("emulated servers stopped", count=len(emulators))
+    return 0
 
 
 if __name__ == "__main__":
