@@ -1,4 +1,8 @@
-"""The demo: control plane + echo backends + a real Envoy + traffic, with live fleet edits.
+"""The demo: control plane + emulated GPU servers + a real Envoy + traffic, with live fleet edits.
+
+The fleet is heterogeneous: two GPU classes (the L4 servers are about 3x slower than the
+A100s), and one server that starts cold (answers 503 on /health while "loading its
+model"): it is held out until warm, then ramps up. Weights are printed as they move.
 
 Everything runs on 127.0.0.1 with free ports and is stopped at the end, on error and on
 Ctrl-C. It exits 0 only if no request failed.
@@ -22,15 +26,17 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane.sim.backend import EchoBackend
+from controlplane.sim.emulator import SERVER_HEADER, EmulatorConfig, EmulatorsThread
 from controlplane.xds.bootstrap import envoy_bootstrap
 
 MODELS = {
     # model: (params_b, {version: backend names})
-    "llama-3-8b": (8, {"v1": ["llama-a", "llama-b"], "v2": ["llama-v2"]}),
-    "qwen-2.5-72b": (72, {"v1": ["qwen-a"]}),
+    "llama-3-8b": (8, {"v1": ["llama-a", "llama-b", "llama-cold"], "v2": ["llama-v2"]}),
+    "qwen-2.5-72b": (72, {"v1": ["qwen-a", "qwen-b"]}),
     "llama-3-405b": (405, {"v1": ["big-a"]}),
 }
+GPU = {"llama-b": "L4", "qwen-b": "L4"}  # the rest are A100s
+GPU_CLASSES = "gpu_classes: {A100: {capacity: 1.0}, L4: {capacity: 0.35}}"
 
 
 def _free_port() -> int:
@@ -46,6 +52,8 @@ def _fleet_yaml(port: int, addrs: dict[str, str], stable: dict[str, str], extra:
         "  small:  {max_params_b: 15, timeout: 60s}",
         "  medium: {max_params_b: 80, timeout: 180s}",
         "  large:  {timeout: 600s}",
+        GPU_CLASSES,
+        "signals: {slow_start: 5s}",
         "models:",
     ]
     for model, (params, versions) in MODELS.items():
@@ -58,7 +66,8 @@ def _fleet_yaml(port: int, addrs: dict[str, str], stable: dict[str, str], extra:
         for version, names in versions.items():
             eps = [*names, *extra.get(f"{model}@{version}", [])]
             lines.append(f"      {version}:")
-            lines.append(f"        endpoints: [{', '.join(repr(addrs[n]) for n in eps)}]")
+            lines.append("        endpoints:")
+            lines += [f"          - {{address: '{addrs[n]}', gpu: {GPU.get(n, 'A100')}}}" for n in eps]
     return "\n".join(lines) + "\n"
 
 
@@ -80,8 +89,9 @@ def _get(url: str) -> int:
 
 
 class _Traffic:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, names: dict[str, str]) -> None:
         self.port = port
+        self.names = names  # address -> server name
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.by_backend: Counter[str] = Counter()
@@ -105,7 +115,7 @@ class _Traffic:
                 conn.request("POST", "/v1/completions", body=body, headers=headers)
                 r = conn.getresponse()
                 r.read()
-                status, backend = r.status, r.getheader("x-backend") or "?"
+                status, backend = r.status, self.names.get(r.getheader(SERVER_HEADER) or "", "?")
             except Exception as e:
                 conn.close()
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
@@ -134,23 +144,39 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="controlplane-demo-"))
     procs: list[subprocess.Popen[bytes]] = []
-    backends: dict[str, EchoBackend] = {}
+    emulators: EmulatorsThread | None = None
     traffic: _Traffic | None = None
     threads: list[threading.Thread] = []
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        names = [n for _, versions in MODELS.values() for ns in versions.values() for n in ns] + ["llama-c"]
-        for name in names:
-            model = next(
-                (m for m, (_, vs) in MODELS.items() if any(name in ns for ns in vs.values())), "llama-3-8b"
+        names = [n for _, versions in MODELS.values() for ns in versions.values() for n in ns] + ["llama-d"]
+        cold_s = max(4.0, 0.3 * duration_s)
+        configs = [
+            EmulatorConfig(
+                model=next(
+                    (m for m, (_, vs) in MODELS.items() if any(name in ns for ns in vs.values())),
+                    "llama-3-8b",
+                ),
+                gpu=GPU.get(name, "A100"),
+                speed=0.35 if GPU.get(name) == "L4" else 1.0,
+                slots=4,
+                decode_s_per_token=0.004,
+                prefill_s_per_token=0.0001,
+                cold_start_s=cold_s if name == "llama-cold" else 0.0,
+                seed=i,
             )
-            backends[name] = EchoBackend(name, model).start()
-        addrs = {n: b.address for n, b in backends.items()}
+            for i, name in enumerate(names)
+        ]
+        emulators = EmulatorsThread(configs).start()
+        addrs = dict(zip(names, emulators.addresses, strict=True))
         listener, xds, metrics, admin = (_free_port() for _ in range(4))
         config = work / "fleet.yaml"
         config.write_text(_fleet_yaml(listener, addrs, {}, {}))
         print(f"demo: fleet config {config}")
-        print(f"demo: {len(MODELS)} models in 3 tiers, {len(backends)} emulated backends")
+        print(
+            f"demo: {len(MODELS)} models in 3 tiers, {len(names)} emulated GPU servers "
+            f"(A100 and 3x slower L4; llama-cold is loading its model for {cold_s:.0f}s)"
+        )
         cp_log = (work / "controlplane.log").open("wb")
         procs.append(
             subprocess.Popen(
@@ -200,15 +226,15 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
         print(f"demo: real Envoy ({mode} ADS) serving on 127.0.0.1:{listener}")
         print(f"demo: sending traffic for {duration_s:.0f}s, by x-model header and by JSON body")
 
-        traffic = _Traffic(listener)
+        traffic = _Traffic(listener, {a: n for n, a in addrs.items()})
         threads = [threading.Thread(target=traffic.run, args=(w,), daemon=True) for w in range(4)]
         for t in threads:
             t.start()
         edits: list[tuple[float, str, Callable[[], object]]] = [
             (
                 0.25,
-                "add endpoint llama-c to llama-3-8b v1",
-                lambda: config.write_text(_fleet_yaml(listener, addrs, {}, {"llama-3-8b@v1": ["llama-c"]})),
+                "add endpoint llama-d to llama-3-8b v1",
+                lambda: config.write_text(_fleet_yaml(listener, addrs, {}, {"llama-3-8b@v1": ["llama-d"]})),
             ),
             (
                 0.45,
@@ -219,7 +245,7 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
                 0.6,
                 "move llama-3-8b stable to v2",
                 lambda: config.write_text(
-                    _fleet_yaml(listener, addrs, {"llama-3-8b": "v2"}, {"llama-3-8b@v1": ["llama-c"]})
+                    _fleet_yaml(listener, addrs, {"llama-3-8b": "v2"}, {"llama-3-8b@v1": ["llama-d"]})
                 ),
             ),
         ]
@@ -235,6 +261,8 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
                     dist = ", ".join(f"{b}={c}" for b, c in sorted(traffic.by_backend.items()))
                     errors = len(traffic.errors)
                     print(f"demo: t={elapsed:5.1f}s  requests={traffic.total} errors={errors}  {dist}")
+                weights = _weights(metrics, {a: n for n, a in addrs.items()})
+                print(f"demo: t={elapsed:5.1f}s  weights  {weights}")
         traffic.stop.set()
         for t in threads:
             t.join(15)
@@ -255,9 +283,25 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
-        for b in backends.values():
-            b.stop()
+        if emulators is not None:
+            emulators.stop()
         print(f"demo: logs kept in {work}")
+
+
+def _weights(metrics_port: int, names: dict[str, str]) -> str:
+    """The weights the control plane pushes, from its own /metrics (0: held out)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError as e:
+        return f"(metrics unavailable: {e})"
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("controlplane_endpoint_weight{"):
+            labels, _, value = line.rpartition(" ")
+            addr = labels.split('endpoint="', 1)[1].split('"', 1)[0]
+            found[names.get(addr, addr)] = int(float(value))
+    return ", ".join(f"{n}={w}" for n, w in sorted(found.items()))
 
 
 def _summary(traffic: _Traffic) -> int:

@@ -6,7 +6,7 @@ tokens), both divided by the GPU's `speed`. Requests beyond the slots wait in FI
 and start the moment a slot frees. KV-cache use is the tokens held by running sequences
 (prompt plus tokens generated so far) over the server's KV capacity. The model ignores
 batch-size effects on step time: a slot is a slot, which keeps it predictable for tests
-and simulations (docs/emulator.md, to come with the emulator, will say so too).
+and simulations (docs/emulator.md says so too).
 """
 
 from __future__ import annotations
