@@ -94,7 +94,8 @@ _DETECT = {
 
 def parse_metrics(text: str, model: str | None = None) -> ServerSample:
     """Parse a /metrics page. With `model`, count only samples labelled with that model
-    (or unlabelled ones). Raise MetricsPageInvalid with the reason."""
+    (or unlabelled ones); a page that labels one other model is taken as that server's only
+    model. Raise MetricsPageInvalid with the reason."""
     try:
         samples = [
             (s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples
@@ -109,6 +110,20 @@ def parse_metrics(text: str, model: str | None = None) -> ServerSample:
             f"{', '.join(repr(p) for p in _DETECT.values())})"
         )
     fields = _FIELDS[dialect]
+    labelled_models = {
+        next((labels[k] for k in _MODEL_LABELS if k in labels), None)
+        for name, labels, _ in samples
+        if name in fields
+    } - {None}
+    if model is not None and model not in labelled_models:
+        if len(labelled_models) > 1:
+            raise MetricsPageInvalid(
+                f"the page labels models {', '.join(sorted(str(m) for m in labelled_models))}, "
+                f"none of them {model!r}"
+            )
+        # One model on the page under another name (vLLM's --served-model-name is often the
+        # Hugging Face id, the fleet's name a short one): the server serves just that model.
+        model = None
     values: dict[str, float] = {}
     for name, labels, value in samples:
         target = fields.get(name)

@@ -128,3 +128,19 @@ def test_rendered_vllm_values_round_trip(running: int, waiting: int, kv: float, 
     )
     s = parse_metrics(page, "m")
     assert (s.running, s.waiting, s.kv_use, s.latency_count) == (running, waiting, kv, count)
+
+
+def test_a_page_serving_one_model_under_another_name_is_that_servers_model() -> None:
+    page = VLLM.replace('model_name="llama-3-8b"', 'model_name="meta-llama/Meta-Llama-3-8B-Instruct"')
+    s = parse_metrics(page, "llama-3-8b")
+    assert (s.running, s.waiting) == (3.0, 7.0)
+
+
+def test_a_page_of_several_other_models_names_them() -> None:
+    page = VLLM + VLLM.replace('"llama-3-8b"', '"qwen"').replace("# HELP", "# XHELP").replace(
+        "# TYPE", "# XTYPE"
+    )
+    with pytest.raises(
+        MetricsPageInvalid, match="the page labels models llama-3-8b, qwen, none of them 'mistral'"
+    ):
+        parse_metrics(page, "mistral")
