@@ -27,18 +27,21 @@ class EndpointLoad:
     age_s: float = 0.0  # age of the newest signal
     capacity: float = 1.0  # relative throughput (GPU class or learnt)
     ready_for_s: float = math.inf  # seconds since it became ready (slow start)
+    token_latency_s: float | None = None  # smoothed time per output token: how fast a request runs here
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
     max_weight: int = 100
     floor: int = 1
-    waiting_saturation: float = 5.0  # queue length that counts as saturated
-    kv_saturation: float = 0.8  # KV use that counts as saturated
+    waiting_saturation: float = 0.33  # waiting/running that halves the weight
+    kv_saturation: float = 0.8  # KV use above which the endpoint counts as filling up (saturated at 1.0)
     error_penalty: float = 4.0  # weight divided by (1 + penalty * error rate * 10)
     stale_after_s: float = 5.0  # signals older than this start losing influence...
     stale_full_s: float = 30.0  # ...and have none left at this age (capacity only)
     slow_start_s: float = 30.0  # ramp from floor to full weight after becoming ready
+    speed_tolerance: float = 0.1  # per-token latencies within this fraction of the best count as the best
+    speed_exponent: float = 1.5  # how strongly fast GPUs are preferred beyond their capacity share
 
 
 Policy = Callable[[Sequence[EndpointLoad], PolicyConfig], dict[str, int]]
@@ -79,9 +82,37 @@ def weighted_response_time(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> 
 
 
 def backlog_factor(e: EndpointLoad, cfg: PolicyConfig) -> float:
-    """1 when idle, falling as the roofline saturation max(waiting/W, kv/K) grows."""
-    saturation = max(e.waiting / cfg.waiting_saturation, e.kv_use / cfg.kv_saturation)
-    return 1.0 / (1.0 + saturation)
+    """1 with no queue and KV below kv_saturation, falling as either grows.
+
+    The queue counts relative to the running batch (a new request waits for about
+    waiting/running of a service time), so 5 waiting is a lot for a batch of 4 and nothing
+    for a batch of 200. KV use counts only above kv_saturation: below it the server admits
+    new sequences at once, above it they soon queue or preempt.
+    """
+    queue = e.waiting / max(e.running, 1.0) / cfg.waiting_saturation
+    kv = 0.0
+    if cfg.kv_saturation < 1.0:
+        kv = max(0.0, e.kv_use - cfg.kv_saturation) / (1.0 - cfg.kv_saturation)
+    return 1.0 / (1.0 + max(queue, kv))
+
+
+def speed_factor(e: EndpointLoad, best_token_latency_s: float | None, cfg: PolicyConfig) -> float:
+    """1 for the fleet's fastest per-token latency (within speed_tolerance), falling as
+    (best / own) ** speed_exponent for slower endpoints; 1 when unknown.
+
+    Capacity alone sends a slow GPU its throughput share, yet every request there takes
+    longer; the speed factor moves traffic to the fast GPUs first, as a per-request picker
+    does. Envoy's EDF shares traffic in proportion to the weights (over active + 1), so a
+    slow GPU keeps a share while fast ones have room unless its weight is well below its
+    capacity share: hence an exponent above 1 (1.5 was best across loads in
+    bench/lb_quality/simulate.py; the backlog factor hands traffic back as fast GPUs queue).
+    The tolerance keeps measurement noise on identical GPUs from making their
+    weights differ, which would switch Envoy from power-of-two-choices to EDF.
+    """
+    if not e.token_latency_s or not best_token_latency_s:
+        return 1.0
+    relative = min(1.0, (1.0 + cfg.speed_tolerance) * best_token_latency_s / e.token_latency_s)
+    return float(relative**cfg.speed_exponent)
 
 
 def freshness(e: EndpointLoad, cfg: PolicyConfig) -> float:
@@ -94,14 +125,20 @@ def freshness(e: EndpointLoad, cfg: PolicyConfig) -> float:
 
 
 def adaptive(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, int]:
-    """capacity x backlog x error penalty, with stale signals fading to capacity only,
-    and a slow-start ramp for endpoints that just became ready."""
+    """capacity x speed x backlog x error penalty, with stale signals fading to capacity
+    only, and a slow-start ramp for endpoints that just became ready."""
+    known = [e.token_latency_s for e in loads if e.ready and e.token_latency_s and freshness(e, cfg) > 0]
+    best = min(known, default=None)
     raw: dict[str, float] = {}
     for e in loads:
         if not e.ready:
             raw[e.address] = -1.0
             continue
-        signal = backlog_factor(e, cfg) / (1.0 + cfg.error_penalty * 10.0 * e.error_rate)
+        signal = (
+            speed_factor(e, best, cfg)
+            * backlog_factor(e, cfg)
+            / (1.0 + cfg.error_penalty * 10.0 * e.error_rate)
+        )
         trust = freshness(e, cfg)
         # An endpoint whose metrics cannot be read is neither zeroed nor trusted blindly.
         score = e.capacity * (trust * signal + (1.0 - trust) * 1.0)
@@ -128,8 +165,15 @@ class SmoothingConfig:
 
 def smooth(previous: Mapping[str, int], target: Mapping[str, int], cfg: SmoothingConfig) -> dict[str, int]:
     """Move from previous weights towards target ones: EWMA, bounded steps, hysteresis.
-    Held-out endpoints (0) and new endpoints take their target at once."""
+    Held-out endpoints (0) and new endpoints take their target at once; when the targets
+    are all equal, unequal weights within the hysteresis band snap to them."""
     out: dict[str, int] = {}
+    # Equal weights make Envoy's least request use power-of-two-choices; unequal ones switch
+    # it to EDF. When the targets are all equal and the weights are not, a change within the
+    # hysteresis band goes straight to the target, or the band would leave a weight short
+    # and Envoy in EDF for good.
+    live = [addr for addr, w in target.items() if w > 0]
+    snap = len({target[a] for a in live}) == 1 and len({previous.get(a) for a in live}) > 1
     for addr, want in target.items():
         old = previous.get(addr)
         if old is None or old == 0 or want == 0:
@@ -138,7 +182,10 @@ def smooth(previous: Mapping[str, int], target: Mapping[str, int], cfg: Smoothin
         mixed = old + cfg.alpha * (want - old)
         mixed = min(max(mixed, old / cfg.max_step), old * cfg.max_step)
         if abs(mixed - old) < cfg.hysteresis * old:
-            out[addr] = old
+            out[addr] = round(min(max(want, old / cfg.max_step), old * cfg.max_step)) if snap else old
         else:
-            out[addr] = max(1, round(mixed))
+            step = round(mixed)
+            if step == old:  # rounding would stall short of the target (2 -> 1.5 -> 2)
+                step += 1 if want > old else -1
+            out[addr] = max(1, step)
     return out

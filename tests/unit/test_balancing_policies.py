@@ -28,6 +28,7 @@ loads_strategy = st.lists(
         age_s=st.floats(0, 100),
         capacity=st.floats(0.05, 10),
         ready_for_s=st.floats(0, 1000),
+        token_latency_s=st.one_of(st.none(), st.floats(0.0001, 10)),
     ),
     min_size=1,
     max_size=20,
@@ -54,14 +55,49 @@ def test_adaptive_gives_a_3x_slower_gpu_a_third() -> None:
     assert w == {"fast": 100, "slow": 33}
 
 
-def test_adaptive_backlog_and_kv_reduce_weight() -> None:
+def test_adaptive_backlog_counts_the_queue_against_the_running_batch() -> None:
     w = adaptive(
-        [EndpointLoad("idle"), EndpointLoad("queued", waiting=10), EndpointLoad("kv", kv_use=0.8)],
+        [
+            EndpointLoad("idle"),
+            EndpointLoad("small_batch", running=6, waiting=2),  # a third of the batch waits
+            EndpointLoad("big_batch", running=200, waiting=2),  # 1% waits: hardly matters
+            EndpointLoad("stuck", running=0, waiting=3),
+        ],
         CFG,
     )
     assert w["idle"] == 100
-    assert w["queued"] == 33  # saturation 2 -> 1/3
-    assert w["kv"] == 50  # saturation 1 -> 1/2
+    assert w["small_batch"] == pytest.approx(50, abs=1)
+    assert w["big_batch"] >= 95
+    assert w["stuck"] == pytest.approx(10, abs=1)
+
+
+def test_adaptive_kv_use_counts_only_above_its_saturation() -> None:
+    w = adaptive(
+        [EndpointLoad("a", kv_use=0.0), EndpointLoad("b", kv_use=0.7), EndpointLoad("c", kv_use=0.9)], CFG
+    )
+    assert w == {"a": 100, "b": 100, "c": 67}  # 0.9: halfway from 0.8 to full -> 1 / 1.5
+
+
+def test_adaptive_prefers_fast_gpus_beyond_their_capacity_share() -> None:
+    fast = EndpointLoad("fast", capacity=1.0, token_latency_s=0.02)
+    slow = EndpointLoad("slow", capacity=0.5, token_latency_s=0.04)  # half as fast per request
+    w = adaptive([fast, slow], CFG)
+    assert w["fast"] == 100
+    assert w["slow"] < 50 * 0.5  # capacity share x (1.1 / 2) ** 1.5
+    assert w["slow"] == round(100 * 0.5 * (1.1 / 2) ** CFG.speed_exponent)
+
+
+def test_adaptive_ignores_small_speed_differences() -> None:
+    # measurement noise on identical GPUs must not make weights differ (EDF instead of P2C)
+    loads = [EndpointLoad(str(i), token_latency_s=0.020 + 0.0005 * i) for i in range(5)]
+    assert set(adaptive(loads, CFG).values()) == {100}
+
+
+def test_adaptive_stale_speed_fades_to_capacity() -> None:
+    slow = {"token_latency_s": 0.06, "capacity": 1.0}
+    fresh = adaptive([EndpointLoad("a", token_latency_s=0.02), EndpointLoad("b", **slow)], CFG)["b"]
+    gone = adaptive([EndpointLoad("a", token_latency_s=0.02), EndpointLoad("b", age_s=60, **slow)], CFG)["b"]
+    assert fresh < 25 and gone == 100
 
 
 def test_adaptive_penalises_errors() -> None:
@@ -103,7 +139,33 @@ def test_smoothing_bounds_every_step(previous: dict[str, int], target: dict[str,
 def test_smoothing_ignores_small_changes_and_converges() -> None:
     cfg = SmoothingConfig()
     assert smooth({"a": 100}, {"a": 95}, cfg) == {"a": 100}  # within hysteresis: no push
+    assert smooth({"a": 100, "b": 60}, {"a": 100, "b": 55}, cfg) == {"a": 100, "b": 60}
     w = {"a": 100}
     for _ in range(20):
         w = smooth(w, {"a": 10}, cfg)
     assert 10 <= w["a"] <= 12
+
+
+def test_smoothing_brings_weights_back_to_equal() -> None:
+    # Unequal weights switch Envoy from power-of-two-choices to EDF: once the targets are
+    # equal again, a weight stuck inside the hysteresis band must not keep it there.
+    cfg = SmoothingConfig()
+    w = {"a": 100, "b": 50}
+    for _ in range(10):
+        w = smooth(w, {"a": 100, "b": 100}, cfg)
+    assert w == {"a": 100, "b": 100}
+    assert smooth({"a": 100, "b": 100}, {"a": 97, "b": 97}, cfg) == {"a": 100, "b": 100}  # already equal
+
+
+@given(
+    previous=st.lists(st.integers(1, 100), min_size=2, max_size=6),
+    level=st.integers(1, 100),
+)
+def test_smoothing_reaches_equal_targets(previous: list[int], level: int) -> None:
+    cfg = SmoothingConfig()
+    names = [str(i) for i in range(len(previous))]
+    w = dict(zip(names, previous, strict=True))
+    target = dict.fromkeys(names, level)
+    for _ in range(30):
+        w = smooth(w, target, cfg)
+    assert len(set(w.values())) == 1
