@@ -34,6 +34,8 @@ class ServerSample:
     latency_count: float | None = None
     successes: float | None = None
     failures: float | None = None
+    token_latency_sum_s: float | None = None  # time per output token histogram
+    token_latency_count: float | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class LoadDelta:
     mean_latency_s: float | None
     error_rate: float | None
     completed: float
+    mean_token_latency_s: float | None = None
 
 
 # name -> (field, scale); summed over the samples that match the model.
@@ -55,6 +58,10 @@ _FIELDS: dict[str, dict[str, tuple[str, float]]] = {
         "vllm:e2e_request_latency_seconds_sum": ("latency_sum_s", 1.0),
         "vllm:e2e_request_latency_seconds_count": ("latency_count", 1.0),
         "vllm:request_success_total": ("successes", 1.0),
+        "vllm:time_per_output_token_seconds_sum": ("token_latency_sum_s", 1.0),
+        "vllm:time_per_output_token_seconds_count": ("token_latency_count", 1.0),
+        "vllm:request_time_per_output_token_seconds_sum": ("token_latency_sum_alt", 1.0),
+        "vllm:request_time_per_output_token_seconds_count": ("token_latency_count_alt", 1.0),
     },
     "sglang": {
         "sglang:num_running_reqs": ("running", 1.0),
@@ -62,6 +69,8 @@ _FIELDS: dict[str, dict[str, tuple[str, float]]] = {
         "sglang:token_usage": ("kv_use", 1.0),
         "sglang:e2e_request_latency_seconds_sum": ("latency_sum_s", 1.0),
         "sglang:e2e_request_latency_seconds_count": ("latency_count", 1.0),
+        "sglang:time_per_output_token_seconds_sum": ("token_latency_sum_s", 1.0),
+        "sglang:time_per_output_token_seconds_count": ("token_latency_count", 1.0),
     },
     "tgi": {
         "tgi_batch_current_size": ("running", 1.0),
@@ -72,6 +81,8 @@ _FIELDS: dict[str, dict[str, tuple[str, float]]] = {
         "tgi_request_success": ("successes", 1.0),
         "tgi_request_failure_total": ("failures", 1.0),
         "tgi_request_failure": ("failures", 1.0),
+        "tgi_request_mean_time_per_token_duration_sum": ("token_latency_sum_s", 1.0),
+        "tgi_request_mean_time_per_token_duration_count": ("token_latency_count", 1.0),
     },
     "triton": {
         "nv_inference_pending_request_count": ("waiting", 1.0),
@@ -139,6 +150,13 @@ def parse_metrics(text: str, model: str | None = None) -> ServerSample:
     if "kv_use" not in values and "kv_use_legacy" in values:
         values["kv_use"] = values["kv_use_legacy"]
     values.pop("kv_use_legacy", None)
+    # Newer vLLM renames the per-token histogram; when both are exported, use one, not a blend.
+    alt_sum, alt_count = (
+        values.pop("token_latency_sum_alt", None),
+        values.pop("token_latency_count_alt", None),
+    )
+    if "token_latency_count" not in values and alt_sum is not None and alt_count is not None:
+        values["token_latency_sum_s"], values["token_latency_count"] = alt_sum, alt_count
     if dialect == "triton" and "successes" in values:
         values["latency_count"] = values["successes"]
     if "kv_use" in values and values["kv_use"] > 1.0:
@@ -172,8 +190,11 @@ def derive(previous: ServerSample | None, current: ServerSample) -> LoadDelta:
     d_sum = delta(previous.latency_sum_s, current.latency_sum_s)
     d_count = delta(previous.latency_count, current.latency_count)
     mean = d_sum / d_count if d_sum is not None and d_count else None
+    t_sum = delta(previous.token_latency_sum_s, current.token_latency_sum_s)
+    t_count = delta(previous.token_latency_count, current.token_latency_count)
+    token_mean = t_sum / t_count if t_sum is not None and t_count else None
     d_ok = delta(previous.successes, current.successes) or 0.0
     d_fail = delta(previous.failures, current.failures) or 0.0
     done = d_ok + d_fail
     error_rate = d_fail / done if done else None
-    return LoadDelta(mean, error_rate, done if done else (d_count or 0.0))
+    return LoadDelta(mean, error_rate, done if done else (d_count or 0.0), token_mean)

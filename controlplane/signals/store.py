@@ -59,6 +59,7 @@ class EndpointSignals:
     sample: ServerSample | None = None
     sample_at: float | None = None
     latency_s: float | None = None
+    token_latency_s: float | None = None  # time per output token: how fast a request runs here
     error_rate: float = 0.0
     throughput: float | None = None  # learnt: completions/s per running request x peak running
     peak_running: float = 0.0
@@ -107,6 +108,8 @@ class SignalStore:
         self._learn_throughput(sig, sample, delta.completed, now)
         if delta.mean_latency_s is not None:
             sig.latency_s = _ewma(sig.latency_s, delta.mean_latency_s)
+        if delta.mean_token_latency_s is not None:
+            sig.token_latency_s = _ewma(sig.token_latency_s, delta.mean_token_latency_s)
         if delta.error_rate is not None:
             sig.error_rate = _ewma(sig.error_rate, delta.error_rate) or 0.0
         sig.sample = sample
@@ -199,6 +202,7 @@ class SignalStore:
             waiting=(s.waiting or 0.0) if s is not None else 0.0,
             kv_use=(s.kv_use or 0.0) if s is not None else 0.0,
             latency_s=sig.latency_s,
+            token_latency_s=sig.token_latency_s,
             error_rate=max(sig.error_rate, lrs_errors),
             age_s=math.inf if sig.sample_at is None else max(0.0, now - sig.sample_at),
             capacity=capacity,

@@ -17,6 +17,7 @@ LATENCY_BUCKETS = (
     *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
     *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
 )
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 TTFT_BUCKETS = (
     *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5),
     *(10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
@@ -63,6 +64,13 @@ class VllmMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         ).labels(m)
+        self._tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            label,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        ).labels(m)
         self._queue = Histogram(
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
@@ -89,6 +97,8 @@ class VllmMetrics:
         self._e2e.observe(seq.latency_s)
         self._ttft.observe(seq.ttft_s)
         self._queue.observe(seq.queue_s)
+        for _ in range(seq.output_tokens - 1):  # as vLLM: one observation per inter-token gap
+            self._tpot.observe(seq.decode_s_per_token)
         self._success[finish_reason].inc()
         self._prompt.inc(seq.prompt_tokens)
         self._generation.inc(seq.output_tokens)

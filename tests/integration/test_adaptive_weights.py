@@ -198,12 +198,12 @@ def test_envoy_load_reports_feed_in_flight_and_errors(rig: Rig) -> None:
         wait_until(
             lambda: cp.metric("controlplane_endpoint_error_rate", endpoint=bad) > 0.2, 10, "LRS errors"
         )
-        wait_until(lambda: rig.weights()["bad"] < rig.weights()["a"] / 8, 15, "the erroring server's weight")
+        wait_until(lambda: rig.weights()["bad"] < rig.weights()["a"] / 4, 15, "the erroring server's weight")
         t0 = time.monotonic()
         time.sleep(3)
         share = rig.share(load, t0)
     # Less traffic, though not in proportion to the weight: its errors return at once, so it
     # rarely has requests in flight and least request keeps picking it (outlier detection,
     # which ejects it, is the tier policy's job).
-    assert share.get("bad", 0) < 0.6 * share["a"], (share, rig.weights())
+    assert share.get("bad", 0) < 0.9 * share["a"], (share, rig.weights())
     assert cp.metric("controlplane_endpoint_error_rate", endpoint=rig.servers["a"].address) == 0

@@ -144,3 +144,25 @@ def test_a_page_of_several_other_models_names_them() -> None:
         MetricsPageInvalid, match="the page labels models llama-3-8b, qwen, none of them 'mistral'"
     ):
         parse_metrics(page, "mistral")
+
+
+TPOT = """\
+# TYPE vllm:time_per_output_token_seconds histogram
+vllm:time_per_output_token_seconds_bucket{le="+Inf",model_name="llama-3-8b"} 400.0
+vllm:time_per_output_token_seconds_count{model_name="llama-3-8b"} 400.0
+vllm:time_per_output_token_seconds_sum{model_name="llama-3-8b"} 8.0
+"""
+
+
+def test_time_per_output_token_is_read_and_derived() -> None:
+    first = parse_metrics(VLLM + TPOT, "llama-3-8b")
+    assert (first.token_latency_sum_s, first.token_latency_count) == (8.0, 400.0)
+    later = parse_metrics(VLLM + TPOT.replace("400.0", "500.0").replace("} 8.0", "} 11.0"), "llama-3-8b")
+    assert derive(first, later).mean_token_latency_s == pytest.approx(0.03)
+
+
+def test_the_renamed_per_token_histogram_is_used_alone_not_blended() -> None:
+    renamed = TPOT.replace("vllm:time_per", "vllm:request_time_per")
+    assert parse_metrics(VLLM + renamed).token_latency_count == 400.0
+    both = VLLM + TPOT + renamed.replace("400.0", "7.0")
+    assert parse_metrics(both).token_latency_count == 400.0

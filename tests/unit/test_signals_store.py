@@ -147,3 +147,14 @@ def test_throughput_is_learnt_only_while_busy() -> None:
     store.record_scrape(KEY, ScrapeResult(200, metrics_text=busy_page(4, 113)), now=4.0)
     learnt = store.learnt_throughput(KEY)
     assert learnt is not None and 4.0 < learnt < 8.0  # smoothed towards the new 4/s
+
+
+def test_time_per_output_token_reaches_the_load() -> None:
+    from tests.unit.test_signals_parse import TPOT
+
+    store = SignalStore()
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=VLLM + TPOT), now=0.0)
+    assert store.load(KEY, 1.0, 0.0).token_latency_s is None
+    later = TPOT.replace("400.0", "500.0").replace("} 8.0", "} 10.0")
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=VLLM + later), now=1.0)
+    assert store.load(KEY, 1.0, 1.0).token_latency_s == 0.02
