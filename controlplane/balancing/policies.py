@@ -41,7 +41,8 @@ class PolicyConfig:
     stale_full_s: float = 30.0  # ...and have none left at this age (capacity only)
     slow_start_s: float = 30.0  # ramp from floor to full weight after becoming ready
     speed_tolerance: float = 0.1  # per-token latencies within this fraction of the best count as the best
-    speed_exponent: float = 1.5  # how strongly fast GPUs are preferred beyond their capacity share
+    speed_exponent: float = 1.5  # how strongly fast GPUs are preferred, by time per output token...
+    latency_speed_exponent: float = 1.0  # ...or, where that is not reported, by end-to-end latency
 
 
 Policy = Callable[[Sequence[EndpointLoad], PolicyConfig], dict[str, int]]
@@ -96,23 +97,41 @@ def backlog_factor(e: EndpointLoad, cfg: PolicyConfig) -> float:
     return 1.0 / (1.0 + max(queue, kv))
 
 
-def speed_factor(e: EndpointLoad, best_token_latency_s: float | None, cfg: PolicyConfig) -> float:
-    """1 for the fleet's fastest per-token latency (within speed_tolerance), falling as
-    (best / own) ** speed_exponent for slower endpoints; 1 when unknown.
+def speed_factor(own_s: float | None, best_s: float | None, exponent: float, cfg: PolicyConfig) -> float:
+    """1 for the fleet's fastest latency (within speed_tolerance), falling as
+    (best / own) ** exponent for slower endpoints; 1 when unknown.
 
     Capacity alone sends a slow GPU its throughput share, yet every request there takes
     longer; the speed factor moves traffic to the fast GPUs first, as a per-request picker
     does. Envoy's EDF shares traffic in proportion to the weights (over active + 1), so a
     slow GPU keeps a share while fast ones have room unless its weight is well below its
-    capacity share: hence an exponent above 1 (1.5 was best across loads in
+    capacity share: hence speed_exponent above 1 (1.5 was best across loads in
     bench/lb_quality/simulate.py; the backlog factor hands traffic back as fast GPUs queue).
-    The tolerance keeps measurement noise on identical GPUs from making their
-    weights differ, which would switch Envoy from power-of-two-choices to EDF.
+    The tolerance keeps measurement noise on identical GPUs from making their weights
+    differ, which would switch Envoy from power-of-two-choices to EDF.
     """
-    if not e.token_latency_s or not best_token_latency_s:
+    if not own_s or not best_s:
         return 1.0
-    relative = min(1.0, (1.0 + cfg.speed_tolerance) * best_token_latency_s / e.token_latency_s)
-    return float(relative**cfg.speed_exponent)
+    relative = min(1.0, (1.0 + cfg.speed_tolerance) * best_s / own_s)
+    return float(relative**exponent)
+
+
+def speed_signal(
+    loads: Sequence[EndpointLoad], cfg: PolicyConfig
+) -> tuple[Callable[[EndpointLoad], float | None], float | None, float]:
+    """Which latency tells the endpoints' speeds apart: (getter, fleet best, exponent).
+
+    The time per output token when at least two fresh ready endpoints report it: it does
+    not depend on request sizes or queueing. Otherwise the mean end-to-end latency, with a
+    weaker exponent: it is noisier (request mix) and also counts queueing, which the
+    backlog factor already does.
+    """
+    fresh = [e for e in loads if e.ready and freshness(e, cfg) > 0]
+    tpot = [e.token_latency_s for e in fresh if e.token_latency_s]
+    if len(tpot) >= 2:
+        return (lambda e: e.token_latency_s), min(tpot), cfg.speed_exponent
+    e2e = [e.latency_s for e in fresh if e.latency_s]
+    return (lambda e: e.latency_s), min(e2e) if len(e2e) >= 2 else None, cfg.latency_speed_exponent
 
 
 def freshness(e: EndpointLoad, cfg: PolicyConfig) -> float:
@@ -127,15 +146,14 @@ def freshness(e: EndpointLoad, cfg: PolicyConfig) -> float:
 def adaptive(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, int]:
     """capacity x speed x backlog x error penalty, with stale signals fading to capacity
     only, and a slow-start ramp for endpoints that just became ready."""
-    known = [e.token_latency_s for e in loads if e.ready and e.token_latency_s and freshness(e, cfg) > 0]
-    best = min(known, default=None)
+    latency_of, best, exponent = speed_signal(loads, cfg)
     raw: dict[str, float] = {}
     for e in loads:
         if not e.ready:
             raw[e.address] = -1.0
             continue
         signal = (
-            speed_factor(e, best, cfg)
+            speed_factor(latency_of(e), best, exponent, cfg)
             * backlog_factor(e, cfg)
             / (1.0 + cfg.error_penalty * 10.0 * e.error_rate)
         )

@@ -93,6 +93,17 @@ def test_adaptive_ignores_small_speed_differences() -> None:
     assert set(adaptive(loads, CFG).values()) == {100}
 
 
+def test_adaptive_uses_end_to_end_latency_where_time_per_token_is_not_reported() -> None:
+    w = adaptive([EndpointLoad("a", latency_s=5.0), EndpointLoad("b", latency_s=10.0)], CFG)
+    assert w == {"a": 100, "b": round(100 * (1.1 * 0.5) ** CFG.latency_speed_exponent)}
+    # ...but time per token wins when reported: it does not depend on the request mix
+    same_speed = {"token_latency_s": 0.02}
+    w = adaptive(
+        [EndpointLoad("a", latency_s=5.0, **same_speed), EndpointLoad("b", latency_s=10.0, **same_speed)], CFG
+    )
+    assert w == {"a": 100, "b": 100}
+
+
 def test_adaptive_stale_speed_fades_to_capacity() -> None:
     slow = {"token_latency_s": 0.06, "capacity": 1.0}
     fresh = adaptive([EndpointLoad("a", token_latency_s=0.02), EndpointLoad("b", **slow)], CFG)["b"]
