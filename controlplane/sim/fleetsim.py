@@ -148,6 +148,7 @@ class ControllerConfig:
     period_s: float = 1.0
     signal_delay_s: float = 0.5  # weights reach the sidecars this long after the scrape
     latency_alpha: float = 0.3  # EWMA of the per-interval means, as signals.store does
+    token_latency: bool = True  # False: servers that do not report the time per output token
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     smoothing: SmoothingConfig | None = field(default_factory=SmoothingConfig)
 
@@ -190,8 +191,9 @@ class Scraper:
     """What a metrics scraper sees of each server: gauges now, and means over the
     requests finished since the previous scrape, smoothed (EWMA)."""
 
-    def __init__(self, n: int, alpha: float) -> None:
+    def __init__(self, n: int, alpha: float, token_latency: bool = True) -> None:
         self._alpha = alpha
+        self._token_latency = token_latency
         self._latency_sum = [0.0] * n
         self._count = [0] * n
         self._decode_s = [0.0] * n
@@ -216,7 +218,7 @@ class Scraper:
         for i, s in enumerate(servers):
             if self._count[i]:
                 self.latency[i] = self._ewma(self.latency[i], self._latency_sum[i] / self._count[i])
-            if self._tokens[i]:
+            if self._tokens[i] and self._token_latency:
                 self.token_latency[i] = self._ewma(self.token_latency[i], self._decode_s[i] / self._tokens[i])
             self._latency_sum[i], self._count[i], self._decode_s[i], self._tokens[i] = 0.0, 0, 0.0, 0
             loads.append(
@@ -261,7 +263,7 @@ class _Run:
         if not self.controlled and balancer not in BALANCERS:
             raise ValueError(f"unknown balancer {balancer!r}")
         self.ctl = controller or ControllerConfig()
-        self.scraper = Scraper(n, self.ctl.latency_alpha)
+        self.scraper = Scraper(n, self.ctl.latency_alpha, self.ctl.token_latency)
 
         self.simple: list[RoundRobin | RandomPick] = []
         self.lbs: list[LeastRequest] = []

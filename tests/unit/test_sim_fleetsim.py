@@ -9,6 +9,7 @@ import pytest
 from controlplane.sim.fleetsim import (
     BALANCERS,
     Bursts,
+    Scraper,
     Workload,
     capacity_rps,
     make_requests,
@@ -16,7 +17,7 @@ from controlplane.sim.fleetsim import (
     static_weights,
 )
 from controlplane.sim.pickers import EdfSchedule, LeastRequest, ServerView, full_scan_pick
-from controlplane.sim.service import ServerSpec
+from controlplane.sim.service import BatchingServer, ServerSpec
 
 WORKLOAD = Workload()
 HOMOGENEOUS = [ServerSpec(slots=4, speed=1.0)] * 4
@@ -186,6 +187,27 @@ def test_the_controller_pushes_weights_from_any_policy() -> None:
         simulate(TWO_CLASS, requests, "policy:nope")
     with pytest.raises(ValueError, match="unknown"):
         simulate(TWO_CLASS, requests, "fastest")
+
+
+def test_the_scraper_reports_gauges_now_and_means_of_the_interval() -> None:
+    spec = ServerSpec(slots=1, speed=0.5, prefill_s_per_token=0.0, decode_s_per_token=0.01)
+    server = BatchingServer(spec)
+    server.submit(1, prompt_tokens=0, output_tokens=100, now=0.0)  # 2 s at speed 0.5
+    server.submit(2, prompt_tokens=0, output_tokens=100, now=0.0)  # waits 2 s, then 2 s
+    with_tpot, without = Scraper(1, alpha=0.5), Scraper(1, alpha=0.5, token_latency=False)
+    for c in server.advance(3.0):
+        with_tpot.finished(0, c)
+        without.finished(0, c)
+    [load] = with_tpot.sample([server], [0.5], age_s=0.5)
+    assert (load.running, load.waiting, load.capacity, load.age_s) == (1.0, 0.0, 0.5, 0.5)
+    assert load.latency_s == pytest.approx(2.0)
+    assert load.token_latency_s == pytest.approx(0.02)
+    [load] = without.sample([server], [0.5], age_s=0.5)
+    assert load.latency_s == pytest.approx(2.0) and load.token_latency_s is None
+    for c in server.advance(5.0):
+        with_tpot.finished(0, c)  # 4 s: its 2 s in the server's queue count
+    [load] = with_tpot.sample([server], [0.5], age_s=0.5)
+    assert load.latency_s == pytest.approx(2.0 + 0.5 * (4.0 - 2.0))  # EWMA
 
 
 def test_static_weights_follow_capacity() -> None:
