@@ -28,6 +28,8 @@ class EndpointLoad:
     capacity: float = 1.0  # relative throughput (GPU class or learnt)
     ready_for_s: float = math.inf  # seconds since it became ready (slow start)
     token_latency_s: float | None = None  # smoothed time per output token: how fast a request runs here
+    fits: bool = True  # the model fits this endpoint's GPU memory (model_aware)
+    preferred: bool = False  # the endpoint's GPU class is one the model prefers (model_aware)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class PolicyConfig:
     speed_tolerance: float = 0.1  # per-token latencies within this fraction of the best count as the best
     speed_exponent: float = 1.5  # how strongly fast GPUs are preferred, by time per output token...
     latency_speed_exponent: float = 1.0  # ...or, where that is not reported, by end-to-end latency
+    preferred_bonus: float = 2.0  # model_aware: weight multiplier for a preferred GPU class
 
 
 Policy = Callable[[Sequence[EndpointLoad], PolicyConfig], dict[str, int]]
@@ -166,11 +169,38 @@ def adaptive(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, int]
     return _scale(raw, cfg)
 
 
+def least_request(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, int]:
+    """Equal weights, like round_robin, but the cluster keeps Envoy's least request
+    (power of two choices on each proxy's own in-flight counts): plain Envoy, no signals."""
+    return round_robin(loads, cfg)
+
+
+def model_aware(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, int]:
+    """The seed's model-aware scheduling: an endpoint whose GPU memory cannot hold the model
+    is held out; the rest weigh capacity x a bonus for a preferred GPU class x headroom
+    (backlog factor x free KV cache), with stale signals fading to capacity only."""
+    raw: dict[str, float] = {}
+    for e in loads:
+        if not e.ready or not e.fits:
+            raw[e.address] = -1.0
+            continue
+        headroom = backlog_factor(e, cfg) * max(0.05, 1.0 - e.kv_use)
+        trust = freshness(e, cfg)
+        score = e.capacity * (cfg.preferred_bonus if e.preferred else 1.0)
+        score *= trust * headroom + (1.0 - trust)
+        if e.ready_for_s < cfg.slow_start_s:
+            score *= max(0.05, e.ready_for_s / cfg.slow_start_s)
+        raw[e.address] = score
+    return _scale(raw, cfg)
+
+
 POLICIES: dict[str, Policy] = {
+    "adaptive": adaptive,
     "round_robin": round_robin,
+    "least_request": least_request,
     "least_connections": least_connections,
     "weighted_response_time": weighted_response_time,
-    "adaptive": adaptive,
+    "model_aware": model_aware,
 }
 
 

@@ -103,7 +103,14 @@ class Weigher:
             policy = POLICIES[policy_name]
             for version in model.versions:
                 cname = cluster_name(model.name, version.name)
-                loads = tuple(load_of(model, ep) for ep in version.endpoints)
+                loads = tuple(
+                    dataclasses.replace(
+                        load_of(model, ep),
+                        fits=fleet.fits(model, ep),
+                        preferred=ep.gpu is not None and ep.gpu in model.preferred_gpus,
+                    )
+                    for ep in version.endpoints
+                )
                 target = policy(loads, cfg)
                 previous = self.current.get(cname, {})
                 weights = smooth(previous, target, self.smoothing)

@@ -13,6 +13,7 @@ import yaml
 
 from controlplane.balancing.policies import POLICIES
 from controlplane.fleet.model import (
+    DTYPE_BYTES,
     Endpoint,
     Fleet,
     GpuClass,
@@ -227,12 +228,13 @@ def _gpu_classes(value: Any, errs: _Errors) -> list[GpuClass] | None:
     out: list[GpuClass] = []
     for name, spec in m.items():
         path = f"gpu_classes.{name}"
-        g = _mapping(spec, path, errs, {"capacity"})
+        g = _mapping(spec, path, errs, {"capacity", "memory_gb"})
         if g is None:
             continue
         capacity = _number(g.get("capacity", 1.0), f"{path}.capacity", errs)
-        if capacity is not None:
-            out.append(GpuClass(name=str(name), capacity=capacity))
+        memory = _number(g["memory_gb"], f"{path}.memory_gb", errs) if "memory_gb" in g else None
+        if capacity is not None and (memory is not None or "memory_gb" not in g):
+            out.append(GpuClass(name=str(name), capacity=capacity, memory_gb=memory))
     return out
 
 
@@ -333,7 +335,18 @@ def _tiers(value: Any, errs: _Errors) -> list[Tier] | None:
     return out
 
 
-_MODEL_KEYS = {"params_b", "tier", "stable", "versions", "protocol", "cluster_overrides", "balancing"}
+_MODEL_KEYS = {
+    "params_b",
+    "tier",
+    "stable",
+    "versions",
+    "protocol",
+    "cluster_overrides",
+    "balancing",
+    "dtype",
+    "memory_gb",
+    "preferred_gpus",
+}
 
 
 def _models(value: Any, tiers: list[Tier] | None, errs: _Errors) -> list[Model] | None:
@@ -371,6 +384,14 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
     elif versions is not None and stable not in {v.name for v in versions}:
         errs.add(f"{path}.stable", f"names version {stable!r}, which is not under versions")
     balancing = _policy(m["balancing"], f"{path}.balancing", errs) if "balancing" in m else None
+    dtype = m.get("dtype", "fp16")
+    if dtype not in DTYPE_BYTES:
+        errs.add(f"{path}.dtype", f"expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    memory = _number(m["memory_gb"], f"{path}.memory_gb", errs) if "memory_gb" in m else None
+    preferred = m.get("preferred_gpus", [])
+    if not isinstance(preferred, list) or not all(isinstance(g, str) for g in preferred):
+        errs.add(f"{path}.preferred_gpus", f"expected a list of GPU class names, got {preferred!r}")
+        preferred = []
     overrides = m.get("cluster_overrides")
     if overrides is not None:
         _check_cluster_overrides(overrides, f"{path}.cluster_overrides", errs)
@@ -384,6 +405,9 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         params_b=params_b,
         protocol=protocol,
         balancing=balancing,
+        dtype=str(dtype),
+        memory_gb=memory,
+        preferred_gpus=tuple(preferred),
         cluster_overrides=overrides,
     )
 

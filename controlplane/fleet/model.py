@@ -52,6 +52,9 @@ class Model:
     params_b: float | None = None
     protocol: str = "http1"
     balancing: str | None = None  # None: the tier's policy
+    dtype: str = "fp16"  # weight precision, for the memory the model needs
+    memory_gb: float | None = None  # GPU memory the model needs; None: derived from params_b and dtype
+    preferred_gpus: tuple[str, ...] = ()  # GPU classes it should run on first
     # Merged verbatim into every generated Cluster of this model; Envoy has the last word.
     cluster_overrides: Mapping[str, Any] | None = field(default=None, compare=True)
 
@@ -76,6 +79,12 @@ class GpuClass:
 
     name: str
     capacity: float = 1.0
+    memory_gb: float | None = None  # GPU memory of a server of this class
+
+
+# Bytes per parameter by weight precision; a model needs its weights plus MEMORY_OVERHEAD.
+DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+MEMORY_OVERHEAD = 1.2  # activations and a minimal KV cache on top of the weights
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,26 @@ class Fleet:
         """An endpoint's relative capacity: its own, else its GPU class's, else 1.0."""
         declared = self.declared_capacity(endpoint)
         return 1.0 if declared is None else declared
+
+    def gpu_memory_of(self, endpoint: Endpoint) -> float | None:
+        """An endpoint's GPU memory in GB: its own, else its GPU class's; None if unknown."""
+        if endpoint.gpu_memory_gb is not None:
+            return endpoint.gpu_memory_gb
+        return next((g.memory_gb for g in self.gpu_classes if g.name == endpoint.gpu), None)
+
+    @staticmethod
+    def memory_need_of(model: Model) -> float | None:
+        """GPU memory the model needs: declared, else params_b x bytes per parameter x overhead."""
+        if model.memory_gb is not None:
+            return model.memory_gb
+        if model.params_b is None:
+            return None
+        return model.params_b * DTYPE_BYTES[model.dtype] * MEMORY_OVERHEAD
+
+    def fits(self, model: Model, endpoint: Endpoint) -> bool:
+        """Whether the model fits the endpoint's GPU memory (unknown on either side: assume so)."""
+        need, have = self.memory_need_of(model), self.gpu_memory_of(endpoint)
+        return need is None or have is None or need <= have
 
     def declared_capacity(self, endpoint: Endpoint) -> float | None:
         """The endpoint's own capacity, else its GPU class's; None if neither is configured."""

@@ -180,3 +180,35 @@ def test_smoothing_reaches_equal_targets(previous: list[int], level: int) -> Non
     for _ in range(30):
         w = smooth(w, target, cfg)
     assert len(set(w.values())) == 1
+
+
+def test_least_request_is_equal_weights() -> None:
+    from controlplane.balancing.policies import least_request
+
+    loads = [EndpointLoad("a", waiting=9.0), EndpointLoad("b"), EndpointLoad("c", ready=False)]
+    assert least_request(loads, PolicyConfig()) == {"a": 100, "b": 100, "c": 0}
+
+
+def test_model_aware_holds_out_what_does_not_fit_and_prefers_the_preferred_class() -> None:
+    from controlplane.balancing.policies import model_aware
+
+    cfg = PolicyConfig()
+    loads = [
+        EndpointLoad("small-gpu", fits=False),
+        EndpointLoad("preferred", preferred=True),
+        EndpointLoad("other"),
+        EndpointLoad("other-busy", waiting=4.0, running=4.0),
+        EndpointLoad("other-kv-full", kv_use=0.9),
+    ]
+    w = model_aware(loads, cfg)
+    assert w["small-gpu"] == 0
+    assert w["preferred"] == 100 and w["other"] == 50  # the bonus doubles it
+    assert w["other-busy"] < w["other"] and w["other-kv-full"] < w["other"]  # less headroom
+
+
+def test_model_aware_fades_stale_signals_to_capacity() -> None:
+    from controlplane.balancing.policies import model_aware
+
+    cfg = PolicyConfig()
+    stale = [EndpointLoad("a", waiting=20.0, running=1.0, age_s=1e9), EndpointLoad("b")]
+    assert model_aware(stale, cfg) == {"a": 100, "b": 100}

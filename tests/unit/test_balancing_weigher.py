@@ -104,3 +104,20 @@ def test_relative_capacity_prefers_declared_then_learnt_then_one() -> None:
 def test_relative_capacity_is_bounded_and_needs_peers() -> None:
     assert relative_capacity({"a": None, "b": None}, {"a": 100.0, "b": 1.0}) == {"a": 1.0, "b": 0.1}
     assert relative_capacity({"a": None, "b": None}, {"a": 3.0, "b": None}) == {"a": 1.0, "b": 1.0}
+
+
+def test_model_aware_gets_memory_fit_and_preferred_class_from_the_fleet() -> None:
+    fleet = parse_fleet(
+        "listener: {port: 10000}\n"
+        "tiers: {small: {max_params_b: 80, balancing: model_aware}}\n"
+        "gpu_classes: {H100: {memory_gb: 80}, L4: {memory_gb: 24}, A100: {memory_gb: 80}}\n"
+        "models:\n"
+        "  chat:\n"
+        "    params_b: 30\n"  # 30 x 2 bytes x 1.2 = 72 GB: not on an L4
+        "    preferred_gpus: [H100]\n"
+        "    stable: v1\n"
+        "    versions: {v1: {endpoints: [{address: '10.0.0.1:80', gpu: H100}, "
+        "{address: '10.0.0.2:80', gpu: L4}, {address: '10.0.0.3:80', gpu: A100}]}}\n"
+    )
+    w = Weigher().update(fleet, loads({}))["chat@v1"]
+    assert w == {"10.0.0.1:80": 100, "10.0.0.2:80": 0, "10.0.0.3:80": 50}

@@ -46,7 +46,7 @@ def test_unknown_key_names_path_and_line() -> None:
     errs = errors_of(BASIC.replace("stable: v1", "stable: v1\n    stabel: v2"))
     assert errs == [
         "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: balancing, cluster_overrides, "
-        "params_b, protocol, stable, tier, versions)"
+        "dtype, memory_gb, params_b, preferred_gpus, protocol, stable, tier, versions)"
     ]
 
 
@@ -195,3 +195,33 @@ def test_balancing_and_signals_errors_name_the_field() -> None:
     assert any("signals.metrics_path: expected a path starting with '/', got 'metrics'" in e for e in errs)
     errs = errors_of(BASIC + "signals: {interval: 1s, timeout: 2s}\n")
     assert errs == ["fleet.yaml:17: signals.timeout: must not exceed signals.interval (1s)"]
+
+
+def test_memory_fit_is_declared_or_derived_from_size_and_dtype() -> None:
+    fleet = parse_fleet(
+        BASIC.replace("    params_b: 8\n", "    params_b: 8\n    dtype: fp8\n    preferred_gpus: [A100]\n")
+        + "gpu_classes: {A100: {memory_gb: 80}, L4: {memory_gb: 24}}\n"
+    )
+    m = fleet.model("llama-3-8b")
+    assert m.preferred_gpus == ("A100",)
+    assert fleet.memory_need_of(m) == pytest.approx(8 * 1.0 * 1.2)
+    ep = m.version("v1").endpoints[0]
+    assert fleet.gpu_memory_of(ep) == 80 and fleet.fits(m, ep)
+    big = parse_fleet(BASIC.replace("    params_b: 8\n", "    params_b: 8\n    memory_gb: 90\n"))
+    assert not big.fits(big.model("llama-3-8b"), ep)  # 90 GB needed, the endpoint has 80
+    assert big.fits(big.model("llama-3-8b"), m.version("v2").endpoints[0])  # unknown memory: assume so
+
+
+def test_memory_fields_are_checked() -> None:
+    errs = errors_of(
+        BASIC.replace("    params_b: 8\n", "    params_b: 8\n    dtype: fp12\n    preferred_gpus: A100\n")
+        + "gpu_classes: {L4: {memory_gb: -1}}\n"
+    )
+    assert any(
+        "models.llama-3-8b.dtype: expected one of fp32, fp16, bf16, fp8, int8, int4, got 'fp12'" in e
+        for e in errs
+    )
+    assert any(
+        "models.llama-3-8b.preferred_gpus: expected a list of GPU class names, got 'A100'" in e for e in errs
+    )
+    assert any("gpu_classes.L4.memory_gb: must be greater than 0, got -1" in e for e in errs)
