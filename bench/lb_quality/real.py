@@ -1,13 +1,13 @@
 """Load-balancing quality through the real stack: Envoy, the control plane, emulated GPU servers.
 
-For each policy (default: round_robin, then adaptive) this starts, on loopback:
+For each policy (default: round_robin, least_request, adaptive) this starts, on loopback:
 emulated servers of two GPU classes (`controlplane emulate`, one process per class), the
 control plane on a fleet file naming the policy, one real Envoy, and an open-loop Poisson
 load generator in its own process (`loadgen.py`). After a warm-up it measures latency
-percentiles and errors, then stops everything. Both policies run in the same invocation
+percentiles and errors, then stops everything. All policies run in the same invocation
 against the same fleet and the same seeded arrivals, so the ratio is what matters.
 
-    .venv/bin/python bench/lb_quality/real.py                  # ~2.5 min
+    .venv/bin/python bench/lb_quality/real.py                  # ~3.5 min
     .venv/bin/python bench/lb_quality/real.py --load 0.7 --duration 60
 """
 
