@@ -228,7 +228,9 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float) -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--policies", default="round_robin,adaptive", help="comma-separated, first is the baseline"
+        "--policies",
+        default="round_robin,least_request,adaptive",
+        help="comma-separated, first is the baseline (default: %(default)s)",
     )
     p.add_argument("--load", type=float, default=0.85, help="offered load as a share of fleet capacity")
     p.add_argument("--duration", type=float, default=45.0, help="measured seconds per policy")
