@@ -188,6 +188,14 @@ def _add_emulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         help="output tokens of a request that sets no max_tokens, 1-4096 (default: %(default)s)",
     )
     e.add_argument(
+        "--phantom-output-tokens",
+        type=_integer(1),
+        default=256,
+        metavar="N",
+        help="output tokens of each phantom request the `backlog` fault queues; with the decode "
+        "time this sets how long a backlog holds real requests (default: %(default)s)",
+    )
+    e.add_argument(
         "--error-rate",
         type=_number(0, 1),
         default=0.0,
@@ -396,6 +404,7 @@ def _emulate(args: argparse.Namespace) -> int:
         kv_capacity_tokens=args.kv_capacity_tokens,
         cold_start_s=args.cold_start,
         default_max_tokens=args.max_tokens,
+        phantom_output_tokens=args.phantom_output_tokens,
         faults=faults,
         seed=args.seed,
     )

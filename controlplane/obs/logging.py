@@ -11,6 +11,17 @@ import structlog
 LogFormat = Literal["json", "console"]
 
 
+class _CurrentStderr:
+    """Whatever sys.stderr is when a line is written (not when logging was configured), so
+    a replaced or closed stream (a test harness capturing output) never breaks logging."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(fmt: LogFormat = "console", level: str = "info") -> None:
     """Configure structlog (and stdlib logging) once for the process, writing to stderr."""
     lvl = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
@@ -28,7 +39,11 @@ def configure_logging(fmt: LogFormat = "console", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=lvl, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=lvl,
+        stream=_CurrentStderr(),
+        format="%(levelname)s %(name)s: %(message)s",
+    )

@@ -18,7 +18,9 @@ from tests.integration.harness import ControlPlane, Emulator, Envoy, LoadLoop, f
 
 MODEL = "chat"
 CLUSTER = f"{MODEL}@v1"
-FAST = {"slots": 4, "decode_ms_per_token": 10, "prefill_ms_per_token": 0.1}
+# Phantom (backlog) requests of 40 tokens hold a slot 0.4 s: a backlog of 24 on 4 slots makes
+# a real request wait ~2 s, a real queue rather than a black hole for closed-loop clients.
+FAST = {"slots": 4, "decode_ms_per_token": 10, "prefill_ms_per_token": 0.1, "phantom_output_tokens": 40}
 
 
 class Rig:
@@ -90,7 +92,7 @@ def test_slow_and_backlogged_servers_get_less_traffic_and_regain_it(rig: Rig) ->
         lambda: 0 < rig.weights()["slow"] < rig.weights()["a"] / 2, 10, "the slow class's lower weight"
     )
 
-    with LoadLoop(rig.listener, MODEL, threads=8) as load:
+    with LoadLoop(rig.listener, MODEL, threads=12) as load:
         time.sleep(3)
         before = rig.share(load, time.monotonic() - 3)
         assert before.get("d", 0) > 0.7 * before["a"], before
