@@ -27,7 +27,7 @@ def bench_fleet(clusters: int, endpoints: int) -> Fleet:
         )
     return Fleet(
         listener=ListenerSpec(port=10000),
-        tiers=(Tier("all", None, 60.0),),
+        tiers=(Tier("all", None),),
         models=tuple(models),
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import re
 from collections.abc import Mapping
@@ -14,6 +15,7 @@ import yaml
 from controlplane.balancing.policies import POLICIES
 from controlplane.fleet.model import (
     DTYPE_BYTES,
+    CircuitBreaker,
     Endpoint,
     Fleet,
     GpuClass,
@@ -21,6 +23,7 @@ from controlplane.fleet.model import (
     Model,
     SignalsSpec,
     Tier,
+    TrafficPolicy,
     Version,
 )
 
@@ -314,7 +317,7 @@ def _tiers(value: Any, errs: _Errors) -> list[Tier] | None:
         if not isinstance(name, str) or not _VERSION.match(name):
             errs.add(path, "tier names use letters, digits, '.', '_' and '-'")
             continue
-        m = _mapping(spec, path, errs, {"max_params_b", "timeout", "balancing"})
+        m = _mapping(spec, path, errs, {"max_params_b", *TRAFFIC_KEYS})
         if m is None:
             continue
         max_b: float | None = None
@@ -328,11 +331,96 @@ def _tiers(value: Any, errs: _Errors) -> list[Tier] | None:
             errs.add(path, f"tier {unbounded!r} has no max_params_b, so it must be the last tier")
         if "max_params_b" not in m:
             unbounded = name
-        timeout = _duration(m.get("timeout", "60s"), f"{path}.timeout", errs)
-        policy = _policy(m.get("balancing", "adaptive"), f"{path}.balancing", errs)
-        if timeout is not None and policy is not None:
-            out.append(Tier(name=name, max_params_b=max_b, timeout_s=timeout, balancing=policy))
+        policy = _traffic(m, path, TrafficPolicy(), errs)
+        if policy is not None:
+            out.append(Tier(name=name, max_params_b=max_b, policy=policy))
     return out
+
+
+# Keys of a tier that its models inherit, and may override one by one.
+TRAFFIC_KEYS = {
+    "timeout",
+    "stream_idle_timeout",
+    "retries",
+    "max_body_bytes",
+    "circuit_breakers",
+    "outlier_detection",
+    "balancing",
+}
+_BREAKER_KEYS = {"max_requests", "max_pending"}
+_OUTLIER_KEYS = {"consecutive_5xx", "interval", "base_ejection_time", "max_ejection_percent"}
+
+
+def _int(value: Any, path: str, errs: _Errors, lo: int, hi: int) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        errs.add(path, f"expected a whole number {lo}-{hi}, got {value!r}")
+        return None
+    return value
+
+
+def _traffic(m: dict[str, Any], path: str, base: TrafficPolicy, errs: _Errors) -> TrafficPolicy | None:
+    """`base` with the traffic keys present in `m` applied; None (and errors) if any is bad."""
+    before = len(errs.items)
+    kw: dict[str, Any] = {}
+    if "timeout" in m:
+        kw["timeout_s"] = _duration(m["timeout"], f"{path}.timeout", errs)
+    if "stream_idle_timeout" in m:
+        kw["stream_idle_timeout_s"] = _duration(m["stream_idle_timeout"], f"{path}.stream_idle_timeout", errs)
+    if "retries" in m:
+        kw["retries"] = _int(m["retries"], f"{path}.retries", errs, 0, 10)
+    if "max_body_bytes" in m:
+        kw["max_body_bytes"] = _int(m["max_body_bytes"], f"{path}.max_body_bytes", errs, 1, 1 << 30)
+    if "balancing" in m:
+        kw["balancing"] = _policy(m["balancing"], f"{path}.balancing", errs)
+    if "circuit_breakers" in m:
+        cpath = f"{path}.circuit_breakers"
+        cb = _mapping(m["circuit_breakers"], cpath, errs, {"default", "high"})
+        for prio, field_name in (("default", "breaker_default"), ("high", "breaker_high")):
+            if cb is None or prio not in cb:
+                continue
+            bm = _mapping(cb[prio], f"{cpath}.{prio}", errs, _BREAKER_KEYS)
+            if bm is None:
+                continue
+            current: CircuitBreaker = getattr(base, field_name)
+            kw[field_name] = CircuitBreaker(
+                max_requests=_int(
+                    bm.get("max_requests", current.max_requests),
+                    f"{cpath}.{prio}.max_requests",
+                    errs,
+                    1,
+                    1 << 30,
+                )
+                or 1,
+                max_pending=_int(
+                    bm.get("max_pending", current.max_pending),
+                    f"{cpath}.{prio}.max_pending",
+                    errs,
+                    0,
+                    1 << 30,
+                )
+                or 0,
+            )
+    if "outlier_detection" in m:
+        opath = f"{path}.outlier_detection"
+        od = _mapping(m["outlier_detection"], opath, errs, _OUTLIER_KEYS)
+        if od is not None:
+            if "consecutive_5xx" in od:
+                kw["outlier_consecutive_5xx"] = _int(
+                    od["consecutive_5xx"], f"{opath}.consecutive_5xx", errs, 1, 1000
+                )
+            if "interval" in od:
+                kw["outlier_interval_s"] = _duration(od["interval"], f"{opath}.interval", errs)
+            if "base_ejection_time" in od:
+                kw["outlier_base_ejection_s"] = _duration(
+                    od["base_ejection_time"], f"{opath}.base_ejection_time", errs
+                )
+            if "max_ejection_percent" in od:
+                kw["outlier_max_ejection_percent"] = _int(
+                    od["max_ejection_percent"], f"{opath}.max_ejection_percent", errs, 0, 100
+                )
+    if len(errs.items) != before:
+        return None
+    return dataclasses.replace(base, **kw)
 
 
 _MODEL_KEYS = {
@@ -342,10 +430,10 @@ _MODEL_KEYS = {
     "versions",
     "protocol",
     "cluster_overrides",
-    "balancing",
     "dtype",
     "memory_gb",
     "preferred_gpus",
+    *TRAFFIC_KEYS,
 }
 
 
@@ -383,7 +471,8 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         errs.add(f"{path}.stable", "missing: name the version that takes traffic")
     elif versions is not None and stable not in {v.name for v in versions}:
         errs.add(f"{path}.stable", f"names version {stable!r}, which is not under versions")
-    balancing = _policy(m["balancing"], f"{path}.balancing", errs) if "balancing" in m else None
+    base = next((t.policy for t in tiers or [] if t.name == tier), None)
+    policy = _traffic(m, path, base, errs) if base is not None else None
     dtype = m.get("dtype", "fp16")
     if dtype not in DTYPE_BYTES:
         errs.add(f"{path}.dtype", f"expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
@@ -404,7 +493,7 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         versions=tuple(versions),
         params_b=params_b,
         protocol=protocol,
-        balancing=balancing,
+        policy=policy,
         dtype=str(dtype),
         memory_gb=memory,
         preferred_gpus=tuple(preferred),

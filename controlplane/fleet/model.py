@@ -32,13 +32,45 @@ class Version:
 
 
 @dataclass(frozen=True)
+class CircuitBreaker:
+    """Envoy circuit-breaker thresholds for one routing priority of a cluster."""
+
+    max_requests: int = 1024  # requests in flight to the cluster
+    max_pending: int = 1024  # requests waiting for a connection
+
+
+@dataclass(frozen=True)
+class TrafficPolicy:
+    """How a tier's models are served; each model inherits its tier's and may override keys."""
+
+    timeout_s: float = 60.0  # the whole request, SSE included
+    stream_idle_timeout_s: float = 30.0  # the longest gap between two chunks of a response
+    retries: int = 2  # attempts after the first, each on another host
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    breaker_default: CircuitBreaker = field(default_factory=CircuitBreaker)
+    breaker_high: CircuitBreaker = field(default_factory=CircuitBreaker)
+    outlier_consecutive_5xx: int = 5  # 5xx answers in a row (507 included) that eject a host
+    outlier_interval_s: float = 5.0
+    outlier_base_ejection_s: float = 30.0
+    outlier_max_ejection_percent: int = 50
+    balancing: str = "adaptive"
+
+
+@dataclass(frozen=True)
 class Tier:
     """A model-size tier. Models up to `max_params_b` billion parameters belong to it."""
 
     name: str
     max_params_b: float | None
-    timeout_s: float
-    balancing: str = "adaptive"  # the policy its models use unless they name their own
+    policy: TrafficPolicy = field(default_factory=TrafficPolicy)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.policy.timeout_s
+
+    @property
+    def balancing(self) -> str:
+        return self.policy.balancing
 
 
 @dataclass(frozen=True)
@@ -51,7 +83,7 @@ class Model:
     versions: tuple[Version, ...]
     params_b: float | None = None
     protocol: str = "http1"
-    balancing: str | None = None  # None: the tier's policy
+    policy: TrafficPolicy | None = None  # the tier's, with this model's overrides; None: the tier's
     dtype: str = "fp16"  # weight precision, for the memory the model needs
     memory_gb: float | None = None  # GPU memory the model needs; None: derived from params_b and dtype
     preferred_gpus: tuple[str, ...] = ()  # GPU classes it should run on first
@@ -123,9 +155,13 @@ class Fleet:
                 return m
         raise KeyError(name)
 
+    def traffic_of(self, model: Model) -> TrafficPolicy:
+        """The traffic policy a model is served with: its tier's, with the model's overrides."""
+        return model.policy or self.tier(model.tier).policy
+
     def policy_of(self, model: Model) -> str:
         """The balancing policy a model uses: its own, else its tier's."""
-        return model.balancing or self.tier(model.tier).balancing
+        return self.traffic_of(model).balancing
 
     def capacity_of(self, endpoint: Endpoint) -> float:
         """An endpoint's relative capacity: its own, else its GPU class's, else 1.0."""

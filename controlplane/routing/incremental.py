@@ -14,7 +14,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from controlplane.fleet.model import Endpoint, Fleet, ListenerSpec, Model, Version
+from controlplane.fleet.model import Endpoint, Fleet, ListenerSpec, Model, TrafficPolicy, Version
 from controlplane.routing import names
 from controlplane.routing.translate import (
     CLUSTER,
@@ -31,21 +31,21 @@ from controlplane.routing.translate import (
     build_gateway_routes,
 )
 
-_RouteKey = tuple[ListenerSpec, tuple[tuple[str, str, float], ...]]
+_RouteKey = tuple[ListenerSpec, tuple[tuple[str, str, TrafficPolicy], ...]]
 
 
-def _cluster_key(fleet: Fleet, model: Model) -> tuple[str, str, str]:
+def _cluster_key(fleet: Fleet, model: Model) -> tuple[str, str, TrafficPolicy]:
     overrides = json.dumps(model.cluster_overrides, sort_keys=True) if model.cluster_overrides else ""
-    return model.protocol, overrides, fleet.policy_of(model)
+    return model.protocol, overrides, fleet.traffic_of(model)
 
 
 class IncrementalTranslator:
     """Memoised translation. Keep one per process; it holds the last message per name."""
 
     def __init__(self) -> None:
-        self._clusters: dict[str, tuple[tuple[str, str, str], Message]] = {}
+        self._clusters: dict[str, tuple[tuple[str, str, TrafficPolicy], Message]] = {}
         self._assignments: dict[str, tuple[tuple[Endpoint, ...], dict[str, int], Message]] = {}
-        self._api: dict[str, tuple[tuple[str, str, float], Message, Message]] = {}
+        self._api: dict[str, tuple[tuple[str, str, TrafficPolicy], Message, Message]] = {}
         self._gateway: tuple[_RouteKey, Message, Message] | None = None
         self.built = 0  # messages built by the last translate() call, for tests and benchmarks
 
@@ -63,7 +63,7 @@ class IncrementalTranslator:
                 cname = names.cluster_name(model.name, version.name)
                 clusters[cname] = self._cluster(model, cname, ckey)
                 assignments[cname] = self._assignment(cname, version, weights.get(cname, {}))
-            akey = (model.stable, model.tier, fleet.tier(model.tier).timeout_s)
+            akey = (model.stable, model.tier, fleet.traffic_of(model))
             cached = self._api.get(model.name)
             if cached is None or cached[0] != akey:
                 self.built += 2
@@ -73,7 +73,7 @@ class IncrementalTranslator:
             routes[names.api_route_name(model.name)] = cached[2]
         rkey: _RouteKey = (
             fleet.listener,
-            tuple((m.name, m.stable, fleet.tier(m.tier).timeout_s) for m in fleet.models),
+            tuple((m.name, m.stable, fleet.traffic_of(m)) for m in fleet.models),
         )
         if self._gateway is None or self._gateway[0] != rkey:
             self.built += 2
@@ -86,7 +86,7 @@ class IncrementalTranslator:
             wildcard={LISTENER: frozenset({names.GATEWAY_LISTENER})},
         )
 
-    def _cluster(self, model: Model, cname: str, key: tuple[str, str, str]) -> Message:
+    def _cluster(self, model: Model, cname: str, key: tuple[str, str, TrafficPolicy]) -> Message:
         cached = self._clusters.get(cname)
         if cached is not None and cached[0] == key:
             return cached[1]

@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import (
     address_pb2,
     base_pb2,
@@ -22,6 +22,7 @@ from envoy.config.core.v3 import (
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import api_listener_pb2, listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -30,12 +31,13 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
 from envoy.extensions.load_balancing_policies.wrr_locality.v3 import wrr_locality_pb2
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2, value_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
 from google.protobuf.message import Message
 
-from controlplane.fleet.model import Fleet, Model, Version
+from controlplane.fleet.model import CircuitBreaker, Fleet, Model, TrafficPolicy, Version
 from controlplane.routing import names
 
 LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -87,7 +89,7 @@ def translate(fleet: Fleet, weights: EndpointWeights | None = None) -> DesiredRe
     for model in fleet.models:
         for version in model.versions:
             cname = names.cluster_name(model.name, version.name)
-            clusters[cname] = build_cluster(model, cname, fleet.policy_of(model))
+            clusters[cname] = build_cluster(model, cname, fleet.traffic_of(model))
             assignments[cname] = build_assignment(cname, version, weights.get(cname, {}))
     gateway_routes = build_gateway_routes(fleet)
     listeners: dict[str, Message] = {names.GATEWAY_LISTENER: build_gateway_listener(fleet)}
@@ -121,16 +123,36 @@ def _ads() -> config_source_pb2.ConfigSource:
     )
 
 
-def build_cluster(model: Model, cname: str, policy: str = "adaptive") -> cluster_pb2.Cluster:
+def build_cluster(model: Model, cname: str, traffic: TrafficPolicy | None = None) -> cluster_pb2.Cluster:
     """One EDS cluster per model version, HTTP/1.1 unless configured. Weighted least request,
-    except for the `round_robin` balancing policy, which gets Envoy's round robin."""
+    except for the `round_robin` balancing policy, which gets Envoy's round robin. Circuit
+    breakers per routing priority and outlier detection come from the model's traffic policy."""
+    t = traffic or TrafficPolicy()
     c = cluster_pb2.Cluster(
         name=cname,
         alt_stat_name=names.stat_name(cname),
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads(), service_name=cname),
         connect_timeout=_duration(1.0),
-        load_balancing_policy=round_robin_policy() if policy == "round_robin" else least_request_policy(),
+        load_balancing_policy=round_robin_policy()
+        if t.balancing == "round_robin"
+        else least_request_policy(),
+        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
+            thresholds=[
+                _thresholds(base_pb2.DEFAULT, t.breaker_default),
+                _thresholds(base_pb2.HIGH, t.breaker_high),
+            ]
+        ),
+        outlier_detection=outlier_detection_pb2.OutlierDetection(
+            consecutive_5xx=wrappers_pb2.UInt32Value(value=t.outlier_consecutive_5xx),
+            enforcing_consecutive_5xx=wrappers_pb2.UInt32Value(value=100),
+            # Only 5xx in a row eject; gateway failures and success rate are not used here.
+            enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=0),
+            enforcing_success_rate=wrappers_pb2.UInt32Value(value=0),
+            interval=_duration(t.outlier_interval_s),
+            base_ejection_time=_duration(t.outlier_base_ejection_s),
+            max_ejection_percent=wrappers_pb2.UInt32Value(value=t.outlier_max_ejection_percent),
+        ),
     )
     # No panic mode: Envoy's default (below 50% healthy, ignore health) would send traffic
     # to servers that said they are not ready. All held out means 503, which is the truth.
@@ -148,6 +170,15 @@ def build_cluster(model: Model, cname: str, policy: str = "adaptive") -> cluster
         override = json_format.ParseDict(dict(model.cluster_overrides), cluster_pb2.Cluster())
         c.MergeFrom(override)
     return c
+
+
+def _thresholds(priority: int, b: CircuitBreaker) -> circuit_breaker_pb2.CircuitBreakers.Thresholds:
+    return circuit_breaker_pb2.CircuitBreakers.Thresholds(
+        priority=priority,
+        max_requests=wrappers_pb2.UInt32Value(value=b.max_requests),
+        max_pending_requests=wrappers_pb2.UInt32Value(value=b.max_pending),
+        track_remaining=True,
+    )
 
 
 def least_request_policy() -> cluster_pb2.LoadBalancingPolicy:
@@ -221,6 +252,20 @@ def _router() -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router()))
 
 
+BUFFER_FILTER = "envoy.filters.http.buffer"
+
+
+def _buffer(fleet: Fleet) -> hcm_pb2.HttpFilter:
+    """Request bodies over the limit get 413. Routes by x-model header apply their model's
+    limit; a body-routed request's model is only known once its body is read, so the
+    listener-wide limit (the largest of any model) applies to it."""
+    limit = max(
+        (fleet.traffic_of(m).max_body_bytes for m in fleet.models), default=TrafficPolicy().max_body_bytes
+    )
+    cfg = buffer_pb2.Buffer(max_request_bytes=wrappers_pb2.UInt32Value(value=limit))
+    return hcm_pb2.HttpFilter(name=BUFFER_FILTER, typed_config=_any(cfg))
+
+
 def _json_to_metadata() -> hcm_pb2.HttpFilter:
     rule = json_to_metadata_pb2.JsonToMetadata.Rule(
         selectors=[json_to_metadata_pb2.JsonToMetadata.Selector(key="model")],
@@ -245,7 +290,7 @@ def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
         stat_prefix="inference",
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         rds=hcm_pb2.Rds(config_source=_ads(), route_config_name=names.GATEWAY_ROUTES),
-        http_filters=[_json_to_metadata(), _router()],
+        http_filters=[_buffer(fleet), _json_to_metadata(), _router()],
     )
     return listener_pb2.Listener(
         name=names.GATEWAY_LISTENER,
@@ -292,12 +337,51 @@ def _direct(
     )
 
 
-def _model_action(fleet: Fleet, model: Model) -> route_components_pb2.RouteAction:
-    tier = fleet.tier(model.tier)
-    return route_components_pb2.RouteAction(
+# Retried: failures before the server saw the request, and 507 (the server is out of memory,
+# another may not be). Never once a response has started: Envoy retries only before it has
+# sent response headers downstream, and 5xx other than 507 are not retried.
+RETRY_ON = "connect-failure,refused-stream,reset-before-request,retriable-status-codes"
+RETRIABLE_STATUS_CODES = (507,)
+
+
+def _model_action(fleet: Fleet, model: Model, *, proxyless: bool = False) -> route_components_pb2.RouteAction:
+    t = fleet.traffic_of(model)
+    action = route_components_pb2.RouteAction(
         cluster=names.cluster_name(model.name, model.stable),
-        timeout=_duration(tier.timeout_s),
+        timeout=_duration(t.timeout_s),
     )
+    if proxyless:
+        return action  # gRPC's xDS client takes gRPC status codes only; it keeps its own retries
+    action.idle_timeout.CopyFrom(_duration(t.stream_idle_timeout_s))
+    if t.retries:
+        action.retry_policy.CopyFrom(
+            route_components_pb2.RetryPolicy(
+                retry_on=RETRY_ON,
+                retriable_status_codes=RETRIABLE_STATUS_CODES,
+                num_retries=wrappers_pb2.UInt32Value(value=t.retries),
+                retry_host_predicate=[
+                    route_components_pb2.RetryPolicy.RetryHostPredicate(
+                        name="envoy.retry_host_predicates.previous_hosts",
+                        typed_config=_any(previous_hosts_pb2.PreviousHostsPredicate()),
+                    )
+                ],
+                host_selection_retry_max_attempts=5,
+            )
+        )
+    return action
+
+
+def _model_route(
+    fleet: Fleet, model: Model, name: str, match: route_components_pb2.RouteMatch
+) -> route_components_pb2.Route:
+    route = route_components_pb2.Route(name=name, match=match, route=_model_action(fleet, model))
+    body_limit = buffer_pb2.BufferPerRoute(
+        buffer=buffer_pb2.Buffer(
+            max_request_bytes=wrappers_pb2.UInt32Value(value=fleet.traffic_of(model).max_body_bytes)
+        )
+    )
+    route.typed_per_filter_config[BUFFER_FILTER].CopyFrom(_any(body_limit))
+    return route
 
 
 def _metadata_model(value: value_pb2.ValueMatcher) -> metadata_pb2.MetadataMatcher:
@@ -334,9 +418,11 @@ def build_gateway_routes(fleet: Fleet) -> route_pb2.RouteConfiguration:
     ]
     for model in fleet.models:
         routes.append(
-            route_components_pb2.Route(
-                name=f"header/{model.name}",
-                match=route_components_pb2.RouteMatch(
+            _model_route(
+                fleet,
+                model,
+                f"header/{model.name}",
+                route_components_pb2.RouteMatch(
                     prefix="/",
                     headers=[
                         route_components_pb2.HeaderMatcher(
@@ -345,14 +431,15 @@ def build_gateway_routes(fleet: Fleet) -> route_pb2.RouteConfiguration:
                         )
                     ],
                 ),
-                route=_model_action(fleet, model),
             )
         )
     for model in fleet.models:
         routes.append(
-            route_components_pb2.Route(
-                name=f"body/{model.name}",
-                match=route_components_pb2.RouteMatch(
+            _model_route(
+                fleet,
+                model,
+                f"body/{model.name}",
+                route_components_pb2.RouteMatch(
                     prefix="/",
                     headers=[header_absent],
                     dynamic_metadata=[
@@ -361,7 +448,6 @@ def build_gateway_routes(fleet: Fleet) -> route_pb2.RouteConfiguration:
                         )
                     ],
                 ),
-                route=_model_action(fleet, model),
             )
         )
     routes.append(
@@ -404,7 +490,7 @@ def build_api_routes(fleet: Fleet, model: Model) -> route_pb2.RouteConfiguration
                 routes=[
                     route_components_pb2.Route(
                         match=route_components_pb2.RouteMatch(prefix=""),
-                        route=_model_action(fleet, model),
+                        route=_model_action(fleet, model, proxyless=True),
                     )
                 ],
             )

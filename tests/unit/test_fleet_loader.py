@@ -45,8 +45,9 @@ def test_explicit_tier_wins() -> None:
 def test_unknown_key_names_path_and_line() -> None:
     errs = errors_of(BASIC.replace("stable: v1", "stable: v1\n    stabel: v2"))
     assert errs == [
-        "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: balancing, cluster_overrides, "
-        "dtype, memory_gb, params_b, preferred_gpus, protocol, stable, tier, versions)"
+        "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: balancing, circuit_breakers, "
+        "cluster_overrides, dtype, max_body_bytes, memory_gb, outlier_detection, params_b, preferred_gpus, "
+        "protocol, retries, stable, stream_idle_timeout, tier, timeout, versions)"
     ]
 
 
@@ -225,3 +226,16 @@ def test_memory_fields_are_checked() -> None:
         "models.llama-3-8b.preferred_gpus: expected a list of GPU class names, got 'A100'" in e for e in errs
     )
     assert any("gpu_classes.L4.memory_gb: must be greater than 0, got -1" in e for e in errs)
+
+
+def test_traffic_policy_errors_name_the_field() -> None:
+    errs = errors_of(
+        BASIC.replace(
+            "small:  {max_params_b: 15, timeout: 60s}",
+            "small:  {max_params_b: 15, retries: 11, circuit_breakers: {low: {}},"
+            " outlier_detection: {interval: x}}",
+        )
+    )
+    assert any("tiers.small.retries: expected a whole number 0-10, got 11" in e for e in errs)
+    assert any("tiers.small.circuit_breakers.low: unknown key (allowed: default, high)" in e for e in errs)
+    assert any("tiers.small.outlier_detection.interval: expected a duration" in e for e in errs)

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import health_check_pb2
+from envoy.config.core.v3 import base_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
@@ -99,6 +100,7 @@ def test_gateway_listener_uses_rds_over_ads_and_body_routing_filter() -> None:
     lst.filter_chains[0].filters[0].typed_config.Unpack(hcm)
     assert hcm.rds.route_config_name == "inference"
     assert [f.name for f in hcm.http_filters] == [
+        "envoy.filters.http.buffer",
         "envoy.filters.http.json_to_metadata",
         "envoy.filters.http.router",
     ]
@@ -165,3 +167,59 @@ def test_round_robin_policy_gets_envoys_round_robin() -> None:
         "envoy.load_balancing_policies.round_robin",
         "envoy.load_balancing_policies.wrr_locality",
     ]
+
+
+TIERED = BASIC.replace(
+    "small:  {max_params_b: 15, timeout: 60s}",
+    "small:  {max_params_b: 15, timeout: 60s, stream_idle_timeout: 10s, retries: 3, max_body_bytes: 1000,"
+    " circuit_breakers: {default: {max_requests: 64, max_pending: 8}, high: {max_requests: 128}},"
+    " outlier_detection: {consecutive_5xx: 2, base_ejection_time: 20s, max_ejection_percent: 40}}",
+)
+
+
+def test_tier_traffic_policy_reaches_routes_and_clusters() -> None:
+    d = translate(parse_fleet(TIERED))
+    rc = d.by_type[ROUTE]["inference"]
+    assert isinstance(rc, route_pb2.RouteConfiguration)
+    route = next(r for r in rc.virtual_hosts[0].routes if r.name == "header/llama-3-8b")
+    a = route.route
+    assert (a.timeout.seconds, a.idle_timeout.seconds) == (60, 10)
+    rp = a.retry_policy
+    assert rp.retry_on == "connect-failure,refused-stream,reset-before-request,retriable-status-codes"
+    assert list(rp.retriable_status_codes) == [507] and rp.num_retries.value == 3
+    assert [p.name for p in rp.retry_host_predicate] == ["envoy.retry_host_predicates.previous_hosts"]
+    body = buffer_pb2.BufferPerRoute()
+    route.typed_per_filter_config["envoy.filters.http.buffer"].Unpack(body)
+    assert body.buffer.max_request_bytes.value == 1000
+    c = d.by_type[CLUSTER]["llama-3-8b@v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    got = [
+        (t.priority, t.max_requests.value, t.max_pending_requests.value)
+        for t in c.circuit_breakers.thresholds
+    ]
+    assert got == [(base_pb2.DEFAULT, 64, 8), (base_pb2.HIGH, 128, 1024)]
+    od = c.outlier_detection
+    assert (od.consecutive_5xx.value, od.base_ejection_time.seconds, od.max_ejection_percent.value) == (
+        2,
+        20,
+        40,
+    )
+    assert od.enforcing_consecutive_5xx.value == 100
+
+
+def test_a_model_overrides_single_keys_of_its_tier() -> None:
+    fleet = parse_fleet(
+        TIERED.replace("    stable: v1\n", "    stable: v1\n    timeout: 5s\n    retries: 0\n", 1)
+    )
+    rc = translate(fleet).by_type[ROUTE]["inference"]
+    assert isinstance(rc, route_pb2.RouteConfiguration)
+    a = next(r for r in rc.virtual_hosts[0].routes if r.name == "body/llama-3-8b").route
+    assert a.timeout.seconds == 5 and a.idle_timeout.seconds == 10  # the rest is the tier's
+    assert not a.HasField("retry_policy")
+
+
+def test_proxyless_routes_get_the_timeout_but_no_envoy_retry_policy() -> None:
+    rc = translate(parse_fleet(TIERED)).by_type[ROUTE]["grpc/llama-3-8b"]
+    assert isinstance(rc, route_pb2.RouteConfiguration)
+    a = rc.virtual_hosts[0].routes[0].route
+    assert a.timeout.seconds == 60 and not a.HasField("retry_policy")
