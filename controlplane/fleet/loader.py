@@ -15,6 +15,7 @@ import yaml
 from controlplane.balancing.policies import POLICIES
 from controlplane.fleet.model import (
     DTYPE_BYTES,
+    MEMORY_OVERHEAD,
     CircuitBreaker,
     Endpoint,
     Fleet,
@@ -208,13 +209,36 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
     models = _models(top.get("models"), tiers, errs)
     if listener is None or tiers is None or models is None or gpu_classes is None or signals is None:
         return None
-    return Fleet(
+    fleet = Fleet(
         listener=listener,
         tiers=tuple(tiers),
         models=tuple(models),
         gpu_classes=tuple(gpu_classes),
         signals=signals,
     )
+    _check_memory_fit(fleet, errs)
+    return fleet
+
+
+def _check_memory_fit(fleet: Fleet, errs: _Errors) -> None:
+    """A model no endpoint can hold is an error that names the shortfall. Endpoints whose
+    memory is unknown count as fitting (they get the benefit of the doubt)."""
+    for m in fleet.models:
+        need = fleet.memory_need_of(m)
+        endpoints = [ep for v in m.versions for ep in v.endpoints]
+        if need is None or not endpoints or any(fleet.fits(m, ep) for ep in endpoints):
+            continue
+        largest = max(fleet.gpu_memory_of(ep) or 0.0 for ep in endpoints)
+        why = (
+            "memory_gb"
+            if m.memory_gb is not None
+            else f"{m.params_b:g}B parameters x {DTYPE_BYTES[m.dtype]:g} bytes ({m.dtype}) x {MEMORY_OVERHEAD:g}"
+        )
+        errs.add(
+            f"models.{m.name}",
+            f"needs {need:g} GB of GPU memory ({why}) but its largest endpoint has {largest:g} GB: "
+            f"{need - largest:g} GB short; add endpoints with more memory, a smaller dtype, or set memory_gb",
+        )
 
 
 def _policy(value: Any, path: str, errs: _Errors) -> str | None:

@@ -188,6 +188,16 @@ class Fleet:
         need, have = self.memory_need_of(model), self.gpu_memory_of(endpoint)
         return need is None or have is None or need <= have
 
+    def endpoint_priority(self, model: Model, endpoint: Endpoint) -> int | None:
+        """The EDS priority an endpoint serves the model at: 0 for a preferred GPU class (or
+        for every endpoint when the model prefers none), 1 for the others, which Envoy uses
+        only when priority 0 is unhealthy; None when the model does not fit its memory."""
+        if not self.fits(model, endpoint):
+            return None
+        if not model.preferred_gpus or endpoint.gpu in model.preferred_gpus:
+            return 0
+        return 1
+
     def declared_capacity(self, endpoint: Endpoint) -> float | None:
         """The endpoint's own capacity, else its GPU class's; None if neither is configured."""
         if endpoint.capacity is not None:

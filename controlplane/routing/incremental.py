@@ -8,13 +8,14 @@ let the snapshot skip re-serialising them too. Pure: no I/O, only memory.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf.message import Message
 
-from controlplane.fleet.model import Endpoint, Fleet, ListenerSpec, Model, TrafficPolicy, Version
+from controlplane.fleet.model import Endpoint, Fleet, GpuClass, ListenerSpec, Model, TrafficPolicy, Version
 from controlplane.routing import names
 from controlplane.routing.translate import (
     CLUSTER,
@@ -31,6 +32,7 @@ from controlplane.routing.translate import (
     build_gateway_routes,
 )
 
+_PlacementKey = tuple[tuple[str, ...], float | None, tuple[GpuClass, ...]]
 _RouteKey = tuple[ListenerSpec, tuple[tuple[str, str, TrafficPolicy], ...]]
 
 
@@ -44,7 +46,7 @@ class IncrementalTranslator:
 
     def __init__(self) -> None:
         self._clusters: dict[str, tuple[tuple[str, str, TrafficPolicy], Message]] = {}
-        self._assignments: dict[str, tuple[tuple[Endpoint, ...], dict[str, int], Message]] = {}
+        self._assignments: dict[str, tuple[tuple[Endpoint, ...], _PlacementKey, dict[str, int], Message]] = {}
         self._api: dict[str, tuple[tuple[str, str, TrafficPolicy], Message, Message]] = {}
         self._gateway: tuple[_RouteKey, Message, Message] | None = None
         self.built = 0  # messages built by the last translate() call, for tests and benchmarks
@@ -62,7 +64,7 @@ class IncrementalTranslator:
             for version in model.versions:
                 cname = names.cluster_name(model.name, version.name)
                 clusters[cname] = self._cluster(model, cname, ckey)
-                assignments[cname] = self._assignment(cname, version, weights.get(cname, {}))
+                assignments[cname] = self._assignment(fleet, model, cname, version, weights.get(cname, {}))
             akey = (model.stable, model.tier, fleet.traffic_of(model))
             cached = self._api.get(model.name)
             if cached is None or cached[0] != akey:
@@ -95,17 +97,22 @@ class IncrementalTranslator:
         self._clusters[cname] = (key, msg)
         return msg
 
-    def _assignment(self, cname: str, version: Version, weights: Mapping[str, int]) -> Message:
+    def _assignment(
+        self, fleet: Fleet, model: Model, cname: str, version: Version, weights: Mapping[str, int]
+    ) -> Message:
+        # Placement (memory fit, preferred GPU classes) depends on these and the endpoints.
+        pkey: _PlacementKey = (model.preferred_gpus, fleet.memory_need_of(model), fleet.gpu_classes)
         cached = self._assignments.get(cname)
         if (
             cached is not None
             and (cached[0] is version.endpoints or cached[0] == version.endpoints)
-            and cached[1] == weights
+            and cached[1] == pkey
+            and cached[2] == weights
         ):
-            return cached[2]
+            return cached[3]
         self.built += 1
-        msg = build_assignment(cname, version, weights)
-        self._assignments[cname] = (version.endpoints, dict(weights), msg)
+        msg = build_assignment(cname, version, weights, functools.partial(fleet.endpoint_priority, model))
+        self._assignments[cname] = (version.endpoints, pkey, dict(weights), msg)
         return msg
 
     def _prune(self, clusters: Mapping[str, Any], models: set[str]) -> None:

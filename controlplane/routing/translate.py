@@ -6,8 +6,9 @@ the xds room serialises them once into a snapshot.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
@@ -37,7 +38,7 @@ from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2, value_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
 from google.protobuf.message import Message
 
-from controlplane.fleet.model import CircuitBreaker, Fleet, Model, TrafficPolicy, Version
+from controlplane.fleet.model import CircuitBreaker, Endpoint, Fleet, Model, TrafficPolicy, Version
 from controlplane.routing import names
 
 LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -90,7 +91,9 @@ def translate(fleet: Fleet, weights: EndpointWeights | None = None) -> DesiredRe
         for version in model.versions:
             cname = names.cluster_name(model.name, version.name)
             clusters[cname] = build_cluster(model, cname, fleet.traffic_of(model))
-            assignments[cname] = build_assignment(cname, version, weights.get(cname, {}))
+            assignments[cname] = build_assignment(
+                cname, version, weights.get(cname, {}), functools.partial(fleet.endpoint_priority, model)
+            )
     gateway_routes = build_gateway_routes(fleet)
     listeners: dict[str, Message] = {names.GATEWAY_LISTENER: build_gateway_listener(fleet)}
     routes: dict[str, Message] = {names.GATEWAY_ROUTES: gateway_routes}
@@ -215,25 +218,35 @@ def _lb_policy(name: str, msg: Message) -> cluster_pb2.LoadBalancingPolicy.Polic
 
 
 def build_assignment(
-    cname: str, version: Version, weights: Mapping[str, int]
+    cname: str,
+    version: Version,
+    weights: Mapping[str, int],
+    priority_of: Callable[[Endpoint], int | None] = lambda ep: 0,
 ) -> endpoint_pb2.ClusterLoadAssignment:
-    """Every endpoint of the version with its weight, in one weighted locality; weight 0 is
-    sent as UNHEALTHY (held out) with weight 1, since EDS weights must be at least 1."""
+    """The version's endpoints with their weights, one weighted locality per EDS priority.
+
+    `priority_of` places each endpoint (0: preferred, 1: fallback, None: left out because the
+    model does not fit its GPU memory). Weight 0 is sent as UNHEALTHY (held out) with
+    weight 1, since EDS weights must be at least 1."""
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cname)
-    if not version.endpoints:
-        return cla
-    # gRPC ignores a locality without a weight, so always give one.
-    loc = cla.endpoints.add(load_balancing_weight=wrappers_pb2.UInt32Value(value=1))
-    loc.locality.SetInParent()  # gRPC requires the (empty) locality to be present
+    by_priority: dict[int, list[Endpoint]] = {}
     for ep in version.endpoints:
-        lb = loc.lb_endpoints.add()
-        lb.endpoint.address.socket_address.CopyFrom(
-            address_pb2.SocketAddress(address=ep.host, port_value=ep.port)
-        )
-        w = int(weights.get(ep.address, DEFAULT_WEIGHT))
-        if w <= 0:
-            lb.health_status = health_check_pb2.UNHEALTHY
-        lb.load_balancing_weight.value = max(1, w)
+        prio = priority_of(ep)
+        if prio is not None:
+            by_priority.setdefault(prio, []).append(ep)
+    for prio in sorted(by_priority):
+        # gRPC ignores a locality without a weight, so always give one.
+        loc = cla.endpoints.add(load_balancing_weight=wrappers_pb2.UInt32Value(value=1), priority=prio)
+        loc.locality.SetInParent()  # gRPC requires the (empty) locality to be present
+        for ep in by_priority[prio]:
+            lb = loc.lb_endpoints.add()
+            lb.endpoint.address.socket_address.CopyFrom(
+                address_pb2.SocketAddress(address=ep.host, port_value=ep.port)
+            )
+            w = int(weights.get(ep.address, DEFAULT_WEIGHT))
+            if w <= 0:
+                lb.health_status = health_check_pb2.UNHEALTHY
+            lb.load_balancing_weight.value = max(1, w)
     return cla
 
 

@@ -239,3 +239,31 @@ def test_traffic_policy_errors_name_the_field() -> None:
     assert any("tiers.small.retries: expected a whole number 0-10, got 11" in e for e in errs)
     assert any("tiers.small.circuit_breakers.low: unknown key (allowed: default, high)" in e for e in errs)
     assert any("tiers.small.outlier_detection.interval: expected a duration" in e for e in errs)
+
+
+PLACED = """\
+listener: {port: 10000}
+tiers: {all: {}}
+gpu_classes: {H100: {memory_gb: 80}, L4: {memory_gb: 24}}
+models:
+  big:
+    params_b: 70
+    stable: v1
+    versions: {v1: {endpoints: [{address: 10.0.0.1:80, gpu: L4}, {address: 10.0.0.2:80, gpu: L4}]}}
+"""
+
+
+def test_a_model_that_fits_no_endpoint_is_an_error_naming_the_shortfall() -> None:
+    errs = errors_of(PLACED)
+    assert errs == [
+        "fleet.yaml:5: models.big: needs 168 GB of GPU memory (70B parameters x 2 bytes (fp16) x 1.2) "
+        "but its largest endpoint has 24 GB: 144 GB short; add endpoints with more memory, "
+        "a smaller dtype, or set memory_gb"
+    ]
+    # One endpoint of unknown memory gets the benefit of the doubt; int4 fits the L4s.
+    parse_fleet(PLACED.replace("{address: 10.0.0.2:80, gpu: L4}", "{address: 10.0.0.2:80}"))
+    parse_fleet(
+        PLACED.replace("params_b: 70", "params_b: 70\n    dtype: int4").replace(
+            "memory_gb: 24", "memory_gb: 48"
+        )
+    )

@@ -223,3 +223,28 @@ def test_proxyless_routes_get_the_timeout_but_no_envoy_retry_policy() -> None:
     assert isinstance(rc, route_pb2.RouteConfiguration)
     a = rc.virtual_hosts[0].routes[0].route
     assert a.timeout.seconds == 60 and not a.HasField("retry_policy")
+
+
+def test_preferred_gpu_classes_get_priority_0_and_endpoints_too_small_are_left_out() -> None:
+    fleet = parse_fleet(
+        "listener: {port: 10000}\n"
+        "tiers: {all: {}}\n"
+        "gpu_classes: {H100: {memory_gb: 80}, A100: {memory_gb: 80}, L4: {memory_gb: 24}}\n"
+        "models:\n"
+        "  chat:\n"
+        "    params_b: 30\n"
+        "    preferred_gpus: [H100]\n"
+        "    stable: v1\n"
+        "    versions: {v1: {endpoints: [{address: '10.0.0.1:80', gpu: H100},"
+        " {address: '10.0.0.2:80', gpu: L4}, {address: '10.0.0.3:80', gpu: A100},"
+        " {address: '10.0.0.4:80'}]}}\n"
+    )
+    cla = translate(fleet).by_type[ENDPOINT]["chat@v1"]
+    assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
+    got = [
+        (loc.priority, [e.endpoint.address.socket_address.address for e in loc.lb_endpoints])
+        for loc in cla.endpoints
+    ]
+    # The L4 cannot hold 72 GB; the endpoint of unknown class falls back with the A100.
+    assert got == [(0, ["10.0.0.1"]), (1, ["10.0.0.3", "10.0.0.4"])]
+    assert all(loc.load_balancing_weight.value == 1 and loc.HasField("locality") for loc in cla.endpoints)
