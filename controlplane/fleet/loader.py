@@ -232,7 +232,8 @@ def _check_memory_fit(fleet: Fleet, errs: _Errors) -> None:
         why = (
             "memory_gb"
             if m.memory_gb is not None
-            else f"{m.params_b:g}B parameters x {DTYPE_BYTES[m.dtype]:g} bytes ({m.dtype}) x {MEMORY_OVERHEAD:g}"
+            else f"{m.params_b:g}B parameters x {DTYPE_BYTES[m.dtype]:g} bytes ({m.dtype}) "
+            f"x {MEMORY_OVERHEAD:g}"
         )
         errs.add(
             f"models.{m.name}",
@@ -419,10 +420,10 @@ def _traffic(m: dict[str, Any], path: str, base: TrafficPolicy, errs: _Errors) -
                     bm.get("max_pending", current.max_pending),
                     f"{cpath}.{prio}.max_pending",
                     errs,
-                    0,
+                    1,  # Envoy queues every request while it connects: 0 would refuse them all
                     1 << 30,
                 )
-                or 0,
+                or 1,
             )
     if "outlier_detection" in m:
         opath = f"{path}.outlier_detection"

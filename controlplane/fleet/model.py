@@ -44,7 +44,9 @@ class TrafficPolicy:
     """How a tier's models are served; each model inherits its tier's and may override keys."""
 
     timeout_s: float = 60.0  # the whole request, SSE included
-    stream_idle_timeout_s: float = 30.0  # the longest gap between two chunks of a response
+    # The longest Envoy waits for the next bytes of a response, the response headers included
+    # (a non-streamed completion sends nothing until it is done). None: the timeout.
+    stream_idle_timeout_s: float | None = None
     retries: int = 2  # attempts after the first, each on another host
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     breaker_default: CircuitBreaker = field(default_factory=CircuitBreaker)

@@ -33,8 +33,10 @@ from envoy.extensions.load_balancing_policies.least_request.v3 import least_requ
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
 from envoy.extensions.load_balancing_policies.wrr_locality.v3 import wrr_locality_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2, value_pb2
+from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
 from google.protobuf.message import Message
 
@@ -180,6 +182,13 @@ def _thresholds(priority: int, b: CircuitBreaker) -> circuit_breaker_pb2.Circuit
         priority=priority,
         max_requests=wrappers_pb2.UInt32Value(value=b.max_requests),
         max_pending_requests=wrappers_pb2.UInt32Value(value=b.max_pending),
+        # Envoy's default allows 3 retries in flight per cluster: a dead server under load
+        # would exhaust that at once and its requests fail unretried. A budget scales with
+        # the load (half the requests in flight may be retries) and still stops storms.
+        retry_budget=circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
+            budget_percent=percent_pb2.Percent(value=50.0),
+            min_retry_concurrency=wrappers_pb2.UInt32Value(value=16),
+        ),
         track_remaining=True,
     )
 
@@ -365,7 +374,8 @@ def _model_action(fleet: Fleet, model: Model, *, proxyless: bool = False) -> rou
     )
     if proxyless:
         return action  # gRPC's xDS client takes gRPC status codes only; it keeps its own retries
-    action.idle_timeout.CopyFrom(_duration(t.stream_idle_timeout_s))
+    # Always set: Envoy's own default (5 min, from the listener) would cut a long generation.
+    action.idle_timeout.CopyFrom(_duration(t.stream_idle_timeout_s or t.timeout_s))
     if t.retries:
         action.retry_policy.CopyFrom(
             route_components_pb2.RetryPolicy(
@@ -379,6 +389,14 @@ def _model_action(fleet: Fleet, model: Model, *, proxyless: bool = False) -> rou
                     )
                 ],
                 host_selection_retry_max_attempts=5,
+                # After two failed attempts in one priority (both preferred hosts down, say),
+                # the next retry goes to the next priority: the fallback GPU class.
+                retry_priority=route_components_pb2.RetryPolicy.RetryPriority(
+                    name="envoy.retry_priorities.previous_priorities",
+                    typed_config=_any(
+                        previous_priorities_config_pb2.PreviousPrioritiesConfig(update_frequency=2)
+                    ),
+                ),
             )
         )
     return action

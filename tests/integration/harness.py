@@ -236,8 +236,10 @@ class Envoy:
 class Emulator:
     """One `controlplane emulate` process (one emulated GPU server) on a free port."""
 
-    def __init__(self, name: str, log_dir: Path, model: str, **flags: object) -> None:
-        self.port = free_port()
+    def __init__(
+        self, name: str, log_dir: Path, model: str, port: int | None = None, **flags: object
+    ) -> None:
+        self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         args = [str(BIN / "controlplane"), "emulate", "--listen", self.address, "--model", model]
         for key, value in flags.items():

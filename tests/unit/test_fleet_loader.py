@@ -267,3 +267,13 @@ def test_a_model_that_fits_no_endpoint_is_an_error_naming_the_shortfall() -> Non
             "memory_gb: 24", "memory_gb: 48"
         )
     )
+
+
+def test_max_pending_zero_is_refused() -> None:
+    errs = errors_of(
+        BASIC.replace(
+            "small:  {max_params_b: 15, timeout: 60s}",
+            "small:  {max_params_b: 15, circuit_breakers: {default: {max_pending: 0}}}",
+        )
+    )
+    assert any("tiers.small.circuit_breakers.default.max_pending: expected a whole number 1-" in e for e in errs)

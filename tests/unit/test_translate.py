@@ -248,3 +248,11 @@ def test_preferred_gpu_classes_get_priority_0_and_endpoints_too_small_are_left_o
     # The L4 cannot hold 72 GB; the endpoint of unknown class falls back with the A100.
     assert got == [(0, ["10.0.0.1"]), (1, ["10.0.0.3", "10.0.0.4"])]
     assert all(loc.load_balancing_weight.value == 1 and loc.HasField("locality") for loc in cla.endpoints)
+
+
+def test_the_idle_timeout_defaults_to_the_route_timeout() -> None:
+    # Envoy's own stream idle default (5 min) would cut a large model's long generation.
+    rc = translate(parse_fleet(BASIC)).by_type[ROUTE]["inference"]
+    assert isinstance(rc, route_pb2.RouteConfiguration)
+    a = next(r for r in rc.virtual_hosts[0].routes if r.name == "header/llama-3-8b").route
+    assert a.idle_timeout.seconds == a.timeout.seconds == 60

@@ -1,0 +1,99 @@
+"""GPU-class failover through a real Envoy: preferred endpoints at EDS priority 0, the rest at 1.
+
+When every preferred server dies, traffic moves to the fallback class; requests in flight on
+the dead servers may fail (they had been sent: the retry policy does not resend them), and
+nothing else does, since connection failures are retried and the previous-priorities retry
+plugin sends the last attempt to the fallback class. When the preferred servers come back,
+traffic moves back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import ControlPlane, Emulator, Envoy, LoadLoop, free_port, wait_until
+
+MODEL = "chat"
+FLAGS = {"slots": 4, "decode_ms_per_token": 10, "prefill_ms_per_token": 0.1}
+THREADS = 6
+
+
+class Rig:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.listener = free_port()
+        self.servers: dict[str, Emulator] = {}
+        self.cp: ControlPlane | None = None
+        self.envoy: Envoy | None = None
+
+    def close(self) -> None:
+        for p in (self.envoy, self.cp, *self.servers.values()):
+            if p is not None:
+                p.stop()
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    r = Rig(tmp_path)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def test_traffic_fails_over_to_the_fallback_class_and_back(rig: Rig) -> None:
+    for name in ("h1", "h2", "a1"):
+        rig.servers[name] = Emulator(name, rig.tmp, MODEL, **FLAGS)
+    fleet = (
+        f"listener: {{port: {rig.listener}}}\n"
+        "tiers: {small: {max_params_b: 15, outlier_detection: {base_ejection_time: 1s}}}\n"
+        "gpu_classes: {H100: {memory_gb: 80}, A100: {memory_gb: 80}}\n"
+        f"models: {{{MODEL}: {{params_b: 8, preferred_gpus: [H100], stable: v1,\n"
+        "  versions: {v1: {endpoints: [\n"
+        f"  {{address: '{rig.servers['h1'].address}', gpu: H100}},\n"
+        f"  {{address: '{rig.servers['h2'].address}', gpu: H100}},\n"
+        f"  {{address: '{rig.servers['a1'].address}', gpu: A100}}]}}}}}}}}\n"
+    )
+    (rig.tmp / "fleet.yaml").write_text(fleet)
+    rig.cp = ControlPlane(rig.tmp / "fleet.yaml", rig.tmp).start()
+    rig.envoy = Envoy("envoy-1", rig.cp.xds, rig.tmp, rig.listener).start()
+    by_addr = {s.address: n for n, s in rig.servers.items()}
+
+    def share(load: LoadLoop, since: float, until: float | None = None) -> dict[str, int]:
+        return {by_addr.get(a, a): c for a, c in load.share(since, until).items()}
+
+    with LoadLoop(rig.listener, MODEL, threads=THREADS) as load:
+        time.sleep(3)
+        before = share(load, time.monotonic() - 3)
+        assert before.get("a1", 0) == 0 and before.get("h1", 0) > 0 and before.get("h2", 0) > 0, before
+
+        ports = {n: rig.servers[n].port for n in ("h1", "h2")}
+        t0 = time.monotonic()
+        for n in ports:
+            rig.servers[n].proc.kill()  # a crash: no goodbye, connections refused from now on
+        time.sleep(5)
+        during = share(load, t0 + 2, time.monotonic())
+        assert set(during) == {"a1"}, (during, load.failures[:3])
+
+        for n, port in ports.items():
+            rig.servers[n] = Emulator(f"{n}-again", rig.tmp, MODEL, port=port, **FLAGS)
+        t1 = time.monotonic()
+        wait_until(
+            lambda: share(load, time.monotonic() - 1).get("a1", 0) == 0,
+            20,
+            "traffic to move back to the H100s",
+        )
+        back = time.monotonic() - t1
+    # Only requests already sent to the two servers when they died may fail (the retry policy
+    # does not resend a request the server may have started on): at most one per client,
+    # plus one sent on a pooled connection whose death Envoy had not yet seen. All at the crash.
+    failed_at = [t - t0 for t, _, status in load.records if status != 200]
+    assert len(failed_at) <= THREADS + 2, load.failures
+    assert all(0 <= t < 1.0 for t in failed_at), failed_at
+    assert not [f for f in load.failures if not f.startswith("503")], load.failures
+    assert load.statuses()[200] > 100
+    assert back < 15, back
