@@ -13,6 +13,7 @@ import time
 
 import structlog
 
+from controlplane.balancing.shedding import saturation, shed_classes
 from controlplane.balancing.weigher import Weigher, load_balance_degree, relative_capacity
 from controlplane.fleet.model import Fleet
 from controlplane.obs.metrics import Metrics
@@ -88,9 +89,32 @@ class WeightController:
         for cname, weights in changed.items():
             self.reconciler.set_weights(cname, weights)
             self.metrics.balancing.weight_updates.labels(cname.rpartition("@")[0]).inc()
+        self._shed(fleet)
         self._log_readiness()
         self._export(fleet, now)
         self.rounds += 1
+
+    def _shed(self, fleet: Fleet) -> None:
+        """Decide, per model, which priority classes its stable version's saturation sheds."""
+        b = self.metrics.balancing
+        for m in fleet.models:
+            view = self.weigher.views.get(cluster_name(m.name, m.stable))
+            if view is None:
+                continue
+            level = saturation(view.loads)
+            b.saturation.labels(m.name).set(level)
+            before = self.reconciler.shed.get(m.name, frozenset())
+            after = shed_classes(fleet.priority_classes, level, before)
+            if after != before:
+                log.warning(
+                    "priority classes shed" if after > before else "priority classes admitted again",
+                    model=m.name,
+                    saturation=round(level, 3),
+                    shed=sorted(after),
+                )
+            self.reconciler.set_shed(m.name, after)
+            for c in fleet.priority_classes:
+                b.shed.labels(m.name, c.name).set(1 if c.name in after else 0)
 
     def _log_readiness(self) -> None:
         for view in self.weigher.views.values():

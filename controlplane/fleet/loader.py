@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from controlplane.fleet.model import (
     GpuClass,
     ListenerSpec,
     Model,
+    PriorityClass,
     SignalsSpec,
     Tier,
     TrafficPolicy,
@@ -199,13 +201,29 @@ def parse_address(value: Any) -> tuple[str, int]:
 
 
 def _fleet(data: Any, errs: _Errors) -> Fleet | None:
-    top = _mapping(data, "", errs, {"listener", "tiers", "models", "gpu_classes", "signals"})
+    top = _mapping(
+        data,
+        "",
+        errs,
+        {
+            "listener",
+            "tiers",
+            "models",
+            "gpu_classes",
+            "signals",
+            "priority_classes",
+            "default_priority_class",
+        },
+    )
     if top is None:
         return None
     listener = _listener(top.get("listener"), errs)
     tiers = _tiers(top.get("tiers"), errs)
     gpu_classes = _gpu_classes(top.get("gpu_classes"), errs)
     signals = _signals(top.get("signals"), errs)
+    classes, default_class = _priority_classes(
+        top.get("priority_classes"), top.get("default_priority_class"), errs
+    )
     models = _models(top.get("models"), tiers, errs)
     if listener is None or tiers is None or models is None or gpu_classes is None or signals is None:
         return None
@@ -215,9 +233,61 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
         models=tuple(models),
         gpu_classes=tuple(gpu_classes),
         signals=signals,
+        priority_classes=tuple(classes),
+        default_priority_class=default_class,
     )
     _check_memory_fit(fleet, errs)
     return fleet
+
+
+def _priority_classes(value: Any, default: Any, errs: _Errors) -> tuple[list[PriorityClass], str | None]:
+    """Classes highest first. A class is shed (429) at or above its `shed_at` saturation, so
+    `shed_at` may not grow down the list: a higher class is never shed before a lower one."""
+    m = _mapping(value, "priority_classes", errs, set(value) if isinstance(value, dict) else set())
+    out: list[PriorityClass] = []
+    if not m:
+        if default is not None:
+            errs.add("default_priority_class", "names a class, but no priority_classes are defined")
+        return out, None
+    floor_path, floor = None, math.inf
+    for name, spec in m.items():
+        path = f"priority_classes.{name}"
+        if not isinstance(name, str) or not _VERSION.match(name):
+            errs.add(path, "class names use letters, digits, '.', '_' and '-'")
+            continue
+        c = _mapping(spec, path, errs, {"routing_priority", "shed_at"})
+        if c is None:
+            continue
+        prio = c.get("routing_priority", "default")
+        if prio not in ("default", "high"):
+            errs.add(f"{path}.routing_priority", f"expected default or high, got {prio!r}")
+            continue
+        shed_at = None
+        if "shed_at" in c:
+            shed_at = _number(c["shed_at"], f"{path}.shed_at", errs)
+            if shed_at is None:
+                continue
+        level = math.inf if shed_at is None else shed_at
+        if level > floor:
+            errs.add(
+                f"{path}.shed_at",
+                f"{shed_at if shed_at is not None else 'never'} is above {floor_path}'s {floor:g}: "
+                "a class listed lower would be kept while a higher one is shed; list classes highest "
+                "first with shed_at never growing",
+            )
+        floor_path, floor = path, min(floor, level)
+        out.append(PriorityClass(name=name, high=prio == "high", shed_at=shed_at))
+    names = [c.name for c in out]
+    if default is None:
+        errs.add(
+            "default_priority_class",
+            f"missing: name the class of requests without x-priority ({', '.join(names)})",
+        )
+        return out, None
+    if default not in names:
+        errs.add("default_priority_class", f"unknown class {default!r} (classes: {', '.join(names)})")
+        return out, None
+    return out, str(default)
 
 
 def _check_memory_fit(fleet: Fleet, errs: _Errors) -> None:

@@ -136,6 +136,15 @@ class SignalsSpec:
 
 
 @dataclass(frozen=True)
+class PriorityClass:
+    """A request class named by the x-priority header (QoS)."""
+
+    name: str
+    high: bool = False  # Envoy routing priority HIGH: its own circuit-breaker budget
+    shed_at: float | None = None  # tier saturation at which it gets 429; None: never by signals
+
+
+@dataclass(frozen=True)
 class Fleet:
     """The whole configured world, as one immutable value."""
 
@@ -144,6 +153,8 @@ class Fleet:
     models: tuple[Model, ...]
     gpu_classes: tuple[GpuClass, ...] = ()
     signals: SignalsSpec = field(default_factory=SignalsSpec)
+    priority_classes: tuple[PriorityClass, ...] = ()  # highest first
+    default_priority_class: str | None = None  # for requests without (or with an unknown) x-priority
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:

@@ -171,6 +171,19 @@ class BalancingMetrics:
             ["model"],
             registry=r,
         )
+        self.saturation = Gauge(
+            "controlplane_model_saturation",
+            "Requests waiting per request running over the ready endpoints of the model's stable "
+            "version; priority classes are shed at their shed_at.",
+            ["model"],
+            registry=r,
+        )
+        self.shed = Gauge(
+            "controlplane_priority_class_shed",
+            "1 while the priority class is shed (answered 429 with Retry-After) for the model.",
+            ["model", "class"],
+            registry=r,
+        )
         self.scrape_round = Histogram(
             "controlplane_signals_scrape_round_seconds",
             "Time to scrape every endpoint once (bounded by the scrape timeout).",

@@ -15,7 +15,16 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from controlplane.fleet.model import Endpoint, Fleet, GpuClass, ListenerSpec, Model, TrafficPolicy, Version
+from controlplane.fleet.model import (
+    Endpoint,
+    Fleet,
+    GpuClass,
+    ListenerSpec,
+    Model,
+    PriorityClass,
+    TrafficPolicy,
+    Version,
+)
 from controlplane.routing import names
 from controlplane.routing.translate import (
     CLUSTER,
@@ -24,6 +33,7 @@ from controlplane.routing.translate import (
     ROUTE,
     DesiredResources,
     EndpointWeights,
+    ShedClasses,
     build_api_listener,
     build_api_routes,
     build_assignment,
@@ -33,7 +43,13 @@ from controlplane.routing.translate import (
 )
 
 _PlacementKey = tuple[tuple[str, ...], float | None, tuple[GpuClass, ...]]
-_RouteKey = tuple[ListenerSpec, tuple[tuple[str, str, TrafficPolicy], ...]]
+_RouteKey = tuple[
+    ListenerSpec,
+    tuple[tuple[str, str, TrafficPolicy], ...],
+    tuple[PriorityClass, ...],
+    str | None,
+    tuple[tuple[str, tuple[str, ...]], ...],
+]
 
 
 def _cluster_key(fleet: Fleet, model: Model) -> tuple[str, str, TrafficPolicy]:
@@ -51,9 +67,12 @@ class IncrementalTranslator:
         self._gateway: tuple[_RouteKey, Message, Message] | None = None
         self.built = 0  # messages built by the last translate() call, for tests and benchmarks
 
-    def translate(self, fleet: Fleet, weights: EndpointWeights | None = None) -> DesiredResources:
+    def translate(
+        self, fleet: Fleet, weights: EndpointWeights | None = None, shed: ShedClasses | None = None
+    ) -> DesiredResources:
         """Same result as routing.translate.translate, rebuilding only what changed."""
         weights = weights or {}
+        shed = shed or {}
         self.built = 0
         clusters: dict[str, Message] = {}
         assignments: dict[str, Message] = {}
@@ -76,10 +95,13 @@ class IncrementalTranslator:
         rkey: _RouteKey = (
             fleet.listener,
             tuple((m.name, m.stable, fleet.traffic_of(m)) for m in fleet.models),
+            fleet.priority_classes,
+            fleet.default_priority_class,
+            tuple(sorted((m, tuple(sorted(c))) for m, c in shed.items() if c)),
         )
         if self._gateway is None or self._gateway[0] != rkey:
             self.built += 2
-            self._gateway = (rkey, build_gateway_listener(fleet), build_gateway_routes(fleet))
+            self._gateway = (rkey, build_gateway_listener(fleet), build_gateway_routes(fleet, shed))
         listeners[names.GATEWAY_LISTENER] = self._gateway[1]
         routes[names.GATEWAY_ROUTES] = self._gateway[2]
         self._prune(clusters, {m.name for m in fleet.models})

@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import (
     address_pb2,
@@ -40,7 +41,15 @@ from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
 from google.protobuf.message import Message
 
-from controlplane.fleet.model import CircuitBreaker, Endpoint, Fleet, Model, TrafficPolicy, Version
+from controlplane.fleet.model import (
+    CircuitBreaker,
+    Endpoint,
+    Fleet,
+    Model,
+    PriorityClass,
+    TrafficPolicy,
+    Version,
+)
 from controlplane.routing import names
 
 LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -69,6 +78,16 @@ ERR_NO_MODEL = {
     }
 }
 
+PRIORITY_HEADER = "x-priority"
+RETRY_AFTER_S = 1
+ERR_SHED = {
+    "error": {
+        "message": "The service is saturated for this priority class; retry after the Retry-After delay.",
+        "type": "rate_limit_exceeded",
+        "code": "rate_limit_exceeded",
+    }
+}
+
 # Weights per cluster name, then per endpoint address; missing entries weigh DEFAULT_WEIGHT.
 # A weight of 0 holds the endpoint out: it is sent with health status UNHEALTHY, so neither
 # Envoy nor proxyless gRPC sends it new requests (a not-ready, still-warming server).
@@ -84,7 +103,13 @@ class DesiredResources:
     wildcard: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
-def translate(fleet: Fleet, weights: EndpointWeights | None = None) -> DesiredResources:
+# Priority classes shed per model right now (from the signals): model -> class names.
+ShedClasses = Mapping[str, frozenset[str]]
+
+
+def translate(
+    fleet: Fleet, weights: EndpointWeights | None = None, shed: ShedClasses | None = None
+) -> DesiredResources:
     """Build every Envoy resource for the fleet. Deterministic: same input, same bytes."""
     weights = weights or {}
     clusters: dict[str, Message] = {}
@@ -96,7 +121,7 @@ def translate(fleet: Fleet, weights: EndpointWeights | None = None) -> DesiredRe
             assignments[cname] = build_assignment(
                 cname, version, weights.get(cname, {}), functools.partial(fleet.endpoint_priority, model)
             )
-    gateway_routes = build_gateway_routes(fleet)
+    gateway_routes = build_gateway_routes(fleet, shed or {})
     listeners: dict[str, Message] = {names.GATEWAY_LISTENER: build_gateway_listener(fleet)}
     routes: dict[str, Message] = {names.GATEWAY_ROUTES: gateway_routes}
     for model in fleet.models:
@@ -205,7 +230,13 @@ def least_request_policy() -> cluster_pb2.LoadBalancingPolicy:
     )
     return cluster_pb2.LoadBalancingPolicy(
         policies=[
-            _lb_policy("envoy.load_balancing_policies.least_request", least_request_pb2.LeastRequest()),
+            # Full scan while weights are equal: a model has tens of servers, not thousands,
+            # and power of two choices can pick a busy server twice while another has a free
+            # slot. Unequal weights use Envoy's EDF path either way.
+            _lb_policy(
+                "envoy.load_balancing_policies.least_request",
+                least_request_pb2.LeastRequest(enable_full_scan=wrappers_pb2.BoolValue(value=True)),
+            ),
             _lb_policy("envoy.load_balancing_policies.wrr_locality", wrr),
         ]
     )
@@ -306,6 +337,30 @@ def _json_to_metadata() -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name="envoy.filters.http.json_to_metadata", typed_config=_any(cfg))
 
 
+def _retry_after() -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key="retry-after", value=str(RETRY_AFTER_S)),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def _overflow_is_429() -> hcm_pb2.LocalReplyConfig:
+    """A request refused by a circuit breaker (Envoy's 503 with flag UO) is load shedding:
+    answer 429 with Retry-After in OpenAI's shape, which clients back off and retry on."""
+    return hcm_pb2.LocalReplyConfig(
+        mappers=[
+            hcm_pb2.ResponseMapper(
+                filter=accesslog_pb2.AccessLogFilter(
+                    response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=["UO"])
+                ),
+                status_code=wrappers_pb2.UInt32Value(value=429),
+                body=base_pb2.DataSource(inline_string=json.dumps(ERR_SHED, separators=(",", ":"))),
+                headers_to_add=[_retry_after(), _json_header()],
+            )
+        ]
+    )
+
+
 def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
     """The listener every Envoy serves inference traffic on: HCM with RDS over ADS."""
     hcm = hcm_pb2.HttpConnectionManager(
@@ -313,6 +368,7 @@ def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         rds=hcm_pb2.Rds(config_source=_ads(), route_config_name=names.GATEWAY_ROUTES),
         http_filters=[_buffer(fleet), _json_to_metadata(), _router()],
+        local_reply_config=_overflow_is_429(),
     )
     return listener_pb2.Listener(
         name=names.GATEWAY_LISTENER,
@@ -366,11 +422,14 @@ RETRY_ON = "connect-failure,refused-stream,reset-before-request,retriable-status
 RETRIABLE_STATUS_CODES = (507,)
 
 
-def _model_action(fleet: Fleet, model: Model, *, proxyless: bool = False) -> route_components_pb2.RouteAction:
+def _model_action(
+    fleet: Fleet, model: Model, *, proxyless: bool = False, high: bool = False
+) -> route_components_pb2.RouteAction:
     t = fleet.traffic_of(model)
     action = route_components_pb2.RouteAction(
         cluster=names.cluster_name(model.name, model.stable),
         timeout=_duration(t.timeout_s),
+        priority=base_pb2.HIGH if high else base_pb2.DEFAULT,
     )
     if proxyless:
         return action  # gRPC's xDS client takes gRPC status codes only; it keeps its own retries
@@ -403,9 +462,9 @@ def _model_action(fleet: Fleet, model: Model, *, proxyless: bool = False) -> rou
 
 
 def _model_route(
-    fleet: Fleet, model: Model, name: str, match: route_components_pb2.RouteMatch
+    fleet: Fleet, model: Model, name: str, match: route_components_pb2.RouteMatch, *, high: bool = False
 ) -> route_components_pb2.Route:
-    route = route_components_pb2.Route(name=name, match=match, route=_model_action(fleet, model))
+    route = route_components_pb2.Route(name=name, match=match, route=_model_action(fleet, model, high=high))
     body_limit = buffer_pb2.BufferPerRoute(
         buffer=buffer_pb2.Buffer(
             max_request_bytes=wrappers_pb2.UInt32Value(value=fleet.traffic_of(model).max_body_bytes)
@@ -423,8 +482,61 @@ def _metadata_model(value: value_pb2.ValueMatcher) -> metadata_pb2.MetadataMatch
     )
 
 
-def build_gateway_routes(fleet: Fleet) -> route_pb2.RouteConfiguration:
-    """x-model header first, then the JSON body's `model`; unknown -> 404, none -> 400."""
+def _class_routes(
+    fleet: Fleet,
+    model: Model,
+    name: str,
+    headers: list[route_components_pb2.HeaderMatcher],
+    metadata: list[metadata_pb2.MetadataMatcher],
+    shed: frozenset[str],
+) -> list[route_components_pb2.Route]:
+    """A model's routes for one way of naming it: a route per priority class that is treated
+    unlike the default class (shed with 429, or sent at routing priority HIGH), then the
+    default class's route, which also takes requests without x-priority."""
+
+    def behaviour(c: PriorityClass) -> str:
+        return "shed" if c.name in shed else ("high" if c.high else "normal")
+
+    default = next((c for c in fleet.priority_classes if c.name == fleet.default_priority_class), None)
+    default_behaviour = behaviour(default) if default is not None else "normal"
+    out: list[route_components_pb2.Route] = []
+    for c in fleet.priority_classes:
+        b = behaviour(c)
+        if c is default or b == default_behaviour:
+            continue
+        match = route_components_pb2.RouteMatch(
+            prefix="/",
+            headers=[
+                *headers,
+                route_components_pb2.HeaderMatcher(
+                    name=PRIORITY_HEADER, string_match=string_pb2.StringMatcher(exact=c.name)
+                ),
+            ],
+            dynamic_metadata=metadata,
+        )
+        out.append(
+            _shed_route(f"{name}/{c.name}", match)
+            if b == "shed"
+            else _model_route(fleet, model, f"{name}/{c.name}", match, high=b == "high")
+        )
+    match = route_components_pb2.RouteMatch(prefix="/", headers=headers, dynamic_metadata=metadata)
+    if default_behaviour == "shed":
+        out.append(_shed_route(name, match))
+    else:
+        out.append(_model_route(fleet, model, name, match, high=default_behaviour == "high"))
+    return out
+
+
+def _shed_route(name: str, match: route_components_pb2.RouteMatch) -> route_components_pb2.Route:
+    route = _direct(name, 429, ERR_SHED, match)
+    route.response_headers_to_add.append(_retry_after())
+    return route
+
+
+def build_gateway_routes(fleet: Fleet, shed: ShedClasses | None = None) -> route_pb2.RouteConfiguration:
+    """x-model header first, then the JSON body's `model`; unknown -> 404, none -> 400.
+    Per model, priority classes that are shed get 429 and high ones routing priority HIGH."""
+    shed = shed or {}
     header_absent = route_components_pb2.HeaderMatcher(
         name=MODEL_HEADER, present_match=True, invert_match=True
     )
@@ -448,38 +560,30 @@ def build_gateway_routes(fleet: Fleet) -> route_pb2.RouteConfiguration:
         )
     ]
     for model in fleet.models:
-        routes.append(
-            _model_route(
-                fleet,
-                model,
-                f"header/{model.name}",
-                route_components_pb2.RouteMatch(
-                    prefix="/",
-                    headers=[
-                        route_components_pb2.HeaderMatcher(
-                            name=MODEL_HEADER,
-                            string_match=string_pb2.StringMatcher(exact=model.name),
-                        )
-                    ],
-                ),
-            )
+        routes += _class_routes(
+            fleet,
+            model,
+            f"header/{model.name}",
+            [
+                route_components_pb2.HeaderMatcher(
+                    name=MODEL_HEADER, string_match=string_pb2.StringMatcher(exact=model.name)
+                )
+            ],
+            [],
+            shed.get(model.name, frozenset()),
         )
     for model in fleet.models:
-        routes.append(
-            _model_route(
-                fleet,
-                model,
-                f"body/{model.name}",
-                route_components_pb2.RouteMatch(
-                    prefix="/",
-                    headers=[header_absent],
-                    dynamic_metadata=[
-                        _metadata_model(
-                            value_pb2.ValueMatcher(string_match=string_pb2.StringMatcher(exact=model.name))
-                        )
-                    ],
-                ),
-            )
+        routes += _class_routes(
+            fleet,
+            model,
+            f"body/{model.name}",
+            [header_absent],
+            [
+                _metadata_model(
+                    value_pb2.ValueMatcher(string_match=string_pb2.StringMatcher(exact=model.name))
+                )
+            ],
+            shed.get(model.name, frozenset()),
         )
     routes.append(
         _direct(

@@ -39,6 +39,7 @@ class Reconciler:
         self.max_delay_s = max(max_delay_s, debounce_s)
         self.fleet: Fleet | None = None
         self.weights: dict[str, Mapping[str, int]] = {}
+        self.shed: dict[str, frozenset[str]] = {}
         self.translator = IncrementalTranslator()
         self.on_publish: list[Callable[[Snapshot], None]] = []
         self._dirty = asyncio.Event()
@@ -59,13 +60,19 @@ class Reconciler:
         self.weights[cluster] = dict(weights)
         self._changed()
 
+    def set_shed(self, model: str, classes: frozenset[str]) -> None:
+        """The priority classes shed (answered 429) for one model."""
+        if self.shed.get(model, frozenset()) != classes:
+            self.shed[model] = classes
+            self._changed()
+
     def rebuild_now(self) -> Snapshot | None:
         """Translate and publish now if anything's bytes changed; return the current snapshot."""
         if self.fleet is None:
             return None
         started = time.perf_counter()
         serialised = SERIALISED.value
-        desired = self.translator.translate(self.fleet, self.weights)
+        desired = self.translator.translate(self.fleet, self.weights, self.shed)
         previous = self.cache.current
         snap = build_snapshot(desired, self._generation + 1, time.monotonic(), previous)
         if previous is not None and not any(snap.changes.values()) and snap.wildcard == previous.wildcard:

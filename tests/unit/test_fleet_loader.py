@@ -276,4 +276,36 @@ def test_max_pending_zero_is_refused() -> None:
             "small:  {max_params_b: 15, circuit_breakers: {default: {max_pending: 0}}}",
         )
     )
-    assert any("tiers.small.circuit_breakers.default.max_pending: expected a whole number 1-" in e for e in errs)
+    assert any(
+        "tiers.small.circuit_breakers.default.max_pending: expected a whole number 1-" in e for e in errs
+    )
+
+
+def test_priority_classes_load_highest_first() -> None:
+    fleet = parse_fleet(
+        BASIC + "priority_classes:\n  premium: {routing_priority: high}\n  standard: {shed_at: 1.0}\n"
+        "  batch: {shed_at: 0.5}\ndefault_priority_class: standard\n"
+    )
+    assert [(c.name, c.high, c.shed_at) for c in fleet.priority_classes] == [
+        ("premium", True, None),
+        ("standard", False, 1.0),
+        ("batch", False, 0.5),
+    ]
+    assert fleet.default_priority_class == "standard"
+
+
+def test_priority_classes_errors() -> None:
+    errs = errors_of(
+        BASIC
+        + "priority_classes:\n  premium: {shed_at: 0.2}\n  standard: {shed_at: 1.0, routing_priority: top}\n"
+        "default_priority_class: gold\n"
+    )
+    assert any(
+        "priority_classes.standard.routing_priority: expected default or high, got 'top'" in e for e in errs
+    )
+    assert any("default_priority_class: unknown class 'gold'" in e for e in errs)
+    errs = errors_of(BASIC + "priority_classes:\n  premium: {shed_at: 0.2}\n  standard: {shed_at: 1.0}\n")
+    assert any(
+        "priority_classes.standard.shed_at: 1.0 is above priority_classes.premium's 0.2" in e for e in errs
+    )
+    assert any("default_priority_class: missing" in e for e in errs)

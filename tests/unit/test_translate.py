@@ -4,7 +4,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import base_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
-from envoy.config.route.v3 import route_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
@@ -256,3 +256,44 @@ def test_the_idle_timeout_defaults_to_the_route_timeout() -> None:
     assert isinstance(rc, route_pb2.RouteConfiguration)
     a = next(r for r in rc.virtual_hosts[0].routes if r.name == "header/llama-3-8b").route
     assert a.idle_timeout.seconds == a.timeout.seconds == 60
+
+
+QOS = BASIC + (
+    "priority_classes:\n  premium: {routing_priority: high}\n  standard: {shed_at: 1.0}\n"
+    "  batch: {shed_at: 0.5}\ndefault_priority_class: standard\n"
+)
+
+
+def _routes(rc: object) -> dict[str, route_components_pb2.Route]:
+    assert isinstance(rc, route_pb2.RouteConfiguration)
+    return {r.name: r for r in rc.virtual_hosts[0].routes}
+
+
+def test_priority_classes_route_high_and_shed_with_429() -> None:
+    fleet = parse_fleet(QOS)
+    calm = _routes(translate(fleet).by_type[ROUTE]["inference"])
+    # Only premium differs from the default class while nothing is shed.
+    assert calm["header/llama-3-8b/premium"].route.priority == base_pb2.HIGH
+    assert calm["header/llama-3-8b"].route.priority == base_pb2.DEFAULT
+    assert "header/llama-3-8b/batch" not in calm
+    names = list(calm)
+    assert names.index("header/llama-3-8b/premium") < names.index("header/llama-3-8b")
+    hot = _routes(
+        translate(fleet, shed={"llama-3-8b": frozenset({"batch", "standard"})}).by_type[ROUTE]["inference"]
+    )
+    for name in ("header/llama-3-8b", "body/llama-3-8b"):
+        shed = hot[name]
+        assert shed.direct_response.status == 429
+        assert {h.header.key: h.header.value for h in shed.response_headers_to_add}["retry-after"] == "1"
+    assert hot["header/llama-3-8b/premium"].route.priority == base_pb2.HIGH  # still admitted
+    assert "header/llama-3-8b/batch" not in hot  # shed like the default class: no own route
+
+
+def test_circuit_breaker_overflow_is_answered_429() -> None:
+    lst = translate(parse_fleet(BASIC)).by_type[LISTENER]["inference"]
+    assert isinstance(lst, listener_pb2.Listener)
+    hcm = hcm_pb2.HttpConnectionManager()
+    lst.filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    [mapper] = hcm.local_reply_config.mappers
+    assert list(mapper.filter.response_flag_filter.flags) == ["UO"]
+    assert mapper.status_code.value == 429
