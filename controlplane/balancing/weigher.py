@@ -99,7 +99,9 @@ class Weigher:
         changed: dict[str, dict[str, int]] = {}
         views: dict[str, ClusterView] = {}
         for model in fleet.models:
-            policy_name = fleet.policy_of(model)
+            # Consistent hashing maps keys by weight: moving weights would move sessions. The
+            # bounded load does the balancing; weights stay equal (0 still holds out).
+            policy_name = "least_request" if model.affinity is not None else fleet.policy_of(model)
             policy = POLICIES[policy_name]
             for version in model.versions:
                 cname = cluster_name(model.name, version.name)

@@ -17,6 +17,7 @@ from controlplane.balancing.policies import POLICIES
 from controlplane.fleet.model import (
     DTYPE_BYTES,
     MEMORY_OVERHEAD,
+    Affinity,
     CircuitBreaker,
     Endpoint,
     Fleet,
@@ -528,8 +529,32 @@ _MODEL_KEYS = {
     "dtype",
     "memory_gb",
     "preferred_gpus",
+    "affinity",
     *TRAFFIC_KEYS,
 }
+AFFINITY_BODY_FIELDS = ("prompt_cache_key", "user")
+_HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,99}$")
+
+
+def _affinity(value: Any, path: str, errs: _Errors) -> Affinity | None:
+    m = _mapping(value, path, errs, {"header", "body", "algorithm", "hash_balance_factor"})
+    if m is None:
+        return None
+    before = len(errs.items)
+    header, body = m.get("header"), m.get("body")
+    if (header is None) == (body is None):
+        errs.add(path, "give exactly one of header (e.g. x-session-id) or body (prompt_cache_key or user)")
+    if header is not None and (not isinstance(header, str) or not _HEADER_NAME.match(header)):
+        errs.add(f"{path}.header", f"expected a lower-case header name such as x-session-id, got {header!r}")
+    if body is not None and body not in AFFINITY_BODY_FIELDS:
+        errs.add(f"{path}.body", f"expected one of {', '.join(AFFINITY_BODY_FIELDS)}, got {body!r}")
+    algorithm = m.get("algorithm", "maglev")
+    if algorithm not in ("maglev", "ring_hash"):
+        errs.add(f"{path}.algorithm", f"expected maglev or ring_hash, got {algorithm!r}")
+    factor = _int(m.get("hash_balance_factor", 150), f"{path}.hash_balance_factor", errs, 100, 100_000)
+    if len(errs.items) != before or factor is None:
+        return None
+    return Affinity(header=header, body_field=body, algorithm=str(algorithm), balance_factor=factor)
 
 
 def _models(value: Any, tiers: list[Tier] | None, errs: _Errors) -> list[Model] | None:
@@ -572,6 +597,7 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
     if dtype not in DTYPE_BYTES:
         errs.add(f"{path}.dtype", f"expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     memory = _number(m["memory_gb"], f"{path}.memory_gb", errs) if "memory_gb" in m else None
+    affinity = _affinity(m["affinity"], f"{path}.affinity", errs) if "affinity" in m else None
     preferred = m.get("preferred_gpus", [])
     if not isinstance(preferred, list) or not all(isinstance(g, str) for g in preferred):
         errs.add(f"{path}.preferred_gpus", f"expected a list of GPU class names, got {preferred!r}")
@@ -592,6 +618,7 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         dtype=str(dtype),
         memory_gb=memory,
         preferred_gpus=tuple(preferred),
+        affinity=affinity,
         cluster_overrides=overrides,
     )
 

@@ -76,6 +76,17 @@ class Tier:
 
 
 @dataclass(frozen=True)
+class Affinity:
+    """Session or prompt-cache affinity: requests with the same key go to the same endpoint,
+    by consistent hashing, until it carries more than `balance_factor` x the average load."""
+
+    header: str | None = None  # e.g. x-session-id
+    body_field: str | None = None  # e.g. prompt_cache_key or user, from the JSON body
+    algorithm: str = "maglev"  # or ring_hash
+    balance_factor: int = 150  # percent of the mean requests in flight per endpoint (>= 100)
+
+
+@dataclass(frozen=True)
 class Model:
     """A model: its tier, its versions, and the version that takes traffic (`stable`)."""
 
@@ -89,6 +100,7 @@ class Model:
     dtype: str = "fp16"  # weight precision, for the memory the model needs
     memory_gb: float | None = None  # GPU memory the model needs; None: derived from params_b and dtype
     preferred_gpus: tuple[str, ...] = ()  # GPU classes it should run on first
+    affinity: Affinity | None = None
     # Merged verbatim into every generated Cluster of this model; Envoy has the last word.
     cluster_overrides: Mapping[str, Any] | None = field(default=None, compare=True)
 

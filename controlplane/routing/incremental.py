@@ -16,6 +16,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from controlplane.fleet.model import (
+    Affinity,
     Endpoint,
     Fleet,
     GpuClass,
@@ -42,28 +43,29 @@ from controlplane.routing.translate import (
     build_gateway_routes,
 )
 
+_ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None]
 _PlacementKey = tuple[tuple[str, ...], float | None, tuple[GpuClass, ...]]
 _RouteKey = tuple[
     ListenerSpec,
-    tuple[tuple[str, str, TrafficPolicy], ...],
+    tuple[tuple[str, str, TrafficPolicy, Affinity | None], ...],
     tuple[PriorityClass, ...],
     str | None,
     tuple[tuple[str, tuple[str, ...]], ...],
 ]
 
 
-def _cluster_key(fleet: Fleet, model: Model) -> tuple[str, str, TrafficPolicy]:
+def _cluster_key(fleet: Fleet, model: Model) -> _ClusterKey:
     overrides = json.dumps(model.cluster_overrides, sort_keys=True) if model.cluster_overrides else ""
-    return model.protocol, overrides, fleet.traffic_of(model)
+    return model.protocol, overrides, fleet.traffic_of(model), model.affinity
 
 
 class IncrementalTranslator:
     """Memoised translation. Keep one per process; it holds the last message per name."""
 
     def __init__(self) -> None:
-        self._clusters: dict[str, tuple[tuple[str, str, TrafficPolicy], Message]] = {}
+        self._clusters: dict[str, tuple[_ClusterKey, Message]] = {}
         self._assignments: dict[str, tuple[tuple[Endpoint, ...], _PlacementKey, dict[str, int], Message]] = {}
-        self._api: dict[str, tuple[tuple[str, str, TrafficPolicy], Message, Message]] = {}
+        self._api: dict[str, tuple[tuple[str, str, TrafficPolicy, Affinity | None], Message, Message]] = {}
         self._gateway: tuple[_RouteKey, Message, Message] | None = None
         self.built = 0  # messages built by the last translate() call, for tests and benchmarks
 
@@ -84,7 +86,7 @@ class IncrementalTranslator:
                 cname = names.cluster_name(model.name, version.name)
                 clusters[cname] = self._cluster(model, cname, ckey)
                 assignments[cname] = self._assignment(fleet, model, cname, version, weights.get(cname, {}))
-            akey = (model.stable, model.tier, fleet.traffic_of(model))
+            akey = (model.stable, model.tier, fleet.traffic_of(model), model.affinity)
             cached = self._api.get(model.name)
             if cached is None or cached[0] != akey:
                 self.built += 2
@@ -94,7 +96,7 @@ class IncrementalTranslator:
             routes[names.api_route_name(model.name)] = cached[2]
         rkey: _RouteKey = (
             fleet.listener,
-            tuple((m.name, m.stable, fleet.traffic_of(m)) for m in fleet.models),
+            tuple((m.name, m.stable, fleet.traffic_of(m), m.affinity) for m in fleet.models),
             fleet.priority_classes,
             fleet.default_priority_class,
             tuple(sorted((m, tuple(sorted(c))) for m, c in shed.items() if c)),
@@ -110,7 +112,7 @@ class IncrementalTranslator:
             wildcard={LISTENER: frozenset({names.GATEWAY_LISTENER})},
         )
 
-    def _cluster(self, model: Model, cname: str, key: tuple[str, str, TrafficPolicy]) -> Message:
+    def _cluster(self, model: Model, cname: str, key: _ClusterKey) -> Message:
         cached = self._clusters.get(cname)
         if cached is not None and cached[0] == key:
             return cached[1]

@@ -20,17 +20,23 @@ from envoy.config.core.v3 import (
     extension_pb2,
     health_check_pb2,
     protocol_pb2,
+    substitution_format_string_pb2,
 )
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import api_listener_pb2, listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.filters.common.set_filter_state.v3 import value_pb2 as value_pb2_fs
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.http.set_filter_state.v3 import set_filter_state_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from envoy.extensions.load_balancing_policies.common.v3 import common_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
+from envoy.extensions.load_balancing_policies.maglev.v3 import maglev_pb2
+from envoy.extensions.load_balancing_policies.ring_hash.v3 import ring_hash_pb2
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
 from envoy.extensions.load_balancing_policies.wrr_locality.v3 import wrr_locality_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
@@ -42,6 +48,7 @@ from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
 from google.protobuf.message import Message
 
 from controlplane.fleet.model import (
+    Affinity,
     CircuitBreaker,
     Endpoint,
     Fleet,
@@ -164,9 +171,13 @@ def build_cluster(model: Model, cname: str, traffic: TrafficPolicy | None = None
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads(), service_name=cname),
         connect_timeout=_duration(1.0),
-        load_balancing_policy=round_robin_policy()
-        if t.balancing == "round_robin"
-        else least_request_policy(),
+        load_balancing_policy=(
+            hashing_policy(model.affinity)
+            if model.affinity is not None
+            else round_robin_policy()
+            if t.balancing == "round_robin"
+            else least_request_policy()
+        ),
         circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
             thresholds=[
                 _thresholds(base_pb2.DEFAULT, t.breaker_default),
@@ -239,6 +250,28 @@ def least_request_policy() -> cluster_pb2.LoadBalancingPolicy:
             ),
             _lb_policy("envoy.load_balancing_policies.wrr_locality", wrr),
         ]
+    )
+
+
+def hashing_policy(affinity: Affinity) -> cluster_pb2.LoadBalancingPolicy:
+    """Consistent hashing with bounded load: a key keeps its endpoint until that endpoint
+    carries more than hash_balance_factor percent of the mean requests in flight."""
+    common = common_pb2.ConsistentHashingLbConfig(
+        hash_balance_factor=wrappers_pb2.UInt32Value(value=affinity.balance_factor)
+    )
+    if affinity.algorithm == "ring_hash":
+        first = _lb_policy(
+            "envoy.load_balancing_policies.ring_hash",
+            ring_hash_pb2.RingHash(consistent_hashing_lb_config=common),
+        )
+    else:
+        first = _lb_policy(
+            "envoy.load_balancing_policies.maglev", maglev_pb2.Maglev(consistent_hashing_lb_config=common)
+        )
+    rr = _lb_policy("envoy.load_balancing_policies.round_robin", round_robin_pb2.RoundRobin())
+    wrr = wrr_locality_pb2.WrrLocality(endpoint_picking_policy=cluster_pb2.LoadBalancingPolicy(policies=[rr]))
+    return cluster_pb2.LoadBalancingPolicy(
+        policies=[first, _lb_policy("envoy.load_balancing_policies.wrr_locality", wrr)]
     )
 
 
@@ -319,18 +352,54 @@ def _buffer(fleet: Fleet) -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name=BUFFER_FILTER, typed_config=_any(cfg))
 
 
-def _json_to_metadata() -> hcm_pb2.HttpFilter:
-    rule = json_to_metadata_pb2.JsonToMetadata.Rule(
-        selectors=[json_to_metadata_pb2.JsonToMetadata.Selector(key="model")],
+def _json_rule(field: str, key: str) -> json_to_metadata_pb2.JsonToMetadata.Rule:
+    return json_to_metadata_pb2.JsonToMetadata.Rule(
+        selectors=[json_to_metadata_pb2.JsonToMetadata.Selector(key=field)],
         on_present=json_to_metadata_pb2.JsonToMetadata.KeyValuePair(
             metadata_namespace=METADATA_NS,
-            key="model",
+            key=key,
             type=json_to_metadata_pb2.JsonToMetadata.STRING,
         ),
     )
+
+
+def affinity_state_key(body_field: str) -> str:
+    """The filter-state key a body affinity field is hashed from."""
+    return f"{METADATA_NS}.affinity.{body_field}"
+
+
+def _affinity_body_fields(fleet: Fleet) -> list[str]:
+    return sorted({m.affinity.body_field for m in fleet.models if m.affinity and m.affinity.body_field})
+
+
+def _affinity_filter_state(fields: list[str]) -> hcm_pb2.HttpFilter:
+    """Body fields copied to metadata become hashable filter state (`envoy.hashable_string`;
+    the plain string factory does not hash, and requests would spread at random). It runs
+    after json_to_metadata has read the body, which holds the filter chain until then."""
+    cfg = set_filter_state_pb2.Config(
+        on_request_headers=[
+            value_pb2_fs.FilterStateValue(
+                object_key=affinity_state_key(f),
+                factory_key="envoy.hashable_string",
+                format_string=substitution_format_string_pb2.SubstitutionFormatString(
+                    text_format_source=base_pb2.DataSource(
+                        inline_string=f"%DYNAMIC_METADATA({METADATA_NS}:affinity_{f})%"
+                    )
+                ),
+                skip_if_empty=True,
+            )
+            for f in fields
+        ]
+    )
+    return hcm_pb2.HttpFilter(name="envoy.filters.http.set_filter_state", typed_config=_any(cfg))
+
+
+def _json_to_metadata(affinity_fields: list[str] | None = None) -> hcm_pb2.HttpFilter:
+    rules = [_json_rule("model", "model")]
+    rules += [_json_rule(f, f"affinity_{f}") for f in affinity_fields or []]
     cfg = json_to_metadata_pb2.JsonToMetadata(
         request_rules=json_to_metadata_pb2.JsonToMetadata.MatchRules(
-            rules=[rule],
+            rules=rules,
             allow_content_types_regex=regex_pb2.RegexMatcher(regex=JSON_CONTENT_TYPES),
         )
     )
@@ -367,7 +436,12 @@ def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
         stat_prefix="inference",
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         rds=hcm_pb2.Rds(config_source=_ads(), route_config_name=names.GATEWAY_ROUTES),
-        http_filters=[_buffer(fleet), _json_to_metadata(), _router()],
+        http_filters=[
+            _buffer(fleet),
+            _json_to_metadata(body_fields := _affinity_body_fields(fleet)),
+            *([_affinity_filter_state(body_fields)] if body_fields else []),
+            _router(),
+        ],
         local_reply_config=_overflow_is_429(),
     )
     return listener_pb2.Listener(
@@ -431,6 +505,11 @@ def _model_action(
         timeout=_duration(t.timeout_s),
         priority=base_pb2.HIGH if high else base_pb2.DEFAULT,
     )
+    a = model.affinity
+    if a is not None and a.header is not None:
+        action.hash_policy.add().header.header_name = a.header
+    elif a is not None and a.body_field is not None and not proxyless:
+        action.hash_policy.add().filter_state.key = affinity_state_key(a.body_field)
     if proxyless:
         return action  # gRPC's xDS client takes gRPC status codes only; it keeps its own retries
     # Always set: Envoy's own default (5 min, from the listener) would cut a long generation.

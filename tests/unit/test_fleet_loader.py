@@ -45,9 +45,9 @@ def test_explicit_tier_wins() -> None:
 def test_unknown_key_names_path_and_line() -> None:
     errs = errors_of(BASIC.replace("stable: v1", "stable: v1\n    stabel: v2"))
     assert errs == [
-        "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: balancing, circuit_breakers, "
-        "cluster_overrides, dtype, max_body_bytes, memory_gb, outlier_detection, params_b, preferred_gpus, "
-        "protocol, retries, stable, stream_idle_timeout, tier, timeout, versions)"
+        "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: affinity, balancing, "
+        "circuit_breakers, cluster_overrides, dtype, max_body_bytes, memory_gb, outlier_detection, "
+        "params_b, preferred_gpus, protocol, retries, stable, stream_idle_timeout, tier, timeout, versions)"
     ]
 
 
@@ -309,3 +309,21 @@ def test_priority_classes_errors() -> None:
         "priority_classes.standard.shed_at: 1.0 is above priority_classes.premium's 0.2" in e for e in errs
     )
     assert any("default_priority_class: missing" in e for e in errs)
+
+
+def test_affinity_errors() -> None:
+    errs = errors_of(
+        BASIC.replace("    stable: v1\n", "    stable: v1\n    affinity: {header: X-S, body: cookie}\n", 1)
+    )
+    assert any("models.llama-3-8b.affinity: give exactly one of header" in e for e in errs)
+    assert any("models.llama-3-8b.affinity.header: expected a lower-case header name" in e for e in errs)
+    assert any(
+        "models.llama-3-8b.affinity.body: expected one of prompt_cache_key, user, got 'cookie'" in e
+        for e in errs
+    )
+    errs = errors_of(
+        BASIC.replace(
+            "    stable: v1\n", "    stable: v1\n    affinity: {header: x-s, hash_balance_factor: 90}\n", 1
+        )
+    )
+    assert any("affinity.hash_balance_factor: expected a whole number 100-100000, got 90" in e for e in errs)

@@ -6,9 +6,11 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
+from envoy.extensions.filters.http.set_filter_state.v3 import set_filter_state_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from envoy.extensions.load_balancing_policies.maglev.v3 import maglev_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 
 from controlplane.fleet import parse_fleet
@@ -297,3 +299,62 @@ def test_circuit_breaker_overflow_is_answered_429() -> None:
     [mapper] = hcm.local_reply_config.mappers
     assert list(mapper.filter.response_flag_filter.flags) == ["UO"]
     assert mapper.status_code.value == 429
+
+
+def test_header_affinity_hashes_with_bounded_load() -> None:
+    fleet = parse_fleet(
+        BASIC.replace("    stable: v1\n", "    stable: v1\n    affinity: {header: x-session-id}\n", 1)
+    )
+    d = translate(fleet)
+    c = d.by_type[CLUSTER]["llama-3-8b@v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    first = c.load_balancing_policy.policies[0].typed_extension_config
+    assert first.name == "envoy.load_balancing_policies.maglev"
+    maglev = maglev_pb2.Maglev()
+    first.typed_config.Unpack(maglev)
+    assert maglev.consistent_hashing_lb_config.hash_balance_factor.value == 150
+    routes = _routes(d.by_type[ROUTE]["inference"])
+    assert [h.header.header_name for h in routes["header/llama-3-8b"].route.hash_policy] == ["x-session-id"]
+    grpc = d.by_type[ROUTE]["grpc/llama-3-8b"]
+    assert isinstance(grpc, route_pb2.RouteConfiguration)
+    assert grpc.virtual_hosts[0].routes[0].route.hash_policy[0].header.header_name == "x-session-id"
+
+
+def test_body_affinity_goes_through_hashable_filter_state() -> None:
+    fleet = parse_fleet(
+        BASIC.replace(
+            "    stable: v1\n",
+            "    stable: v1\n    affinity: {body: prompt_cache_key, algorithm: ring_hash}\n",
+            1,
+        )
+    )
+    d = translate(fleet)
+    lst = d.by_type[LISTENER]["inference"]
+    assert isinstance(lst, listener_pb2.Listener)
+    hcm = hcm_pb2.HttpConnectionManager()
+    lst.filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    assert [f.name for f in hcm.http_filters] == [
+        "envoy.filters.http.buffer",
+        "envoy.filters.http.json_to_metadata",
+        "envoy.filters.http.set_filter_state",
+        "envoy.filters.http.router",
+    ]
+    fs = set_filter_state_pb2.Config()
+    hcm.http_filters[2].typed_config.Unpack(fs)
+    [value] = fs.on_request_headers
+    assert value.factory_key == "envoy.hashable_string"  # envoy.string would not hash
+    assert (
+        value.format_string.text_format_source.inline_string
+        == "%DYNAMIC_METADATA(controlplane:affinity_prompt_cache_key)%"
+    )
+    routes = _routes(d.by_type[ROUTE]["inference"])
+    assert (
+        routes["body/llama-3-8b"].route.hash_policy[0].filter_state.key
+        == "controlplane.affinity.prompt_cache_key"
+    )
+    c = d.by_type[CLUSTER]["llama-3-8b@v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    assert (
+        c.load_balancing_policy.policies[0].typed_extension_config.name
+        == "envoy.load_balancing_policies.ring_hash"
+    )
