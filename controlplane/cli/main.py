@@ -1,4 +1,4 @@
-"""`controlplane`: serve, check-config, bootstrap, demo, emulate."""
+"""`controlplane`: serve, check-config, explain, bootstrap, demo, emulate."""
 
 from __future__ import annotations
 
@@ -66,6 +66,23 @@ def _parser() -> argparse.ArgumentParser:
         "reason, and exits 1 if there is any; prints a summary and exits 0 otherwise.",
     )
     c.add_argument("file", type=Path)
+
+    x = sub.add_parser(
+        "explain",
+        help="show every effective setting of one model and where it comes from",
+        description="Show how one model is served: each traffic-policy setting with its source "
+        "(model override, tier or built-in default), what it becomes in Envoy, the model's memory "
+        "need, and each endpoint's GPU class, memory, capacity and EDS priority (or why it is left "
+        "out). Exits 1 if the config is invalid, 2 if the model is unknown.",
+    )
+    x.add_argument("model", metavar="MODEL", help="the model name, as clients send it")
+    x.add_argument("--config", required=True, type=Path, help="fleet YAML file")
+    x.add_argument(
+        "--format",
+        choices=["text", "json"],
+        default="text",
+        help="text for people, json for scripts (default: %(default)s)",
+    )
 
     b = sub.add_parser(
         "bootstrap",
@@ -266,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         return _check_config(args.file)
+    if args.command == "explain":
+        from controlplane.cli.explain import run as run_explain
+
+        return run_explain(args.model, args.config, args.format)
     if args.command == "bootstrap":
         return _bootstrap(args)
     if args.command == "serve":
