@@ -532,6 +532,14 @@ def explain(fleet: Fleet, name: str, raw: Mapping[str, Any] | None = None) -> di
             }
             for c in fleet.priority_classes
         ],
+        "affinity": None
+        if model.affinity is None
+        else {
+            "header": model.affinity.header,
+            "body_field": model.affinity.body_field,
+            "algorithm": model.affinity.algorithm,
+            "balance_factor": model.affinity.balance_factor,
+        },
         "envoy": envoy,
         "memory": _memory(fleet, model),
         "failover": {
@@ -642,6 +650,12 @@ def _envoy_rows(e: Mapping[str, Any]) -> list[list[str]]:
     lb = env["load_balancer"] or "Envoy default"
     weighted = " with the control plane's weights" if lb == "least_request" else ""
     rows.append(["balancing", f"{e['settings']['balancing']['text']}: Envoy {lb}{weighted}"])
+    aff = e["affinity"]
+    if aff is not None:
+        key = f"header {aff['header']}" if aff["header"] else f"JSON body field {aff['body_field']}"
+        rows.append(
+            ["affinity", f"{aff['algorithm']} on the {key}, bounded at {aff['balance_factor']}% of mean load"]
+        )
     rows.append(["connect timeout", fmt_duration(env["connect_timeout_s"])])
     g = env["proxyless_grpc"]
     if g is not None:

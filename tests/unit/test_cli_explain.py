@@ -266,6 +266,20 @@ def test_priority_classes_are_listed() -> None:
     assert explained(FLEET, "chat")["priority_classes"] == []
 
 
+def test_affinity_shows_with_its_hashing_load_balancer() -> None:
+    text = FLEET.replace("    balancing: round_robin\n", "    affinity: {header: x-session-id}\n")
+    e = explained(text, "big")
+    assert e["affinity"] == {
+        "header": "x-session-id",
+        "body_field": None,
+        "algorithm": "maglev",
+        "balance_factor": 150,
+    }
+    assert e["envoy"]["load_balancer"] == "maglev"
+    assert "maglev on the header x-session-id, bounded at 150% of mean load" in render_text(e)
+    assert explained(FLEET, "chat")["affinity"] is None
+
+
 def test_unknown_model_raises_with_the_known_ones() -> None:
     with pytest.raises(UnknownModel) as err:
         explained(FLEET, "nope")
@@ -327,6 +341,7 @@ def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "cluster",
         "settings",
         "priority_classes",
+        "affinity",
         "envoy",
         "memory",
         "failover",
