@@ -530,6 +530,7 @@ _MODEL_KEYS = {
     "memory_gb",
     "preferred_gpus",
     "affinity",
+    "zones",
     *TRAFFIC_KEYS,
 }
 AFFINITY_BODY_FIELDS = ("prompt_cache_key", "user")
@@ -598,6 +599,16 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         errs.add(f"{path}.dtype", f"expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     memory = _number(m["memory_gb"], f"{path}.memory_gb", errs) if "memory_gb" in m else None
     affinity = _affinity(m["affinity"], f"{path}.affinity", errs) if "affinity" in m else None
+    zones = m.get("zones", [])
+    if (
+        not isinstance(zones, list)
+        or not all(isinstance(z, str) for z in zones)
+        or len(set(zones)) != len(zones)
+    ):
+        errs.add(
+            f"{path}.zones", f"expected a list of distinct zone names, most preferred first, got {zones!r}"
+        )
+        zones = []
     preferred = m.get("preferred_gpus", [])
     if not isinstance(preferred, list) or not all(isinstance(g, str) for g in preferred):
         errs.add(f"{path}.preferred_gpus", f"expected a list of GPU class names, got {preferred!r}")
@@ -619,6 +630,7 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         memory_gb=memory,
         preferred_gpus=tuple(preferred),
         affinity=affinity,
+        zones=tuple(zones),
         cluster_overrides=overrides,
     )
 
@@ -701,7 +713,7 @@ def _endpoints(
         p = f"{epath}[{i}]"
         if isinstance(spec, str):
             spec = {"address": spec}
-        m = _mapping(spec, p, errs, {"address", "gpu", "gpu_memory_gb", "capacity"})
+        m = _mapping(spec, p, errs, {"address", "gpu", "gpu_memory_gb", "capacity", "zone", "region"})
         if m is None:
             continue
         try:
@@ -728,7 +740,25 @@ def _endpoints(
             capacity = _number(m["capacity"], f"{p}.capacity", errs)
             if capacity is None:
                 continue
-        out.append(Endpoint(host=host, port=port, gpu=gpu, gpu_memory_gb=mem, capacity=capacity))
+        where = {k: m.get(k) for k in ("zone", "region")}
+        bad = [
+            k for k, v in where.items() if v is not None and (not isinstance(v, str) or not _VERSION.match(v))
+        ]
+        for k in bad:
+            errs.add(f"{p}.{k}", f"expected a name (letters, digits, '.', '_', '-'), got {where[k]!r}")
+        if bad:
+            continue
+        out.append(
+            Endpoint(
+                host=host,
+                port=port,
+                gpu=gpu,
+                gpu_memory_gb=mem,
+                capacity=capacity,
+                zone=where["zone"],
+                region=where["region"],
+            )
+        )
     return out
 
 

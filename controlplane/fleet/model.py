@@ -16,6 +16,8 @@ class Endpoint:
     gpu: str | None = None
     gpu_memory_gb: float | None = None
     capacity: float | None = None  # relative throughput; None: the GPU class's (or 1.0)
+    zone: str | None = None  # where it runs (an edge site, a cloud zone); EDS locality
+    region: str | None = None
 
     @property
     def address(self) -> str:
@@ -101,6 +103,7 @@ class Model:
     memory_gb: float | None = None  # GPU memory the model needs; None: derived from params_b and dtype
     preferred_gpus: tuple[str, ...] = ()  # GPU classes it should run on first
     affinity: Affinity | None = None
+    zones: tuple[str, ...] = ()  # zones in order of preference: fall back down the list
     # Merged verbatim into every generated Cluster of this model; Envoy has the last word.
     cluster_overrides: Mapping[str, Any] | None = field(default=None, compare=True)
 
@@ -214,14 +217,18 @@ class Fleet:
         return need is None or have is None or need <= have
 
     def endpoint_priority(self, model: Model, endpoint: Endpoint) -> int | None:
-        """The EDS priority an endpoint serves the model at: 0 for a preferred GPU class (or
-        for every endpoint when the model prefers none), 1 for the others, which Envoy uses
-        only when priority 0 is unhealthy; None when the model does not fit its memory."""
+        """The endpoint's failover rank for the model (lower is used first; Envoy moves to the
+        next rank only when the ones before are unhealthy): by zone in the model's `zones`
+        order (unlisted zones after), then preferred GPU class before the others. None when
+        the model does not fit its memory. EDS priorities are these ranks, renumbered 0, 1...
+        over the ranks a version actually uses."""
         if not self.fits(model, endpoint):
             return None
-        if not model.preferred_gpus or endpoint.gpu in model.preferred_gpus:
-            return 0
-        return 1
+        gpu_rank = 0 if not model.preferred_gpus or endpoint.gpu in model.preferred_gpus else 1
+        zone_rank = 0
+        if model.zones:
+            zone_rank = model.zones.index(endpoint.zone) if endpoint.zone in model.zones else len(model.zones)
+        return zone_rank * 2 + gpu_rank
 
     def declared_capacity(self, endpoint: Endpoint) -> float | None:
         """The endpoint's own capacity, else its GPU class's; None if neither is configured."""

@@ -44,7 +44,7 @@ from controlplane.routing.translate import (
 )
 
 _ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None]
-_PlacementKey = tuple[tuple[str, ...], float | None, tuple[GpuClass, ...]]
+_PlacementKey = tuple[tuple[str, ...], tuple[str, ...], float | None, tuple[GpuClass, ...]]
 _RouteKey = tuple[
     ListenerSpec,
     tuple[tuple[str, str, TrafficPolicy, Affinity | None], ...],
@@ -125,7 +125,12 @@ class IncrementalTranslator:
         self, fleet: Fleet, model: Model, cname: str, version: Version, weights: Mapping[str, int]
     ) -> Message:
         # Placement (memory fit, preferred GPU classes) depends on these and the endpoints.
-        pkey: _PlacementKey = (model.preferred_gpus, fleet.memory_need_of(model), fleet.gpu_classes)
+        pkey: _PlacementKey = (
+            model.preferred_gpus,
+            model.zones,
+            fleet.memory_need_of(model),
+            fleet.gpu_classes,
+        )
         cached = self._assignments.get(cname)
         if (
             cached is not None

@@ -296,30 +296,39 @@ def build_assignment(
     weights: Mapping[str, int],
     priority_of: Callable[[Endpoint], int | None] = lambda ep: 0,
 ) -> endpoint_pb2.ClusterLoadAssignment:
-    """The version's endpoints with their weights, one weighted locality per EDS priority.
+    """The version's endpoints with their weights, grouped by EDS priority and locality
+    (region, zone), each locality weighted by its endpoint count.
 
-    `priority_of` places each endpoint (0: preferred, 1: fallback, None: left out because the
-    model does not fit its GPU memory). Weight 0 is sent as UNHEALTHY (held out) with
-    weight 1, since EDS weights must be at least 1."""
+    `priority_of` ranks each endpoint (lower first; None: left out because the model does
+    not fit its GPU memory); ranks become priorities 0, 1... Weight 0 is sent as UNHEALTHY
+    (held out) with weight 1, since EDS weights must be at least 1."""
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cname)
-    by_priority: dict[int, list[Endpoint]] = {}
+    by_rank: dict[int, dict[tuple[str, str], list[Endpoint]]] = {}
     for ep in version.endpoints:
-        prio = priority_of(ep)
-        if prio is not None:
-            by_priority.setdefault(prio, []).append(ep)
-    for prio in sorted(by_priority):
-        # gRPC ignores a locality without a weight, so always give one.
-        loc = cla.endpoints.add(load_balancing_weight=wrappers_pb2.UInt32Value(value=1), priority=prio)
-        loc.locality.SetInParent()  # gRPC requires the (empty) locality to be present
-        for ep in by_priority[prio]:
-            lb = loc.lb_endpoints.add()
-            lb.endpoint.address.socket_address.CopyFrom(
-                address_pb2.SocketAddress(address=ep.host, port_value=ep.port)
+        rank = priority_of(ep)
+        if rank is not None:
+            by_rank.setdefault(rank, {}).setdefault((ep.region or "", ep.zone or ""), []).append(ep)
+    # EDS priorities must be 0, 1, 2... without gaps: renumber the ranks in use.
+    for prio, rank in enumerate(sorted(by_rank)):
+        for (region, zone), eps in sorted(by_rank[rank].items()):
+            # gRPC ignores a locality without a weight, so always give one.
+            loc = cla.endpoints.add(
+                load_balancing_weight=wrappers_pb2.UInt32Value(value=len(eps)), priority=prio
             )
-            w = int(weights.get(ep.address, DEFAULT_WEIGHT))
-            if w <= 0:
-                lb.health_status = health_check_pb2.UNHEALTHY
-            lb.load_balancing_weight.value = max(1, w)
+            loc.locality.SetInParent()  # gRPC requires the locality to be present, even empty
+            if region:
+                loc.locality.region = region
+            if zone:
+                loc.locality.zone = zone
+            for ep in eps:
+                lb = loc.lb_endpoints.add()
+                lb.endpoint.address.socket_address.CopyFrom(
+                    address_pb2.SocketAddress(address=ep.host, port_value=ep.port)
+                )
+                w = int(weights.get(ep.address, DEFAULT_WEIGHT))
+                if w <= 0:
+                    lb.health_status = health_check_pb2.UNHEALTHY
+                lb.load_balancing_weight.value = max(1, w)
     return cla
 
 

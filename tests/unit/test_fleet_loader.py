@@ -47,7 +47,8 @@ def test_unknown_key_names_path_and_line() -> None:
     assert errs == [
         "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: affinity, balancing, "
         "circuit_breakers, cluster_overrides, dtype, max_body_bytes, memory_gb, outlier_detection, "
-        "params_b, preferred_gpus, protocol, retries, stable, stream_idle_timeout, tier, timeout, versions)"
+        "params_b, preferred_gpus, protocol, retries, stable, stream_idle_timeout, tier, timeout, versions, "
+        "zones)"
     ]
 
 

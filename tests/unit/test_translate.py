@@ -47,7 +47,7 @@ def test_assignment_has_a_weighted_locality_and_every_endpoint() -> None:
     assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
     [loc] = cla.endpoints
     assert loc.HasField("locality")  # gRPC rejects an assignment without it
-    assert loc.load_balancing_weight.value == 1
+    assert loc.load_balancing_weight.value == 2  # a locality weighs its endpoint count
     got = [
         (
             e.endpoint.address.socket_address.address,
@@ -249,7 +249,8 @@ def test_preferred_gpu_classes_get_priority_0_and_endpoints_too_small_are_left_o
     ]
     # The L4 cannot hold 72 GB; the endpoint of unknown class falls back with the A100.
     assert got == [(0, ["10.0.0.1"]), (1, ["10.0.0.3", "10.0.0.4"])]
-    assert all(loc.load_balancing_weight.value == 1 and loc.HasField("locality") for loc in cla.endpoints)
+    assert [loc.load_balancing_weight.value for loc in cla.endpoints] == [1, 2]
+    assert all(loc.HasField("locality") for loc in cla.endpoints)
 
 
 def test_the_idle_timeout_defaults_to_the_route_timeout() -> None:
@@ -358,3 +359,36 @@ def test_body_affinity_goes_through_hashable_filter_state() -> None:
         c.load_balancing_policy.policies[0].typed_extension_config.name
         == "envoy.load_balancing_policies.ring_hash"
     )
+
+
+def test_zones_rank_before_gpu_classes_and_become_localities() -> None:
+    fleet = parse_fleet(
+        "listener: {port: 10000}\n"
+        "tiers: {all: {}}\n"
+        "models:\n"
+        "  chat:\n"
+        "    params_b: 8\n"
+        "    preferred_gpus: [H100]\n"
+        "    zones: [edge-1, core]\n"
+        "    stable: v1\n"
+        "    versions: {v1: {endpoints: [{address: '10.0.0.1:80', gpu: L4, zone: edge-1},"
+        " {address: '10.0.0.2:80', gpu: H100, zone: core, region: eu},"
+        " {address: '10.0.0.3:80', zone: other}]}}\n"
+    )
+    cla = translate(fleet).by_type[ENDPOINT]["chat@v1"]
+    assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
+    got = [
+        (
+            loc.priority,
+            loc.locality.region,
+            loc.locality.zone,
+            [e.endpoint.address.socket_address.address for e in loc.lb_endpoints],
+        )
+        for loc in cla.endpoints
+    ]
+    # The edge first even on a fallback GPU class; then core; unlisted zones last. No gaps.
+    assert got == [
+        (0, "", "edge-1", ["10.0.0.1"]),
+        (1, "eu", "core", ["10.0.0.2"]),
+        (2, "", "other", ["10.0.0.3"]),
+    ]

@@ -1,4 +1,5 @@
-"""GPU-class failover through a real Envoy: preferred endpoints at EDS priority 0, the rest at 1.
+"""Failover through a real Envoy: preferred endpoints (GPU class or zone) at EDS priority 0,
+the rest at 1.
 
 When every preferred server dies, traffic moves to the fallback class; requests in flight on
 the dead servers may fail (they had been sent: the retry policy does not resend them), and
@@ -45,18 +46,25 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
         r.close()
 
 
-def test_traffic_fails_over_to_the_fallback_class_and_back(rig: Rig) -> None:
+@pytest.mark.parametrize("by", ["gpu_class", "zone"])
+def test_traffic_fails_over_to_the_fallback_and_back(rig: Rig, by: str) -> None:
+    """By GPU class (H100 preferred, A100 fallback) or by zone (the edge site first, then core:
+    the seed's edge scenario, where edge nodes go offline)."""
     for name in ("h1", "h2", "a1"):
         rig.servers[name] = Emulator(name, rig.tmp, MODEL, **FLAGS)
+    if by == "gpu_class":
+        prefer, first, second = "preferred_gpus: [H100]", "gpu: H100", "gpu: A100"
+    else:
+        prefer, first, second = "zones: [edge, core]", "zone: edge", "zone: core"
     fleet = (
         f"listener: {{port: {rig.listener}}}\n"
         "tiers: {small: {max_params_b: 15, outlier_detection: {base_ejection_time: 1s}}}\n"
         "gpu_classes: {H100: {memory_gb: 80}, A100: {memory_gb: 80}}\n"
-        f"models: {{{MODEL}: {{params_b: 8, preferred_gpus: [H100], stable: v1,\n"
+        f"models: {{{MODEL}: {{params_b: 8, {prefer}, stable: v1,\n"
         "  versions: {v1: {endpoints: [\n"
-        f"  {{address: '{rig.servers['h1'].address}', gpu: H100}},\n"
-        f"  {{address: '{rig.servers['h2'].address}', gpu: H100}},\n"
-        f"  {{address: '{rig.servers['a1'].address}', gpu: A100}}]}}}}}}}}\n"
+        f"  {{address: '{rig.servers['h1'].address}', {first}}},\n"
+        f"  {{address: '{rig.servers['h2'].address}', {first}}},\n"
+        f"  {{address: '{rig.servers['a1'].address}', {second}}}]}}}}}}}}\n"
     )
     (rig.tmp / "fleet.yaml").write_text(fleet)
     rig.cp = ControlPlane(rig.tmp / "fleet.yaml", rig.tmp).start()
