@@ -295,8 +295,29 @@ def _check_memory_fit(fleet: Fleet, errs: _Errors) -> None:
     """A model no endpoint can hold is an error that names the shortfall. Endpoints whose
     memory is unknown count as fitting (they get the benefit of the doubt)."""
     for m in fleet.models:
+        known = {g.name for g in fleet.gpu_classes} | {
+            ep.gpu for v in m.versions for ep in v.endpoints if ep.gpu
+        }
+        for g in m.preferred_gpus:
+            if g not in known:
+                errs.add(
+                    f"models.{m.name}.preferred_gpus",
+                    f"{g!r} is neither a gpu_classes entry nor the gpu of any of its endpoints",
+                )
         need = fleet.memory_need_of(m)
         endpoints = [ep for v in m.versions for ep in v.endpoints]
+        stable = m.version(m.stable).endpoints
+        if (
+            need is not None
+            and stable
+            and not any(fleet.fits(m, ep) for ep in stable)
+            and any(fleet.fits(m, ep) for ep in endpoints)
+        ):
+            errs.add(
+                f"models.{m.name}.versions.{m.stable}",
+                f"the stable version's endpoints all have less than the {need:g} GB of GPU memory the "
+                "model needs, so it would serve nothing",
+            )
         if need is None or not endpoints or any(fleet.fits(m, ep) for ep in endpoints):
             continue
         largest = max(fleet.gpu_memory_of(ep) or 0.0 for ep in endpoints)

@@ -12,7 +12,7 @@ import yaml
 
 from controlplane.cli.explain import UnknownModel, explain, render_text
 from controlplane.cli.main import main
-from controlplane.fleet import parse_fleet
+from controlplane.fleet import FleetConfigInvalid, parse_fleet
 
 FLEET = """\
 listener: {port: 10000}
@@ -234,9 +234,11 @@ def test_a_stable_version_with_nothing_that_fits_is_flagged() -> None:
         "          - {address: 10.0.1.2:8000, gpu: A100}\n"
         "      v2:\n        endpoints: [{address: 10.0.1.3:8000, gpu_memory_gb: 192}]\n",
     )
-    e = explained(text, "big")
-    assert [ep["eds_priority"] for ep in e["versions"][0]["endpoints"]] == [None]
-    assert any(w.startswith("stable version v1: no endpoint fits") for w in e["warnings"]), e["warnings"]
+    # The loader now refuses it outright, naming the stable version.
+    with pytest.raises(
+        FleetConfigInvalid, match=r"models\.big\.versions\.v1: the stable version's endpoints"
+    ):
+        parse_fleet(text)
 
 
 def test_a_second_breaker_threshold_in_cluster_overrides_is_flagged() -> None:

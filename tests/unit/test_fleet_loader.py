@@ -328,3 +328,23 @@ def test_affinity_errors() -> None:
         )
     )
     assert any("affinity.hash_balance_factor: expected a whole number 100-100000, got 90" in e for e in errs)
+
+
+def test_the_example_fleet_in_deploy_loads() -> None:
+    fleet = load_fleet(Path(__file__).resolve().parents[2] / "deploy" / "fleet.yaml")
+    assert {m.name for m in fleet.models} == {"llama-3-8b", "qwen-2.5-72b"}
+
+
+def test_a_stable_version_that_fits_nowhere_and_unknown_preferred_classes_are_errors() -> None:
+    text = PLACED.replace(
+        "    versions: {v1: {endpoints: [{address: 10.0.0.1:80, gpu: L4}, {address: 10.0.0.2:80, gpu: L4}]}}",
+        "    preferred_gpus: [B200]\n"
+        "    versions:\n      v1: {endpoints: [{address: 10.0.0.1:80, gpu: L4}]}\n"
+        "      v2: {endpoints: [{address: 10.0.0.2:80, gpu: H100}]}",
+    ).replace("params_b: 70", "params_b: 30")
+    errs = errors_of(text)
+    assert any(
+        "models.big.versions.v1: the stable version's endpoints all have less than the 72 GB" in e
+        for e in errs
+    )
+    assert any("models.big.preferred_gpus: 'B200' is neither a gpu_classes entry" in e for e in errs)
