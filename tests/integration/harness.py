@@ -267,6 +267,33 @@ class Emulator:
         self.proc.stop()
 
 
+class EmulatedFleet:
+    """Emulated servers, one control plane and one real Envoy on loopback; close() stops
+    them all. Subclass it to add what a test module needs."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.listener = free_port()
+        self.servers: dict[str, Emulator] = {}
+        self.cp: ControlPlane | None = None
+        self.envoy: Envoy | None = None
+
+    def serve(self, fleet_yaml: str) -> None:
+        """Write the fleet file, then start the control plane and Envoy on it."""
+        (self.tmp / "fleet.yaml").write_text(fleet_yaml)
+        self.cp = ControlPlane(self.tmp / "fleet.yaml", self.tmp).start()
+        self.envoy = Envoy("envoy-1", self.cp.xds, self.tmp, self.listener).start()
+
+    def names(self) -> dict[str, str]:
+        """Server address -> name."""
+        return {s.address: n for n, s in self.servers.items()}
+
+    def close(self) -> None:
+        for p in (self.envoy, self.cp, *self.servers.values()):
+            if p is not None:
+                p.stop()
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

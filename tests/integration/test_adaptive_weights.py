@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import ControlPlane, Emulator, Envoy, LoadLoop, free_port, wait_until
+from tests.integration.harness import EmulatedFleet, Emulator, LoadLoop, wait_until
 
 MODEL = "chat"
 CLUSTER = f"{MODEL}@v1"
@@ -23,14 +23,7 @@ CLUSTER = f"{MODEL}@v1"
 FAST = {"slots": 4, "decode_ms_per_token": 10, "prefill_ms_per_token": 0.1, "phantom_output_tokens": 40}
 
 
-class Rig:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.listener = free_port()
-        self.servers: dict[str, Emulator] = {}
-        self.cp: ControlPlane | None = None
-        self.envoy: Envoy | None = None
-
+class Rig(EmulatedFleet):
     def server(self, name: str, **flags: object) -> Emulator:
         self.servers[name] = Emulator(name, self.tmp, MODEL, **{**FAST, **flags})
         return self.servers[name]
@@ -48,15 +41,13 @@ class Rig:
             for n, gpu in endpoints
         ]
         lines.append("]}}}}")
-        (self.tmp / "fleet.yaml").write_text("\n".join(lines) + "\n")
-        self.cp = ControlPlane(self.tmp / "fleet.yaml", self.tmp).start()
-        self.envoy = Envoy("envoy-1", self.cp.xds, self.tmp, self.listener).start()
+        self.serve("\n".join(lines) + "\n")
 
     def weights(self) -> dict[str, int]:
         """Server name -> the weight Envoy has (0 when Envoy marks it unhealthy)."""
         assert self.envoy is not None
         seen = self.envoy.endpoints(CLUSTER)
-        by_addr = {s.address: n for n, s in self.servers.items()}
+        by_addr = self.names()
         return {
             by_addr[a]: (0 if "failed_eds_health" in flags else w)
             for a, (w, flags) in seen.items()
@@ -64,13 +55,8 @@ class Rig:
         }
 
     def share(self, load: LoadLoop, since: float, until: float | None = None) -> dict[str, int]:
-        by_addr = {s.address: n for n, s in self.servers.items()}
+        by_addr = self.names()
         return {by_addr.get(a, a): c for a, c in load.share(since, until).items()}
-
-    def close(self) -> None:
-        for p in (self.envoy, self.cp, *self.servers.values()):
-            if p is not None:
-                p.stop()
 
 
 @pytest.fixture

@@ -16,30 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import ControlPlane, Emulator, Envoy, LoadLoop, free_port, wait_until
+from tests.integration.harness import EmulatedFleet, Emulator, LoadLoop, wait_until
 
 MODEL = "chat"
 FLAGS = {"slots": 4, "decode_ms_per_token": 10, "prefill_ms_per_token": 0.1}
 THREADS = 6
 
 
-class Rig:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.listener = free_port()
-        self.servers: dict[str, Emulator] = {}
-        self.cp: ControlPlane | None = None
-        self.envoy: Envoy | None = None
-
-    def close(self) -> None:
-        for p in (self.envoy, self.cp, *self.servers.values()):
-            if p is not None:
-                p.stop()
-
-
 @pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
-    r = Rig(tmp_path)
+def rig(tmp_path: Path) -> Iterator[EmulatedFleet]:
+    r = EmulatedFleet(tmp_path)
     try:
         yield r
     finally:
@@ -47,7 +33,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
 
 
 @pytest.mark.parametrize("by", ["gpu_class", "zone"])
-def test_traffic_fails_over_to_the_fallback_and_back(rig: Rig, by: str) -> None:
+def test_traffic_fails_over_to_the_fallback_and_back(rig: EmulatedFleet, by: str) -> None:
     """By GPU class (H100 preferred, A100 fallback) or by zone (the edge site first, then core:
     the seed's edge scenario, where edge nodes go offline)."""
     for name in ("h1", "h2", "a1"):
@@ -66,10 +52,8 @@ def test_traffic_fails_over_to_the_fallback_and_back(rig: Rig, by: str) -> None:
         f"  {{address: '{rig.servers['h2'].address}', {first}}},\n"
         f"  {{address: '{rig.servers['a1'].address}', {second}}}]}}}}}}}}\n"
     )
-    (rig.tmp / "fleet.yaml").write_text(fleet)
-    rig.cp = ControlPlane(rig.tmp / "fleet.yaml", rig.tmp).start()
-    rig.envoy = Envoy("envoy-1", rig.cp.xds, rig.tmp, rig.listener).start()
-    by_addr = {s.address: n for n, s in rig.servers.items()}
+    rig.serve(fleet)
+    by_addr = rig.names()
 
     def share(load: LoadLoop, since: float, until: float | None = None) -> dict[str, int]:
         return {by_addr.get(a, a): c for a, c in load.share(since, until).items()}
@@ -85,7 +69,11 @@ def test_traffic_fails_over_to_the_fallback_and_back(rig: Rig, by: str) -> None:
             rig.servers[n].proc.kill()  # a crash: no goodbye, connections refused from now on
         time.sleep(5)
         during = share(load, t0 + 2, time.monotonic())
-        assert set(during) == {"a1"}, (during, load.failures[:3])
+        assert set(during) == {"a1"}, (
+            during,
+            load.failures[:3],
+            [t - t0 for t, _, st in load.records if st != 200],
+        )
 
         for n, port in ports.items():
             rig.servers[n] = Emulator(f"{n}-again", rig.tmp, MODEL, port=port, **FLAGS)
@@ -98,10 +86,11 @@ def test_traffic_fails_over_to_the_fallback_and_back(rig: Rig, by: str) -> None:
         back = time.monotonic() - t1
     # Only requests already sent to the two servers when they died may fail (the retry policy
     # does not resend a request the server may have started on): at most one per client,
-    # plus one sent on a pooled connection whose death Envoy had not yet seen. All at the crash.
+    # plus one sent on a pooled connection whose death Envoy had not yet seen. All around the
+    # crash, before the signals hold the dead servers out.
     failed_at = [t - t0 for t, _, status in load.records if status != 200]
     assert len(failed_at) <= THREADS + 2, load.failures
-    assert all(0 <= t < 1.0 for t in failed_at), failed_at
+    assert all(0 <= t < 2.0 for t in failed_at), failed_at
     assert not [f for f in load.failures if not f.startswith("503")], load.failures
     assert load.statuses()[200] > 100
     assert back < 15, back

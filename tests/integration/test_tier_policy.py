@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.harness import ControlPlane, Emulator, Envoy, free_port, http_get, wait_until
+from tests.integration.harness import EmulatedFleet, Emulator, http_get, wait_until
 
 # Emulated servers: name -> (served model, flags). Models sharing a server are routed by the
 # x-model header while the body names the server's model.
@@ -80,13 +80,9 @@ class Answer:
         return self.headers.get("x-emulator-server", "")
 
 
-class Rig:
+class Rig(EmulatedFleet):
     def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.listener = free_port()
-        self.servers: dict[str, Emulator] = {}
-        self.cp: ControlPlane | None = None
-        self.envoy: Envoy | None = None
+        super().__init__(tmp)
         self._lock = threading.Lock()
 
     def _start_server(self, name: str) -> None:
@@ -100,9 +96,7 @@ class Rig:
             for f in [pool.submit(self._start_server, n) for n in SERVERS]:
                 f.result()
         addresses = {n: s.address for n, s in self.servers.items()}
-        (self.tmp / "fleet.yaml").write_text(FLEET.format(port=self.listener, **addresses))
-        self.cp = ControlPlane(self.tmp / "fleet.yaml", self.tmp).start()
-        self.envoy = Envoy("envoy-1", self.cp.xds, self.tmp, self.listener).start()
+        self.serve(FLEET.format(port=self.listener, **addresses))
         expected = {
             "small-7b@v1": ["small"],
             "big-405b@v1": ["big"],
@@ -180,11 +174,6 @@ class Rig:
         status, text = http_get(f"http://{self.servers[name].address}/emulator/stats")
         assert status == 200, text
         return json.loads(text)  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        for p in (self.envoy, self.cp, *self.servers.values()):
-            if p is not None:
-                p.stop()
 
 
 @pytest.fixture(scope="module")
