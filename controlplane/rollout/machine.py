@@ -1,0 +1,290 @@
+"""The rollout state machine (pure: commands and ticks in, new state and effects out).
+
+A rollout moves a model's traffic from its stable version to a canary in steps of percent.
+Time and the outside world come in as values: `Tick(now, proxies, analysis)` says which
+connected proxies have ACKed the canary's cluster and endpoints, and how canary and stable
+compare. The caller applies the returned effects (weights, drains, the new stable) and
+stores the new state; nothing here does I/O, so every rule is unit-tested.
+
+Rules (groundwork for the operator API; docs/rollouts.md will carry them):
+- Make-before-break: no weight above 0 goes to the canary until every connected proxy has
+  ACKed its cluster and endpoints. If some proxy has not within `ack_deadline_s`, the
+  rollout pauses with a reason naming the proxies; it neither waits forever nor proceeds.
+- Each step holds for `interval_s` (None: manual gates, advanced by Promote). A failed
+  analysis at any tick aborts at once: all traffic back to stable, the canary drained.
+  An analysis without `min_requests` canary requests is not judged yet.
+- After the last step (100%) passes, the canary becomes stable and the old stable drains.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+Phase = Literal["Progressing", "Paused", "Completed", "Aborted"]
+DEFAULT_STEPS = (5, 25, 50, 100)
+
+
+class RolloutRejected(ValueError):
+    """A command that cannot apply in the rollout's state (FAILED_PRECONDITION), or a spec
+    that is invalid (INVALID_ARGUMENT); `code` says which."""
+
+    def __init__(self, code: Literal["FAILED_PRECONDITION", "INVALID_ARGUMENT"], message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    model: str
+    stable: str
+    canary: str
+    steps: tuple[int, ...] = DEFAULT_STEPS
+    interval_s: float | None = 30.0  # None: manual gates
+    max_error_rate: float = 0.01
+    max_latency_ratio: float = 1.5  # canary p99 / stable p99
+    min_requests: int = 50
+    ack_deadline_s: float = 30.0
+
+    def check(self) -> None:
+        """Raise RolloutRejected(INVALID_ARGUMENT) naming what is wrong."""
+        if self.canary == self.stable:
+            raise RolloutRejected(
+                "INVALID_ARGUMENT", f"--to {self.canary}: that is already the stable version"
+            )
+        s = self.steps
+        if not s or any(not 0 < x <= 100 for x in s) or any(b <= a for a, b in itertools.pairwise(s)):
+            raise RolloutRejected(
+                "INVALID_ARGUMENT", f"--steps {','.join(map(str, s))}: must increase, each 1-100"
+            )
+        if s[-1] != 100:
+            raise RolloutRejected("INVALID_ARGUMENT", f"--steps: the last step must be 100, got {s[-1]}")
+        if self.interval_s is not None and self.interval_s <= 0:
+            raise RolloutRejected("INVALID_ARGUMENT", "--interval: must be greater than 0 (or --manual)")
+        if not 0 <= self.max_error_rate <= 1:
+            raise RolloutRejected("INVALID_ARGUMENT", "--max-error-rate: must be between 0 and 1")
+        if self.max_latency_ratio < 1:
+            raise RolloutRejected("INVALID_ARGUMENT", "--max-latency-ratio: must be at least 1")
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """Canary against stable since the current step began (from server metrics and LRS)."""
+
+    canary_requests: int
+    canary_error_rate: float
+    stable_error_rate: float = 0.0
+    canary_p99_s: float | None = None
+    stable_p99_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Tick:
+    now: float
+    unacked_proxies: tuple[str, ...] = ()  # connected proxies without the canary's cluster + endpoints
+    analysis: Analysis | None = None
+
+
+@dataclass(frozen=True)
+class Pause:
+    reason: str = "paused by operator"
+
+
+@dataclass(frozen=True)
+class Resume:
+    pass
+
+
+@dataclass(frozen=True)
+class Promote:
+    full: bool = False  # to the end at once, rather than one step
+
+
+@dataclass(frozen=True)
+class Abort:
+    reason: str = "aborted by operator"
+
+
+Command = Tick | Pause | Resume | Promote | Abort
+
+
+@dataclass(frozen=True)
+class SetWeights:
+    """Route `weights` (version -> percent, summing to 100) for the model."""
+
+    model: str
+    weights: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class Drain:
+    model: str
+    version: str
+
+
+@dataclass(frozen=True)
+class SetStable:
+    model: str
+    version: str
+
+
+@dataclass(frozen=True)
+class Transition:
+    """An audit record: what changed and why (the caller adds who and when)."""
+
+    model: str
+    phase: Phase
+    step: int
+    weight: int
+    reason: str
+
+
+Effect = SetWeights | Drain | SetStable | Transition
+
+
+@dataclass(frozen=True)
+class Rollout:
+    spec: RolloutSpec
+    phase: Phase = "Progressing"
+    step: int = -1  # index into spec.steps; -1: waiting for the proxies before the first step
+    weight: int = 0  # the canary's percent in force
+    step_started_at: float = 0.0
+    waiting_since: float = 0.0
+    reason: str = "waiting for every proxy to have the canary's cluster and endpoints"
+
+    @property
+    def weights(self) -> dict[str, int]:
+        return {self.spec.stable: 100 - self.weight, self.spec.canary: self.weight}
+
+
+def start(spec: RolloutSpec, now: float) -> tuple[Rollout, list[Effect]]:
+    """A new rollout: canary at 0% until every proxy has its cluster."""
+    spec.check()
+    r = Rollout(spec=spec, waiting_since=now, step_started_at=now)
+    return r, [_set_weights(r), _audit(r)]
+
+
+def apply(r: Rollout, cmd: Command) -> tuple[Rollout, list[Effect]]:
+    """The rollout after `cmd`, and what the caller must do. Raise RolloutRejected if `cmd`
+    cannot apply now (a finished rollout takes no commands; ticks are ignored)."""
+    if r.phase in ("Completed", "Aborted"):
+        if isinstance(cmd, Tick):
+            return r, []
+        raise RolloutRejected(
+            "FAILED_PRECONDITION",
+            f"the rollout of {r.spec.model} to {r.spec.canary} is {r.phase}; start a new one",
+        )
+    if isinstance(cmd, Abort):
+        return _abort(r, cmd.reason)
+    if isinstance(cmd, Pause):
+        if r.phase == "Paused":
+            return r, []
+        p = replace(r, phase="Paused", reason=cmd.reason)
+        return p, [_audit(p)]
+    if isinstance(cmd, Resume):
+        if r.phase != "Paused":
+            raise RolloutRejected("FAILED_PRECONDITION", f"the rollout of {r.spec.model} is not paused")
+        p = replace(r, phase="Progressing", reason="resumed", waiting_since=_last_time(r))
+        return p, [_audit(p)]
+    if isinstance(cmd, Promote):
+        if r.step < 0:
+            raise RolloutRejected(
+                "FAILED_PRECONDITION",
+                "not every proxy has the canary's cluster yet; promote once the first step is live",
+            )
+        target = len(r.spec.steps) - 1 if cmd.full else r.step + 1
+        return _goto(replace(r, phase="Progressing"), target, r.step_started_at, "promoted by operator")
+    return _tick(r, cmd)
+
+
+def _last_time(r: Rollout) -> float:
+    return max(r.step_started_at, r.waiting_since)
+
+
+def _tick(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
+    if r.step < 0:
+        if r.phase == "Paused":
+            return r, []
+        if not t.unacked_proxies:
+            return _goto(r, 0, t.now, "every proxy has the canary's cluster and endpoints")
+        if t.now - r.waiting_since >= r.spec.ack_deadline_s:
+            names = ", ".join(sorted(t.unacked_proxies))
+            p = replace(
+                r,
+                phase="Paused",
+                reason=(
+                    f"proxies have not ACKed the canary's cluster within {r.spec.ack_deadline_s:g}s: {names}"
+                ),
+            )
+            return p, [_audit(p)]
+        return r, []
+    verdict = _judge(r.spec, t.analysis)
+    if verdict is not None:
+        return _abort(r, verdict)
+    if r.phase == "Paused" or r.spec.interval_s is None:
+        return r, []
+    if t.now - r.step_started_at < r.spec.interval_s:
+        return r, []
+    if t.analysis is None or t.analysis.canary_requests < r.spec.min_requests:
+        return r, []  # not enough evidence yet: hold the step
+    return _goto(r, r.step + 1, t.now, f"step {r.step + 1} passed analysis")
+
+
+def _judge(spec: RolloutSpec, a: Analysis | None) -> str | None:
+    """Why the canary fails, or None (passing, or too few requests to judge)."""
+    if a is None or a.canary_requests < spec.min_requests:
+        return None
+    if a.canary_error_rate > spec.max_error_rate:
+        return (
+            f"canary error rate {a.canary_error_rate:.2%} over {a.canary_requests} requests "
+            f"exceeds {spec.max_error_rate:.2%} (stable {a.stable_error_rate:.2%})"
+        )
+    if a.canary_p99_s and a.stable_p99_s and a.canary_p99_s > spec.max_latency_ratio * a.stable_p99_s:
+        return (
+            f"canary p99 {a.canary_p99_s:.3f}s is {a.canary_p99_s / a.stable_p99_s:.2f}x stable's "
+            f"{a.stable_p99_s:.3f}s (limit {spec.max_latency_ratio:g}x)"
+        )
+    return None
+
+
+def _goto(r: Rollout, index: int, now: float, reason: str) -> tuple[Rollout, list[Effect]]:
+    steps = r.spec.steps
+    if index >= len(steps):
+        done = replace(r, phase="Completed", step=len(steps) - 1, weight=100, reason=reason)
+        return done, [
+            SetStable(r.spec.model, r.spec.canary),
+            _set_weights(done),
+            Drain(r.spec.model, r.spec.stable),
+            _audit(replace(done, reason=f"{reason}; {r.spec.canary} is stable, {r.spec.stable} drains")),
+        ]
+    n = replace(r, step=index, weight=steps[index], step_started_at=now, reason=reason)
+    if steps[index] == 100 and r.spec.interval_s is None:
+        return _goto(n, index + 1, now, reason)  # manual: promoting to 100% completes it
+    return n, [_set_weights(n), _audit(n)]
+
+
+def _abort(r: Rollout, reason: str) -> tuple[Rollout, list[Effect]]:
+    a = replace(r, phase="Aborted", weight=0, reason=reason)
+    return a, [_set_weights(a), Drain(r.spec.model, r.spec.canary), _audit(a)]
+
+
+def _set_weights(r: Rollout) -> SetWeights:
+    return SetWeights(r.spec.model, tuple(r.weights.items()))
+
+
+def _audit(r: Rollout) -> Transition:
+    return Transition(r.spec.model, r.phase, r.step, r.weight, r.reason)
+
+
+def run(spec: RolloutSpec, commands: Sequence[Command], now: float = 0.0) -> tuple[Rollout, list[Effect]]:
+    """Start and apply `commands` in order, skipping rejected ones (for tests and replays)."""
+    r, effects = start(spec, now)
+    for c in commands:
+        try:
+            r, e = apply(r, c)
+        except RolloutRejected:
+            continue
+        effects += e
+    return r, effects

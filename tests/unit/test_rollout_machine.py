@@ -1,0 +1,169 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.rollout.machine import (
+    Abort,
+    Analysis,
+    Drain,
+    Pause,
+    Promote,
+    Resume,
+    RolloutRejected,
+    RolloutSpec,
+    SetStable,
+    SetWeights,
+    Tick,
+    apply,
+    run,
+    start,
+)
+
+SPEC = RolloutSpec(model="chat", stable="v1", canary="v2", interval_s=10.0, min_requests=10)
+GOOD = Analysis(canary_requests=100, canary_error_rate=0.0, canary_p99_s=1.0, stable_p99_s=1.0)
+
+
+def weights(effects: list[object]) -> list[dict[str, int]]:
+    return [dict(e.weights) for e in effects if isinstance(e, SetWeights)]
+
+
+def test_no_weight_before_every_proxy_has_the_canary() -> None:
+    r, eff = start(SPEC, now=0.0)
+    assert weights(eff) == [{"v1": 100, "v2": 0}]
+    r, eff = apply(r, Tick(1.0, unacked_proxies=("envoy-2",)))
+    assert (r.step, r.weight, eff) == (-1, 0, [])
+    r, eff = apply(r, Tick(2.0))
+    assert (r.step, r.weight) == (0, 5) and weights(eff) == [{"v1": 95, "v2": 5}]
+
+
+def test_a_proxy_that_never_acks_pauses_the_rollout_naming_it() -> None:
+    r, _ = start(SPEC, now=0.0)
+    r, _ = apply(r, Tick(29.0, unacked_proxies=("envoy-9",)))
+    assert r.phase == "Progressing"
+    r, _ = apply(r, Tick(30.0, unacked_proxies=("envoy-9", "envoy-3")))
+    assert r.phase == "Paused" and "envoy-3, envoy-9" in r.reason and r.weight == 0
+    r, _ = apply(r, Resume())
+    r, _ = apply(r, Tick(31.0))
+    assert (r.phase, r.weight) == ("Progressing", 5)
+
+
+def test_steps_advance_on_interval_with_enough_evidence_then_complete() -> None:
+    r, _ = start(SPEC, now=0.0)
+    r, _ = apply(r, Tick(0.0))
+    seen = [r.weight]
+    t = 0.0
+    while r.phase == "Progressing":
+        t += 5.0
+        r, eff = apply(r, Tick(t, analysis=GOOD))
+        seen += [w["v2"] for w in weights(eff)]
+    assert seen == [5, 25, 50, 100, 100]
+    assert r.phase == "Completed"
+    assert any(isinstance(e, SetStable) and e.version == "v2" for e in eff)
+    assert any(isinstance(e, Drain) and e.version == "v1" for e in eff)
+
+
+def test_a_step_waits_for_min_requests_before_advancing() -> None:
+    r, _ = run(SPEC, [Tick(0.0), Tick(20.0, analysis=Analysis(canary_requests=3, canary_error_rate=0.0))])
+    assert r.weight == 5
+
+
+def test_a_failing_canary_aborts_at_once_and_drains() -> None:
+    r, _ = run(SPEC, [Tick(0.0), Tick(1.0, analysis=GOOD)])
+    bad = Analysis(canary_requests=40, canary_error_rate=0.2, stable_error_rate=0.0)
+    r, eff = apply(r, Tick(2.0, analysis=bad))
+    assert r.phase == "Aborted" and r.weight == 0
+    assert weights(eff) == [{"v1": 100, "v2": 0}]
+    assert Drain("chat", "v2") in eff
+    assert "20.00%" in r.reason
+    slow = Analysis(canary_requests=40, canary_error_rate=0.0, canary_p99_s=3.0, stable_p99_s=1.0)
+    r2, _ = run(SPEC, [Tick(0.0), Tick(1.0, analysis=slow)])
+    assert r2.phase == "Aborted" and "3.00x" in r2.reason
+
+
+def test_manual_gates_advance_only_by_promote() -> None:
+    manual = RolloutSpec(model="chat", stable="v1", canary="v2", interval_s=None)
+    r, _ = run(manual, [Tick(0.0), Tick(1000.0, analysis=GOOD)])
+    assert r.weight == 5
+    r, _ = apply(r, Promote())
+    assert r.weight == 25
+    r, eff = apply(r, Promote(full=True))
+    assert r.phase == "Completed" and SetStable("chat", "v2") in eff
+
+
+def test_commands_on_a_finished_rollout_are_rejected() -> None:
+    r, _ = run(SPEC, [Tick(0.0), Abort()])
+    with pytest.raises(RolloutRejected) as e:
+        apply(r, Promote())
+    assert e.value.code == "FAILED_PRECONDITION"
+    assert apply(r, Tick(5.0)) == (r, [])
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ((25, 5, 100), "must increase"),
+        ((5, 150), "each 1-100"),
+        ((5, 50), "last step must be 100"),
+        ((), "must"),
+    ],
+)
+def test_bad_steps_are_invalid_arguments(steps: tuple[int, ...], message: str) -> None:
+    with pytest.raises(RolloutRejected, match=message) as e:
+        start(RolloutSpec(model="m", stable="v1", canary="v2", steps=steps), 0.0)
+    assert e.value.code == "INVALID_ARGUMENT"
+
+
+def test_pause_holds_the_step_but_a_failure_still_aborts() -> None:
+    r, _ = run(SPEC, [Tick(0.0), Pause()])
+    r, _ = apply(r, Tick(100.0, analysis=GOOD))
+    assert (r.phase, r.weight) == ("Paused", 5)
+    r, _ = apply(r, Tick(101.0, analysis=Analysis(canary_requests=50, canary_error_rate=0.5)))
+    assert r.phase == "Aborted"
+
+
+commands = st.lists(
+    st.one_of(
+        st.builds(
+            Tick, st.floats(0, 1000), st.sampled_from([(), ("envoy-1",)]), st.sampled_from([None, GOOD])
+        ),
+        st.just(Pause()),
+        st.just(Resume()),
+        st.builds(Promote, st.booleans()),
+        st.just(Abort()),
+        st.just(Tick(0.0, (), Analysis(canary_requests=100, canary_error_rate=0.5))),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(commands)
+def test_invariants_hold_for_any_command_sequence(cmds: list[object]) -> None:
+    r, eff = run(SPEC, sorted_ticks(cmds))  # type: ignore[arg-type]
+    for w in weights(eff):
+        assert sum(w.values()) == 100 and all(0 <= v <= 100 for v in w.values())
+    assert r.weight in (0, *SPEC.steps)
+    if r.phase == "Aborted":
+        assert r.weight == 0 and weights(eff)[-1] == {"v1": 100, "v2": 0}
+    if r.phase == "Completed":
+        assert r.weight == 100 and SetStable("chat", "v2") in eff
+    # Make-before-break: a weight above 0 is only ever pushed after a tick with every proxy ACKed.
+    first_live = next(
+        (i for i, e in enumerate(eff) if isinstance(e, SetWeights) and dict(e.weights)["v2"] > 0), None
+    )
+    if first_live is not None:
+        assert any(isinstance(c, Tick) and not c.unacked_proxies for c in cmds)
+
+
+def sorted_ticks(cmds: list[object]) -> list[object]:
+    """Time only moves forward: give ticks increasing times in their order."""
+    out: list[object] = []
+    t = 0.0
+    for c in cmds:
+        if isinstance(c, Tick):
+            t += c.now / 100
+            c = Tick(t, c.unacked_proxies, c.analysis)
+        out.append(c)
+    return out
