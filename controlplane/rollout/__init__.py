@@ -1,1 +1,1 @@
-"""Model version rollouts: the pure state machine (its store, controller and API come next)."""
+"""Model version rollouts: the pure state machine and its SQLite store (the controller and API come next)."""

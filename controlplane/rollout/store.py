@@ -1,0 +1,116 @@
+"""Durable rollout state: SQLite in WAL mode, one transaction per transition (thin I/O).
+
+Each rollout's latest state is one row (its spec and machine state as JSON), and every
+transition appends an audit record (who, when, what, why) in the same transaction, so a
+`kill -9` between two transitions loses neither. Groundwork for the operator API.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from controlplane.rollout.machine import Rollout, RolloutSpec, Transition
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    model TEXT PRIMARY KEY,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    model TEXT NOT NULL,
+    at REAL NOT NULL,
+    who TEXT NOT NULL,
+    phase TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    weight INTEGER NOT NULL,
+    reason TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_model ON audit (model, id);
+"""
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    model: str
+    at: float  # Unix time
+    who: str
+    phase: str
+    step: int
+    weight: int
+    reason: str
+
+
+def _rollout_from(spec: dict[str, Any], state: dict[str, Any]) -> Rollout:
+    spec["steps"] = tuple(spec["steps"])
+    return Rollout(spec=RolloutSpec(**spec), **state)
+
+
+class RolloutStore:
+    """Rollout state under a directory: `<state_dir>/controlplane.db`."""
+
+    def __init__(self, state_dir: Path) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = state_dir / "controlplane.db"
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")  # a committed transition survives power loss
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def save(self, rollout: Rollout, transitions: Iterable[Transition], who: str) -> None:
+        """Store the rollout's state and its new audit records atomically."""
+        now = time.time()
+        state = {k: v for k, v in asdict(rollout).items() if k != "spec"}
+        spec = asdict(rollout.spec)
+        with self._transaction():
+            self.db.execute(
+                "INSERT INTO rollouts (model, spec, state, updated_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(model) DO UPDATE SET spec = excluded.spec, state = excluded.state, "
+                "updated_at = excluded.updated_at",
+                (rollout.spec.model, json.dumps(spec), json.dumps(state), now),
+            )
+            self.db.executemany(
+                "INSERT INTO audit (model, at, who, phase, step, weight, reason) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(t.model, now, who, t.phase, t.step, t.weight, t.reason) for t in transitions],
+            )
+
+    def get(self, model: str) -> Rollout | None:
+        row = self.db.execute("SELECT spec, state FROM rollouts WHERE model = ?", (model,)).fetchone()
+        return None if row is None else _rollout_from(json.loads(row[0]), json.loads(row[1]))
+
+    def all(self) -> list[Rollout]:
+        rows = self.db.execute("SELECT spec, state FROM rollouts ORDER BY model").fetchall()
+        return [_rollout_from(json.loads(s), json.loads(st)) for s, st in rows]
+
+    def audit(self, model: str) -> list[AuditRecord]:
+        rows = self.db.execute(
+            "SELECT model, at, who, phase, step, weight, reason FROM audit WHERE model = ? ORDER BY id",
+            (model,),
+        ).fetchall()
+        return [AuditRecord(*r) for r in rows]
+
+    def _transaction(self) -> _Tx:
+        return _Tx(self.db)
+
+
+class _Tx:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
