@@ -38,10 +38,10 @@ class WeightController:
         self._errors_exported: dict[tuple[str, str, str], int] = {}
         self._ready: dict[tuple[str, str], bool] = {}
         self._models_exported: set[str] = set()
-        self._closing: asyncio.Future[None] | None = None
         self.rounds = 0
 
-    def _scraper_for(self, fleet: Fleet) -> Scraper:
+    async def _scraper_for(self, fleet: Fleet) -> Scraper:
+        """The scraper for the fleet's signal settings; a new one (the old closed) when they change."""
         s = fleet.signals
         cur = self._scraper
         if cur is None or (cur.timeout_s, cur.metrics_path, cur.health_path) != (
@@ -50,7 +50,7 @@ class WeightController:
             s.health_path,
         ):
             if cur is not None:
-                self._closing = asyncio.ensure_future(cur.close())
+                await cur.close()
             cur = self._scraper = Scraper(s.timeout_s, s.metrics_path, s.health_path)
         return cur
 
@@ -67,7 +67,7 @@ class WeightController:
         self.store.retain(set(targets))
         if fleet.signals.enabled:
             started = time.perf_counter()
-            results = await self._scraper_for(fleet).scrape_round(targets)
+            results = await (await self._scraper_for(fleet)).scrape_round(targets)
             self.metrics.balancing.scrape_round.observe(time.perf_counter() - started)
             now = time.monotonic()
             for key, result in results.items():

@@ -499,24 +499,15 @@ def _traffic(m: dict[str, Any], path: str, base: TrafficPolicy, errs: _Errors) -
             if bm is None:
                 continue
             current: CircuitBreaker = getattr(base, field_name)
-            kw[field_name] = CircuitBreaker(
-                max_requests=_int(
-                    bm.get("max_requests", current.max_requests),
-                    f"{cpath}.{prio}.max_requests",
-                    errs,
-                    1,
-                    1 << 30,
-                )
-                or 1,
-                max_pending=_int(
-                    bm.get("max_pending", current.max_pending),
-                    f"{cpath}.{prio}.max_pending",
-                    errs,
-                    1,  # Envoy queues every request while it connects: 0 would refuse them all
-                    1 << 30,
-                )
-                or 1,
+            max_requests = _int(
+                bm.get("max_requests", current.max_requests), f"{cpath}.{prio}.max_requests", errs, 1, 1 << 30
             )
+            # At least 1: Envoy queues every request while it connects, so 0 would refuse them all.
+            max_pending = _int(
+                bm.get("max_pending", current.max_pending), f"{cpath}.{prio}.max_pending", errs, 1, 1 << 30
+            )
+            if max_requests is not None and max_pending is not None:
+                kw[field_name] = CircuitBreaker(max_requests=max_requests, max_pending=max_pending)
     if "outlier_detection" in m:
         opath = f"{path}.outlier_detection"
         od = _mapping(m["outlier_detection"], opath, errs, _OUTLIER_KEYS)

@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def format_address(host: str, port: int) -> str:
+    """`IP:PORT`, with an IPv6 host in brackets: how endpoints are named everywhere."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """One inference server (a GPU server) serving one model version."""
@@ -21,8 +26,7 @@ class Endpoint:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return format_address(self.host, self.port)
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,13 @@ from envoy.service.load_stats.v3 import lrs_pb2, lrs_pb2_grpc
 from google.protobuf import duration_pb2
 from prometheus_client import Gauge
 
+from controlplane.fleet.model import format_address
 from controlplane.routing.names import model_of_cluster
 from controlplane.signals.store import SignalStore
 
 log = structlog.get_logger("controlplane.lrs")
 
 SERVICE_NAME = "envoy.service.load_stats.v3.LoadReportingService"
-
-
-def _address(sock_host: str, port: int) -> str:
-    return f"[{sock_host}]:{port}" if ":" in sock_host else f"{sock_host}:{port}"
 
 
 class LoadReportingServer(lrs_pb2_grpc.LoadReportingServiceServicer):  # type: ignore[misc]
@@ -82,7 +79,7 @@ class LoadReportingServer(lrs_pb2_grpc.LoadReportingServiceServicer):  # type: i
                 for es in loc.upstream_endpoint_stats:
                     sa = es.address.socket_address
                     self.store.record_lrs(
-                        (model, _address(sa.address, sa.port_value)),
+                        (model, format_address(sa.address, sa.port_value)),
                         node,
                         in_progress=float(es.total_requests_in_progress),
                         issued=float(es.total_issued_requests),
