@@ -11,6 +11,7 @@ import structlog
 from controlplane.fleet.model import Fleet
 from controlplane.obs.metrics import Metrics, type_label
 from controlplane.routing.incremental import IncrementalTranslator
+from controlplane.routing.names import cluster_name
 from controlplane.routing.translate import TYPE_URLS
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.snapshot import SERIALISED, Snapshot, build_snapshot
@@ -53,6 +54,10 @@ class Reconciler:
     def set_fleet(self, fleet: Fleet) -> None:
         """A new fleet (from the file or the store)."""
         self.fleet = fleet
+        # Forget weights and shed classes of clusters and models the fleet no longer has.
+        clusters = {cluster_name(m.name, v.name) for m in fleet.models for v in m.versions}
+        self.weights = {c: w for c, w in self.weights.items() if c in clusters}
+        self.shed = {m.name: self.shed[m.name] for m in fleet.models if m.name in self.shed}
         self._changed()
 
     def set_weights(self, cluster: str, weights: Mapping[str, int]) -> None:
