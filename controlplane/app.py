@@ -14,13 +14,19 @@ from envoy.service.load_stats.v3 import lrs_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from controlplane.admin import auth
+from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR
+from controlplane.admin.service import SERVICE_NAMES, EndpointService, ProxyService, RolloutService
 from controlplane.balancing.controller import WeightController
 from controlplane.fleet.loader import FleetConfigInvalid
 from controlplane.fleet.model import Fleet
 from controlplane.fleet.watch import FleetFileWatcher
 from controlplane.obs.http import StatusHTTPServer
 from controlplane.obs.metrics import Metrics
+from controlplane.rollout.controller import RolloutController
+from controlplane.rollout.store import RolloutStore
 from controlplane.signals import lrs
+from controlplane.v1 import endpoint_pb2_grpc, proxy_pb2_grpc, rollout_pb2_grpc
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_SERVICE, PER_TYPE_SERVICES, XdsServer
@@ -36,6 +42,11 @@ class ServeOptions:
     debounce_s: float = 0.1
     max_delay_s: float = 1.0
     watch_interval_s: float = 0.25
+    state_dir: Path = DEFAULT_STATE_DIR
+    admin_listen: str = DEFAULT_ADMIN_LISTEN
+    admin_token_file: Path | None = None
+    admin_readonly_token_file: Path | None = None
+    rollout_tick_s: float = 1.0
 
 
 class ControlPlane:
@@ -53,11 +64,23 @@ class ControlPlane:
         self.lrs = lrs.LoadReportingServer(
             self.weights.store, streams_gauge=self.metrics.balancing.lrs_streams
         )
+        self.store = RolloutStore(options.state_dir)
+        self.rollouts = RolloutController(
+            self.store,
+            self.reconciler,
+            self.weights.store,
+            self.xds.registry,
+            self.metrics,
+            tick_s=options.rollout_tick_s,
+        )
         self.health = health.aio.HealthServicer()
+        self.admin_health = health.aio.HealthServicer()
         self.watcher = FleetFileWatcher(
             options.config, self._on_fleet, self._on_invalid, options.watch_interval_s
         )
         self.grpc_server: grpc.aio.Server | None = None
+        self.admin_server: grpc.aio.Server | None = None
+        self.admin_port = 0
         self.http: StatusHTTPServer | None = None
         self.xds_port = 0
         self._tasks: list[asyncio.Future[None]] = []
@@ -65,7 +88,8 @@ class ControlPlane:
 
     def _on_fleet(self, fleet: Fleet) -> None:
         first = self.reconciler.fleet is None
-        self.reconciler.set_fleet(fleet)
+        # The rollout controller layers API-made state (rollouts, drains) over the file.
+        self.rollouts.set_file_fleet(fleet)
         self.metrics.config_reloads.labels("success").inc()
         self.metrics.config_last_success.set(time.time())
         self.metrics.config_valid.set(1)
@@ -131,11 +155,19 @@ class ControlPlane:
         except RuntimeError as e:
             self.http.server.server_close()
             raise OSError(f"--xds-listen {self.options.xds_listen}: cannot listen ({e})") from e
+        try:
+            admin = self._admin_server()
+        except (OSError, auth.TokenFileError):
+            self.http.server.server_close()
+            raise
         await server.start()
+        await admin.start()
         self.grpc_server = server
+        self.admin_server = admin
         self.http.start()
         await self._set_health()
         self._tasks += [
+            asyncio.create_task(self.rollouts.run()),
             asyncio.create_task(self.reconciler.run()),
             asyncio.create_task(self.watcher.run()),
             asyncio.create_task(self.weights.run()),
@@ -144,8 +176,40 @@ class ControlPlane:
             "control plane serving",
             xds=self.options.xds_listen,
             metrics=self.options.metrics_listen,
+            admin=self.options.admin_listen,
+            state_dir=str(self.options.state_dir),
             config=str(self.options.config),
         )
+
+    def _admin_server(self) -> grpc.aio.Server:
+        """The operator API: bearer-token auth, reflection and health (both open)."""
+        o = self.options
+        token, where, created = auth.load_or_create_token(o.admin_token_file, o.state_dir)
+        read_only = auth.read_token(o.admin_readonly_token_file) if o.admin_readonly_token_file else None
+        if created:
+            log.info("admin token created (mode 0600); cpctl reads it from there", token_file=str(where))
+        else:
+            log.info("admin token loaded", token_file=str(where))
+        tokens = auth.Tokens(token, read_only)
+        server = grpc.aio.server(interceptors=[auth.TokenAuth(tokens)], options=[("grpc.so_reuseport", 0)])
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(
+            RolloutService(self.rollouts, tokens, self.metrics), server
+        )
+        endpoint_pb2_grpc.add_EndpointServiceServicer_to_server(
+            EndpointService(self.rollouts, tokens, self.metrics), server
+        )
+        proxy_pb2_grpc.add_ProxyServiceServicer_to_server(
+            ProxyService(self.rollouts, tokens, self.metrics, self.xds.registry), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.admin_health, server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        try:
+            self.admin_port = server.add_insecure_port(o.admin_listen)
+        except RuntimeError as e:
+            raise OSError(f"--admin-listen {o.admin_listen}: cannot listen ({e})") from e
+        return server
 
     def _on_publish(self, snapshot: object) -> None:
         if self.grpc_server is not None and not self._serving:
@@ -161,8 +225,12 @@ class ControlPlane:
         )
         for name in ("", ADS_SERVICE):
             await self.health.set(name, status)
+        for name in ("", *SERVICE_NAMES):
+            await self.admin_health.set(name, status)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.admin_server is not None:
+            await self.admin_server.stop(grace_s)
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace_s)
         for t in self._tasks:
@@ -173,3 +241,4 @@ class ControlPlane:
         await self.weights.close()
         if self.http is not None:
             self.http.stop()
+        self.store.close()

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from controlplane import __version__
+from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +42,32 @@ def _parser() -> argparse.ArgumentParser:
         default="127.0.0.1:9102",
         metavar="HOST:PORT",
         help="HTTP address for /metrics, /healthz, /debug/proxies (default: %(default)s)",
+    )
+    s.add_argument(
+        "--admin-listen",
+        default=DEFAULT_ADMIN_LISTEN,
+        metavar="HOST:PORT",
+        help="gRPC address of the operator API used by cpctl and grpcurl (default: %(default)s)",
+    )
+    s.add_argument(
+        "--state-dir",
+        type=Path,
+        default=DEFAULT_STATE_DIR,
+        metavar="DIR",
+        help="rollout and drain state (SQLite) and the generated admin token (default: %(default)s)",
+    )
+    s.add_argument(
+        "--admin-token-file",
+        type=Path,
+        metavar="FILE",
+        help="the operator API's bearer token; default: <state-dir>/admin-token, created (0600) "
+        "on first start",
+    )
+    s.add_argument(
+        "--admin-readonly-token-file",
+        type=Path,
+        metavar="FILE",
+        help="an optional second token that may only read (get, list, watch, history)",
     )
     s.add_argument("--log-format", choices=["console", "json"], default="console", help="log output format")
     s.add_argument("--log-level", default="info", help="debug, info, warning, error (default: info)")
@@ -352,6 +379,7 @@ def _serve(args: argparse.Namespace) -> int:
     for flag, value in (
         ("--xds-listen", args.xds_listen),
         ("--metrics-listen", args.metrics_listen),
+        ("--admin-listen", args.admin_listen),
     ):
         try:
             split_host_port(value)
@@ -367,6 +395,10 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_listen=args.metrics_listen,
         debounce_s=args.debounce,
         max_delay_s=args.max_delay,
+        state_dir=args.state_dir,
+        admin_listen=args.admin_listen,
+        admin_token_file=args.admin_token_file,
+        admin_readonly_token_file=args.admin_readonly_token_file,
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_run_until_signal(options))
@@ -376,13 +408,14 @@ def _serve(args: argparse.Namespace) -> int:
 async def _run_until_signal(options: object) -> None:
     import signal
 
+    from controlplane.admin.auth import TokenFileError
     from controlplane.app import ControlPlane, ServeOptions
 
     assert isinstance(options, ServeOptions)
     cp = ControlPlane(options)
     try:
         await cp.start()
-    except OSError as e:
+    except (OSError, TokenFileError) as e:
         print(f"controlplane serve: {e}", file=sys.stderr)
         raise SystemExit(2) from e
     stop = asyncio.Event()

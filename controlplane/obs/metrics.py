@@ -109,6 +109,7 @@ class Metrics:
             registry=r,
         )
         self.balancing = BalancingMetrics(r)
+        self.rollouts = RolloutMetrics(r)
         self.proxies_nacked = Gauge(
             "controlplane_xds_proxies_nacked",
             "Connected proxies whose latest response of a type was rejected (NACKed).",
@@ -198,4 +199,62 @@ class BalancingMetrics:
         )
         self.lrs_streams = Gauge(
             "controlplane_lrs_streams", "Connected Envoy load-reporting (LRS) streams.", registry=r
+        )
+
+
+PHASES = ("Progressing", "Paused", "Completed", "Aborted")
+
+
+class RolloutMetrics:
+    """Rollouts, drains and the operator API; registered on the Metrics registry."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.phase = Gauge(
+            "controlplane_rollout_phase",
+            "1 for the phase the model's latest rollout is in (Progressing, Paused, Completed, "
+            "Aborted), 0 for the others.",
+            ["model", "phase"],
+            registry=r,
+        )
+        self.version_weight = Gauge(
+            "controlplane_rollout_version_weight_percent",
+            "Percent of the model's traffic routed to each version of its latest rollout.",
+            ["model", "version"],
+            registry=r,
+        )
+        self.step = Gauge(
+            "controlplane_rollout_step",
+            "The step (1-based; 0 while waiting for every proxy) of the model's latest rollout.",
+            ["model"],
+            registry=r,
+        )
+        self.transitions = Counter(
+            "controlplane_rollout_transitions_total",
+            "Rollout transitions recorded in the audit trail, by model and the phase entered.",
+            ["model", "phase"],
+            registry=r,
+        )
+        self.aborts = Counter(
+            "controlplane_rollout_aborts_total",
+            "Rollouts aborted, by model and cause (analysis, operator, file).",
+            ["model", "cause"],
+            registry=r,
+        )
+        self.canary_error_rate = Gauge(
+            "controlplane_rollout_error_rate",
+            "Error rate of each version of a running rollout since its step began.",
+            ["model", "version"],
+            registry=r,
+        )
+        self.draining = Gauge(
+            "controlplane_endpoints_draining",
+            "Endpoints in each drain state (draining: DRAINING in EDS; drained: removed).",
+            ["state"],
+            registry=r,
+        )
+        self.admin_requests = Counter(
+            "controlplane_admin_requests_total",
+            "Operator API calls, by method and gRPC status code.",
+            ["method", "code"],
+            registry=r,
         )

@@ -135,7 +135,7 @@ class Transition:
     """An audit record: what changed and why (the caller adds who and when)."""
 
     model: str
-    phase: Phase
+    phase: str  # a Phase, or a drain's: Draining, Drained, Undrained, Retired
     step: int
     weight: int
     reason: str

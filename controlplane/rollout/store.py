@@ -1,8 +1,10 @@
-"""Durable rollout state: SQLite in WAL mode, one transaction per transition (thin I/O).
+"""Durable rollout and drain state: SQLite in WAL mode, one transaction per transition (thin I/O).
 
-Each rollout's latest state is one row (its spec and machine state as JSON), and every
-transition appends an audit record (who, when, what, why) in the same transaction, so a
-`kill -9` between two transitions loses neither. Groundwork for the operator API.
+Each model's latest rollout is one row (its spec and machine state as JSON), as is each
+model's API layer over the file (overlay.ModelLayer) and each endpoint drain. Every
+transition appends audit records (who, when, what, why) in the same transaction, so a
+`kill -9` between two transitions loses neither, and a command is acknowledged only once
+it is committed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.rollout.machine import Rollout, RolloutSpec, Transition
+from controlplane.rollout.overlay import EndpointDrain, ModelLayer
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -36,6 +39,14 @@ CREATE TABLE IF NOT EXISTS audit (
     reason TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS audit_model ON audit (model, id);
+CREATE TABLE IF NOT EXISTS layers (
+    model TEXT PRIMARY KEY,
+    data TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS drains (
+    address TEXT PRIMARY KEY,
+    data TEXT NOT NULL
+);
 """
 
 
@@ -71,21 +82,61 @@ class RolloutStore:
 
     def save(self, rollout: Rollout, transitions: Iterable[Transition], who: str) -> None:
         """Store the rollout's state and its new audit records atomically."""
+        self.commit(who, transitions, rollouts=[rollout])
+
+    def commit(
+        self,
+        who: str,
+        transitions: Iterable[Transition] = (),
+        *,
+        rollouts: Iterable[Rollout] = (),
+        layers: Iterable[ModelLayer] = (),
+        drop_layers: Iterable[str] = (),
+        drains: Iterable[EndpointDrain] = (),
+        drop_drains: Iterable[str] = (),
+    ) -> None:
+        """Store rollouts, layers and drains, and append audit records, in one transaction."""
         now = time.time()
-        state = {k: v for k, v in asdict(rollout).items() if k != "spec"}
-        spec = asdict(rollout.spec)
         with self._transaction():
-            self.db.execute(
-                "INSERT INTO rollouts (model, spec, state, updated_at) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT(model) DO UPDATE SET spec = excluded.spec, state = excluded.state, "
-                "updated_at = excluded.updated_at",
-                (rollout.spec.model, json.dumps(spec), json.dumps(state), now),
-            )
+            for rollout in rollouts:
+                state = {k: v for k, v in asdict(rollout).items() if k != "spec"}
+                self.db.execute(
+                    "INSERT INTO rollouts (model, spec, state, updated_at) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT(model) DO UPDATE SET spec = excluded.spec, state = excluded.state, "
+                    "updated_at = excluded.updated_at",
+                    (rollout.spec.model, json.dumps(asdict(rollout.spec)), json.dumps(state), now),
+                )
+            for layer in layers:
+                self.db.execute(
+                    "INSERT OR REPLACE INTO layers (model, data) VALUES (?, ?)",
+                    (layer.model, json.dumps(asdict(layer))),
+                )
+            for model in drop_layers:
+                self.db.execute("DELETE FROM layers WHERE model = ?", (model,))
+            for d in drains:
+                self.db.execute(
+                    "INSERT OR REPLACE INTO drains (address, data) VALUES (?, ?)",
+                    (d.address, json.dumps(asdict(d))),
+                )
+            for address in drop_drains:
+                self.db.execute("DELETE FROM drains WHERE address = ?", (address,))
             self.db.executemany(
                 "INSERT INTO audit (model, at, who, phase, step, weight, reason) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [(t.model, now, who, t.phase, t.step, t.weight, t.reason) for t in transitions],
             )
+
+    def layers(self) -> dict[str, ModelLayer]:
+        out = {}
+        for (data,) in self.db.execute("SELECT data FROM layers ORDER BY model"):
+            d = json.loads(data)
+            d["versions"] = {v: (s[0], s[1]) for v, s in d["versions"].items()}
+            out[d["model"]] = ModelLayer(**d)
+        return out
+
+    def drains(self) -> dict[str, EndpointDrain]:
+        rows = self.db.execute("SELECT data FROM drains ORDER BY address").fetchall()
+        return {d.address: d for d in (EndpointDrain(**json.loads(r[0])) for r in rows)}
 
     def get(self, model: str) -> Rollout | None:
         row = self.db.execute("SELECT spec, state FROM rollouts WHERE model = ?", (model,)).fetchone()

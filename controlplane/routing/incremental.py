@@ -31,9 +31,11 @@ from controlplane.routing.translate import (
     CLUSTER,
     ENDPOINT,
     LISTENER,
+    NO_OVERLAY,
     ROUTE,
     DesiredResources,
     EndpointWeights,
+    RoutingOverlay,
     ShedClasses,
     build_api_listener,
     build_api_routes,
@@ -45,9 +47,18 @@ from controlplane.routing.translate import (
 
 _ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None]
 _PlacementKey = tuple[tuple[str, ...], tuple[str, ...], float | None, tuple[GpuClass, ...]]
+_ModelRouteKey = tuple[
+    str,
+    str,
+    TrafficPolicy,
+    Affinity | None,
+    tuple[str, ...],
+    tuple[tuple[str, int], ...],
+    tuple[str, int] | None,
+]
 _RouteKey = tuple[
     ListenerSpec,
-    tuple[tuple[str, str, TrafficPolicy, Affinity | None], ...],
+    tuple[_ModelRouteKey, ...],
     tuple[PriorityClass, ...],
     str | None,
     tuple[tuple[str, tuple[str, ...]], ...],
@@ -64,13 +75,19 @@ class IncrementalTranslator:
 
     def __init__(self) -> None:
         self._clusters: dict[str, tuple[_ClusterKey, Message]] = {}
-        self._assignments: dict[str, tuple[tuple[Endpoint, ...], _PlacementKey, dict[str, int], Message]] = {}
+        self._assignments: dict[
+            str, tuple[tuple[Endpoint, ...], _PlacementKey, dict[str, int], frozenset[str], Message]
+        ] = {}
         self._api: dict[str, tuple[tuple[str, str, TrafficPolicy, Affinity | None], Message, Message]] = {}
         self._gateway: tuple[_RouteKey, Message, Message] | None = None
         self.built = 0  # messages built by the last translate() call, for tests and benchmarks
 
     def translate(
-        self, fleet: Fleet, weights: EndpointWeights | None = None, shed: ShedClasses | None = None
+        self,
+        fleet: Fleet,
+        weights: EndpointWeights | None = None,
+        shed: ShedClasses | None = None,
+        overlay: RoutingOverlay = NO_OVERLAY,
     ) -> DesiredResources:
         """Same result as routing.translate.translate, rebuilding only what changed."""
         weights = weights or {}
@@ -85,7 +102,9 @@ class IncrementalTranslator:
             for version in model.versions:
                 cname = names.cluster_name(model.name, version.name)
                 clusters[cname] = self._cluster(model, cname, ckey)
-                assignments[cname] = self._assignment(fleet, model, cname, version, weights.get(cname, {}))
+                assignments[cname] = self._assignment(
+                    fleet, model, cname, version, weights.get(cname, {}), overlay.draining
+                )
             akey = (model.stable, model.tier, fleet.traffic_of(model), model.affinity)
             cached = self._api.get(model.name)
             if cached is None or cached[0] != akey:
@@ -96,14 +115,25 @@ class IncrementalTranslator:
             routes[names.api_route_name(model.name)] = cached[2]
         rkey: _RouteKey = (
             fleet.listener,
-            tuple((m.name, m.stable, fleet.traffic_of(m), m.affinity) for m in fleet.models),
+            tuple(
+                (
+                    m.name,
+                    m.stable,
+                    fleet.traffic_of(m),
+                    m.affinity,
+                    tuple(v.name for v in m.versions),
+                    overlay.splits.get(m.name, ()),
+                    overlay.shadow.get(m.name),
+                )
+                for m in fleet.models
+            ),
             fleet.priority_classes,
             fleet.default_priority_class,
             tuple(sorted((m, tuple(sorted(c))) for m, c in shed.items() if c)),
         )
         if self._gateway is None or self._gateway[0] != rkey:
             self.built += 2
-            self._gateway = (rkey, build_gateway_listener(fleet), build_gateway_routes(fleet, shed))
+            self._gateway = (rkey, build_gateway_listener(fleet), build_gateway_routes(fleet, shed, overlay))
         listeners[names.GATEWAY_LISTENER] = self._gateway[1]
         routes[names.GATEWAY_ROUTES] = self._gateway[2]
         self._prune(clusters, {m.name for m in fleet.models})
@@ -122,7 +152,13 @@ class IncrementalTranslator:
         return msg
 
     def _assignment(
-        self, fleet: Fleet, model: Model, cname: str, version: Version, weights: Mapping[str, int]
+        self,
+        fleet: Fleet,
+        model: Model,
+        cname: str,
+        version: Version,
+        weights: Mapping[str, int],
+        draining: frozenset[str],
     ) -> Message:
         # Placement (memory fit, preferred GPU classes) depends on these and the endpoints.
         pkey: _PlacementKey = (
@@ -131,17 +167,25 @@ class IncrementalTranslator:
             fleet.memory_need_of(model),
             fleet.gpu_classes,
         )
+        mine = (
+            frozenset(ep.address for ep in version.endpoints if ep.address in draining)
+            if draining
+            else draining
+        )
         cached = self._assignments.get(cname)
         if (
             cached is not None
             and (cached[0] is version.endpoints or cached[0] == version.endpoints)
             and cached[1] == pkey
             and cached[2] == weights
+            and cached[3] == mine
         ):
-            return cached[3]
+            return cached[4]
         self.built += 1
-        msg = build_assignment(cname, version, weights, functools.partial(fleet.endpoint_priority, model))
-        self._assignments[cname] = (version.endpoints, pkey, dict(weights), msg)
+        msg = build_assignment(
+            cname, version, weights, functools.partial(fleet.endpoint_priority, model), mine
+        )
+        self._assignments[cname] = (version.endpoints, pkey, dict(weights), mine, msg)
         return msg
 
     def _prune(self, clusters: Mapping[str, Any], models: set[str]) -> None:

@@ -113,9 +113,31 @@ class DesiredResources:
 # Priority classes shed per model right now (from the signals): model -> class names.
 ShedClasses = Mapping[str, frozenset[str]]
 
+MODEL_VERSION_HEADER = "x-model-version"  # reaches that version of the model at any step
+
+
+@dataclass(frozen=True)
+class RoutingOverlay:
+    """What rollouts and drains change on top of the fleet (rollout/overlay.py builds it).
+
+    `splits`: per model, the versions that get traffic and their percent (each above 0); one
+    entry routes to that version alone, none to the stable version. `draining`: endpoint
+    addresses sent with EDS health status DRAINING, so proxies send them no new requests.
+    `shadow`: per model, (version, percent) of requests mirrored to it, responses discarded."""
+
+    splits: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    draining: frozenset[str] = frozenset()
+    shadow: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+
+
+NO_OVERLAY = RoutingOverlay()
+
 
 def translate(
-    fleet: Fleet, weights: EndpointWeights | None = None, shed: ShedClasses | None = None
+    fleet: Fleet,
+    weights: EndpointWeights | None = None,
+    shed: ShedClasses | None = None,
+    overlay: RoutingOverlay = NO_OVERLAY,
 ) -> DesiredResources:
     """Build every Envoy resource for the fleet. Deterministic: same input, same bytes."""
     weights = weights or {}
@@ -126,9 +148,13 @@ def translate(
             cname = names.cluster_name(model.name, version.name)
             clusters[cname] = build_cluster(model, cname, fleet.traffic_of(model))
             assignments[cname] = build_assignment(
-                cname, version, weights.get(cname, {}), functools.partial(fleet.endpoint_priority, model)
+                cname,
+                version,
+                weights.get(cname, {}),
+                functools.partial(fleet.endpoint_priority, model),
+                overlay.draining,
             )
-    gateway_routes = build_gateway_routes(fleet, shed or {})
+    gateway_routes = build_gateway_routes(fleet, shed or {}, overlay)
     listeners: dict[str, Message] = {names.GATEWAY_LISTENER: build_gateway_listener(fleet)}
     routes: dict[str, Message] = {names.GATEWAY_ROUTES: gateway_routes}
     for model in fleet.models:
@@ -295,13 +321,15 @@ def build_assignment(
     version: Version,
     weights: Mapping[str, int],
     priority_of: Callable[[Endpoint], int | None] = lambda ep: 0,
+    draining: frozenset[str] = frozenset(),
 ) -> endpoint_pb2.ClusterLoadAssignment:
     """The version's endpoints with their weights, grouped by EDS priority and locality
     (region, zone), each locality weighted by its endpoint count.
 
     `priority_of` ranks each endpoint (lower first; None: left out because the model does
     not fit its GPU memory); ranks become priorities 0, 1... Weight 0 is sent as UNHEALTHY
-    (held out) with weight 1, since EDS weights must be at least 1."""
+    (held out) with weight 1, since EDS weights must be at least 1. Addresses in `draining`
+    are sent as DRAINING: no new requests, in-flight ones finish."""
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cname)
     by_rank: dict[int, dict[tuple[str, str], list[Endpoint]]] = {}
     for ep in version.endpoints:
@@ -326,7 +354,9 @@ def build_assignment(
                     address_pb2.SocketAddress(address=ep.host, port_value=ep.port)
                 )
                 w = int(weights.get(ep.address, DEFAULT_WEIGHT))
-                if w <= 0:
+                if ep.address in draining:
+                    lb.health_status = health_check_pb2.DRAINING
+                elif w <= 0:
                     lb.health_status = health_check_pb2.UNHEALTHY
                 lb.load_balancing_weight.value = max(1, w)
     return cla
@@ -506,14 +536,34 @@ RETRIABLE_STATUS_CODES = (507,)
 
 
 def _model_action(
-    fleet: Fleet, model: Model, *, proxyless: bool = False, high: bool = False
+    fleet: Fleet,
+    model: Model,
+    *,
+    proxyless: bool = False,
+    high: bool = False,
+    overlay: RoutingOverlay = NO_OVERLAY,
+    version: str | None = None,
 ) -> route_components_pb2.RouteAction:
+    """Where a model's requests go: `version` alone when given, else the overlay's split (a
+    rollout in progress), else the stable version."""
     t = fleet.traffic_of(model)
     action = route_components_pb2.RouteAction(
-        cluster=names.cluster_name(model.name, model.stable),
         timeout=_duration(t.timeout_s),
         priority=base_pb2.HIGH if high else base_pb2.DEFAULT,
     )
+    split = () if version is not None or proxyless else overlay.splits.get(model.name, ())
+    if len(split) > 1:
+        for v, percent in split:
+            action.weighted_clusters.clusters.add(
+                name=names.cluster_name(model.name, v), weight=wrappers_pb2.UInt32Value(value=percent)
+            )
+    else:
+        target = version or (split[0][0] if split else model.stable)
+        action.cluster = names.cluster_name(model.name, target)
+    shadow = overlay.shadow.get(model.name)
+    if shadow is not None and version is None and not proxyless:
+        mirror = action.request_mirror_policies.add(cluster=names.cluster_name(model.name, shadow[0]))
+        mirror.runtime_fraction.default_value.numerator = shadow[1]
     a = model.affinity
     if a is not None and a.header is not None:
         action.hash_policy.add().header.header_name = a.header
@@ -550,9 +600,20 @@ def _model_action(
 
 
 def _model_route(
-    fleet: Fleet, model: Model, name: str, match: route_components_pb2.RouteMatch, *, high: bool = False
+    fleet: Fleet,
+    model: Model,
+    name: str,
+    match: route_components_pb2.RouteMatch,
+    *,
+    high: bool = False,
+    overlay: RoutingOverlay = NO_OVERLAY,
+    version: str | None = None,
 ) -> route_components_pb2.Route:
-    route = route_components_pb2.Route(name=name, match=match, route=_model_action(fleet, model, high=high))
+    route = route_components_pb2.Route(
+        name=name,
+        match=match,
+        route=_model_action(fleet, model, high=high, overlay=overlay, version=version),
+    )
     body_limit = buffer_pb2.BufferPerRoute(
         buffer=buffer_pb2.Buffer(
             max_request_bytes=wrappers_pb2.UInt32Value(value=fleet.traffic_of(model).max_body_bytes)
@@ -577,8 +638,10 @@ def _class_routes(
     headers: list[route_components_pb2.HeaderMatcher],
     metadata: list[metadata_pb2.MetadataMatcher],
     shed: frozenset[str],
+    overlay: RoutingOverlay = NO_OVERLAY,
 ) -> list[route_components_pb2.Route]:
-    """A model's routes for one way of naming it: a route per priority class that is treated
+    """A model's routes for one way of naming it: with several versions, a route per version
+    for requests that name one in x-model-version; a route per priority class that is treated
     unlike the default class (shed with 429, or sent at routing priority HIGH), then the
     default class's route, which also takes requests without x-priority."""
 
@@ -588,6 +651,19 @@ def _class_routes(
     default = next((c for c in fleet.priority_classes if c.name == fleet.default_priority_class), None)
     default_behaviour = behaviour(default) if default is not None else "normal"
     out: list[route_components_pb2.Route] = []
+    if len(model.versions) > 1:
+        for v in model.versions:
+            match = route_components_pb2.RouteMatch(
+                prefix="/",
+                headers=[
+                    *headers,
+                    route_components_pb2.HeaderMatcher(
+                        name=MODEL_VERSION_HEADER, string_match=string_pb2.StringMatcher(exact=v.name)
+                    ),
+                ],
+                dynamic_metadata=metadata,
+            )
+            out.append(_model_route(fleet, model, f"{name}@{v.name}", match, version=v.name))
     for c in fleet.priority_classes:
         b = behaviour(c)
         if c is default or b == default_behaviour:
@@ -605,13 +681,13 @@ def _class_routes(
         out.append(
             _shed_route(f"{name}/{c.name}", match)
             if b == "shed"
-            else _model_route(fleet, model, f"{name}/{c.name}", match, high=b == "high")
+            else _model_route(fleet, model, f"{name}/{c.name}", match, high=b == "high", overlay=overlay)
         )
     match = route_components_pb2.RouteMatch(prefix="/", headers=headers, dynamic_metadata=metadata)
     if default_behaviour == "shed":
         out.append(_shed_route(name, match))
     else:
-        out.append(_model_route(fleet, model, name, match, high=default_behaviour == "high"))
+        out.append(_model_route(fleet, model, name, match, high=default_behaviour == "high", overlay=overlay))
     return out
 
 
@@ -621,9 +697,12 @@ def _shed_route(name: str, match: route_components_pb2.RouteMatch) -> route_comp
     return route
 
 
-def build_gateway_routes(fleet: Fleet, shed: ShedClasses | None = None) -> route_pb2.RouteConfiguration:
+def build_gateway_routes(
+    fleet: Fleet, shed: ShedClasses | None = None, overlay: RoutingOverlay = NO_OVERLAY
+) -> route_pb2.RouteConfiguration:
     """x-model header first, then the JSON body's `model`; unknown -> 404, none -> 400.
-    Per model, priority classes that are shed get 429 and high ones routing priority HIGH."""
+    Per model, priority classes that are shed get 429 and high ones routing priority HIGH;
+    a rollout's split (the overlay) applies to every class."""
     shed = shed or {}
     header_absent = route_components_pb2.HeaderMatcher(
         name=MODEL_HEADER, present_match=True, invert_match=True
@@ -659,6 +738,7 @@ def build_gateway_routes(fleet: Fleet, shed: ShedClasses | None = None) -> route
             ],
             [],
             shed.get(model.name, frozenset()),
+            overlay,
         )
     for model in fleet.models:
         routes += _class_routes(
@@ -672,6 +752,7 @@ def build_gateway_routes(fleet: Fleet, shed: ShedClasses | None = None) -> route
                 )
             ],
             shed.get(model.name, frozenset()),
+            overlay,
         )
     routes.append(
         _direct(

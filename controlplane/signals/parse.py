@@ -36,6 +36,8 @@ class ServerSample:
     failures: float | None = None
     token_latency_sum_s: float | None = None  # time per output token histogram
     token_latency_count: float | None = None
+    # The request latency histogram: (upper bound, cumulative count), for quantiles (p99).
+    latency_buckets: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,14 @@ _DETECT = {
 }
 
 
+# The request latency histogram's bucket samples per dialect (Triton exports none).
+_BUCKETS = {
+    "vllm": "vllm:e2e_request_latency_seconds_bucket",
+    "sglang": "sglang:e2e_request_latency_seconds_bucket",
+    "tgi": "tgi_request_duration_bucket",
+}
+
+
 def parse_metrics(text: str, model: str | None = None) -> ServerSample:
     """Parse a /metrics page. With `model`, count only samples labelled with that model
     (or unlabelled ones); a page that labels one other model is taken as that server's only
@@ -136,15 +146,24 @@ def parse_metrics(text: str, model: str | None = None) -> ServerSample:
         # Hugging Face id, the fleet's name a short one): the server serves just that model.
         model = None
     values: dict[str, float] = {}
+    buckets: dict[float, float] = {}
+    bucket_name = _BUCKETS.get(dialect)
     for name, labels, value in samples:
         target = fields.get(name)
-        if target is None:
+        if target is None and name != bucket_name:
             continue
         labelled = next((labels[k] for k in _MODEL_LABELS if k in labels), None)
         if model is not None and labelled is not None and labelled != model:
             continue
         if value != value or value in (float("inf"), float("-inf")):
             raise MetricsPageInvalid(f"{name}: value {value} is not a finite number")
+        if target is None:
+            try:
+                le = float(labels["le"])
+            except (KeyError, ValueError):
+                raise MetricsPageInvalid(f"{name}: a bucket without a numeric 'le' label") from None
+            buckets[le] = buckets.get(le, 0.0) + value
+            continue
         field, scale = target
         values[field] = values.get(field, 0.0) + value * scale
     if "kv_use" not in values and "kv_use_legacy" in values:
@@ -163,7 +182,7 @@ def parse_metrics(text: str, model: str | None = None) -> ServerSample:
         values["kv_use"] = values["kv_use"] / 100.0  # some exporters report percent
     if not values:
         raise MetricsPageInvalid(f"{dialect} page has none of its load metrics for model {model!r}")
-    return ServerSample(dialect=dialect, **values)
+    return ServerSample(dialect=dialect, latency_buckets=tuple(sorted(buckets.items())), **values)
 
 
 def _detect(names: Iterable[str]) -> str | None:

@@ -52,6 +52,19 @@ class _LrsEntry:
     at: float
 
 
+@dataclass(frozen=True)
+class EndpointCounters:
+    """Cumulative counts for one endpoint, to compare against an earlier reading (a rollout
+    step's analysis): the server's own counters and latency histogram, and the proxies'
+    load reports summed since the control plane started."""
+
+    server_ok: float = 0.0
+    server_failed: float = 0.0
+    buckets: tuple[tuple[float, float], ...] = ()
+    lrs_ok: float = 0.0
+    lrs_failed: float = 0.0
+
+
 @dataclass
 class EndpointSignals:
     """Mutable state of one endpoint's signals."""
@@ -69,6 +82,8 @@ class EndpointSignals:
     scrape_errors: int = 0
     last_error: str | None = None
     lrs: dict[str, _LrsEntry] = field(default_factory=dict)  # by proxy node id
+    lrs_ok_total: float = 0.0  # summed over every report of every proxy
+    lrs_failed_total: float = 0.0
 
 
 class SignalStore:
@@ -167,7 +182,24 @@ class SignalStore:
         now: float,
     ) -> None:
         """One proxy's load report for one endpoint (counts are for the report interval)."""
-        self._get(key).lrs[node] = _LrsEntry(in_progress, issued, succeeded, failed, now)
+        sig = self._get(key)
+        sig.lrs[node] = _LrsEntry(in_progress, issued, succeeded, failed, now)
+        sig.lrs_ok_total += succeeded
+        sig.lrs_failed_total += failed
+
+    def counters(self, key: EndpointKey) -> EndpointCounters:
+        """The endpoint's cumulative counts now (zeros for one never seen)."""
+        sig = self.endpoints.get(key)
+        if sig is None:
+            return EndpointCounters()
+        s = sig.sample
+        return EndpointCounters(
+            server_ok=(s.successes or 0.0) if s is not None else 0.0,
+            server_failed=(s.failures or 0.0) if s is not None else 0.0,
+            buckets=s.latency_buckets if s is not None else (),
+            lrs_ok=sig.lrs_ok_total,
+            lrs_failed=sig.lrs_failed_total,
+        )
 
     def forget_node(self, node: str) -> None:
         """A proxy's LRS stream ended: its in-flight counts no longer hold."""

@@ -169,7 +169,7 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
         ]
         emulators = EmulatorsThread(configs).start()
         addrs = dict(zip(names, emulators.addresses, strict=True))
-        listener, xds, metrics, admin = (_free_port() for _ in range(4))
+        listener, xds, metrics, admin, operator = (_free_port() for _ in range(5))
         config = work / "fleet.yaml"
         config.write_text(_fleet_yaml(listener, addrs, {}, {}))
         print(f"demo: fleet config {config}")
@@ -191,6 +191,10 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
                     f"127.0.0.1:{xds}",
                     "--metrics-listen",
                     f"127.0.0.1:{metrics}",
+                    "--admin-listen",
+                    f"127.0.0.1:{operator}",
+                    "--state-dir",
+                    str(work / "state"),
                 ],
                 stdout=cp_log,
                 stderr=subprocess.STDOUT,

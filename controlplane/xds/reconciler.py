@@ -12,7 +12,7 @@ from controlplane.fleet.model import Fleet
 from controlplane.obs.metrics import Metrics, type_label
 from controlplane.routing.incremental import IncrementalTranslator
 from controlplane.routing.names import cluster_name
-from controlplane.routing.translate import TYPE_URLS
+from controlplane.routing.translate import NO_OVERLAY, TYPE_URLS, RoutingOverlay
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.snapshot import SERIALISED, Snapshot, build_snapshot
 
@@ -41,6 +41,7 @@ class Reconciler:
         self.fleet: Fleet | None = None
         self.weights: dict[str, Mapping[str, int]] = {}
         self.shed: dict[str, frozenset[str]] = {}
+        self.overlay: RoutingOverlay = NO_OVERLAY
         self.translator = IncrementalTranslator()
         self.on_publish: list[Callable[[Snapshot], None]] = []
         self._dirty = asyncio.Event()
@@ -71,13 +72,19 @@ class Reconciler:
             self.shed[model] = classes
             self._changed()
 
+    def set_overlay(self, overlay: RoutingOverlay) -> None:
+        """Rollout splits and draining endpoints (from the rollout controller)."""
+        if overlay != self.overlay:
+            self.overlay = overlay
+            self._changed()
+
     def rebuild_now(self) -> Snapshot | None:
         """Translate and publish now if anything's bytes changed; return the current snapshot."""
         if self.fleet is None:
             return None
         started = time.perf_counter()
         serialised = SERIALISED.value
-        desired = self.translator.translate(self.fleet, self.weights, self.shed)
+        desired = self.translator.translate(self.fleet, self.weights, self.shed, self.overlay)
         previous = self.cache.current
         snap = build_snapshot(desired, self._generation + 1, time.monotonic(), previous)
         if previous is not None and not any(snap.changes.values()) and snap.wildcard == previous.wildcard:

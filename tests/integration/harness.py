@@ -94,7 +94,16 @@ class ControlPlane:
     log_dir: Path
     xds_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
+    admin_port: int = field(default_factory=free_port)
     proc: Proc | None = None
+
+    @property
+    def admin(self) -> str:
+        return f"127.0.0.1:{self.admin_port}"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.log_dir / "state"
 
     @property
     def xds(self) -> str:
@@ -112,6 +121,10 @@ class ControlPlane:
                 self.xds,
                 "--metrics-listen",
                 f"127.0.0.1:{self.metrics_port}",
+                "--admin-listen",
+                self.admin,
+                "--state-dir",
+                str(self.state_dir),
                 "--log-format",
                 "json",
                 "--log-level",

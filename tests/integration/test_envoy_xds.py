@@ -113,7 +113,9 @@ def test_control_plane_restart_drops_no_request_and_envoy_resyncs(stack: Stack) 
         wait_until(lambda: loop.total() > served + 50, 5, "traffic to keep flowing without a control plane")
         # Edit while the control plane is down, then bring it back on the same ports.
         stack.write({**MODELS, "llama": {"v1": ["l1", "l2", "l5"], "v2": ["l3"]}})
-        restarted = ControlPlane(cp.config, cp.log_dir, xds_port=cp.xds_port, metrics_port=cp.metrics_port)
+        restarted = ControlPlane(
+            cp.config, cp.log_dir, xds_port=cp.xds_port, metrics_port=cp.metrics_port, admin_port=cp.admin_port
+        )
         stack.cp = restarted.start()
         took = wait_until(
             lambda: loop.backends["l5"] > 0, 10, "Envoy to resync from the restarted control plane"

@@ -66,12 +66,20 @@ def test_routes_header_then_body_then_404_then_400() -> None:
     routes = rc.virtual_hosts[0].routes
     assert [r.name for r in routes] == [
         "list-models",
+        "header/llama-3-8b@v1",  # x-model-version reaches each version (the model has two)
+        "header/llama-3-8b@v2",
         "header/llama-3-8b",
+        "body/llama-3-8b@v1",
+        "body/llama-3-8b@v2",
         "body/llama-3-8b",
         "unknown-model-header",
         "unknown-model-body",
         "no-model",
     ]
+    assert routes[2].match.headers[1].name == "x-model-version"
+    assert routes[2].match.headers[1].string_match.exact == "v2"
+    assert routes[2].route.cluster == "llama-3-8b@v2"
+    routes = [r for r in routes if "@" not in r.name]
     header, body = routes[1], routes[2]
     assert header.match.headers[0].name == "x-model"
     assert header.match.headers[0].string_match.exact == "llama-3-8b"
@@ -82,14 +90,17 @@ def test_routes_header_then_body_then_404_then_400() -> None:
     assert routes[3].direct_response.status == 404
     assert routes[5].direct_response.status == 400
     assert b"model_required" in routes[5].direct_response.body.inline_string.encode()
-    assert cluster_refs(rc) == {"llama-3-8b@v1"}
+    assert cluster_refs(rc) == {"llama-3-8b@v1", "llama-3-8b@v2"}
 
 
 def test_stable_selects_the_routed_cluster_and_tier_timeout() -> None:
     text = BASIC.replace("stable: v1", "stable: v2").replace("    params_b: 8\n", "    params_b: 70\n")
     rc = translate(parse_fleet(text)).by_type[ROUTE]["inference"]
-    assert cluster_refs(rc) == {"llama-3-8b@v2"}
-    assert rc.virtual_hosts[0].routes[1].route.timeout.seconds == 180
+    default = [r for r in rc.virtual_hosts[0].routes if r.name == "header/llama-3-8b"][0]
+    assert default.route.cluster == "llama-3-8b@v2"
+    assert default.route.timeout.seconds == 180
+    # Only the version header routes name the other version.
+    assert cluster_refs(rc) == {"llama-3-8b@v1", "llama-3-8b@v2"}
 
 
 def test_gateway_listener_uses_rds_over_ads_and_body_routing_filter() -> None:

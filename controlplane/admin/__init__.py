@@ -1,0 +1,1 @@
+"""The operator gRPC API (controlplane.v1): authentication and the thin servicers."""

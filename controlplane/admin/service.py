@@ -1,0 +1,326 @@
+"""The operator API's servicers: protobuf in, controller call, protobuf out (thin shell)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from controlplane.admin.auth import USER_METADATA, Tokens
+from controlplane.obs.metrics import Metrics, type_label
+from controlplane.rollout import machine
+from controlplane.rollout.controller import CommandRejected, RolloutController, StartRequest
+from controlplane.rollout.overlay import active
+from controlplane.routing.names import cluster_name
+from controlplane.routing.translate import TYPE_URLS
+from controlplane.v1 import (
+    endpoint_pb2,
+    endpoint_pb2_grpc,
+    proxy_pb2,
+    proxy_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+)
+from controlplane.xds.server import ProxyRegistry
+
+SERVICE_NAMES = tuple(f"controlplane.v1.{s}" for s in ("RolloutService", "EndpointService", "ProxyService"))
+T = TypeVar("T")
+_CODES = {
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+class _Base:
+    def __init__(self, controller: RolloutController, tokens: Tokens, metrics: Metrics) -> None:
+        self.controller = controller
+        self.tokens = tokens
+        self.metrics = metrics
+
+    def who(self, context: grpc.aio.ServicerContext) -> str:
+        md = dict(context.invocation_metadata() or ())
+        role = self.tokens.role_of(md.get("authorization")) or "unknown"
+        user = str(md.get(USER_METADATA) or "operator")[:64]
+        return f"{user} ({role} token, {context.peer()})"
+
+    async def call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], T]) -> T:
+        """Run `fn`, answering a rejected command with its status and message."""
+        try:
+            out = fn()
+        except CommandRejected as e:
+            self.metrics.rollouts.admin_requests.labels(method, e.code).inc()
+            await context.abort(_CODES[e.code], str(e))
+            raise  # unreachable: abort raises
+        self.metrics.rollouts.admin_requests.labels(method, "OK").inc()
+        return out
+
+
+def rollout_message(c: RolloutController, r: machine.Rollout) -> rollout_pb2.Rollout:
+    s = r.spec
+    msg = rollout_pb2.Rollout(
+        model=s.model,
+        stable_version=s.stable,
+        canary_version=s.canary,
+        phase=r.phase,
+        step=r.step + 1,
+        steps=list(s.steps),
+        weights=r.weights,
+        reason=r.reason,
+        interval_seconds=s.interval_s or 0.0,
+        manual=s.interval_s is None,
+        max_error_rate=s.max_error_rate,
+        max_latency_ratio=s.max_latency_ratio,
+        min_requests=s.min_requests,
+        step_started_at=r.step_started_at,
+        ack_deadline_seconds=s.ack_deadline_s,
+    )
+    f = c.figures.get(s.model)
+    if f is not None and active(r):
+        for field, version, fig in (("canary", s.canary, f[0]), ("stable", s.stable, f[1])):
+            va = getattr(msg, field)
+            va.version = version
+            va.requests = fig.requests
+            va.error_rate = fig.error_rate
+            if fig.p99_s is not None:
+                va.p99_seconds = fig.p99_s
+    return msg
+
+
+def _start_request(req: rollout_pb2.StartRolloutRequest) -> StartRequest:
+    if not req.model:
+        raise CommandRejected("INVALID_ARGUMENT", "model: required")
+    if not req.to_version:
+        raise CommandRejected("INVALID_ARGUMENT", "to_version: required (the version to roll to)")
+    if req.manual and req.interval_seconds:
+        raise CommandRejected("INVALID_ARGUMENT", "give either an interval or manual gates, not both")
+    d = StartRequest(req.model, req.to_version)
+    return StartRequest(
+        model=req.model,
+        to_version=req.to_version,
+        steps=tuple(req.steps) or d.steps,
+        interval_s=None if req.manual else (req.interval_seconds or d.interval_s),
+        max_error_rate=req.max_error_rate if req.HasField("max_error_rate") else d.max_error_rate,
+        max_latency_ratio=req.max_latency_ratio if req.HasField("max_latency_ratio") else d.max_latency_ratio,
+        min_requests=req.min_requests if req.HasField("min_requests") else d.min_requests,
+        ack_deadline_s=req.ack_deadline_seconds if req.HasField("ack_deadline_seconds") else d.ack_deadline_s,
+    )
+
+
+class RolloutService(_Base, rollout_pb2_grpc.RolloutServiceServicer):
+    def _get(self, model: str) -> machine.Rollout:
+        self.controller._model(model)
+        r = self.controller.rollouts.get(model)
+        if r is None:
+            raise CommandRejected(
+                "NOT_FOUND", f"model {model} has no rollout; start one with `cpctl rollout start`"
+            )
+        return r
+
+    async def Start(self, request: rollout_pb2.StartRolloutRequest, context: Any) -> rollout_pb2.Rollout:
+        who = self.who(context)
+        r = await self.call(context, "Start", lambda: self.controller.start(_start_request(request), who))
+        return rollout_message(self.controller, r)
+
+    async def Get(self, request: rollout_pb2.GetRolloutRequest, context: Any) -> rollout_pb2.Rollout:
+        r = await self.call(context, "Get", lambda: self._get(request.model))
+        return rollout_message(self.controller, r)
+
+    async def List(
+        self, request: rollout_pb2.ListRolloutsRequest, context: Any
+    ) -> rollout_pb2.ListRolloutsResponse:
+        rs = await self.call(
+            context, "List", lambda: sorted(self.controller.rollouts.values(), key=lambda r: r.spec.model)
+        )
+        return rollout_pb2.ListRolloutsResponse(rollouts=[rollout_message(self.controller, r) for r in rs])
+
+    async def Watch(
+        self, request: rollout_pb2.GetRolloutRequest, context: Any
+    ) -> AsyncIterator[rollout_pb2.Rollout]:
+        r = await self.call(context, "Watch", lambda: self._get(request.model))
+        while True:
+            yield rollout_message(self.controller, r)
+            if not active(r):
+                return
+            await self.controller.wait_change(1.0)
+            r = self.controller.rollouts[request.model]
+
+    async def _command(
+        self, context: Any, method: str, request: rollout_pb2.RolloutCommand, cmd: machine.Command
+    ) -> rollout_pb2.Rollout:
+        who = self.who(context)
+        r = await self.call(context, method, lambda: self.controller.command(request.model, cmd, who))
+        return rollout_message(self.controller, r)
+
+    async def Pause(self, request: rollout_pb2.RolloutCommand, context: Any) -> rollout_pb2.Rollout:
+        return await self._command(
+            context, "Pause", request, machine.Pause(request.reason or "paused by operator")
+        )
+
+    async def Resume(self, request: rollout_pb2.RolloutCommand, context: Any) -> rollout_pb2.Rollout:
+        return await self._command(context, "Resume", request, machine.Resume())
+
+    async def Promote(self, request: rollout_pb2.RolloutCommand, context: Any) -> rollout_pb2.Rollout:
+        return await self._command(context, "Promote", request, machine.Promote(full=request.full))
+
+    async def Abort(self, request: rollout_pb2.RolloutCommand, context: Any) -> rollout_pb2.Rollout:
+        return await self._command(
+            context, "Abort", request, machine.Abort(request.reason or "aborted by operator")
+        )
+
+    async def Undo(self, request: rollout_pb2.RolloutCommand, context: Any) -> rollout_pb2.Rollout:
+        who = self.who(context)
+        r = await self.call(context, "Undo", lambda: self.controller.undo(request.model, who))
+        return rollout_message(self.controller, r)
+
+    async def History(
+        self, request: rollout_pb2.GetRolloutRequest, context: Any
+    ) -> rollout_pb2.HistoryResponse:
+        records = await self.call(context, "History", lambda: self.controller.history(request.model))
+        return rollout_pb2.HistoryResponse(
+            records=[
+                rollout_pb2.AuditRecord(
+                    model=a.model,
+                    at=a.at,
+                    who=a.who,
+                    phase=a.phase,
+                    step=a.step + 1,
+                    weight=a.weight,
+                    reason=a.reason,
+                )
+                for a in records
+            ]
+        )
+
+
+class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
+    def _endpoints(self, model_filter: str) -> list[endpoint_pb2.Endpoint]:
+        c = self.controller
+        fleet = c.file_fleet
+        if fleet is None:
+            return []
+        if model_filter:
+            c._model(model_filter)
+        served = c.reconciler.fleet
+        in_eds = {
+            (m.name, v.name, ep.address)
+            for m in (served.models if served else ())
+            for v in m.versions
+            for ep in v.endpoints
+        }
+        now_mono = time.monotonic()
+        out = []
+        for m in fleet.models:
+            if model_filter and m.name != model_filter:
+                continue
+            layer = c.layers.get(m.name)
+            for v in m.versions:
+                weights = c.reconciler.weights.get(cluster_name(m.name, v.name), {})
+                vstate = (
+                    layer.versions.get(v.name, (None, 0.0))[0]
+                    if layer and layer.file_stable == m.stable
+                    else None
+                )
+                for ep in v.endpoints:
+                    load = c.signals.load((m.name, ep.address), fleet.declared_capacity(ep) or 1.0, now_mono)
+                    in_flight = c.signals.lrs_totals((m.name, ep.address), now_mono)[0]
+                    w = int(weights.get(ep.address, 1))
+                    d = c.drains.get(ep.address)
+                    if (m.name, v.name, ep.address) not in in_eds:
+                        state = "DRAINED" if d is not None else "RETIRED"
+                    elif d is not None or vstate == "draining":
+                        state = "DRAINING"
+                    elif w <= 0:
+                        state = "HELD_OUT"
+                    else:
+                        state = "SERVING"
+                    msg = endpoint_pb2.Endpoint(
+                        model=m.name,
+                        version=v.name,
+                        address=ep.address,
+                        gpu=ep.gpu or "",
+                        state=state,
+                        weight=max(w, 0),
+                        capacity=load.capacity,
+                        running=load.running,
+                        waiting=load.waiting,
+                        in_flight=in_flight,
+                        kv_use=load.kv_use,
+                        error_rate=load.error_rate,
+                        signal_age_seconds=load.age_s if math.isfinite(load.age_s) else -1.0,
+                        drain_started_at=d.started_at if d is not None else 0.0,
+                    )
+                    if load.latency_s is not None:
+                        msg.latency_seconds = load.latency_s
+                    out.append(msg)
+        return out
+
+    async def List(
+        self, request: endpoint_pb2.ListEndpointsRequest, context: Any
+    ) -> endpoint_pb2.ListEndpointsResponse:
+        eps = await self.call(context, "List", lambda: self._endpoints(request.model))
+        return endpoint_pb2.ListEndpointsResponse(endpoints=eps)
+
+    def _one(self, address: str) -> endpoint_pb2.Endpoint:
+        found = [e for e in self._endpoints("") if e.address == address]
+        if not found:
+            raise CommandRejected("NOT_FOUND", f"no endpoint {address!r} in the fleet")
+        return found[0]
+
+    async def Drain(self, request: endpoint_pb2.DrainRequest, context: Any) -> endpoint_pb2.Endpoint:
+        who = self.who(context)
+
+        def drain() -> endpoint_pb2.Endpoint:
+            self.controller.drain(request.address, request.timeout_seconds or None, request.reason, who)
+            return self._one(request.address)
+
+        return await self.call(context, "Drain", drain)
+
+    async def Undrain(self, request: endpoint_pb2.DrainRequest, context: Any) -> endpoint_pb2.Endpoint:
+        who = self.who(context)
+
+        def undrain() -> endpoint_pb2.Endpoint:
+            self.controller.undrain(request.address, request.reason, who)
+            return self._one(request.address)
+
+        return await self.call(context, "Undrain", undrain)
+
+
+class ProxyService(_Base, proxy_pb2_grpc.ProxyServiceServicer):
+    def __init__(
+        self, controller: RolloutController, tokens: Tokens, metrics: Metrics, registry: ProxyRegistry
+    ) -> None:
+        super().__init__(controller, tokens, metrics)
+        self.registry = registry
+
+    async def List(
+        self, request: proxy_pb2.ListProxiesRequest, context: Any
+    ) -> proxy_pb2.ListProxiesResponse:
+        self.metrics.rollouts.admin_requests.labels("ListProxies", "OK").inc()
+        out = []
+        for d in self.registry.describe():
+            p = proxy_pb2.Proxy(
+                node_id=d["node_id"] or "",
+                node_cluster=d["node_cluster"],
+                address=d["peer"],
+                user_agent=d["user_agent"],
+                service=d["service"],
+                transport=d["transport"],
+                connected_seconds=d["connected_seconds"],
+            )
+            for label in (type_label(t) for t in TYPE_URLS):
+                t = d["types"].get(label)
+                if t is None:
+                    continue
+                p.types.add(
+                    type={"cluster": "cds", "endpoint": "eds", "listener": "lds", "route": "rds"}[label],
+                    status=t["status"],
+                    acked_version=t["acked_version"],
+                    last_nack=t["last_nack"],
+                    resources=t["resources"],
+                )
+            out.append(p)
+        return proxy_pb2.ListProxiesResponse(proxies=out)

@@ -1,0 +1,534 @@
+"""The rollout controller: operator commands and ticks in, stored state and routing out (I/O shell).
+
+It owns the API layer over the fleet file (rollouts, promoted stables, retiring versions,
+endpoint drains). Every command is checked, run through the pure state machine, committed
+to the store with its audit records, and only then applied and acknowledged. Once a second
+it ticks each running rollout (proxies' ACKs, analysis from the signals) and each drain (in
+flight down to 0, or its deadline). After a restart it carries on from the stored state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import structlog
+
+from controlplane.fleet.model import Fleet, Model
+from controlplane.obs.metrics import PHASES, Metrics
+from controlplane.rollout import machine
+from controlplane.rollout.analysis import VersionFigures, analysis, figures
+from controlplane.rollout.machine import (
+    Effect,
+    Rollout,
+    RolloutRejected,
+    RolloutSpec,
+    SetStable,
+    Transition,
+)
+from controlplane.rollout.overlay import EndpointDrain, ModelLayer, active, effective, stale_layers
+from controlplane.rollout.store import AuditRecord, RolloutStore
+from controlplane.routing.names import cluster_name
+from controlplane.routing.translate import CLUSTER, ENDPOINT
+from controlplane.signals.store import EndpointCounters, SignalStore
+from controlplane.xds.reconciler import Reconciler
+from controlplane.xds.server import ADS_SERVICE, ProxyRegistry
+
+log = structlog.get_logger("controlplane.rollout")
+
+Code = Literal["INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION"]
+DRAIN_TIMEOUT_S = 120.0  # an endpoint drain removes the endpoint after this even if busy
+DRAIN_SETTLE_S = 3.0  # at least this long DRAINING, so every proxy has it and signals are fresh
+
+
+class CommandRejected(Exception):
+    """An operator command that cannot apply; `code` is the gRPC status to answer with."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class StartRequest:
+    model: str
+    to_version: str
+    steps: tuple[int, ...] = machine.DEFAULT_STEPS
+    interval_s: float | None = 30.0
+    max_error_rate: float = 0.01
+    max_latency_ratio: float = 1.5
+    min_requests: int = 50
+    ack_deadline_s: float = 30.0
+
+
+@dataclass
+class _Baseline:
+    step: int
+    step_started_at: float
+    counters: dict[str, EndpointCounters]
+
+
+class RolloutController:
+    """Holds the API layer; feeds the reconciler the effective fleet and routing overlay."""
+
+    def __init__(
+        self,
+        store: RolloutStore,
+        reconciler: Reconciler,
+        signals: SignalStore,
+        registry: ProxyRegistry,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.time,
+        tick_s: float = 1.0,
+    ) -> None:
+        self.store = store
+        self.reconciler = reconciler
+        self.signals = signals
+        self.registry = registry
+        self.metrics = metrics
+        self.clock = clock
+        self.tick_s = tick_s
+        self.file_fleet: Fleet | None = None
+        self.rollouts = {r.spec.model: r for r in store.all()}
+        self.layers = store.layers()
+        self.drains = store.drains()
+        self.figures: dict[str, tuple[VersionFigures, VersionFigures]] = {}
+        self._baselines: dict[str, _Baseline] = {}
+        self._changed = asyncio.Event()
+        resumed = [f"{m} at step {r.step + 1} ({r.phase})" for m, r in self.rollouts.items() if active(r)]
+        if resumed or self.drains:
+            log.info("rollout state restored", rollouts=resumed, drains=len(self.drains))
+
+    # ---- the file and what is served -----------------------------------------------------
+
+    def set_file_fleet(self, fleet: Fleet) -> None:
+        """A (re)loaded fleet file: drop layers it has moved past, abort rollouts it broke."""
+        self.file_fleet = fleet
+        stale = stale_layers(fleet, self.layers.values())
+        transitions: list[Transition] = []
+        for layer in stale:
+            transitions.append(
+                Transition(
+                    layer.model,
+                    "Completed",
+                    -1,
+                    0,
+                    f"the file's stable for {layer.model} changed from {layer.file_stable}; "
+                    "the file wins and the API's changes to the model are dropped",
+                )
+            )
+        aborted: list[Rollout] = []
+        by_name = {m.name: m for m in fleet.models}
+        for model, r in self.rollouts.items():
+            if not active(r):
+                continue
+            m = by_name.get(model)
+            why = (
+                "the model left the fleet file"
+                if m is None
+                else f"the file no longer has version {r.spec.canary}"
+                if r.spec.canary not in {v.name for v in m.versions}
+                else f"the file no longer has version {r.spec.stable}"
+                if r.spec.stable not in {v.name for v in m.versions}
+                else None
+            )
+            if why is None:
+                continue
+            a, effects = machine.apply(r, machine.Abort(f"{why}; aborted"))
+            aborted.append(a)
+            transitions += [e for e in effects if isinstance(e, Transition)]
+        if stale or aborted:
+            self.store.commit(
+                "fleet-file", transitions, rollouts=aborted, drop_layers=[x.model for x in stale]
+            )
+            for x in stale:
+                del self.layers[x.model]
+            for a in aborted:
+                self.rollouts[a.spec.model] = a
+                self.metrics.rollouts.aborts.labels(a.spec.model, "file").inc()
+                log.warning("rollout aborted by a file change", model=a.spec.model, reason=a.reason)
+            self._count(transitions)
+        self.publish()
+
+    def publish(self) -> None:
+        """Hand the reconciler the fleet as served and the routing overlay."""
+        if self.file_fleet is None:
+            return
+        fleet, overlay = effective(self.file_fleet, self.layers, self.rollouts, self.drains)
+        if fleet != self.reconciler.fleet:
+            self.reconciler.set_fleet(fleet)
+        self.reconciler.set_overlay(overlay)
+        self._export()
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_change(self, timeout_s: float) -> None:
+        """Return at the next change, or after `timeout_s`."""
+        event = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout_s)
+
+    # ---- rollout commands -----------------------------------------------------------------
+
+    def _model(self, name: str) -> Model:
+        fleet = self.file_fleet
+        if fleet is None:
+            raise CommandRejected("FAILED_PRECONDITION", "no fleet is loaded yet; fix the fleet file first")
+        for m in fleet.models:
+            if m.name == name:
+                return m
+        known = ", ".join(m.name for m in fleet.models) or "none"
+        raise CommandRejected("NOT_FOUND", f"unknown model {name!r} (the fleet has: {known})")
+
+    def stable_of(self, m: Model) -> str:
+        layer = self.layers.get(m.name)
+        if layer is not None and layer.file_stable == m.stable and layer.stable:
+            return layer.stable
+        return m.stable
+
+    def start(self, req: StartRequest, who: str) -> Rollout:
+        m = self._model(req.model)
+        versions = {v.name: v for v in m.versions}
+        if req.to_version not in versions:
+            raise CommandRejected(
+                "NOT_FOUND",
+                f"model {m.name} has no version {req.to_version!r} (it has: {', '.join(versions)}); "
+                "add it with its endpoints to the fleet file first",
+            )
+        current = self.rollouts.get(m.name)
+        if active(current) and current is not None:
+            raise CommandRejected(
+                "FAILED_PRECONDITION",
+                f"model {m.name} already has a rollout to {current.spec.canary} ({current.phase}); "
+                "abort it or let it finish first",
+            )
+        drained = {a for a, d in self.drains.items() if d.state == "drained"}
+        if all(ep.address in drained for ep in versions[req.to_version].endpoints):
+            raise CommandRejected(
+                "FAILED_PRECONDITION",
+                f"version {req.to_version} of {m.name} has no endpoints in service; undrain some first",
+            )
+        spec = RolloutSpec(
+            model=m.name,
+            stable=self.stable_of(m),
+            canary=req.to_version,
+            steps=req.steps,
+            interval_s=req.interval_s,
+            max_error_rate=req.max_error_rate,
+            max_latency_ratio=req.max_latency_ratio,
+            min_requests=req.min_requests,
+            ack_deadline_s=req.ack_deadline_s,
+        )
+        try:
+            r, effects = machine.start(spec, self.clock())
+        except RolloutRejected as e:
+            raise CommandRejected(e.code, str(e)) from None
+        # Both versions back in service, should an earlier rollout have retired either.
+        layer = self._layer(m)
+        for v in (spec.stable, spec.canary):
+            layer = layer.with_version(v, None, 0.0)
+        self._commit(r, effects, who, layer)
+        log.info("rollout started", model=m.name, stable=spec.stable, canary=spec.canary, who=who)
+        return r
+
+    def _layer(self, m: Model) -> ModelLayer:
+        layer = self.layers.get(m.name)
+        if layer is None or layer.file_stable != m.stable:
+            return ModelLayer(model=m.name, file_stable=m.stable)
+        return layer
+
+    def command(self, model: str, cmd: machine.Command, who: str) -> Rollout:
+        """Pause, Resume, Promote or Abort the model's rollout."""
+        self._model(model)
+        r = self.rollouts.get(model)
+        if r is None:
+            raise CommandRejected("NOT_FOUND", f"model {model} has no rollout; start one first")
+        try:
+            new, effects = machine.apply(r, cmd)
+        except RolloutRejected as e:
+            raise CommandRejected(e.code, str(e)) from None
+        if isinstance(cmd, machine.Abort):
+            self.metrics.rollouts.aborts.labels(model, "operator").inc()
+        self._commit(new, effects, who)
+        return new
+
+    def undo(self, model: str, who: str) -> Rollout:
+        """A new rollout back to the version a completed rollout replaced, with its settings."""
+        self._model(model)
+        r = self.rollouts.get(model)
+        if r is None:
+            raise CommandRejected("NOT_FOUND", f"model {model} has no rollout to undo")
+        if r.phase != "Completed":
+            raise CommandRejected(
+                "FAILED_PRECONDITION",
+                f"the rollout of {model} is {r.phase}; only a completed rollout can be undone "
+                + ("(abort a running one instead)" if active(r) else "(an aborted one left stable serving)"),
+            )
+        s = r.spec
+        return self.start(
+            StartRequest(
+                model,
+                s.stable,
+                s.steps,
+                s.interval_s,
+                s.max_error_rate,
+                s.max_latency_ratio,
+                s.min_requests,
+                s.ack_deadline_s,
+            ),
+            who,
+        )
+
+    def _commit(self, r: Rollout, effects: list[Effect], who: str, layer: ModelLayer | None = None) -> None:
+        """Store the rollout with what its effects do to the model's layer; then apply."""
+        m = self._model(r.spec.model)
+        layer = layer or self._layer(m)
+        now = self.clock()
+        for e in effects:
+            if isinstance(e, SetStable):
+                layer = replace(layer, stable=e.version)
+            elif isinstance(e, machine.Drain):
+                layer = layer.with_version(e.version, "draining", now)
+        transitions = [e for e in effects if isinstance(e, Transition)]
+        self.store.commit(who, transitions, rollouts=[r], layers=[layer])
+        self.rollouts[r.spec.model] = r
+        self.layers[m.name] = layer
+        self._count(transitions)
+        for t in transitions:
+            log.info(
+                "rollout transition",
+                model=t.model,
+                phase=t.phase,
+                step=t.step + 1,
+                weight=t.weight,
+                reason=t.reason,
+                who=who,
+            )
+        self.publish()
+
+    def _count(self, transitions: list[Transition]) -> None:
+        for t in transitions:
+            self.metrics.rollouts.transitions.labels(t.model, t.phase).inc()
+
+    def history(self, model: str) -> list[AuditRecord]:
+        self._model(model)
+        return self.store.audit(model)
+
+    # ---- endpoint drains ------------------------------------------------------------------
+
+    def endpoint_models(self, address: str) -> list[tuple[str, str]]:
+        """(model, version) pairs the address serves in the file."""
+        fleet = self.file_fleet
+        if fleet is None:
+            return []
+        return [
+            (m.name, v.name)
+            for m in fleet.models
+            for v in m.versions
+            for ep in v.endpoints
+            if ep.address == address
+        ]
+
+    def drain(self, address: str, timeout_s: float | None, reason: str, who: str) -> EndpointDrain:
+        served = self.endpoint_models(address)
+        if not served:
+            raise CommandRejected(
+                "NOT_FOUND",
+                f"no endpoint {address!r} in the fleet; `cpctl endpoints list` shows the addresses",
+            )
+        if timeout_s is not None and timeout_s <= 0:
+            raise CommandRejected("INVALID_ARGUMENT", "timeout: must be greater than 0 seconds")
+        current = self.drains.get(address)
+        if current is not None:
+            return current  # draining already: idempotent
+        d = EndpointDrain(
+            address,
+            "draining",
+            self.clock(),
+            timeout_s or DRAIN_TIMEOUT_S,
+            who,
+            reason or "drained by operator",
+        )
+        model = served[0][0]
+        self.store.commit(
+            who, [Transition(model, "Draining", -1, 0, f"endpoint {address}: {d.reason}")], drains=[d]
+        )
+        self.drains[address] = d
+        log.info("endpoint draining", address=address, who=who, reason=d.reason)
+        self.publish()
+        return d
+
+    def undrain(self, address: str, reason: str, who: str) -> None:
+        served = self.endpoint_models(address)
+        if not served and address not in self.drains:
+            raise CommandRejected("NOT_FOUND", f"no endpoint {address!r} in the fleet")
+        if address not in self.drains:
+            raise CommandRejected("FAILED_PRECONDITION", f"endpoint {address} is not draining or drained")
+        model = served[0][0] if served else ""
+        self.store.commit(
+            who,
+            [
+                Transition(
+                    model, "Undrained", -1, 0, f"endpoint {address}: {reason or 'undrained by operator'}"
+                )
+            ],
+            drop_drains=[address],
+        )
+        del self.drains[address]
+        log.info("endpoint undrained", address=address, who=who)
+        self.publish()
+
+    # ---- ticks ------------------------------------------------------------------------------
+
+    def proxies_without(self, cname: str) -> tuple[str, ...]:
+        """Connected Envoys (ADS, every cluster) that have not ACKed the cluster and its endpoints."""
+        out = []
+        for s in self.registry.streams.values():
+            cds = s.protocol.types.get(CLUSTER)
+            if s.service != ADS_SERVICE or cds is None or not cds.wildcard:
+                continue  # proxyless gRPC clients follow the stable version only
+            eds = s.protocol.types.get(ENDPOINT)
+            if cname not in cds.acked or eds is None or cname not in eds.acked:
+                out.append(s.protocol.node_id or s.peer)
+        return tuple(sorted(set(out)))
+
+    def _proxies_synced(self) -> bool:
+        return all(
+            s.protocol.status(ENDPOINT) == "SYNCED"
+            for s in self.registry.streams.values()
+            if ENDPOINT in s.protocol.types and s.protocol.types[ENDPOINT].requested
+        )
+
+    def _counters(self, model: str, addresses: list[str]) -> dict[str, EndpointCounters]:
+        return {a: self.signals.counters((model, a)) for a in addresses}
+
+    def _analyse(self, r: Rollout) -> machine.Analysis | None:
+        m = self._model(r.spec.model)
+        addrs = {v.name: [ep.address for ep in v.endpoints] for v in m.versions}
+        both = addrs.get(r.spec.canary, []) + addrs.get(r.spec.stable, [])
+        now = self._counters(m.name, both)
+        b = self._baselines.get(m.name)
+        if b is None or (b.step, b.step_started_at) != (r.step, r.step_started_at):
+            self._baselines[m.name] = _Baseline(r.step, r.step_started_at, now)
+            self.figures.pop(m.name, None)
+            return None
+        canary = figures(now, b.counters, addrs.get(r.spec.canary, []))
+        stable = figures(now, b.counters, addrs.get(r.spec.stable, []))
+        self.figures[m.name] = (canary, stable)
+        return analysis(canary, stable)
+
+    def tick(self) -> None:
+        """Advance running rollouts and drains by what the proxies and signals say now."""
+        if self.file_fleet is None:
+            return
+        now = self.clock()
+        for model, r in list(self.rollouts.items()):
+            if not active(r):
+                continue
+            unacked = self.proxies_without(cluster_name(model, r.spec.canary)) if r.step < 0 else ()
+            a = self._analyse(r) if r.step >= 0 else None
+            new, effects = machine.apply(r, machine.Tick(now, unacked, a))
+            if new != r:
+                if new.phase == "Aborted":
+                    self.metrics.rollouts.aborts.labels(model, "analysis").inc()
+                    log.warning("rollout aborted by analysis", model=model, reason=new.reason)
+                self._commit(new, effects, "controller")
+        self._tick_drains(now)
+        self._export()
+
+    def _in_flight(self, model: str, address: str) -> float:
+        load = self.signals.load((model, address), 1.0, time.monotonic())
+        in_progress = self.signals.lrs_totals((model, address), time.monotonic())[0]
+        return in_progress + load.running + load.waiting
+
+    def _drained(
+        self, models: list[str], addresses: list[str], since: float, timeout_s: float, now: float
+    ) -> str | None:
+        """Why the endpoints count as drained now, or None while they do not."""
+        if now - since >= timeout_s:
+            return f"the drain deadline ({timeout_s:g}s) passed"
+        if now - since < DRAIN_SETTLE_S or not self._proxies_synced():
+            return None
+        busy = sum(self._in_flight(m, a) for m in models for a in addresses)
+        return "no requests in flight" if busy <= 0 else None
+
+    def _tick_drains(self, now: float) -> None:
+        for address, d in list(self.drains.items()):
+            if d.state != "draining":
+                continue
+            models = [m for m, _ in self.endpoint_models(address)]
+            why = self._drained(models, [address], d.started_at, d.timeout_s, now)
+            if why is None:
+                continue
+            done = replace(d, state="drained")
+            self.store.commit(
+                "controller",
+                [
+                    Transition(
+                        models[0] if models else "", "Drained", -1, 0, f"endpoint {address} removed: {why}"
+                    )
+                ],
+                drains=[done],
+            )
+            self.drains[address] = done
+            log.info("endpoint drained and removed", address=address, why=why)
+            self.publish()
+        fleet = self.file_fleet
+        if fleet is None:
+            return
+        for m in fleet.models:
+            layer = self.layers.get(m.name)
+            if layer is None or layer.file_stable != m.stable:
+                continue
+            r = self.rollouts.get(m.name)
+            for version, (state, since) in list(layer.versions.items()):
+                if state != "draining" or (
+                    active(r) and r is not None and version in (r.spec.stable, r.spec.canary)
+                ):
+                    continue
+                eps = [ep.address for v in m.versions if v.name == version for ep in v.endpoints]
+                why = self._drained([m.name], eps, since, DRAIN_TIMEOUT_S, now)
+                if why is None:
+                    continue
+                layer = layer.with_version(version, "retired", now)
+                self.store.commit(
+                    "controller",
+                    [Transition(m.name, "Retired", -1, 0, f"version {version} drained and removed: {why}")],
+                    layers=[layer],
+                )
+                self.layers[m.name] = layer
+                log.info("version drained and removed", model=m.name, version=version, why=why)
+                self.publish()
+
+    async def run(self) -> None:
+        """Tick until cancelled."""
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                self.tick()
+            except Exception:
+                log.exception("rollout tick failed; retrying next tick")
+
+    # ---- metrics ------------------------------------------------------------------------------
+
+    def _export(self) -> None:
+        rm = self.metrics.rollouts
+        for model, r in self.rollouts.items():
+            for p in PHASES:
+                rm.phase.labels(model, p).set(1 if r.phase == p else 0)
+            rm.step.labels(model).set(r.step + 1)
+            for v, w in r.weights.items():
+                rm.version_weight.labels(model, v).set(w)
+            f = self.figures.get(model)
+            if f is not None and active(r):
+                rm.canary_error_rate.labels(model, r.spec.canary).set(f[0].error_rate)
+                rm.canary_error_rate.labels(model, r.spec.stable).set(f[1].error_rate)
+        for state in ("draining", "drained"):
+            rm.draining.labels(state).set(sum(1 for d in self.drains.values() if d.state == state))

@@ -1,0 +1,63 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListEndpointsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("address", "timeout_seconds", "reason")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    timeout_seconds: float
+    reason: str
+    def __init__(self, address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Endpoint(_message.Message):
+    __slots__ = ("model", "version", "address", "gpu", "state", "weight", "capacity", "running", "waiting", "in_flight", "kv_use", "latency_seconds", "error_rate", "signal_age_seconds", "drain_started_at")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    KV_USE_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_RATE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: str
+    address: str
+    gpu: str
+    state: str
+    weight: int
+    capacity: float
+    running: float
+    waiting: float
+    in_flight: float
+    kv_use: float
+    latency_seconds: float
+    error_rate: float
+    signal_age_seconds: float
+    drain_started_at: float
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., address: _Optional[str] = ..., gpu: _Optional[str] = ..., state: _Optional[str] = ..., weight: _Optional[int] = ..., capacity: _Optional[float] = ..., running: _Optional[float] = ..., waiting: _Optional[float] = ..., in_flight: _Optional[float] = ..., kv_use: _Optional[float] = ..., latency_seconds: _Optional[float] = ..., error_rate: _Optional[float] = ..., signal_age_seconds: _Optional[float] = ..., drain_started_at: _Optional[float] = ...) -> None: ...
+
+class ListEndpointsResponse(_message.Message):
+    __slots__ = ("endpoints",)
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    endpoints: _containers.RepeatedCompositeFieldContainer[Endpoint]
+    def __init__(self, endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ...) -> None: ...
