@@ -243,7 +243,7 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
                         address=ep.address,
                         gpu=ep.gpu or "",
                         state=state,
-                        weight=max(w, 0),
+                        weight=max(w, 0) if state in ("SERVING", "DRAINING", "HELD_OUT") else 0,
                         capacity=load.capacity,
                         running=load.running,
                         waiting=load.waiting,

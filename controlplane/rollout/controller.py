@@ -202,6 +202,21 @@ class RolloutController:
                 f"model {m.name} has no version {req.to_version!r} (it has: {', '.join(versions)}); "
                 "add it with its endpoints to the fleet file first",
             )
+        spec = RolloutSpec(
+            model=m.name,
+            stable=self.stable_of(m),
+            canary=req.to_version,
+            steps=req.steps,
+            interval_s=req.interval_s,
+            max_error_rate=req.max_error_rate,
+            max_latency_ratio=req.max_latency_ratio,
+            min_requests=req.min_requests,
+            ack_deadline_s=req.ack_deadline_s,
+        )
+        try:
+            spec.check()
+        except RolloutRejected as e:
+            raise CommandRejected(e.code, str(e)) from None
         current = self.rollouts.get(m.name)
         if active(current) and current is not None:
             raise CommandRejected(
@@ -215,17 +230,6 @@ class RolloutController:
                 "FAILED_PRECONDITION",
                 f"version {req.to_version} of {m.name} has no endpoints in service; undrain some first",
             )
-        spec = RolloutSpec(
-            model=m.name,
-            stable=self.stable_of(m),
-            canary=req.to_version,
-            steps=req.steps,
-            interval_s=req.interval_s,
-            max_error_rate=req.max_error_rate,
-            max_latency_ratio=req.max_latency_ratio,
-            min_requests=req.min_requests,
-            ack_deadline_s=req.ack_deadline_s,
-        )
         try:
             r, effects = machine.start(spec, self.clock())
         except RolloutRejected as e:

@@ -95,6 +95,7 @@ class ControlPlane:
     xds_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
+    extra_args: list[str] = field(default_factory=list)
     proc: Proc | None = None
 
     @property
@@ -129,6 +130,7 @@ class ControlPlane:
                 "json",
                 "--log-level",
                 "debug",
+                *self.extra_args,
             ],
             self.log_dir,
         )
@@ -462,3 +464,63 @@ class TrafficLoop:
         self._stop.set()
         self._thread.join(10)
         self.client.close()
+
+
+class Operator:
+    """The operator API over gRPC with the control plane's admin token (what cpctl does)."""
+
+    def __init__(self, cp: ControlPlane, token: str | None = None) -> None:
+        import grpc
+
+        from controlplane.v1 import endpoint_pb2_grpc, proxy_pb2_grpc, rollout_pb2_grpc
+
+        self.token = token if token is not None else (cp.state_dir / "admin-token").read_text().strip()
+        self.channel = grpc.insecure_channel(cp.admin)
+        self.rollouts = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        self.endpoints = endpoint_pb2_grpc.EndpointServiceStub(self.channel)
+        self.proxies = proxy_pb2_grpc.ProxyServiceStub(self.channel)
+
+    @property
+    def md(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}"), ("x-cpctl-user", "test")]
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class Traffic:
+    """`python -m controlplane.sim.traffic` as its own process: steady requests through Envoy,
+    every response recorded (time sent, status, emulated server, error)."""
+
+    def __init__(
+        self, port: int, model: str, log_dir: Path, rate: float = 100.0, name: str = "traffic"
+    ) -> None:
+        self.out = log_dir / f"{name}.jsonl"
+        self.proc = Proc(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "controlplane.sim.traffic",
+                "--url",
+                f"http://127.0.0.1:{port}",
+                "--model",
+                model,
+                "--rate",
+                str(rate),
+                "--out",
+                str(self.out),
+            ],
+            log_dir,
+        )
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.out.exists():
+            return []
+        lines = self.out.read_text().splitlines()
+        return [json.loads(x) for x in lines if x.endswith("}")]
+
+    def stop(self) -> list[dict[str, Any]]:
+        """Stop sending, wait for requests in flight, return every record."""
+        self.proc.stop()
+        return self.records()

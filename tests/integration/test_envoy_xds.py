@@ -114,7 +114,11 @@ def test_control_plane_restart_drops_no_request_and_envoy_resyncs(stack: Stack) 
         # Edit while the control plane is down, then bring it back on the same ports.
         stack.write({**MODELS, "llama": {"v1": ["l1", "l2", "l5"], "v2": ["l3"]}})
         restarted = ControlPlane(
-            cp.config, cp.log_dir, xds_port=cp.xds_port, metrics_port=cp.metrics_port, admin_port=cp.admin_port
+            cp.config,
+            cp.log_dir,
+            xds_port=cp.xds_port,
+            metrics_port=cp.metrics_port,
+            admin_port=cp.admin_port,
         )
         stack.cp = restarted.start()
         took = wait_until(

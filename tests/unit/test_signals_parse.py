@@ -40,6 +40,7 @@ def test_vllm_page_parses_into_the_right_load() -> None:
         latency_sum_s=150.0,
         latency_count=100.0,
         successes=100.0,
+        latency_buckets=((1.0, 60.0), (float("inf"), 100.0)),
     )
 
 
@@ -166,3 +167,9 @@ def test_the_renamed_per_token_histogram_is_used_alone_not_blended() -> None:
     assert parse_metrics(VLLM + renamed).token_latency_count == 400.0
     both = VLLM + TPOT + renamed.replace("400.0", "7.0")
     assert parse_metrics(both).token_latency_count == 400.0
+
+
+def test_a_bucket_without_le_is_refused() -> None:
+    page = VLLM.replace('le="1.0",', "")
+    with pytest.raises(MetricsPageInvalid, match="numeric 'le'"):
+        parse_metrics(page, "llama-3-8b")

@@ -96,7 +96,7 @@ def test_routes_header_then_body_then_404_then_400() -> None:
 def test_stable_selects_the_routed_cluster_and_tier_timeout() -> None:
     text = BASIC.replace("stable: v1", "stable: v2").replace("    params_b: 8\n", "    params_b: 70\n")
     rc = translate(parse_fleet(text)).by_type[ROUTE]["inference"]
-    default = [r for r in rc.virtual_hosts[0].routes if r.name == "header/llama-3-8b"][0]
+    default = next(r for r in rc.virtual_hosts[0].routes if r.name == "header/llama-3-8b")
     assert default.route.cluster == "llama-3-8b@v2"
     assert default.route.timeout.seconds == 180
     # Only the version header routes name the other version.

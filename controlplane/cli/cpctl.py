@@ -1,0 +1,644 @@
+"""`cpctl`: the operator CLI of the control plane's API (rollouts, endpoint drains, proxies).
+
+A thin gRPC client of `controlplane.v1` on the control plane's --admin-listen address. Every
+call carries `authorization: Bearer <token>` and `x-cpctl-user` (recorded in the audit trail).
+Exit codes: 0 ok, 1 server error, 2 bad arguments, 3 a watched rollout ended Aborted,
+4 no usable credential (missing token, UNAUTHENTICATED, PERMISSION_DENIED).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import getpass
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR, TOKEN_FILE_NAME
+from controlplane.cli import cpctl_output as out
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_ABORTED, EXIT_AUTH = 0, 1, 2, 3, 4
+DEFAULT_TOKEN_FILE = DEFAULT_STATE_DIR / TOKEN_FILE_NAME
+DEFAULT_RPC_TIMEOUT_S = 10.0
+DEFAULT_DRAIN_TIMEOUT_S = 120.0  # the server's default (rollout.controller.DRAIN_TIMEOUT_S)
+DRAIN_POLL_S = 0.5
+DRAIN_GRACE_S = 30.0  # --wait gives up this long after the drain's own timeout
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+class CliError(Exception):
+    """An expected failure: printed as one line, exit with `code`."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ---- argument types -----------------------------------------------------------------------
+
+
+def parse_duration(text: str) -> float:
+    """`30s`, `2m`, `500ms`, `1h` or a bare number of seconds -> seconds (> 0)."""
+    m = _DURATION.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a duration like 30s, 2m, 500ms or seconds, got {text!r}")
+    seconds = float(m.group(1)) * _UNIT_S[m.group(2)]
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text!r}")
+    return seconds
+
+
+def parse_steps(text: str) -> list[int]:
+    """`5,25,50,100` -> [5, 25, 50, 100]: integer percents 1-100 (the order is the server's
+    to judge, so that every rule about steps lives in one place)."""
+    steps = []
+    for part in text.split(","):
+        try:
+            value = int(part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated percents like 5,25,50,100, got {text!r}"
+            ) from None
+        if not 1 <= value <= 100:
+            raise argparse.ArgumentTypeError(f"each step is a percent 1-100, got {value} in {text!r}")
+        steps.append(value)
+    return steps
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+# ---- the parser ---------------------------------------------------------------------------
+
+EPILOG = f"""\
+examples:
+  cpctl rollout start llama --to v2 --steps 10,50,100 --interval 2m
+  cpctl rollout status llama -w
+  cpctl rollout promote llama --full
+  cpctl endpoints drain 10.0.0.7:8000 --wait
+  cpctl proxies
+  source <(cpctl completion bash)
+
+server: --server, else $CPCTL_SERVER, else {DEFAULT_ADMIN_LISTEN}
+token:  --token-file, else $CPCTL_TOKEN (the token itself), else
+        {DEFAULT_TOKEN_FILE}
+exit codes: 0 ok, 1 server error, 2 bad arguments, 3 watched rollout ended Aborted,
+            4 no valid token (missing, UNAUTHENTICATED, PERMISSION_DENIED)
+"""
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Wraps one-paragraph descriptions; keeps text with line breaks (the examples) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def _connection_flags(rpc_timeout: bool) -> argparse.ArgumentParser:
+    """The global flags; SUPPRESS keeps a subcommand's unset flag from hiding one set before it."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("connection")
+    g.add_argument(
+        "--server",
+        metavar="HOST:PORT",
+        default=argparse.SUPPRESS,
+        help=f"the control plane's operator API (--admin-listen); default: $CPCTL_SERVER or "
+        f"{DEFAULT_ADMIN_LISTEN}",
+    )
+    g.add_argument(
+        "--token-file",
+        metavar="FILE",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help=f"file holding the bearer token; default: the token in $CPCTL_TOKEN, else {DEFAULT_TOKEN_FILE}",
+    )
+    if rpc_timeout:
+        g.add_argument(
+            "--timeout",
+            metavar="SECONDS",
+            type=parse_duration,
+            default=argparse.SUPPRESS,
+            help="deadline of each call, e.g. 5s (default: 10s; `rollout status -w` has none)",
+        )
+    return p
+
+
+def _output_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-o", "--output", choices=out.FORMATS, default="table", help="output format (default: %(default)s)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    conn = _connection_flags(rpc_timeout=True)
+    conn_no_timeout = _connection_flags(rpc_timeout=False)
+    fmt = _Formatter
+    root = argparse.ArgumentParser(
+        prog="cpctl",
+        description="Operate the inference control plane: roll model versions out in canary steps, "
+        "drain endpoints, and see which proxies are in sync.",
+        epilog=EPILOG,
+        formatter_class=fmt,
+        parents=[conn],
+    )
+    groups = root.add_subparsers(dest="group", required=True, metavar="COMMAND")
+
+    def leaf(
+        sub: Any, name: str, summary: str, description: str, example: str, *, rpc_timeout: bool = True
+    ) -> argparse.ArgumentParser:
+        return sub.add_parser(  # type: ignore[no-any-return]
+            name,
+            help=summary,
+            description=description,
+            epilog=f"example:\n  {example}",
+            formatter_class=fmt,
+            parents=[conn if rpc_timeout else conn_no_timeout],
+        )
+
+    # rollout ...
+    rollout = groups.add_parser(
+        "rollout",
+        help="move a model's traffic to a new version in steps",
+        description="Canary rollouts: start, watch, pause, resume, promote, abort, undo, history.",
+        epilog="example:\n  cpctl rollout start llama --to v2 --manual",
+        formatter_class=fmt,
+    )
+    rs = rollout.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = leaf(
+        rs,
+        "start",
+        "start moving MODEL's traffic to --to VERSION",
+        "Start a rollout: the canary VERSION gets each --steps percent in turn, holding each step "
+        "for --interval (or until `cpctl rollout promote` with --manual) while its error rate and "
+        "p99 latency are compared with the stable version's; a failed analysis aborts at once. "
+        "Unset options take the server's defaults.",
+        "cpctl rollout start llama --to v2 --steps 5,25,50,100 --interval 30s",
+    )
+    s.add_argument("model", metavar="MODEL", help="the model, as clients name it")
+    s.add_argument("--to", dest="to_version", required=True, metavar="VERSION", help="the version to roll to")
+    s.add_argument(
+        "--steps", type=parse_steps, metavar="P,P,...", help="canary percents (default: 5,25,50,100)"
+    )
+    gate = s.add_mutually_exclusive_group()
+    gate.add_argument(
+        "--interval", type=parse_duration, metavar="DURATION", help="hold each step this long (default: 30s)"
+    )
+    gate.add_argument("--manual", action="store_true", help="advance only on `cpctl rollout promote`")
+    s.add_argument(
+        "--max-error-rate", type=_fraction, metavar="RATE", help="abort above this canary error rate (0.01)"
+    )
+    s.add_argument(
+        "--max-latency-ratio", type=_fraction, metavar="X", help="abort above canary p99 / stable p99 (1.5)"
+    )
+    s.add_argument(
+        "--min-requests", type=_count, metavar="N", help="canary requests before a step is judged (50)"
+    )
+    s.add_argument(
+        "--ack-deadline",
+        type=parse_duration,
+        metavar="DURATION",
+        help="pause if a proxy lacks the canary's cluster after this long (30s)",
+    )
+    s.set_defaults(func=cmd_start)
+
+    s = leaf(
+        rs,
+        "status",
+        "show MODEL's latest rollout",
+        "Show the model's latest rollout: phase, step, weights per version and the canary's "
+        "analysis against stable. With -w, follow it until it ends (exit 3 if it is aborted).",
+        "cpctl rollout status llama -w -o json",
+    )
+    s.add_argument("model", metavar="MODEL")
+    s.add_argument("-w", "--watch", action="store_true", help="follow every change until the rollout ends")
+    _output_flag(s)
+    s.set_defaults(func=cmd_status)
+
+    for name, summary, description in (
+        ("pause", "hold MODEL's rollout at its step", "Hold the rollout at its current weights."),
+        ("resume", "carry on a paused rollout", "Carry on a paused rollout from its step."),
+        (
+            "abort",
+            "send all of MODEL's traffic back to stable",
+            "All traffic back to the stable version at once; the canary's endpoints drain.",
+        ),
+        (
+            "undo",
+            "roll a completed rollout back",
+            "Start a new rollout, with the same settings, back to the version a completed rollout replaced.",
+        ),
+    ):
+        s = leaf(rs, name, summary, description, f"cpctl rollout {name} llama")
+        s.add_argument("model", metavar="MODEL")
+        if name in ("pause", "abort"):
+            s.add_argument("--reason", default="", metavar="TEXT", help="why, for the audit trail")
+        s.set_defaults(func=cmd_command, method=name.capitalize())
+
+    s = leaf(
+        rs,
+        "promote",
+        "move MODEL's rollout one step on",
+        "Move the rollout to its next step now, or with --full straight to 100% and completion.",
+        "cpctl rollout promote llama --full",
+    )
+    s.add_argument("model", metavar="MODEL")
+    s.add_argument("--full", action="store_true", help="to 100%% at once: the canary becomes stable")
+    s.set_defaults(func=cmd_command, method="Promote")
+
+    s = leaf(
+        rs,
+        "list",
+        "the latest rollout of every model",
+        "The latest rollout of every model.",
+        "cpctl rollout list",
+    )
+    _output_flag(s)
+    s.set_defaults(func=cmd_list)
+
+    s = leaf(
+        rs,
+        "history",
+        "MODEL's audit trail",
+        "Who did what to the model's rollouts and drains, when and why (times are local).",
+        "cpctl rollout history llama",
+    )
+    s.add_argument("model", metavar="MODEL")
+    _output_flag(s)
+    s.set_defaults(func=cmd_history)
+
+    # endpoints ...
+    eps = groups.add_parser(
+        "endpoints",
+        help="list, drain and undrain GPU servers",
+        description="Endpoints: their state, EDS weight and load; drain one for maintenance.",
+        epilog="example:\n  cpctl endpoints list --model llama",
+        formatter_class=fmt,
+    )
+    es = eps.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = leaf(
+        es,
+        "list",
+        "every endpoint with its state, weight and load",
+        "Every endpoint of the fleet with its state (SERVING, HELD_OUT, DRAINING, DRAINED, RETIRED), "
+        "EDS weight, load and latency.",
+        "cpctl endpoints list --model llama -o json",
+    )
+    s.add_argument("--model", default="", metavar="MODEL", help="only this model's endpoints")
+    _output_flag(s)
+    s.set_defaults(func=cmd_endpoints)
+    s = leaf(
+        es,
+        "drain",
+        "stop sending ADDRESS new requests",
+        "Mark the endpoint DRAINING (no new requests); once idle, or after --timeout, it is removed "
+        "from EDS (DRAINED). The global --timeout must come before `endpoints` here.",
+        "cpctl endpoints drain 10.0.0.7:8000 --reason 'driver update' --wait",
+        rpc_timeout=False,
+    )
+    s.add_argument("address", metavar="ADDRESS", help="HOST:PORT as in the fleet file")
+    s.add_argument(
+        "--timeout",
+        dest="drain_timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="remove it after this even with requests in flight (default: 120s)",
+    )
+    s.add_argument("--reason", default="", metavar="TEXT", help="why, for the audit trail")
+    s.add_argument("--wait", action="store_true", help="wait until it is DRAINED, printing progress")
+    s.set_defaults(func=cmd_drain)
+    s = leaf(
+        es,
+        "undrain",
+        "bring a draining or drained endpoint back",
+        "Bring a draining or drained endpoint back into service.",
+        "cpctl endpoints undrain 10.0.0.7:8000",
+    )
+    s.add_argument("address", metavar="ADDRESS")
+    s.set_defaults(func=cmd_undrain)
+
+    s = leaf(
+        groups,
+        "proxies",
+        "connected proxies and their xDS sync status",
+        "One row per connected xDS stream (Envoy or proxyless gRPC) with the status of each "
+        "type: SYNCED, STALE (an update not ACKed yet), NACKED, NOT_SENT; then the last NACKs.",
+        "cpctl proxies -o yaml",
+    )
+    _output_flag(s)
+    s.set_defaults(func=cmd_proxies)
+
+    s = groups.add_parser(
+        "completion",
+        help="print a shell completion script",
+        description="Print a completion script for bash or zsh.",
+        epilog="example:\n  source <(cpctl completion bash)    # or add it to ~/.bashrc",
+        formatter_class=fmt,
+    )
+    s.add_argument("shell", choices=["bash", "zsh"])
+    s.set_defaults(func=None)
+    return root
+
+
+# ---- the connection -----------------------------------------------------------------------
+
+
+def resolve_token(token_file: Path | None, env: Mapping[str, str]) -> str:
+    """--token-file, else $CPCTL_TOKEN, else the default token file; CliError(exit 4) if none."""
+    from controlplane.admin.auth import TokenFileError, read_token
+
+    how = "pass --token-file FILE or set CPCTL_TOKEN"
+    if token_file is None and env.get("CPCTL_TOKEN", "").strip():
+        token = env["CPCTL_TOKEN"].strip()
+        if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
+            raise CliError("CPCTL_TOKEN: a token is one word of printable ASCII", EXIT_AUTH)
+        return token
+    path = token_file or DEFAULT_TOKEN_FILE
+    try:
+        token = read_token(path)
+    except TokenFileError as e:
+        raise CliError(f"{e}; {how} (serve writes it to <state-dir>/{TOKEN_FILE_NAME})", EXIT_AUTH) from None
+    if not token.isascii() or not token.isprintable():
+        raise CliError(f"{path}: a token is one word of printable ASCII", EXIT_AUTH)
+    return token
+
+
+def _user() -> str:
+    user = os.environ.get("USER", "")
+    if not user:
+        with contextlib.suppress(Exception):
+            user = getpass.getuser()
+    return "".join(c if c.isascii() and c.isprintable() else "?" for c in user) or "unknown"
+
+
+class Client:
+    """A gRPC channel to the operator API, and its calls with token and user metadata."""
+
+    def __init__(self, server: str, token: str, timeout: float) -> None:
+        import grpc
+
+        from controlplane.v1 import endpoint_pb2_grpc, proxy_pb2_grpc, rollout_pb2_grpc
+
+        self.server = server
+        self.timeout = timeout
+        self.metadata = (("authorization", f"Bearer {token}"), ("x-cpctl-user", _user()))
+        self.channel = grpc.insecure_channel(server)
+        self.rollouts = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        self.endpoints = endpoint_pb2_grpc.EndpointServiceStub(self.channel)
+        self.proxies = proxy_pb2_grpc.ProxyServiceStub(self.channel)
+
+    def call(self, method: Callable[..., Any], request: Any) -> Any:
+        return method(request, timeout=self.timeout, metadata=self.metadata)
+
+    def stream(self, method: Callable[..., Any], request: Any) -> Any:
+        return method(request, metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def rpc_error_line(e: Exception, server: str) -> tuple[str, int]:
+    """A gRPC error as (the one line to print, the exit code)."""
+    import grpc
+
+    code = e.code() if isinstance(e, grpc.Call) else None
+    details = (e.details() if isinstance(e, grpc.Call) else None) or str(e) or "no details"
+    details = " ".join(str(details).split())
+    name = code.name if code is not None else "UNKNOWN"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        details += f"; is the control plane running at {server}? (--server or CPCTL_SERVER)"
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        details += " (raise --timeout?)"
+    exit_code = (
+        EXIT_AUTH
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+        else EXIT_ERROR
+    )
+    return f"cpctl: {name}: {details}", exit_code
+
+
+# ---- commands -----------------------------------------------------------------------------
+
+
+def _emit(text: str) -> None:
+    print(text, flush=True)
+
+
+def cmd_start(c: Client, args: argparse.Namespace) -> int:
+    from controlplane.v1 import rollout_pb2
+
+    req = rollout_pb2.StartRolloutRequest(model=args.model, to_version=args.to_version, manual=args.manual)
+    if args.steps:
+        req.steps.extend(args.steps)
+    if args.interval is not None:
+        req.interval_seconds = args.interval
+    for field, value in (
+        ("max_error_rate", args.max_error_rate),
+        ("max_latency_ratio", args.max_latency_ratio),
+        ("min_requests", args.min_requests),
+        ("ack_deadline_seconds", args.ack_deadline),
+    ):
+        if value is not None:
+            setattr(req, field, value)
+    _emit(out.summary_line(c.call(c.rollouts.Start, req)))
+    return EXIT_OK
+
+
+def cmd_command(c: Client, args: argparse.Namespace) -> int:
+    from controlplane.v1 import rollout_pb2
+
+    req = rollout_pb2.RolloutCommand(
+        model=args.model, full=getattr(args, "full", False), reason=getattr(args, "reason", "")
+    )
+    _emit(out.summary_line(c.call(getattr(c.rollouts, args.method), req)))
+    return EXIT_OK
+
+
+def _show_rollout(r: Any, fmt: str, *, watching: bool, first: bool) -> None:
+    if fmt != "table":
+        doc = out.dump(out.rollout_to_dict(r), fmt, one_line=watching)
+        _emit("---\n" + doc if watching and fmt == "yaml" else doc)
+        return
+    text = out.rollout_table(r, now=time.time())
+    if watching and sys.stdout.isatty():
+        sys.stdout.write(
+            CLEAR_SCREEN + text + f"\n\n(watching; updated {time.strftime('%H:%M:%S')}; Ctrl-C stops)\n"
+        )
+        sys.stdout.flush()
+    else:
+        _emit(("" if first else "\n") + text if watching else text)
+
+
+def cmd_status(c: Client, args: argparse.Namespace) -> int:
+    from controlplane.v1 import rollout_pb2
+
+    req = rollout_pb2.GetRolloutRequest(model=args.model)
+    if not args.watch:
+        _show_rollout(c.call(c.rollouts.Get, req), args.output, watching=False, first=True)
+        return EXIT_OK
+    last = None
+    stream = c.stream(c.rollouts.Watch, req)
+    try:
+        for r in stream:
+            _show_rollout(r, args.output, watching=True, first=last is None)
+            last = r
+    finally:
+        stream.cancel()
+    return EXIT_ABORTED if last is not None and last.phase == "Aborted" else EXIT_OK
+
+
+def cmd_list(c: Client, args: argparse.Namespace) -> int:
+    from controlplane.v1 import rollout_pb2
+
+    rs = list(c.call(c.rollouts.List, rollout_pb2.ListRolloutsRequest()).rollouts)
+    if args.output == "table":
+        _emit(out.rollouts_table(rs))
+    else:
+        _emit(out.dump({"rollouts": [out.rollout_to_dict(r) for r in rs]}, args.output))
+    return EXIT_OK
+
+
+def cmd_history(c: Client, args: argparse.Namespace) -> int:
+    from controlplane.v1 import rollout_pb2
+
+    records = list(c.call(c.rollouts.History, rollout_pb2.GetRolloutRequest(model=args.model)).records)
+    if args.output == "table":
+        _emit(out.history_table(records))
+    else:
+        doc = {"model": args.model, "records": [out.record_to_dict(a) for a in records]}
+        _emit(out.dump(doc, args.output))
+    return EXIT_OK
+
+
+def cmd_endpoints(c: Client, args: argparse.Namespace) -> int:
+    from controlplane.v1 import endpoint_pb2
+
+    eps = list(c.call(c.endpoints.List, endpoint_pb2.ListEndpointsRequest(model=args.model)).endpoints)
+    if args.output == "table":
+        _emit(out.endpoints_table(eps))
+    else:
+        _emit(out.dump({"endpoints": [out.endpoint_to_dict(e) for e in eps]}, args.output))
+    return EXIT_OK
+
+
+def cmd_drain(c: Client, args: argparse.Namespace) -> int:
+    from controlplane.v1 import endpoint_pb2
+
+    req = endpoint_pb2.DrainRequest(
+        address=args.address, timeout_seconds=args.drain_timeout or 0, reason=args.reason
+    )
+    e = c.call(c.endpoints.Drain, req)
+    _emit(f"{e.address} ({e.model} {e.version}): {e.state}")
+    if not args.wait:
+        return EXIT_OK
+    give_up = (args.drain_timeout or DEFAULT_DRAIN_TIMEOUT_S) + DRAIN_GRACE_S
+    start = time.monotonic()
+    shown = (e.state, e.in_flight)
+    while e.state != "DRAINED":
+        if time.monotonic() - start > give_up:
+            raise CliError(f"{args.address} is still {e.state} after {give_up:g}s; stopped waiting")
+        time.sleep(DRAIN_POLL_S)
+        found = [
+            x
+            for x in c.call(c.endpoints.List, endpoint_pb2.ListEndpointsRequest()).endpoints
+            if x.address == args.address
+        ]
+        if not found:
+            raise CliError(f"{args.address} is no longer in the fleet")
+        e = found[0]
+        if (e.state, e.in_flight) != shown and e.state != "DRAINED":
+            shown = (e.state, e.in_flight)
+            elapsed = time.monotonic() - start
+            _emit(f"  {out.seconds_text(elapsed):>6}  {e.state}, {out.number_text(e.in_flight)} in flight")
+    _emit(f"{args.address}: DRAINED after {out.seconds_text(time.monotonic() - start)}")
+    return EXIT_OK
+
+
+def cmd_undrain(c: Client, args: argparse.Namespace) -> int:
+    from controlplane.v1 import endpoint_pb2
+
+    e = c.call(c.endpoints.Undrain, endpoint_pb2.DrainRequest(address=args.address))
+    _emit(f"{e.address} ({e.model} {e.version}): {e.state}")
+    return EXIT_OK
+
+
+def cmd_proxies(c: Client, args: argparse.Namespace) -> int:
+    from controlplane.v1 import proxy_pb2
+
+    ps = list(c.call(c.proxies.List, proxy_pb2.ListProxiesRequest()).proxies)
+    if args.output == "table":
+        _emit(out.proxies_table(ps))
+    else:
+        _emit(out.dump({"proxies": [out.proxy_to_dict(p) for p in ps]}, args.output))
+    return EXIT_OK
+
+
+# ---- main ---------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.group == "completion":
+        _emit(out.completion_script(parser, args.shell).rstrip("\n"))
+        return EXIT_OK
+    server = getattr(args, "server", None) or os.environ.get("CPCTL_SERVER") or DEFAULT_ADMIN_LISTEN
+    if ":" not in server:
+        parser.error(f"--server: expected HOST:PORT, got {server!r}")
+    try:
+        token = resolve_token(getattr(args, "token_file", None), os.environ)
+        client = Client(server, token, getattr(args, "timeout", DEFAULT_RPC_TIMEOUT_S))
+    except CliError as e:
+        print(f"cpctl: {e}", file=sys.stderr)
+        return e.code
+    import grpc
+
+    try:
+        return int(args.func(client, args))
+    except CliError as e:
+        print(f"cpctl: {e}", file=sys.stderr)
+        return e.code
+    except grpc.RpcError as e:
+        line, code = rpc_error_line(e, server)
+        print(line, file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) went away: stop quietly, without a second error at exit.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

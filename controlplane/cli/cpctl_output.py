@@ -1,0 +1,397 @@
+"""What `cpctl` prints: protobuf messages -> plain dicts (json, yaml) and tables for people,
+plus the shell completion script generated from the argument parser.
+
+Everything here is pure (messages in, text out), so it is unit-tested without a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import yaml
+
+from controlplane.v1 import endpoint_pb2, proxy_pb2, rollout_pb2
+
+FORMATS = ("table", "json", "yaml")
+XDS_TYPES = ("cds", "eds", "lds", "rds")
+
+# ---- values -------------------------------------------------------------------------------
+
+
+def seconds_text(s: float) -> str:
+    """0.25 -> 250ms, 1.5 -> 1.5s, 90 -> 1m30s, 120 -> 2m."""
+    if s < 1:
+        return f"{s * 1000:.0f}ms"
+    if s < 60:
+        return f"{s:.3g}s"
+    minutes, rest = divmod(round(s), 60)
+    return f"{minutes}m{rest}s" if rest else f"{minutes}m"
+
+
+def percent_text(rate: float) -> str:
+    """0.0123 -> 1.23%."""
+    return f"{rate * 100:.2f}%"
+
+
+def number_text(x: float) -> str:
+    """A count that may be fractional: 3.0 -> 3, 2.5 -> 2.5."""
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
+def local_time(unix: float) -> str:
+    """Unix time -> local ISO time with its offset, to the second."""
+    return datetime.datetime.fromtimestamp(unix).astimezone().isoformat(timespec="seconds")
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """Left-aligned columns, two spaces apart; no trailing spaces."""
+    all_rows = [list(headers), *(list(r) for r in rows)]
+    widths = [max(len(r[i]) for r in all_rows) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in all_rows)
+
+
+def dump(doc: Any, fmt: str, *, one_line: bool = False) -> str:
+    """A document as json (indented, or on one line) or yaml (keys in the order given)."""
+    if fmt == "json":
+        return json.dumps(doc, separators=(",", ":")) if one_line else json.dumps(doc, indent=2)
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False).rstrip("\n")
+
+
+# ---- rollouts -----------------------------------------------------------------------------
+
+
+def analysis_to_dict(va: rollout_pb2.VersionAnalysis) -> dict[str, Any]:
+    return {
+        "version": va.version,
+        "requests": va.requests,
+        "error_rate": va.error_rate,
+        "p99_seconds": va.p99_seconds if va.HasField("p99_seconds") else None,
+    }
+
+
+def ordered_weights(r: rollout_pb2.Rollout) -> dict[str, int]:
+    """version -> percent: stable first, then the canary, then any other version by name."""
+    first = [v for v in (r.stable_version, r.canary_version) if v in r.weights]
+    rest = sorted(v for v in r.weights if v not in first)
+    return {v: int(r.weights[v]) for v in (*dict.fromkeys(first), *rest)}
+
+
+def rollout_to_dict(r: rollout_pb2.Rollout) -> dict[str, Any]:
+    """The rollout as a plain dict with snake_case keys; `canary` and `stable` only when the
+    server sent analysis figures (while the rollout runs)."""
+    d: dict[str, Any] = {
+        "model": r.model,
+        "phase": r.phase,
+        "step": r.step,
+        "steps": list(r.steps),
+        "weights": ordered_weights(r),
+        "stable_version": r.stable_version,
+        "canary_version": r.canary_version,
+        "reason": r.reason,
+        "manual": r.manual,
+        "interval_seconds": r.interval_seconds,
+        "max_error_rate": r.max_error_rate,
+        "max_latency_ratio": r.max_latency_ratio,
+        "min_requests": r.min_requests,
+        "ack_deadline_seconds": r.ack_deadline_seconds,
+        "step_started_at": r.step_started_at,
+    }
+    if r.HasField("canary"):
+        d["canary"] = analysis_to_dict(r.canary)
+    if r.HasField("stable"):
+        d["stable"] = analysis_to_dict(r.stable)
+    return d
+
+
+def step_text(r: rollout_pb2.Rollout) -> str:
+    """2/4 (25%), or 0/4 while the proxies have not all got the canary yet."""
+    total = len(r.steps)
+    if r.step == 0:
+        return f"0/{total} (waiting for every proxy to have the canary)"
+    if 0 < r.step <= total:
+        return f"{r.step}/{total} ({r.steps[r.step - 1]}%)"
+    return f"{r.step}/{total}"
+
+
+def weights_text(r: rollout_pb2.Rollout) -> str:
+    return ", ".join(f"{v} {w}%" for v, w in ordered_weights(r).items()) or "-"
+
+
+def summary_line(r: rollout_pb2.Rollout) -> str:
+    """One line after a command: llama: Progressing, step 1/4 (5%), v1 95%, v2 5%."""
+    return f"{r.model}: {r.phase}, step {step_text(r)}, {weights_text(r)}"
+
+
+def rollout_table(r: rollout_pb2.Rollout, now: float | None = None) -> str:
+    """The short human view of one rollout (`cpctl rollout status`)."""
+    gates = (
+        "manual gates (cpctl rollout promote)" if r.manual else f"every {seconds_text(r.interval_seconds)}"
+    )
+    lines = [
+        f"Model:    {r.model}",
+        f"Phase:    {r.phase}",
+        f"Step:     {step_text(r)}  [{', '.join(f'{s}%' for s in r.steps)}; {gates}]",
+        f"Weights:  {weights_text(r)}",
+        f"Stable:   {r.stable_version}",
+        f"Canary:   {r.canary_version}",
+        f"Reason:   {r.reason or '-'}",
+    ]
+    if r.step_started_at and now is not None and r.phase in ("Progressing", "Paused"):
+        lines.append(
+            f"Since:    {local_time(r.step_started_at)} ({seconds_text(max(now - r.step_started_at, 0))} ago)"
+        )
+    figures = [(role, getattr(r, role)) for role in ("canary", "stable") if r.HasField(role)]
+    if figures:
+        lines.append("Analysis (since the step began):")
+        rows = [
+            [
+                va.version,
+                role,
+                number_text(va.requests),
+                percent_text(va.error_rate),
+                seconds_text(va.p99_seconds) if va.HasField("p99_seconds") else "-",
+            ]
+            for role, va in figures
+        ]
+        sub = table(["VERSION", "ROLE", "REQUESTS", "ERRORS", "P99"], rows)
+        lines += ["  " + line for line in sub.splitlines()]
+        lines.append(
+            f"  limits: errors <= {percent_text(r.max_error_rate)}, p99 <= {r.max_latency_ratio:g}x stable, "
+            f"judged from {r.min_requests} canary requests"
+        )
+    return "\n".join(lines)
+
+
+def rollouts_table(rollouts: Sequence[rollout_pb2.Rollout]) -> str:
+    if not rollouts:
+        return "no rollouts yet (start one with `cpctl rollout start MODEL --to VERSION`)"
+    rows = [
+        [
+            r.model,
+            r.phase,
+            step_text(r).split(" ")[0],
+            weights_text(r),
+            r.stable_version,
+            r.canary_version,
+            r.reason,
+        ]
+        for r in rollouts
+    ]
+    return table(["MODEL", "PHASE", "STEP", "WEIGHTS", "STABLE", "CANARY", "REASON"], rows)
+
+
+def record_to_dict(a: rollout_pb2.AuditRecord) -> dict[str, Any]:
+    return {
+        "at": a.at,
+        "time": local_time(a.at),
+        "who": a.who,
+        "phase": a.phase,
+        "step": a.step,
+        "weight": a.weight,
+        "reason": a.reason,
+    }
+
+
+def history_table(records: Sequence[rollout_pb2.AuditRecord]) -> str:
+    if not records:
+        return "no history"
+    rows = [[local_time(a.at), a.phase, str(a.step), f"{a.weight}%", a.who, a.reason] for a in records]
+    return table(["TIME", "PHASE", "STEP", "CANARY", "WHO", "REASON"], rows)
+
+
+# ---- endpoints ----------------------------------------------------------------------------
+
+
+def endpoint_to_dict(e: endpoint_pb2.Endpoint) -> dict[str, Any]:
+    return {
+        "model": e.model,
+        "version": e.version,
+        "address": e.address,
+        "gpu": e.gpu,
+        "state": e.state,
+        "weight": e.weight,
+        "capacity": e.capacity,
+        "running": e.running,
+        "waiting": e.waiting,
+        "in_flight": e.in_flight,
+        "kv_use": e.kv_use,
+        "latency_seconds": e.latency_seconds if e.HasField("latency_seconds") else None,
+        "error_rate": e.error_rate,
+        "signal_age_seconds": e.signal_age_seconds if e.signal_age_seconds >= 0 else None,
+        "drain_started_at": e.drain_started_at or None,
+    }
+
+
+def endpoints_table(endpoints: Sequence[endpoint_pb2.Endpoint]) -> str:
+    if not endpoints:
+        return "no endpoints"
+    rows = [
+        [
+            e.model,
+            e.version,
+            e.address,
+            e.gpu or "-",
+            e.state,
+            str(e.weight),
+            number_text(e.running),
+            number_text(e.waiting),
+            number_text(e.in_flight),
+            seconds_text(e.latency_seconds) if e.HasField("latency_seconds") else "-",
+            percent_text(e.error_rate),
+        ]
+        for e in endpoints
+    ]
+    headers = ["MODEL", "VERSION", "ADDRESS", "GPU", "STATE", "WEIGHT", "RUNNING", "WAITING", "IN-FLIGHT"]
+    return table([*headers, "LATENCY", "ERRORS"], rows)
+
+
+# ---- proxies ------------------------------------------------------------------------------
+
+
+def proxy_to_dict(p: proxy_pb2.Proxy) -> dict[str, Any]:
+    return {
+        "node_id": p.node_id,
+        "node_cluster": p.node_cluster,
+        "address": p.address,
+        "user_agent": p.user_agent,
+        "service": p.service,
+        "transport": p.transport,
+        "connected_seconds": p.connected_seconds,
+        "types": {
+            t.type: {
+                "status": t.status,
+                "acked_version": t.acked_version,
+                "last_nack": t.last_nack,
+                "resources": t.resources,
+            }
+            for t in p.types
+        },
+    }
+
+
+def proxies_table(proxies: Sequence[proxy_pb2.Proxy]) -> str:
+    """One row per xDS stream with each type's sync status, then the last NACK messages."""
+    if not proxies:
+        return "no proxies connected"
+    rows = []
+    nacks = []
+    for p in proxies:
+        by_type = {t.type: t for t in p.types}
+        node = p.node_id or "-"
+        rows.append(
+            [node, p.address, p.transport, *(by_type[x].status if x in by_type else "-" for x in XDS_TYPES)]
+        )
+        nacks += [
+            f"  {node} ({p.address}) {x.upper()}: {by_type[x].last_nack}"
+            for x in XDS_TYPES
+            if x in by_type and by_type[x].last_nack
+        ]
+    out = table(["NODE", "ADDRESS", "TRANSPORT", *(x.upper() for x in XDS_TYPES)], rows)
+    if nacks:
+        out += "\n\nLast NACKs:\n" + "\n".join(nacks)
+    return out
+
+
+# ---- shell completion ---------------------------------------------------------------------
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _walk(
+    parser: argparse.ArgumentParser, path: str = ""
+) -> Iterable[tuple[str, argparse.ArgumentParser, list[str]]]:
+    """(command path, its parser, its subcommand names) for the parser and every subcommand."""
+    subs = _subcommands(parser)
+    yield path, parser, list(subs)
+    for name, sub in subs.items():
+        yield from _walk(sub, f"{path} {name}".strip())
+
+
+def completion_script(parser: argparse.ArgumentParser, shell: str) -> str:
+    """A bash completion script for every command path, flag and flag value choice of
+    `parser`; for zsh, the same script run through bashcompinit."""
+    prog = parser.prog
+    fn = "_" + prog.replace("-", "_")
+    words: list[str] = []
+    flags: list[str] = []
+    choices: list[str] = []
+    takes_value: set[str] = set()
+    files: set[str] = set()
+    for path, p, subs in _walk(parser):
+        opts = sorted(o for a in p._actions for o in a.option_strings if a.help != argparse.SUPPRESS)
+        words.append(f'        "{path}") echo "{" ".join(subs)}" ;;')
+        flags.append(f'        "{path}") echo "{" ".join(opts)}" ;;')
+        for a in p._actions:
+            if not a.option_strings or a.nargs == 0:
+                continue
+            takes_value.update(a.option_strings)
+            if a.choices:
+                values = " ".join(str(c) for c in a.choices)
+                choices += [f'        "{path}|{o}") echo "{values}" ;;' for o in a.option_strings]
+            elif a.metavar in ("FILE", "DIR"):
+                files.update(a.option_strings)
+        for a in p._actions:
+            if not a.option_strings and a.choices and not subs:
+                choices.append(f'        "{path}|") echo "{" ".join(str(c) for c in a.choices)}" ;;')
+    script = f"""\
+# {shell} completion for {prog}; load it with: source <({prog} completion {shell})
+{fn}_words() {{
+    case "$1" in
+{chr(10).join(words)}
+    esac
+}}
+{fn}_flags() {{
+    case "$1" in
+{chr(10).join(flags)}
+    esac
+}}
+{fn}_choices() {{
+    case "$1" in
+{chr(10).join(choices)}
+    esac
+}}
+{fn}() {{
+    local cur="${{COMP_WORDS[COMP_CWORD]}}" prev="" path="" i w kids
+    (( COMP_CWORD > 0 )) && prev="${{COMP_WORDS[COMP_CWORD-1]}}"
+    for (( i = 1; i < COMP_CWORD; i++ )); do
+        w="${{COMP_WORDS[i]}}"
+        kids=" $({fn}_words "$path") "
+        [[ "$w" != -* && "$kids" == *" $w "* ]] && path="${{path:+$path }}$w"
+    done
+    case "$prev" in
+        {"|".join(sorted(files)) or "--no-such-flag"})
+            COMPREPLY=($(compgen -f -- "$cur")); return ;;
+    esac
+    local values="$({fn}_choices "$path|$prev")"
+    if [[ -n "$values" ]]; then
+        COMPREPLY=($(compgen -W "$values" -- "$cur")); return
+    fi
+    case "$prev" in
+        {"|".join(sorted(takes_value))}) COMPREPLY=(); return ;;
+    esac
+    if [[ "$cur" == -* ]]; then
+        COMPREPLY=($(compgen -W "$({fn}_flags "$path")" -- "$cur"))
+    else
+        w="$({fn}_words "$path")"
+        [[ -z "$w" ]] && w="$({fn}_choices "$path|")"
+        COMPREPLY=($(compgen -W "$w" -- "$cur"))
+    fi
+}}
+complete -F {fn} {prog}
+"""
+    if shell == "zsh":
+        script = (
+            "# zsh: bash-style completion through bashcompinit\n"
+            "(( $+functions[compdef] )) || { autoload -Uz compinit && compinit; }\n"
+            "autoload -Uz bashcompinit && bashcompinit\n" + script
+        )
+    return script

@@ -1,0 +1,298 @@
+"""The real `cpctl` console script against a real control plane (`controlplane serve`).
+
+One control plane serves the module: model llama with versions v1 and v2 (for rollouts) and
+model mistral (for drains), on addresses where nothing listens. No traffic is needed: with no
+Envoy connected, a rollout's first step goes live at the next tick. Every test runs `cpctl`
+as a subprocess and checks its exit code, stdout and the one line it prints to stderr on
+failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.integration.harness import BIN, ControlPlane, free_port, wait_until
+
+FLEET = """\
+listener: {{port: {listener}}}
+tiers:
+  small: {{max_params_b: 15, timeout: 30s}}
+models:
+  llama:
+    params_b: 8
+    stable: v1
+    versions:
+      v1: {{endpoints: ['{a}']}}
+      v2: {{endpoints: ['{b}']}}
+  mistral:
+    params_b: 7
+    stable: v1
+    versions:
+      v1: {{endpoints: ['{c}', {{address: '{d}', gpu: A100}}]}}
+"""
+USER = "cpctl-tester"
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+@dataclass
+class Cpctl:
+    cp: ControlPlane
+    addresses: tuple[str, ...]  # llama v1, llama v2, mistral v1 (two)
+
+    @property
+    def token_file(self) -> Path:
+        return self.cp.state_dir / "admin-token"
+
+    def __call__(self, *args: str, auth: bool = True, env: dict[str, str] | None = None) -> Run:
+        script = BIN / "cpctl"
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "controlplane.cli.cpctl"]
+        flags = ["--server", self.cp.admin]
+        if auth:
+            flags += ["--token-file", str(self.token_file)]
+        base = {k: v for k, v in os.environ.items() if not k.startswith("CPCTL_")}
+        p = subprocess.run(
+            [*command, *flags, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**base, "USER": USER, **(env or {})},
+        )
+        assert "Traceback" not in p.stderr, p.stderr
+        return Run(p.returncode, p.stdout, p.stderr)
+
+    def fails(self, code: int, status: str, *args: str, **kw: Any) -> str:
+        """Run, expect exit `code` and one stderr line `cpctl: STATUS: ...`; return that line."""
+        r = self(*args, **kw)
+        assert r.code == code, (r.code, r.out, r.err)
+        assert r.err.startswith(f"cpctl: {status}: "), r.err
+        assert r.err.count("\n") == 1, r.err
+        return r.err
+
+    def status(self) -> dict[str, Any]:
+        r = self("rollout", "status", "llama", "-o", "json")
+        assert r.code == 0, r.err
+        return r.json()  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def cpctl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cpctl]:
+    tmp = tmp_path_factory.mktemp("cpctl")
+    addresses = tuple(f"127.0.0.1:{free_port()}" for _ in range(4))
+    a, b, c, d = addresses
+    (tmp / "fleet.yaml").write_text(FLEET.format(listener=free_port(), a=a, b=b, c=c, d=d))
+    cp = ControlPlane(tmp / "fleet.yaml", tmp).start()
+    try:
+        wait_until(lambda: (cp.state_dir / "admin-token").exists(), 10, "the admin token file")
+        yield Cpctl(cp, addresses)
+    finally:
+        cp.stop()
+
+
+def test_rollout_lifecycle(cpctl: Cpctl) -> None:
+    # Steps out of order: the server's rule, answered INVALID_ARGUMENT (exit 1).
+    line = cpctl.fails(1, "INVALID_ARGUMENT", "rollout", "start", "llama", "--to", "v2", "--steps", "50,25")
+    assert "--steps 50,25" in line
+
+    r = cpctl("rollout", "start", "llama", "--to", "v2", "--manual", "--max-error-rate", "0.05")
+    assert r.code == 0, r.err
+    assert r.out.startswith("llama: Progressing, step 0/4")
+    s = cpctl.status()
+    assert s["phase"] == "Progressing" and s["model"] == "llama"
+    assert set(s["weights"]) == {"v1", "v2"} and sum(s["weights"].values()) == 100
+    assert (s["stable_version"], s["canary_version"], s["steps"]) == ("v1", "v2", [5, 25, 50, 100])
+    assert s["manual"] is True and s["max_error_rate"] == 0.05 and s["min_requests"] == 50
+
+    # No proxy is connected, so step 1 goes live at the next tick; the tick after brings the
+    # analysis figures (0 requests here: nothing sends traffic).
+    def live() -> bool:
+        s = cpctl.status()
+        return s["step"] == 1 and "canary" in s
+
+    wait_until(live, 10, "step 1 of the rollout with its analysis")
+    s = cpctl.status()
+    assert s["weights"] == {"v1": 95, "v2": 5}
+    assert s["canary"] == {"version": "v2", "requests": 0, "error_rate": 0, "p99_seconds": None}
+    assert s["stable"]["version"] == "v1"
+    table = cpctl("rollout", "status", "llama").out
+    assert "Phase:    Progressing" in table and "Weights:  v1 95%, v2 5%" in table
+
+    cpctl.fails(1, "FAILED_PRECONDITION", "rollout", "start", "llama", "--to", "v2")
+    assert cpctl("rollout", "pause", "llama", "--reason", "look at the dashboards").out.startswith(
+        "llama: Paused, step 1/4"
+    )
+    assert cpctl.status()["reason"] == "look at the dashboards"
+    assert cpctl("rollout", "resume", "llama").code == 0
+    assert (
+        cpctl("rollout", "promote", "llama").out.strip()
+        == "llama: Progressing, step 2/4 (25%), v1 75%, v2 25%"
+    )
+    assert cpctl("rollout", "promote", "llama", "--full").code == 0
+    s = cpctl.status()
+    assert s["phase"] == "Completed" and s["weights"] == {"v1": 0, "v2": 100}
+
+    # Watching a finished rollout prints it once; Completed exits 0.
+    w = cpctl("rollout", "status", "llama", "-w", "-o", "json")
+    assert w.code == 0 and [json.loads(x)["phase"] for x in w.out.splitlines()] == ["Completed"]
+
+    # Undo: a new rollout back to v1, then abort it; watching it exits 3.
+    r = cpctl("rollout", "undo", "llama")
+    assert r.code == 0 and r.out.startswith("llama: Progressing"), r
+    s = cpctl.status()
+    assert (s["stable_version"], s["canary_version"]) == ("v2", "v1")
+    assert cpctl("rollout", "abort", "llama", "--reason", "cpctl test").code == 0
+    w = cpctl("rollout", "status", "llama", "--watch")
+    assert w.code == 3 and "Phase:    Aborted" in w.out and "Reason:   cpctl test" in w.out
+
+    listed = cpctl("rollout", "list", "-o", "yaml")
+    assert listed.code == 0 and "phase: Aborted" in listed.out and "model: llama" in listed.out
+    history = cpctl("rollout", "history", "llama", "-o", "json").json()
+    phases = [a["phase"] for a in history["records"]]
+    assert phases[0] == "Progressing" and "Paused" in phases and "Completed" in phases
+    assert phases[-1] == "Aborted"
+    assert any(a["who"].startswith(f"{USER} (admin token") for a in history["records"])
+    assert "look at the dashboards" in cpctl("rollout", "history", "llama").out
+
+
+def test_credentials(cpctl: Cpctl) -> None:
+    line = cpctl.fails(4, "UNAUTHENTICATED", "rollout", "list", auth=False, env={"CPCTL_TOKEN": "wrong"})
+    assert "token" in line
+    cpctl.fails(
+        4, "UNAUTHENTICATED", "rollout", "status", "llama", "-w", auth=False, env={"CPCTL_TOKEN": "x"}
+    )
+    r = cpctl("--token-file", "/nonexistent/admin-token", "proxies", auth=False)
+    assert r.code == 4 and "/nonexistent/admin-token" in r.err and r.err.count("\n") == 1
+    assert "CPCTL_TOKEN" in r.err
+    # The token itself in the environment works.
+    ok = cpctl("proxies", auth=False, env={"CPCTL_TOKEN": cpctl.token_file.read_text().strip()})
+    assert ok.code == 0, ok.err
+
+
+def test_unknown_things(cpctl: Cpctl) -> None:
+    line = cpctl.fails(1, "NOT_FOUND", "rollout", "status", "gpt-9")
+    assert "gpt-9" in line
+    cpctl.fails(1, "NOT_FOUND", "rollout", "start", "llama", "--to", "v9")
+    cpctl.fails(1, "NOT_FOUND", "endpoints", "list", "--model", "gpt-9")
+    cpctl.fails(1, "NOT_FOUND", "endpoints", "drain", "10.255.255.1:9")
+    down = f"127.0.0.1:{free_port()}"
+    line = cpctl.fails(1, "UNAVAILABLE", "--server", down, "proxies")
+    assert f"is the control plane running at {down}?" in line
+    r = cpctl("rollout", "start", "llama", "--to", "v2", "--steps", "5,x")
+    assert r.code == 2 and "--steps" in r.err
+
+
+def test_endpoints(cpctl: Cpctl) -> None:
+    a, b, c, d = cpctl.addresses
+    r = cpctl("endpoints", "list", "-o", "json")
+    assert r.code == 0, r.err
+    eps = {e["address"]: e for e in r.json()["endpoints"]}
+    assert set(eps) == {a, b, c, d}
+    assert (eps[a]["model"], eps[a]["version"], eps[b]["version"]) == ("llama", "v1", "v2")
+    assert (eps[d]["model"], eps[d]["version"], eps[d]["gpu"]) == ("mistral", "v1", "A100")
+    table = cpctl("endpoints", "list", "--model", "mistral").out.splitlines()
+    assert table[0].split() == [
+        "MODEL",
+        "VERSION",
+        "ADDRESS",
+        "GPU",
+        "STATE",
+        "WEIGHT",
+        "RUNNING",
+        "WAITING",
+        "IN-FLIGHT",
+        "LATENCY",
+        "ERRORS",
+    ]
+    assert [row.split()[:4] for row in table[1:]] == [["mistral", "v1", c, "-"], ["mistral", "v1", d, "A100"]]
+
+    # Nothing is in flight at d: it is DRAINED once the drain has settled (a few seconds).
+    r = cpctl("endpoints", "drain", d, "--timeout", "20s", "--reason", "cpctl test", "--wait")
+    assert r.code == 0, r.err
+    assert r.out.splitlines()[0] == f"{d} (mistral v1): DRAINING"
+    assert r.out.splitlines()[-1].startswith(f"{d}: DRAINED after ")
+    drained = {e["address"]: e for e in cpctl("endpoints", "list", "-o", "json").json()["endpoints"]}
+    assert drained[d]["state"] == "DRAINED" and drained[d]["drain_started_at"]
+    assert drained[c]["state"] != "DRAINED"
+    r = cpctl("endpoints", "undrain", d)
+    assert r.code == 0 and r.out.startswith(f"{d} (mistral v1): "), r
+    back = {e["address"]: e for e in cpctl("endpoints", "list", "-o", "json").json()["endpoints"]}
+    assert back[d]["state"] != "DRAINED" and back[d]["drain_started_at"] is None
+    cpctl.fails(1, "FAILED_PRECONDITION", "endpoints", "undrain", d)
+    history = cpctl("rollout", "history", "mistral", "-o", "json").json()["records"]
+    assert [x["phase"] for x in history] == ["Draining", "Drained", "Undrained"]
+
+
+class _NackingCds:
+    """A CDS (per-type service) stream from node `cpctl-test` that NACKs what it gets."""
+
+    def __init__(self, target: str) -> None:
+        from envoy.config.core.v3 import base_pb2
+        from envoy.service.cluster.v3 import cds_pb2_grpc
+        from envoy.service.discovery.v3 import discovery_pb2
+        from google.rpc import status_pb2
+
+        from controlplane.routing.translate import CLUSTER
+
+        self.requests: queue.Queue[Any] = queue.Queue()
+        self.channel = grpc.insecure_channel(target)
+        node = base_pb2.Node(id="cpctl-test", cluster="tests")
+        self.requests.put(discovery_pb2.DiscoveryRequest(node=node, type_url=CLUSTER))
+        self.responses = cds_pb2_grpc.ClusterDiscoveryServiceStub(self.channel).StreamClusters(
+            iter(self.requests.get, None)
+        )
+        first = next(self.responses)
+        self.requests.put(
+            discovery_pb2.DiscoveryRequest(
+                type_url=CLUSTER,
+                response_nonce=first.nonce,
+                error_detail=status_pb2.Status(code=3, message="cpctl test: cluster rejected"),
+            )
+        )
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.responses.cancel()
+        self.channel.close()
+
+
+def test_proxies(cpctl: Cpctl) -> None:
+    r = cpctl("proxies")
+    assert r.code == 0, r.err
+    assert r.out.strip() == "no proxies connected"
+    assert cpctl("proxies", "-o", "json").json() == {"proxies": []}
+
+    stream = _NackingCds(cpctl.cp.xds)
+    try:
+
+        def nacked() -> bool:
+            ps = cpctl("proxies", "-o", "json").json()["proxies"]
+            return bool(ps) and ps[0]["types"].get("cds", {}).get("status") == "NACKED"
+
+        wait_until(nacked, 10, "the proxy's NACK to show")
+        lines = cpctl("proxies").out.splitlines()
+        assert lines[0].split() == ["NODE", "ADDRESS", "TRANSPORT", "CDS", "EDS", "LDS", "RDS"]
+        row = lines[1].split()
+        assert row[0] == "cpctl-test" and row[2] == "sotw" and row[3:] == ["NACKED", "-", "-", "-"]
+        assert "Last NACKs:" in lines
+        assert any("CDS: cpctl test: cluster rejected" in line for line in lines)
+    finally:
+        stream.close()

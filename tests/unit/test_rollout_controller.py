@@ -1,0 +1,201 @@
+"""The rollout controller over a real SQLite store and reconciler (no network)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controlplane.fleet.loader import parse_fleet
+from controlplane.obs.metrics import Metrics
+from controlplane.rollout import machine
+from controlplane.rollout.controller import CommandRejected, RolloutController, StartRequest
+from controlplane.rollout.store import RolloutStore
+from controlplane.signals.store import SignalStore
+from controlplane.xds.cache import SnapshotCache
+from controlplane.xds.reconciler import Reconciler
+from controlplane.xds.server import ProxyRegistry
+
+FLEET = """
+listener: {port: 10000}
+tiers: {small: {}}
+models:
+  m:
+    params_b: 8
+    stable: v1
+    versions:
+      v1: {endpoints: [{address: "127.0.0.1:8001"}]}
+      v2: {endpoints: [{address: "127.0.0.1:8002"}]}
+"""
+V1, V2 = "127.0.0.1:8001", "127.0.0.1:8002"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def controller(state: Path, clock: Clock, signals: SignalStore | None = None) -> RolloutController:
+    metrics = Metrics()
+    c = RolloutController(
+        RolloutStore(state),
+        Reconciler(SnapshotCache(), metrics),
+        signals or SignalStore(),
+        ProxyRegistry(),
+        metrics,
+        clock=clock,
+    )
+    c.set_file_fleet(parse_fleet(FLEET))
+    return c
+
+
+def served_versions(c: RolloutController) -> list[str]:
+    assert c.reconciler.fleet is not None
+    return [v.name for v in c.reconciler.fleet.models[0].versions]
+
+
+@pytest.mark.parametrize(
+    ("req", "code", "text"),
+    [
+        (StartRequest("nope", "v2"), "NOT_FOUND", "unknown model 'nope'"),
+        (StartRequest("m", "v9"), "NOT_FOUND", "has no version 'v9' (it has: v1, v2)"),
+        (StartRequest("m", "v1"), "INVALID_ARGUMENT", "already the stable version"),
+        (StartRequest("m", "v2", steps=(50, 25, 100)), "INVALID_ARGUMENT", "must increase"),
+        (StartRequest("m", "v2", steps=(5, 150)), "INVALID_ARGUMENT", "each 1-100"),
+    ],
+)
+def test_bad_starts_are_refused_with_the_reason(
+    tmp_path: Path, req: StartRequest, code: str, text: str
+) -> None:
+    c = controller(tmp_path, Clock())
+    with pytest.raises(CommandRejected) as e:
+        c.start(req, "t")
+    assert e.value.code == code
+    assert text in str(e.value)
+    assert c.rollouts == {}
+
+
+def test_second_rollout_and_promoting_an_aborted_one_are_preconditions(tmp_path: Path) -> None:
+    c = controller(tmp_path, Clock())
+    c.start(StartRequest("m", "v2", interval_s=None), "t")
+    with pytest.raises(CommandRejected, match="already has a rollout to v2") as e:
+        c.start(StartRequest("m", "v2"), "t")
+    assert e.value.code == "FAILED_PRECONDITION"
+    c.command("m", machine.Abort(), "t")
+    with pytest.raises(CommandRejected, match="Aborted; start a new one") as e:
+        c.command("m", machine.Promote(), "t")
+    assert e.value.code == "FAILED_PRECONDITION"
+    with pytest.raises(CommandRejected) as e:
+        c.drain("10.9.9.9:1", None, "", "t")
+    assert e.value.code == "NOT_FOUND"
+
+
+def test_full_rollout_promotes_then_drains_and_retires_the_old_version(tmp_path: Path) -> None:
+    clock, signals = Clock(), SignalStore()
+    c = controller(tmp_path, clock, signals)
+    c.start(StartRequest("m", "v2", interval_s=10, min_requests=10), "t")
+    c.tick()  # no proxies connected: step 1 at once
+    assert c.rollouts["m"].weights == {"v1": 95, "v2": 5}
+    assert c.reconciler.overlay.splits == {"m": (("v1", 95), ("v2", 5))}
+    for step, weight in ((2, 25), (3, 50), (4, 100)):
+        c.tick()  # baseline for the step's analysis
+        clock.t += 11
+        signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=20, succeeded=20, failed=0, now=0)
+        c.tick()
+        assert c.rollouts["m"].step + 1 == step, c.rollouts["m"].reason
+        assert c.rollouts["m"].weights["v2"] == weight
+    c.tick()
+    clock.t += 11
+    signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=20, succeeded=20, failed=0, now=0)
+    c.tick()
+    assert c.rollouts["m"].phase == "Completed"
+    assert c.reconciler.fleet is not None and c.reconciler.fleet.models[0].stable == "v2"
+    assert c.reconciler.overlay.draining == {V1}  # the old version drains ...
+    clock.t += 5
+    c.tick()  # ... nothing in flight: retired, its cluster removed
+    assert served_versions(c) == ["v2"]
+    assert c.reconciler.overlay.draining == frozenset()
+    phases = [a.phase for a in c.history("m")]
+    assert phases[0] == "Progressing" and phases[-2:] == ["Completed", "Retired"]
+
+
+def test_failed_analysis_aborts_and_the_canary_drains(tmp_path: Path) -> None:
+    clock, signals = Clock(), SignalStore()
+    c = controller(tmp_path, clock, signals)
+    c.start(StartRequest("m", "v2", interval_s=30, min_requests=20, max_error_rate=0.05), "t")
+    c.tick()
+    c.tick()
+    signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=25, succeeded=20, failed=5, now=0)
+    clock.t += 1
+    c.tick()  # within the step's interval: judged as soon as there are enough requests
+    r = c.rollouts["m"]
+    assert r.phase == "Aborted"
+    assert "error rate 20.00% over 25 requests" in r.reason
+    assert c.reconciler.overlay.splits == {}
+    assert c.reconciler.overlay.draining == {V2}
+
+
+def test_restart_resumes_at_the_same_step_and_keeps_api_state_over_file_reloads(tmp_path: Path) -> None:
+    clock = Clock()
+    c = controller(tmp_path, clock)
+    c.start(StartRequest("m", "v2", interval_s=None), "t")
+    c.tick()
+    c.command("m", machine.Promote(), "t")
+    c.store.close()
+    again = controller(tmp_path, clock)  # as after kill -9: only the store survives
+    r = again.rollouts["m"]
+    assert (r.phase, r.step, r.weights) == ("Progressing", 1, {"v1": 75, "v2": 25})
+    assert again.reconciler.overlay.splits == {"m": (("v1", 75), ("v2", 25))}
+    again.command("m", machine.Promote(full=True), "t")
+    again.set_file_fleet(parse_fleet(FLEET))  # a reload of the unchanged file
+    assert again.reconciler.fleet is not None and again.reconciler.fleet.models[0].stable == "v2"
+    # The operator writes the new stable into the file: the file wins, the layer is dropped.
+    again.set_file_fleet(parse_fleet(FLEET.replace("stable: v1", "stable: v2")))
+    assert again.layers == {}
+    assert served_versions(again) == ["v1", "v2"]
+
+
+def test_a_file_that_drops_the_canary_aborts_the_rollout(tmp_path: Path) -> None:
+    c = controller(tmp_path, Clock())
+    c.start(StartRequest("m", "v2"), "t")
+    c.set_file_fleet(parse_fleet(FLEET.replace('      v2: {endpoints: [{address: "127.0.0.1:8002"}]}\n', "")))
+    assert c.rollouts["m"].phase == "Aborted"
+    assert "no longer has version v2" in c.rollouts["m"].reason
+
+
+def test_drain_marks_then_removes_and_undrain_restores(tmp_path: Path) -> None:
+    clock, signals = Clock(), SignalStore()
+    c = controller(tmp_path, clock, signals)
+    c.drain(V1, 60, "maintenance", "t")
+    assert c.reconciler.overlay.draining == {V1}
+    signals.record_lrs(("m", V1), "envoy", in_progress=2, issued=0, succeeded=0, failed=0, now=10**9)
+    clock.t += 5
+    c.tick()
+    assert c.drains[V1].state == "draining"  # two requests still in flight
+    signals.forget_node("envoy")
+    c.tick()
+    assert c.drains[V1].state == "drained"
+    assert c.reconciler.fleet is not None
+    assert c.reconciler.fleet.models[0].versions[0].endpoints == ()
+    c.undrain(V1, "", "t")
+    assert len(c.reconciler.fleet.models[0].versions[0].endpoints) == 1
+    with pytest.raises(CommandRejected) as e:
+        c.undrain(V1, "", "t")
+    assert e.value.code == "FAILED_PRECONDITION"
+
+
+def test_undo_rolls_back_to_the_replaced_version(tmp_path: Path) -> None:
+    clock = Clock()
+    c = controller(tmp_path, clock)
+    c.start(StartRequest("m", "v2", interval_s=None), "t")
+    c.tick()
+    c.command("m", machine.Promote(full=True), "t")
+    clock.t += 5
+    c.tick()
+    assert served_versions(c) == ["v2"]
+    r = c.undo("m", "t")
+    assert (r.spec.stable, r.spec.canary) == ("v2", "v1")
+    assert served_versions(c) == ["v1", "v2"]  # v1 is back in service for the rollout
