@@ -77,6 +77,7 @@ def rollout_message(c: RolloutController, r: machine.Rollout) -> rollout_pb2.Rol
         min_requests=s.min_requests,
         step_started_at=r.step_started_at,
         ack_deadline_seconds=s.ack_deadline_s,
+        shadow_percent=s.shadow_percent,
     )
     f = c.figures.get(s.model)
     if f is not None and active(r):
@@ -107,6 +108,7 @@ def _start_request(req: rollout_pb2.StartRolloutRequest) -> StartRequest:
         max_latency_ratio=req.max_latency_ratio if req.HasField("max_latency_ratio") else d.max_latency_ratio,
         min_requests=req.min_requests if req.HasField("min_requests") else d.min_requests,
         ack_deadline_s=req.ack_deadline_seconds if req.HasField("ack_deadline_seconds") else d.ack_deadline_s,
+        shadow_percent=req.shadow_percent,
     )
 
 

@@ -84,6 +84,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _percent(text: str) -> int:
+    value = _count(text)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f"must be a percent, 0-100, got {text!r}")
+    return value
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -226,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_duration,
         metavar="DURATION",
         help="pause if a proxy lacks the canary's cluster after this long (30s)",
+    )
+    s.add_argument(
+        "--shadow",
+        type=_percent,
+        metavar="PERCENT",
+        help="also mirror this percent of requests to the canary while the rollout runs; the "
+        "mirrored responses are discarded but count in the analysis (default: 0)",
     )
     s.set_defaults(func=cmd_start)
 
@@ -459,6 +473,8 @@ def cmd_start(c: Client, args: argparse.Namespace) -> int:
         req.steps.extend(args.steps)
     if args.interval is not None:
         req.interval_seconds = args.interval
+    if args.shadow is not None:
+        req.shadow_percent = args.shadow
     for field, value in (
         ("max_error_rate", args.max_error_rate),
         ("max_latency_ratio", args.max_latency_ratio),

@@ -36,7 +36,7 @@ from controlplane.routing.names import cluster_name
 from controlplane.routing.translate import CLUSTER, ENDPOINT
 from controlplane.signals.store import EndpointCounters, SignalStore
 from controlplane.xds.reconciler import Reconciler
-from controlplane.xds.server import ADS_SERVICE, ProxyRegistry
+from controlplane.xds.server import ADS_LABEL, ProxyRegistry
 
 log = structlog.get_logger("controlplane.rollout")
 
@@ -63,6 +63,7 @@ class StartRequest:
     max_latency_ratio: float = 1.5
     min_requests: int = 50
     ack_deadline_s: float = 30.0
+    shadow_percent: int = 0
 
 
 @dataclass
@@ -212,6 +213,7 @@ class RolloutController:
             max_latency_ratio=req.max_latency_ratio,
             min_requests=req.min_requests,
             ack_deadline_s=req.ack_deadline_s,
+            shadow_percent=req.shadow_percent,
         )
         try:
             spec.check()
@@ -286,6 +288,7 @@ class RolloutController:
                 s.max_latency_ratio,
                 s.min_requests,
                 s.ack_deadline_s,
+                s.shadow_percent,
             ),
             who,
         )
@@ -396,7 +399,7 @@ class RolloutController:
         out = []
         for s in self.registry.streams.values():
             cds = s.protocol.types.get(CLUSTER)
-            if s.service != ADS_SERVICE or cds is None or not cds.wildcard:
+            if s.service != ADS_LABEL or cds is None or not cds.wildcard:
                 continue  # proxyless gRPC clients follow the stable version only
             eds = s.protocol.types.get(ENDPOINT)
             if cname not in cds.acked or eds is None or cname not in eds.acked:

@@ -47,6 +47,7 @@ class RolloutSpec:
     max_latency_ratio: float = 1.5  # canary p99 / stable p99
     min_requests: int = 50
     ack_deadline_s: float = 30.0
+    shadow_percent: int = 0  # requests also mirrored to the canary while the rollout runs
 
     def check(self) -> None:
         """Raise RolloutRejected(INVALID_ARGUMENT) naming what is wrong."""
@@ -65,6 +66,8 @@ class RolloutSpec:
             raise RolloutRejected("INVALID_ARGUMENT", "--interval: must be greater than 0 (or --manual)")
         if not 0 <= self.max_error_rate <= 1:
             raise RolloutRejected("INVALID_ARGUMENT", "--max-error-rate: must be between 0 and 1")
+        if not 0 <= self.shadow_percent <= 100:
+            raise RolloutRejected("INVALID_ARGUMENT", "--shadow: must be a percent, 0-100")
         if self.max_latency_ratio < 1:
             raise RolloutRejected("INVALID_ARGUMENT", "--max-latency-ratio: must be at least 1")
 

@@ -81,6 +81,7 @@ def effective(
     Layers whose `file_stable` no longer matches the file are ignored here."""
     models: list[Model] = []
     splits: dict[str, tuple[tuple[str, int], ...]] = {}
+    shadow: dict[str, tuple[str, int]] = {}
     draining: set[str] = {a for a, d in drains.items() if d.state == "draining"}
     removed = {a for a, d in drains.items() if d.state == "drained"}
     for m in fleet.models:
@@ -104,4 +105,8 @@ def effective(
         models.append(replace(m, stable=stable, versions=tuple(versions)))
         if running and r is not None:
             splits[m.name] = tuple((v, w) for v, w in r.weights.items() if w > 0)
-    return replace(fleet, models=tuple(models)), RoutingOverlay(splits=splits, draining=frozenset(draining))
+            if r.spec.shadow_percent > 0:
+                shadow[m.name] = (r.spec.canary, r.spec.shadow_percent)
+    return replace(fleet, models=tuple(models)), RoutingOverlay(
+        splits=splits, draining=frozenset(draining), shadow=shadow
+    )

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63ontrolplane/v1/rollout.proto\x12\x0f\x63ontrolplane.v1\"\xbf\x02\n\x13StartRolloutRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nto_version\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x03(\r\x12\x18\n\x10interval_seconds\x18\x04 \x01(\x01\x12\x0e\n\x06manual\x18\x05 \x01(\x08\x12\x1b\n\x0emax_error_rate\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x1e\n\x11max_latency_ratio\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cmin_requests\x18\x08 \x01(\rH\x02\x88\x01\x01\x12!\n\x14\x61\x63k_deadline_seconds\x18\t \x01(\x01H\x03\x88\x01\x01\x42\x11\n\x0f_max_error_rateB\x14\n\x12_max_latency_ratioB\x0f\n\r_min_requestsB\x17\n\x15_ack_deadline_seconds\"\"\n\x11GetRolloutRequest\x12\r\n\x05model\x18\x01 \x01(\t\"=\n\x0eRolloutCommand\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x66ull\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x15\n\x13ListRolloutsRequest\"B\n\x14ListRolloutsResponse\x12*\n\x08rollouts\x18\x01 \x03(\x0b\x32\x18.controlplane.v1.Rollout\"r\n\x0fVersionAnalysis\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x01\x12\x12\n\nerror_rate\x18\x03 \x01(\x01\x12\x18\n\x0bp99_seconds\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x0e\n\x0c_p99_seconds\"\xfa\x03\n\x07Rollout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0estable_version\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61nary_version\x18\x03 \x01(\t\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\r\x12\r\n\x05steps\x18\x06 \x03(\r\x12\x36\n\x07weights\x18\x07 \x03(\x0b\x32%.controlplane.v1.Rollout.WeightsEntry\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x18\n\x10interval_seconds\x18\t \x01(\x01\x12\x0e\n\x06manual\x18\n \x01(\x08\x12\x16\n\x0emax_error_rate\x18\x0b \x01(\x01\x12\x19\n\x11max_latency_ratio\x18\x0c \x01(\x01\x12\x14\n\x0cmin_requests\x18\r \x01(\r\x12\x17\n\x0fstep_started_at\x18\x0e \x01(\x01\x12\x30\n\x06\x63\x61nary\x18\x0f \x01(\x0b\x32 .controlplane.v1.VersionAnalysis\x12\x30\n\x06stable\x18\x10 \x01(\x0b\x32 .controlplane.v1.VersionAnalysis\x12\x1c\n\x14\x61\x63k_deadline_seconds\x18\x11 \x01(\x01\x1a.\n\x0cWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"r\n\x0b\x41uditRecord\x12\r\n\x05model\x18\x01 \x01(\t\x12\n\n\x02\x61t\x18\x02 \x01(\x01\x12\x0b\n\x03who\x18\x03 \x01(\t\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\r\x12\x0e\n\x06weight\x18\x06 \x01(\r\x12\x0e\n\x06reason\x18\x07 \x01(\t\"@\n\x0fHistoryResponse\x12-\n\x07records\x18\x01 \x03(\x0b\x32\x1c.controlplane.v1.AuditRecord2\xe3\x05\n\x0eRolloutService\x12G\n\x05Start\x12$.controlplane.v1.StartRolloutRequest\x1a\x18.controlplane.v1.Rollout\x12\x43\n\x03Get\x12\".controlplane.v1.GetRolloutRequest\x1a\x18.controlplane.v1.Rollout\x12S\n\x04List\x12$.controlplane.v1.ListRolloutsRequest\x1a%.controlplane.v1.ListRolloutsResponse\x12G\n\x05Watch\x12\".controlplane.v1.GetRolloutRequest\x1a\x18.controlplane.v1.Rollout0\x01\x12\x42\n\x05Pause\x12\x1f.controlplane.v1.RolloutCommand\x1a\x18.controlplane.v1.Rollout\x12\x43\n\x06Resume\x12\x1f.controlplane.v1.RolloutCommand\x1a\x18.controlplane.v1.Rollout\x12\x44\n\x07Promote\x12\x1f.controlplane.v1.RolloutCommand\x1a\x18.controlplane.v1.Rollout\x12\x42\n\x05\x41\x62ort\x12\x1f.controlplane.v1.RolloutCommand\x1a\x18.controlplane.v1.Rollout\x12\x41\n\x04Undo\x12\x1f.controlplane.v1.RolloutCommand\x1a\x18.controlplane.v1.Rollout\x12O\n\x07History\x12\".controlplane.v1.GetRolloutRequest\x1a .controlplane.v1.HistoryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63ontrolplane/v1/rollout.proto\x12\x0f\x63ontrolplane.v1\"\xd7\x02\n\x13StartRolloutRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nto_version\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x03(\r\x12\x18\n\x10interval_seconds\x18\x04 \x01(\x01\x12\x0e\n\x06manual\x18\x05 \x01(\x08\x12\x1b\n\x0emax_error_rate\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x1e\n\x11max_latency_ratio\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cmin_requests\x18\x08 \x01(\rH\x02\x88\x01\x01\x12!\n\x14\x61\x63k_deadline_seconds\x18\t \x01(\x01H\x03\x88\x01\x01\x12\x16\n\x0eshadow_percent\x18\n \x01(\rB\x11\n\x0f_max_error_rateB\x14\n\x12_max_latency_ratioB\x0f\n\r_min_requestsB\x17\n\x15_ack_deadline_seconds\"\"\n\x11GetRolloutRequest\x12\r\n\x05model\x18\x01 \x01(\t\"=\n\x0eRolloutCommand\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x66ull\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x15\n\x13ListRolloutsRequest\"B\n\x14ListRolloutsResponse\x12*\n\x08rollouts\x18\x01 \x03(\x0b\x32\x18.controlplane.v1.Rollout\"r\n\x0fVersionAnalysis\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x01\x12\x12\n\nerror_rate\x18\x03 \x01(\x01\x12\x18\n\x0bp99_seconds\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x0e\n\x0c_p99_seconds\"\x92\x04\n\x07Rollout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0estable_version\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61nary_version\x18\x03 \x01(\t\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\r\x12\r\n\x05steps\x18\x06 \x03(\r\x12\x36\n\x07weights\x18\x07 \x03(\x0b\x32%.controlplane.v1.Rollout.WeightsEntry\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x18\n\x10interval_seconds\x18\t \x01(\x01\x12\x0e\n\x06manual\x18\n \x01(\x08\x12\x16\n\x0emax_error_rate\x18\x0b \x01(\x01\x12\x19\n\x11max_latency_ratio\x18\x0c \x01(\x01\x12\x14\n\x0cmin_requests\x18\r \x01(\r\x12\x17\n\x0fstep_started_at\x18\x0e \x01(\x01\x12\x30\n\x06\x63\x61nary\x18\x0f \x01(\x0b\x32 .controlplane.v1.VersionAnalysis\x12\x30\n\x06stable\x18\x10 \x01(\x0b\x32 .controlplane.v1.VersionAnalysis\x12\x1c\n\x14\x61\x63k_deadline_seconds\x18\x11 \x01(\x01\x12\x16\n\x0eshadow_percent\x18\x12 \x01(\r\x1a.\n\x0cWeightsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"r\n\x0b\x41uditRecord\x12\r\n\x05model\x18\x01 \x01(\t\x12\n\n\x02\x61t\x18\x02 \x01(\x01\x12\x0b\n\x03who\x18\x03 \x01(\t\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\r\x12\x0e\n\x06weight\x18\x06 \x01(\r\x12\x0e\n\x06reason\x18\x07 \x01(\t\"@\n\x0fHistoryResponse\x12-\n\x07records\x18\x01 \x03(\x0b\x32\x1c.controlplane.v1.AuditRecord2\xe3\x05\n\x0eRolloutService\x12G\n\x05Start\x12$.controlplane.v1.StartRolloutRequest\x1a\x18.controlplane.v1.Rollout\x12\x43\n\x03Get\x12\".controlplane.v1.GetRolloutRequest\x1a\x18.controlplane.v1.Rollout\x12S\n\x04List\x12$.controlplane.v1.ListRolloutsRequest\x1a%.controlplane.v1.ListRolloutsResponse\x12G\n\x05Watch\x12\".controlplane.v1.GetRolloutRequest\x1a\x18.controlplane.v1.Rollout0\x01\x12\x42\n\x05Pause\x12\x1f.controlplane.v1.RolloutCommand\x1a\x18.controlplane.v1.Rollout\x12\x43\n\x06Resume\x12\x1f.controlplane.v1.RolloutCommand\x1a\x18.controlplane.v1.Rollout\x12\x44\n\x07Promote\x12\x1f.controlplane.v1.RolloutCommand\x1a\x18.controlplane.v1.Rollout\x12\x42\n\x05\x41\x62ort\x12\x1f.controlplane.v1.RolloutCommand\x1a\x18.controlplane.v1.Rollout\x12\x41\n\x04Undo\x12\x1f.controlplane.v1.RolloutCommand\x1a\x18.controlplane.v1.Rollout\x12O\n\x07History\x12\".controlplane.v1.GetRolloutRequest\x1a .controlplane.v1.HistoryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUT_WEIGHTSENTRY']._loaded_options = None
   _globals['_ROLLOUT_WEIGHTSENTRY']._serialized_options = b'8\001'
   _globals['_STARTROLLOUTREQUEST']._serialized_start=51
-  _globals['_STARTROLLOUTREQUEST']._serialized_end=370
-  _globals['_GETROLLOUTREQUEST']._serialized_start=372
-  _globals['_GETROLLOUTREQUEST']._serialized_end=406
-  _globals['_ROLLOUTCOMMAND']._serialized_start=408
-  _globals['_ROLLOUTCOMMAND']._serialized_end=469
-  _globals['_LISTROLLOUTSREQUEST']._serialized_start=471
-  _globals['_LISTROLLOUTSREQUEST']._serialized_end=492
-  _globals['_LISTROLLOUTSRESPONSE']._serialized_start=494
-  _globals['_LISTROLLOUTSRESPONSE']._serialized_end=560
-  _globals['_VERSIONANALYSIS']._serialized_start=562
-  _globals['_VERSIONANALYSIS']._serialized_end=676
-  _globals['_ROLLOUT']._serialized_start=679
-  _globals['_ROLLOUT']._serialized_end=1185
-  _globals['_ROLLOUT_WEIGHTSENTRY']._serialized_start=1139
-  _globals['_ROLLOUT_WEIGHTSENTRY']._serialized_end=1185
-  _globals['_AUDITRECORD']._serialized_start=1187
-  _globals['_AUDITRECORD']._serialized_end=1301
-  _globals['_HISTORYRESPONSE']._serialized_start=1303
-  _globals['_HISTORYRESPONSE']._serialized_end=1367
-  _globals['_ROLLOUTSERVICE']._serialized_start=1370
-  _globals['_ROLLOUTSERVICE']._serialized_end=2109
+  _globals['_STARTROLLOUTREQUEST']._serialized_end=394
+  _globals['_GETROLLOUTREQUEST']._serialized_start=396
+  _globals['_GETROLLOUTREQUEST']._serialized_end=430
+  _globals['_ROLLOUTCOMMAND']._serialized_start=432
+  _globals['_ROLLOUTCOMMAND']._serialized_end=493
+  _globals['_LISTROLLOUTSREQUEST']._serialized_start=495
+  _globals['_LISTROLLOUTSREQUEST']._serialized_end=516
+  _globals['_LISTROLLOUTSRESPONSE']._serialized_start=518
+  _globals['_LISTROLLOUTSRESPONSE']._serialized_end=584
+  _globals['_VERSIONANALYSIS']._serialized_start=586
+  _globals['_VERSIONANALYSIS']._serialized_end=700
+  _globals['_ROLLOUT']._serialized_start=703
+  _globals['_ROLLOUT']._serialized_end=1233
+  _globals['_ROLLOUT_WEIGHTSENTRY']._serialized_start=1187
+  _globals['_ROLLOUT_WEIGHTSENTRY']._serialized_end=1233
+  _globals['_AUDITRECORD']._serialized_start=1235
+  _globals['_AUDITRECORD']._serialized_end=1349
+  _globals['_HISTORYRESPONSE']._serialized_start=1351
+  _globals['_HISTORYRESPONSE']._serialized_end=1415
+  _globals['_ROLLOUTSERVICE']._serialized_start=1418
+  _globals['_ROLLOUTSERVICE']._serialized_end=2157
 # @@protoc_insertion_point(module_scope)

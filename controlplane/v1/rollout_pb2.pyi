@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StartRolloutRequest(_message.Message):
-    __slots__ = ("model", "to_version", "steps", "interval_seconds", "manual", "max_error_rate", "max_latency_ratio", "min_requests", "ack_deadline_seconds")
+    __slots__ = ("model", "to_version", "steps", "interval_seconds", "manual", "max_error_rate", "max_latency_ratio", "min_requests", "ack_deadline_seconds", "shadow_percent")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TO_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class StartRolloutRequest(_message.Message):
     MAX_LATENCY_RATIO_FIELD_NUMBER: _ClassVar[int]
     MIN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ACK_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_PERCENT_FIELD_NUMBER: _ClassVar[int]
     model: str
     to_version: str
     steps: _containers.RepeatedScalarFieldContainer[int]
@@ -26,7 +27,8 @@ class StartRolloutRequest(_message.Message):
     max_latency_ratio: float
     min_requests: int
     ack_deadline_seconds: float
-    def __init__(self, model: _Optional[str] = ..., to_version: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., interval_seconds: _Optional[float] = ..., manual: _Optional[bool] = ..., max_error_rate: _Optional[float] = ..., max_latency_ratio: _Optional[float] = ..., min_requests: _Optional[int] = ..., ack_deadline_seconds: _Optional[float] = ...) -> None: ...
+    shadow_percent: int
+    def __init__(self, model: _Optional[str] = ..., to_version: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ..., interval_seconds: _Optional[float] = ..., manual: _Optional[bool] = ..., max_error_rate: _Optional[float] = ..., max_latency_ratio: _Optional[float] = ..., min_requests: _Optional[int] = ..., ack_deadline_seconds: _Optional[float] = ..., shadow_percent: _Optional[int] = ...) -> None: ...
 
 class GetRolloutRequest(_message.Message):
     __slots__ = ("model",)
@@ -67,7 +69,7 @@ class VersionAnalysis(_message.Message):
     def __init__(self, version: _Optional[str] = ..., requests: _Optional[float] = ..., error_rate: _Optional[float] = ..., p99_seconds: _Optional[float] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("model", "stable_version", "canary_version", "phase", "step", "steps", "weights", "reason", "interval_seconds", "manual", "max_error_rate", "max_latency_ratio", "min_requests", "step_started_at", "canary", "stable", "ack_deadline_seconds")
+    __slots__ = ("model", "stable_version", "canary_version", "phase", "step", "steps", "weights", "reason", "interval_seconds", "manual", "max_error_rate", "max_latency_ratio", "min_requests", "step_started_at", "canary", "stable", "ack_deadline_seconds", "shadow_percent")
     class WeightsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +94,7 @@ class Rollout(_message.Message):
     CANARY_FIELD_NUMBER: _ClassVar[int]
     STABLE_FIELD_NUMBER: _ClassVar[int]
     ACK_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_PERCENT_FIELD_NUMBER: _ClassVar[int]
     model: str
     stable_version: str
     canary_version: str
@@ -109,7 +112,8 @@ class Rollout(_message.Message):
     canary: VersionAnalysis
     stable: VersionAnalysis
     ack_deadline_seconds: float
-    def __init__(self, model: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[_Iterable[int]] = ..., weights: _Optional[_Mapping[str, int]] = ..., reason: _Optional[str] = ..., interval_seconds: _Optional[float] = ..., manual: _Optional[bool] = ..., max_error_rate: _Optional[float] = ..., max_latency_ratio: _Optional[float] = ..., min_requests: _Optional[int] = ..., step_started_at: _Optional[float] = ..., canary: _Optional[_Union[VersionAnalysis, _Mapping]] = ..., stable: _Optional[_Union[VersionAnalysis, _Mapping]] = ..., ack_deadline_seconds: _Optional[float] = ...) -> None: ...
+    shadow_percent: int
+    def __init__(self, model: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[_Iterable[int]] = ..., weights: _Optional[_Mapping[str, int]] = ..., reason: _Optional[str] = ..., interval_seconds: _Optional[float] = ..., manual: _Optional[bool] = ..., max_error_rate: _Optional[float] = ..., max_latency_ratio: _Optional[float] = ..., min_requests: _Optional[int] = ..., step_started_at: _Optional[float] = ..., canary: _Optional[_Union[VersionAnalysis, _Mapping]] = ..., stable: _Optional[_Union[VersionAnalysis, _Mapping]] = ..., ack_deadline_seconds: _Optional[float] = ..., shadow_percent: _Optional[int] = ...) -> None: ...
 
 class AuditRecord(_message.Message):
     __slots__ = ("model", "at", "who", "phase", "step", "weight", "reason")

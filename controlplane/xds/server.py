@@ -56,8 +56,9 @@ PER_TYPE_SERVICES: dict[str, tuple[str, str, str]] = {
     ),
     "envoy.service.route.v3.RouteDiscoveryService": (ROUTE, "StreamRoutes", "DeltaRoutes"),
 }
+ADS_LABEL = "ads"  # ConnectedStream.service of an ADS stream
 _SERVICE_LABEL = {
-    ADS_SERVICE: "ads",
+    ADS_SERVICE: ADS_LABEL,
     **{name: type_label(t) for name, (t, _, _) in PER_TYPE_SERVICES.items()},
 }
 

@@ -9,6 +9,8 @@ The issue's "done when": ~100 requests/s through Envoy from a separate process w
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +20,15 @@ import grpc
 import pytest
 
 from controlplane.v1 import endpoint_pb2, rollout_pb2
-from tests.integration.harness import ControlPlane, EmulatedFleet, Emulator, Operator, Traffic, wait_until
+from tests.integration.harness import (
+    BIN,
+    ControlPlane,
+    EmulatedFleet,
+    Emulator,
+    Operator,
+    Traffic,
+    wait_until,
+)
 
 pytestmark = pytest.mark.envoy
 
@@ -101,19 +111,42 @@ def _failures(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_full_rollout_then_drain_and_removal_of_v1_drops_nothing(rig: Rig) -> None:
     rig.start()
     _warm(rig)
-    started = rig.start_rollout(steps=[5, 25, 50, 100], interval_seconds=2.5, min_requests=10)
-    assert started.phase == "Progressing"
-    seen_weights = set()
-
-    def completed() -> bool:
-        r = rig.rollout()
-        seen_weights.add(r.weights["v2"])
-        assert r.phase in ("Progressing", "Completed"), r.reason
-        return r.phase == "Completed"
-
-    wait_until(completed, 40, "the rollout to complete", interval=0.2)
-    assert {5, 25, 50} <= seen_weights
     assert rig.cp is not None and rig.envoy is not None
+    # As an operator would: cpctl with the server's token, and a live watch until the end.
+    cpctl = [
+        str(BIN / "cpctl"),
+        "--server",
+        rig.cp.admin,
+        "--token-file",
+        str(rig.cp.state_dir / "admin-token"),
+        "rollout",
+    ]
+    start = subprocess.run(
+        [
+            *cpctl,
+            "start",
+            MODEL,
+            "--to",
+            "v2",
+            "--steps",
+            "5,25,50,100",
+            *("--interval", "2.5s"),
+            "--min-requests",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert start.returncode == 0, start.stderr
+    watch = subprocess.run(
+        [*cpctl, "status", MODEL, "-w", "-o", "json"], capture_output=True, text=True, timeout=60
+    )
+    assert watch.returncode == 0, watch.stderr  # 0: it ended Completed
+    updates = [json.loads(line) for line in watch.stdout.splitlines() if line.strip()]
+    assert updates[-1]["phase"] == "Completed"
+    assert {u["weights"]["v2"] for u in updates} >= {5, 25, 50, 100}
+    assert [u["step"] for u in updates] == sorted(u["step"] for u in updates)
     # v1 drains (no requests in flight), then its cluster is removed from every proxy.
     wait_until(
         lambda: all(rig.endpoint_states()[a] == "RETIRED" for a in rig.addresses("a1", "a2")),
@@ -136,7 +169,7 @@ def test_full_rollout_then_drain_and_removal_of_v1_drops_nothing(rig: Rig) -> No
     )
     phases = [h.phase for h in history.records]
     assert phases[-2:] == ["Completed", "Retired"]
-    assert all("test" in h.who for h in history.records[:1])
+    assert "(admin token" in history.records[0].who  # who started it, as cpctl reported
 
 
 def test_erroring_canary_is_aborted_within_one_interval_and_only_its_own_failures_show(rig: Rig) -> None:
@@ -216,7 +249,6 @@ def test_kill_9_mid_rollout_drops_nothing_and_resumes_at_the_same_step(rig: Rig)
 
 def test_grpcurl_lists_the_services_and_auth_is_enforced(tmp_path: Path) -> None:
     import shutil
-    import subprocess
     import sys
 
     config = tmp_path / "fleet.yaml"
@@ -297,3 +329,51 @@ def test_drain_stops_new_requests_then_removes_and_undrain_restores(rig: Rig) ->
     with pytest.raises(grpc.RpcError) as e:
         rig.op.endpoints.Drain(endpoint_pb2.DrainRequest(address="127.0.0.1:1"), metadata=rig.op.md)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_proxy_that_never_acks_the_canary_pauses_the_rollout_naming_it(tmp_path: Path) -> None:
+    import threading
+
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+
+    config = tmp_path / "fleet.yaml"
+    config.write_text(
+        "listener: {port: 10000}\ntiers: {small: {}}\nsignals: {enabled: false}\n"
+        "models: {m: {params_b: 8, stable: v1, versions: {v1: {endpoints: [{address: '127.0.0.1:9'}]},"
+        " v2: {endpoints: [{address: '127.0.0.1:10'}]}}}}\n"
+    )
+    cp = ControlPlane(config, tmp_path).start()
+    op = Operator(cp)
+    release = threading.Event()
+    channel = grpc.insecure_channel(cp.xds)
+
+    def requests() -> Iterator[discovery_pb2.DiscoveryRequest]:
+        # A real gRPC ADS client that subscribes to every cluster and then never ACKs.
+        yield discovery_pb2.DiscoveryRequest(
+            node=base_pb2.Node(id="stuck-proxy"),
+            type_url="type.googleapis.com/envoy.config.cluster.v3.Cluster",
+        )
+        release.wait(30)
+
+    stream = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources(requests())
+    try:
+        next(stream)  # the clusters arrived; no ACK follows
+        r = op.rollouts.Start(
+            rollout_pb2.StartRolloutRequest(model="m", to_version="v2", ack_deadline_seconds=2),
+            metadata=op.md,
+        )
+        assert r.step == 0 and r.weights["v2"] == 0
+        get = rollout_pb2.GetRolloutRequest(model="m")
+        wait_until(lambda: op.rollouts.Get(get, metadata=op.md).phase == "Paused", 6, "the pause")
+        paused = op.rollouts.Get(get, metadata=op.md)
+        assert "stuck-proxy" in paused.reason and paused.weights["v2"] == 0
+        release.set()
+        stream.cancel()
+        op.rollouts.Resume(rollout_pb2.RolloutCommand(model="m"), metadata=op.md)
+        wait_until(lambda: op.rollouts.Get(get, metadata=op.md).step == 1, 5, "step 1 once it is gone")
+    finally:
+        release.set()
+        channel.close()
+        op.close()
+        cp.stop()

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from controlplane.fleet import parse_fleet
 from controlplane.routing.incremental import IncrementalTranslator
-from controlplane.routing.translate import CLUSTER, ENDPOINT, ROUTE, translate
+from controlplane.routing.translate import CLUSTER, ENDPOINT, ROUTE, RoutingOverlay, translate
 from controlplane.xds.snapshot import build_snapshot
 from tests.fleets import fleet_yaml
 
@@ -36,18 +36,30 @@ def serialised(d: object) -> dict[str, dict[str, bytes]]:
                 st.dictionaries(st.sampled_from(ADDRS), st.integers(1, 100), max_size=3),
                 max_size=3,
             ),
+            st.sampled_from([None, 0, 5, 50]),  # a rollout of a to v2: the canary's percent
+            st.frozensets(st.sampled_from(ADDRS), max_size=2),  # draining endpoints
         ),
         min_size=1,
         max_size=8,
     )
 )
-def test_incremental_equals_full_translation(steps: list[tuple[int, str, dict[str, dict[str, int]]]]) -> None:
+def test_incremental_equals_full_translation(
+    steps: list[tuple[int, str, dict[str, dict[str, int]], int | None, frozenset[str]]],
+) -> None:
     inc = IncrementalTranslator()
-    for fleet_i, stable_a, weights in steps:
+    for fleet_i, stable_a, weights, canary, draining in steps:
         models = FLEETS[fleet_i]
         stable = {"a": stable_a} if "a" in models and stable_a in models["a"] else {}
         fleet = parse_fleet(fleet_yaml(models, stable=stable))
-        assert serialised(inc.translate(fleet, weights)) == serialised(translate(fleet, weights))
+        splits = {}
+        if canary is not None and "v2" in models.get("a", {}):
+            splits = {"a": (("v1", 100 - canary), ("v2", canary)) if canary else (("v1", 100),)}
+        overlay = RoutingOverlay(
+            splits=splits, draining=draining, shadow={"a": ("v2", 10)} if canary == 50 and splits else {}
+        )
+        assert serialised(inc.translate(fleet, weights, None, overlay)) == serialised(
+            translate(fleet, weights, None, overlay)
+        )
 
 
 def test_one_clusters_weight_change_builds_one_message_and_one_serialisation() -> None:

@@ -167,3 +167,8 @@ def sorted_ticks(cmds: list[object]) -> list[object]:
             c = Tick(t, c.unacked_proxies, c.analysis)
         out.append(c)
     return out
+
+
+def test_shadow_must_be_a_percent() -> None:
+    with pytest.raises(RolloutRejected, match="--shadow"):
+        RolloutSpec("m", "v1", "v2", shadow_percent=101).check()

@@ -83,3 +83,37 @@ def test_endpoint_drains_mark_then_remove() -> None:
     eff, ov = effective(_fleet(), {}, {}, {d.address: done})
     assert ov.draining == frozenset()
     assert [e.address for e in eff.models[0].versions[0].endpoints] == ["127.0.0.1:8002"]
+
+
+def test_shadow_mirrors_a_share_to_the_canary_while_the_rollout_runs() -> None:
+    r, _ = machine.start(RolloutSpec("m", "v1", "v2", shadow_percent=20), 0.0)
+    _, ov = effective(_fleet(), {}, {"m": r}, {})
+    assert ov.shadow == {"m": ("v2", 20)}
+    rc = translate(_fleet(), overlay=ov).by_type[
+        "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+    ]["inference"]
+    routes = {x.name: x for x in rc.virtual_hosts[0].routes}
+    [mirror] = routes["body/m"].route.request_mirror_policies
+    assert mirror.cluster == "m@v2"
+    assert mirror.runtime_fraction.default_value.numerator == 20
+    assert routes["body/m"].route.cluster == "m@v1"  # users are still served by stable only
+    assert not routes["body/m@v2"].route.request_mirror_policies  # x-model-version: never mirrored
+    done, _ = machine.apply(r, machine.Abort())
+    _, ov = effective(_fleet(), {}, {"m": done}, {})
+    assert ov.shadow == {}
+
+
+def test_draining_endpoints_are_sent_as_draining() -> None:
+    from envoy.config.core.v3 import health_check_pb2
+
+    d = EndpointDrain("127.0.0.1:8002", "draining", 0.0, 60.0, "me", "")
+    _, ov = effective(_fleet(), {}, {}, {d.address: d})
+    cla = translate(_fleet(), overlay=ov).by_type[
+        "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+    ]["m@v1"]
+    status = {
+        lb.endpoint.address.socket_address.port_value: lb.health_status
+        for loc in cla.endpoints
+        for lb in loc.lb_endpoints
+    }
+    assert status == {8001: health_check_pb2.UNKNOWN, 8002: health_check_pb2.DRAINING}
