@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
@@ -12,7 +13,7 @@ import grpc
 from controlplane.admin.auth import USER_METADATA, Tokens
 from controlplane.obs.metrics import Metrics, type_label
 from controlplane.rollout import machine
-from controlplane.rollout.controller import CommandRejected, RolloutController, StartRequest
+from controlplane.rollout.controller import CommandRejected, RolloutController
 from controlplane.rollout.overlay import active
 from controlplane.routing.names import cluster_name
 from controlplane.routing.translate import TYPE_URLS
@@ -91,17 +92,18 @@ def rollout_message(c: RolloutController, r: machine.Rollout) -> rollout_pb2.Rol
     return msg
 
 
-def _start_request(req: rollout_pb2.StartRolloutRequest) -> StartRequest:
+def _start_request(req: rollout_pb2.StartRolloutRequest) -> machine.RolloutSpec:
+    """The spec to start (its stable is filled in by the controller); proto defaults apply
+    only where the request leaves a field out."""
     if not req.model:
         raise CommandRejected("INVALID_ARGUMENT", "model: required")
     if not req.to_version:
         raise CommandRejected("INVALID_ARGUMENT", "to_version: required (the version to roll to)")
     if req.manual and req.interval_seconds:
         raise CommandRejected("INVALID_ARGUMENT", "give either an interval or manual gates, not both")
-    d = StartRequest(req.model, req.to_version)
-    return StartRequest(
-        model=req.model,
-        to_version=req.to_version,
+    d = machine.RolloutSpec(req.model, "", req.to_version)
+    return replace(
+        d,
         steps=tuple(req.steps) or d.steps,
         interval_s=None if req.manual else (req.interval_seconds or d.interval_s),
         max_error_rate=req.max_error_rate if req.HasField("max_error_rate") else d.max_error_rate,

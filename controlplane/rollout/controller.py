@@ -53,19 +53,6 @@ class CommandRejected(Exception):
         self.code = code
 
 
-@dataclass(frozen=True)
-class StartRequest:
-    model: str
-    to_version: str
-    steps: tuple[int, ...] = machine.DEFAULT_STEPS
-    interval_s: float | None = 30.0
-    max_error_rate: float = 0.01
-    max_latency_ratio: float = 1.5
-    min_requests: int = 50
-    ack_deadline_s: float = 30.0
-    shadow_percent: int = 0
-
-
 @dataclass
 class _Baseline:
     step: int
@@ -194,27 +181,18 @@ class RolloutController:
             return layer.stable
         return m.stable
 
-    def start(self, req: StartRequest, who: str) -> Rollout:
-        m = self._model(req.model)
+    def start(self, request: RolloutSpec, who: str) -> Rollout:
+        """Start a rollout of `request.model` to `request.canary`; its `stable` is ignored:
+        the rollout starts from the model's stable version as served now."""
+        m = self._model(request.model)
         versions = {v.name: v for v in m.versions}
-        if req.to_version not in versions:
+        if request.canary not in versions:
             raise CommandRejected(
                 "NOT_FOUND",
-                f"model {m.name} has no version {req.to_version!r} (it has: {', '.join(versions)}); "
+                f"model {m.name} has no version {request.canary!r} (it has: {', '.join(versions)}); "
                 "add it with its endpoints to the fleet file first",
             )
-        spec = RolloutSpec(
-            model=m.name,
-            stable=self.stable_of(m),
-            canary=req.to_version,
-            steps=req.steps,
-            interval_s=req.interval_s,
-            max_error_rate=req.max_error_rate,
-            max_latency_ratio=req.max_latency_ratio,
-            min_requests=req.min_requests,
-            ack_deadline_s=req.ack_deadline_s,
-            shadow_percent=req.shadow_percent,
-        )
+        spec = replace(request, stable=self.stable_of(m))
         try:
             spec.check()
         except RolloutRejected as e:
@@ -227,10 +205,10 @@ class RolloutController:
                 "abort it or let it finish first",
             )
         drained = {a for a, d in self.drains.items() if d.state == "drained"}
-        if all(ep.address in drained for ep in versions[req.to_version].endpoints):
+        if all(ep.address in drained for ep in versions[spec.canary].endpoints):
             raise CommandRejected(
                 "FAILED_PRECONDITION",
-                f"version {req.to_version} of {m.name} has no endpoints in service; undrain some first",
+                f"version {spec.canary} of {m.name} has no endpoints in service; undrain some first",
             )
         try:
             r, effects = machine.start(spec, self.clock())
@@ -277,21 +255,7 @@ class RolloutController:
                 f"the rollout of {model} is {r.phase}; only a completed rollout can be undone "
                 + ("(abort a running one instead)" if active(r) else "(an aborted one left stable serving)"),
             )
-        s = r.spec
-        return self.start(
-            StartRequest(
-                model,
-                s.stable,
-                s.steps,
-                s.interval_s,
-                s.max_error_rate,
-                s.max_latency_ratio,
-                s.min_requests,
-                s.ack_deadline_s,
-                s.shadow_percent,
-            ),
-            who,
-        )
+        return self.start(replace(r.spec, canary=r.spec.stable), who)
 
     def _commit(self, r: Rollout, effects: list[Effect], who: str, layer: ModelLayer | None = None) -> None:
         """Store the rollout with what its effects do to the model's layer; then apply."""

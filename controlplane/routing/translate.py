@@ -651,33 +651,24 @@ def _class_routes(
     default = next((c for c in fleet.priority_classes if c.name == fleet.default_priority_class), None)
     default_behaviour = behaviour(default) if default is not None else "normal"
     out: list[route_components_pb2.Route] = []
+
+    def match_also(header: str, value: str) -> route_components_pb2.RouteMatch:
+        exact = route_components_pb2.HeaderMatcher(
+            name=header, string_match=string_pb2.StringMatcher(exact=value)
+        )
+        return route_components_pb2.RouteMatch(
+            prefix="/", headers=[*headers, exact], dynamic_metadata=metadata
+        )
+
     if len(model.versions) > 1:
         for v in model.versions:
-            match = route_components_pb2.RouteMatch(
-                prefix="/",
-                headers=[
-                    *headers,
-                    route_components_pb2.HeaderMatcher(
-                        name=MODEL_VERSION_HEADER, string_match=string_pb2.StringMatcher(exact=v.name)
-                    ),
-                ],
-                dynamic_metadata=metadata,
-            )
+            match = match_also(MODEL_VERSION_HEADER, v.name)
             out.append(_model_route(fleet, model, f"{name}@{v.name}", match, version=v.name))
     for c in fleet.priority_classes:
         b = behaviour(c)
         if c is default or b == default_behaviour:
             continue
-        match = route_components_pb2.RouteMatch(
-            prefix="/",
-            headers=[
-                *headers,
-                route_components_pb2.HeaderMatcher(
-                    name=PRIORITY_HEADER, string_match=string_pb2.StringMatcher(exact=c.name)
-                ),
-            ],
-            dynamic_metadata=metadata,
-        )
+        match = match_also(PRIORITY_HEADER, c.name)
         out.append(
             _shed_route(f"{name}/{c.name}", match)
             if b == "shed"

@@ -9,7 +9,8 @@ import pytest
 from controlplane.fleet.loader import parse_fleet
 from controlplane.obs.metrics import Metrics
 from controlplane.rollout import machine
-from controlplane.rollout.controller import CommandRejected, RolloutController, StartRequest
+from controlplane.rollout.controller import CommandRejected, RolloutController
+from controlplane.rollout.machine import RolloutSpec
 from controlplane.rollout.store import RolloutStore
 from controlplane.signals.store import SignalStore
 from controlplane.xds.cache import SnapshotCache
@@ -60,15 +61,15 @@ def served_versions(c: RolloutController) -> list[str]:
 @pytest.mark.parametrize(
     ("req", "code", "text"),
     [
-        (StartRequest("nope", "v2"), "NOT_FOUND", "unknown model 'nope'"),
-        (StartRequest("m", "v9"), "NOT_FOUND", "has no version 'v9' (it has: v1, v2)"),
-        (StartRequest("m", "v1"), "INVALID_ARGUMENT", "already the stable version"),
-        (StartRequest("m", "v2", steps=(50, 25, 100)), "INVALID_ARGUMENT", "must increase"),
-        (StartRequest("m", "v2", steps=(5, 150)), "INVALID_ARGUMENT", "each 1-100"),
+        (RolloutSpec("nope", "", "v2"), "NOT_FOUND", "unknown model 'nope'"),
+        (RolloutSpec("m", "", "v9"), "NOT_FOUND", "has no version 'v9' (it has: v1, v2)"),
+        (RolloutSpec("m", "", "v1"), "INVALID_ARGUMENT", "already the stable version"),
+        (RolloutSpec("m", "", "v2", steps=(50, 25, 100)), "INVALID_ARGUMENT", "must increase"),
+        (RolloutSpec("m", "", "v2", steps=(5, 150)), "INVALID_ARGUMENT", "each 1-100"),
     ],
 )
 def test_bad_starts_are_refused_with_the_reason(
-    tmp_path: Path, req: StartRequest, code: str, text: str
+    tmp_path: Path, req: RolloutSpec, code: str, text: str
 ) -> None:
     c = controller(tmp_path, Clock())
     with pytest.raises(CommandRejected) as e:
@@ -80,9 +81,9 @@ def test_bad_starts_are_refused_with_the_reason(
 
 def test_second_rollout_and_promoting_an_aborted_one_are_preconditions(tmp_path: Path) -> None:
     c = controller(tmp_path, Clock())
-    c.start(StartRequest("m", "v2", interval_s=None), "t")
+    c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
     with pytest.raises(CommandRejected, match="already has a rollout to v2") as e:
-        c.start(StartRequest("m", "v2"), "t")
+        c.start(RolloutSpec("m", "", "v2"), "t")
     assert e.value.code == "FAILED_PRECONDITION"
     c.command("m", machine.Abort(), "t")
     with pytest.raises(CommandRejected, match="Aborted; start a new one") as e:
@@ -96,7 +97,7 @@ def test_second_rollout_and_promoting_an_aborted_one_are_preconditions(tmp_path:
 def test_full_rollout_promotes_then_drains_and_retires_the_old_version(tmp_path: Path) -> None:
     clock, signals = Clock(), SignalStore()
     c = controller(tmp_path, clock, signals)
-    c.start(StartRequest("m", "v2", interval_s=10, min_requests=10), "t")
+    c.start(RolloutSpec("m", "", "v2", interval_s=10, min_requests=10), "t")
     c.tick()  # no proxies connected: step 1 at once
     assert c.rollouts["m"].weights == {"v1": 95, "v2": 5}
     assert c.reconciler.overlay.splits == {"m": (("v1", 95), ("v2", 5))}
@@ -125,7 +126,7 @@ def test_full_rollout_promotes_then_drains_and_retires_the_old_version(tmp_path:
 def test_failed_analysis_aborts_and_the_canary_drains(tmp_path: Path) -> None:
     clock, signals = Clock(), SignalStore()
     c = controller(tmp_path, clock, signals)
-    c.start(StartRequest("m", "v2", interval_s=30, min_requests=20, max_error_rate=0.05), "t")
+    c.start(RolloutSpec("m", "", "v2", interval_s=30, min_requests=20, max_error_rate=0.05), "t")
     c.tick()
     c.tick()
     signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=25, succeeded=20, failed=5, now=0)
@@ -141,7 +142,7 @@ def test_failed_analysis_aborts_and_the_canary_drains(tmp_path: Path) -> None:
 def test_restart_resumes_at_the_same_step_and_keeps_api_state_over_file_reloads(tmp_path: Path) -> None:
     clock = Clock()
     c = controller(tmp_path, clock)
-    c.start(StartRequest("m", "v2", interval_s=None), "t")
+    c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
     c.tick()
     c.command("m", machine.Promote(), "t")
     c.store.close()
@@ -160,7 +161,7 @@ def test_restart_resumes_at_the_same_step_and_keeps_api_state_over_file_reloads(
 
 def test_a_file_that_drops_the_canary_aborts_the_rollout(tmp_path: Path) -> None:
     c = controller(tmp_path, Clock())
-    c.start(StartRequest("m", "v2"), "t")
+    c.start(RolloutSpec("m", "", "v2"), "t")
     c.set_file_fleet(parse_fleet(FLEET.replace('      v2: {endpoints: [{address: "127.0.0.1:8002"}]}\n', "")))
     assert c.rollouts["m"].phase == "Aborted"
     assert "no longer has version v2" in c.rollouts["m"].reason
@@ -190,7 +191,7 @@ def test_drain_marks_then_removes_and_undrain_restores(tmp_path: Path) -> None:
 def test_undo_rolls_back_to_the_replaced_version(tmp_path: Path) -> None:
     clock = Clock()
     c = controller(tmp_path, clock)
-    c.start(StartRequest("m", "v2", interval_s=None), "t")
+    c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
     c.tick()
     c.command("m", machine.Promote(full=True), "t")
     clock.t += 5
