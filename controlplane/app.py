@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import structlog
 from envoy.service.load_stats.v3 import lrs_pb2_grpc
+from envoy.service.status.v3 import csds_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -27,6 +28,7 @@ from controlplane.rollout.controller import RolloutController
 from controlplane.rollout.store import RolloutStore
 from controlplane.signals import lrs
 from controlplane.v1 import endpoint_pb2_grpc, proxy_pb2_grpc, rollout_pb2_grpc
+from controlplane.xds import csds
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_SERVICE, PER_TYPE_SERVICES, XdsServer
@@ -136,11 +138,15 @@ class ControlPlane:
         server.add_generic_rpc_handlers(tuple(self.xds.handlers()))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         lrs_pb2_grpc.add_LoadReportingServiceServicer_to_server(self.lrs, server)
+        csds_pb2_grpc.add_ClientStatusDiscoveryServiceServicer_to_server(
+            csds.ClientStatusServer(self.xds.registry), server
+        )
         reflection.enable_server_reflection(
             (
                 ADS_SERVICE,
                 *PER_TYPE_SERVICES,
                 lrs.SERVICE_NAME,
+                csds.SERVICE_NAME,
                 health.SERVICE_NAME,
                 reflection.SERVICE_NAME,
             ),
