@@ -144,12 +144,21 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "demo",
         help="run the demo: control plane, emulated backends and a real Envoy",
-        description="Start the control plane on an example fleet, a few emulated inference "
-        "servers and a real Envoy on loopback ports, send traffic, edit the fleet live, print a "
-        "summary and stop everything.",
+        description="Start the control plane on an example fleet (3 models in 3 tiers, A100 and "
+        "slower L4 servers, one server warming up), emulated inference servers and a real Envoy "
+        "on loopback ports; send traffic, edit the fleet live, roll llama-3-8b to v2 with cpctl "
+        "midway, show it all live, print a summary by tier and stop everything. Exit 0 only if "
+        "no request failed and the rollout completed.",
     )
-    d.add_argument("--duration", type=float, default=20.0, help="seconds of traffic (default: %(default)s)")
+    d.add_argument(
+        "--duration", type=float, default=75.0, help="seconds of traffic, at least 10 (default: %(default)s)"
+    )
     d.add_argument("--delta", action="store_true", help="run Envoy with delta xDS")
+    d.add_argument(
+        "--no-live",
+        action="store_true",
+        help="print progress lines instead of the live view (the default when output is not a terminal)",
+    )
     _add_emulate_parser(sub)
     return p
 
@@ -321,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from controlplane.sim.demo import run_demo
 
-        return int(run_demo(duration_s=args.duration, delta=args.delta))
+        return int(run_demo(duration_s=args.duration, delta=args.delta, live=False if args.no_live else None))
     if args.command == "emulate":
         return _emulate(args)
     return 2

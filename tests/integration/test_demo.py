@@ -2,22 +2,75 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+from pathlib import Path
 
 from tests.integration.harness import BIN
 
 
-def test_demo_runs_to_the_end_with_no_failed_request() -> None:
+def _weights(line: str) -> dict[str, int]:
+    return {k.strip(): int(v) for k, v in (kv.split("=") for kv in line.split(" weights ", 1)[1].split(","))}
+
+
+def test_demo_runs_to_the_end_with_no_failed_request_and_a_completed_rollout() -> None:
     out = subprocess.run(
-        [str(BIN / "controlplane"), "demo", "--duration", "12"],
+        [str(BIN / "controlplane"), "demo", "--duration", "20", "--no-live"],
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=120,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert ", 0 failed" in out.stdout
-    lines = [line.split(" weights ", 1)[1] for line in out.stdout.splitlines() if " weights " in line]
-    first, last = (dict(kv.strip().split("=") for kv in line.split(",")) for line in (lines[0], lines[-1]))
-    assert first["llama-cold"] == "0"  # cold at first: held out
-    assert int(last["llama-b"]) < int(last["llama-a"]) / 2  # the 3x slower L4 gets less
-    assert int(last["llama-cold"]) > 0  # warm by the end, let in
+    assert "rollout: llama-3-8b -> v2: Completed" in out.stdout
+    for tier in ("small", "medium", "large"):
+        assert f"│ {tier}" in out.stdout  # the summary table has a row per tier
+    assert "load-balance degree L per model" in out.stdout
+    weights = [_weights(line) for line in out.stdout.splitlines() if " weights " in line]
+    assert weights[0]["llama-cold"] == 0  # cold at first: held out
+    assert weights[-1]["llama-b"] < weights[-1]["llama-a"] / 2  # the 3x slower L4 gets less
+    assert weights[-1]["llama-cold"] > 0  # warm by the end, let in
+    assert any("step 2/3, v1 50%, v2 50%" in line for line in out.stdout.splitlines())
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
+def test_ctrl_c_stops_every_process_the_demo_started() -> None:
+    p = subprocess.Popen(
+        [str(BIN / "controlplane"), "demo", "--duration", "60", "--no-live"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    work = ""
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:
+            if line.startswith("demo: fleet config "):
+                work = str(Path(line.split("demo: fleet config ", 1)[1].strip()).parent)
+            if "traffic for" in line:
+                break
+        assert work and _processes_mentioning(work), "the control plane and Envoy should be running"
+        p.send_signal(signal.SIGINT)
+        rest = p.communicate(timeout=30)[0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    assert p.returncode == 130, rest[-2000:]
+    assert "interrupted; stopping everything" in rest
+    assert _processes_mentioning(work) == [], "a process the demo started outlived it"
+    assert os.path.isdir(work)  # logs kept
