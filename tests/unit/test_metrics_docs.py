@@ -1,0 +1,29 @@
+"""Every metric the control plane registers is listed in docs/metrics.md, and nothing more."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from controlplane.obs.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def registered() -> set[str]:
+    names = set()
+    for metric in Metrics().registry.collect():
+        name = metric.name
+        if metric.type == "counter":
+            name += "_total"
+        names.add(name)
+    return names
+
+
+def test_every_registered_metric_is_documented_and_every_documented_one_exists() -> None:
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"`(controlplane_[a-z_0-9]+)`", doc))
+    names = registered()
+    assert len(names) > 30
+    assert sorted(names - documented) == [], "registered but not in docs/metrics.md"
+    assert sorted(documented - names) == [], "in docs/metrics.md but not registered"
