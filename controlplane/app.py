@@ -118,6 +118,9 @@ class ControlPlane:
         )
 
     async def start(self) -> None:
+        # Stored rollout and drain state first, so the first snapshot already has it (after a
+        # crash, proxies see the same split as before).
+        await self.rollouts.restore()
         self.watcher.check()
         if self.reconciler.fleet is not None:
             # One bounded scrape round first, so the first snapshot already holds out
@@ -247,4 +250,4 @@ class ControlPlane:
         await self.weights.close()
         if self.http is not None:
             self.http.stop()
-        self.store.close()
+        await self.store.close()

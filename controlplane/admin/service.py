@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -33,6 +33,8 @@ _CODES = {
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
     "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
     "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
+    "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+    "ABORTED": grpc.StatusCode.ABORTED,
 }
 
 
@@ -48,16 +50,21 @@ class _Base:
         user = str(md.get(USER_METADATA) or "operator")[:64]
         return f"{user} ({role} token, {context.peer()})"
 
-    async def call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], T]) -> T:
+    async def call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], Awaitable[T]]) -> T:
         """Run `fn`, answering a rejected command with its status and message."""
         try:
-            out = fn()
+            out = await fn()
         except CommandRejected as e:
             self.metrics.rollouts.admin_requests.labels(method, e.code).inc()
             await context.abort(_CODES[e.code], str(e))
             raise  # unreachable: abort raises
         self.metrics.rollouts.admin_requests.labels(method, "OK").inc()
         return out
+
+
+async def _ready(value: T) -> T:
+    """A value as an awaitable, for `call`."""
+    return value
 
 
 def rollout_message(c: RolloutController, r: machine.Rollout) -> rollout_pb2.Rollout:
@@ -130,21 +137,23 @@ class RolloutService(_Base, rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_message(self.controller, r)
 
     async def Get(self, request: rollout_pb2.GetRolloutRequest, context: Any) -> rollout_pb2.Rollout:
-        r = await self.call(context, "Get", lambda: self._get(request.model))
+        r = await self.call(context, "Get", lambda: _ready(self._get(request.model)))
         return rollout_message(self.controller, r)
 
     async def List(
         self, request: rollout_pb2.ListRolloutsRequest, context: Any
     ) -> rollout_pb2.ListRolloutsResponse:
         rs = await self.call(
-            context, "List", lambda: sorted(self.controller.rollouts.values(), key=lambda r: r.spec.model)
+            context,
+            "List",
+            lambda: _ready(sorted(self.controller.rollouts.values(), key=lambda r: r.spec.model)),
         )
         return rollout_pb2.ListRolloutsResponse(rollouts=[rollout_message(self.controller, r) for r in rs])
 
     async def Watch(
         self, request: rollout_pb2.GetRolloutRequest, context: Any
     ) -> AsyncIterator[rollout_pb2.Rollout]:
-        r = await self.call(context, "Watch", lambda: self._get(request.model))
+        r = await self.call(context, "Watch", lambda: _ready(self._get(request.model)))
         while True:
             yield rollout_message(self.controller, r)
             if not active(r):
@@ -265,7 +274,7 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
     async def List(
         self, request: endpoint_pb2.ListEndpointsRequest, context: Any
     ) -> endpoint_pb2.ListEndpointsResponse:
-        eps = await self.call(context, "List", lambda: self._endpoints(request.model))
+        eps = await self.call(context, "List", lambda: _ready(self._endpoints(request.model)))
         return endpoint_pb2.ListEndpointsResponse(endpoints=eps)
 
     def _one(self, address: str) -> endpoint_pb2.Endpoint:
@@ -277,8 +286,8 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
     async def Drain(self, request: endpoint_pb2.DrainRequest, context: Any) -> endpoint_pb2.Endpoint:
         who = self.who(context)
 
-        def drain() -> endpoint_pb2.Endpoint:
-            self.controller.drain(request.address, request.timeout_seconds or None, request.reason, who)
+        async def drain() -> endpoint_pb2.Endpoint:
+            await self.controller.drain(request.address, request.timeout_seconds or None, request.reason, who)
             return self._one(request.address)
 
         return await self.call(context, "Drain", drain)
@@ -286,8 +295,8 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
     async def Undrain(self, request: endpoint_pb2.DrainRequest, context: Any) -> endpoint_pb2.Endpoint:
         who = self.who(context)
 
-        def undrain() -> endpoint_pb2.Endpoint:
-            self.controller.undrain(request.address, request.reason, who)
+        async def undrain() -> endpoint_pb2.Endpoint:
+            await self.controller.undrain(request.address, request.reason, who)
             return self._one(request.address)
 
         return await self.call(context, "Undrain", undrain)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 
@@ -31,7 +31,7 @@ from controlplane.rollout.machine import (
     Transition,
 )
 from controlplane.rollout.overlay import EndpointDrain, ModelLayer, active, effective, stale_layers
-from controlplane.rollout.store import AuditRecord, RolloutStore
+from controlplane.rollout.store import AuditRecord, StateStore, StoreConflict, StoreUnavailable
 from controlplane.routing.names import cluster_name
 from controlplane.routing.translate import CLUSTER, ENDPOINT
 from controlplane.signals.store import EndpointCounters, SignalStore
@@ -40,7 +40,7 @@ from controlplane.xds.server import ADS_LABEL, ProxyRegistry
 
 log = structlog.get_logger("controlplane.rollout")
 
-Code = Literal["INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION"]
+Code = Literal["INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "UNAVAILABLE", "ABORTED"]
 DRAIN_TIMEOUT_S = 120.0  # an endpoint drain removes the endpoint after this even if busy
 DRAIN_SETTLE_S = 3.0  # at least this long DRAINING, so every proxy has it and signals are fresh
 
@@ -65,7 +65,7 @@ class RolloutController:
 
     def __init__(
         self,
-        store: RolloutStore,
+        store: StateStore,
         reconciler: Reconciler,
         signals: SignalStore,
         registry: ProxyRegistry,
@@ -81,21 +81,64 @@ class RolloutController:
         self.clock = clock
         self.tick_s = tick_s
         self.file_fleet: Fleet | None = None
-        self.rollouts = {r.spec.model: r for r in store.all()}
-        self.layers = store.layers()
-        self.drains = store.drains()
+        self.rollouts: dict[str, Rollout] = {}
+        self.layers: dict[str, ModelLayer] = {}
+        self.drains: dict[str, EndpointDrain] = {}
         self.figures: dict[str, tuple[VersionFigures, VersionFigures]] = {}
         self._baselines: dict[str, _Baseline] = {}
         self._changed = asyncio.Event()
+        # Whether this replica drives rollouts and drains (ticks them). With one replica it
+        # always does; with several, the one holding the etcd lease does (controlplane/ha/).
+        self.leader = True
+
+    async def restore(self) -> None:
+        """Load the stored state (at start, and when another replica changed it)."""
+        state = await self.store.load()
+        first = not (self.rollouts or self.layers or self.drains)
+        self.rollouts, self.layers, self.drains = state.rollouts, state.layers, state.drains
         resumed = [f"{m} at step {r.step + 1} ({r.phase})" for m, r in self.rollouts.items() if active(r)]
-        if resumed or self.drains:
-            log.info("rollout state restored", rollouts=resumed, drains=len(self.drains))
+        if first and (resumed or self.drains):
+            log.info(
+                "rollout state restored", rollouts=resumed, drains=len(self.drains), store=self.store.where
+            )
+        self.publish()
+
+    async def _write(
+        self,
+        who: str,
+        transitions: Iterable[Transition] = (),
+        **changes: Any,
+    ) -> None:
+        """Write to the store, or raise CommandRejected saying why nothing changed."""
+        try:
+            await self.store.write(who, transitions, **changes)
+        except StoreUnavailable as e:
+            raise CommandRejected(
+                "UNAVAILABLE",
+                f"the state store is unreachable ({e}); nothing was changed; retry once it is back",
+            ) from None
+        except StoreConflict:
+            await self.restore()
+            raise CommandRejected(
+                "ABORTED",
+                "another control-plane replica changed this at the same moment; nothing was changed "
+                "by this call: look at the state again and retry",
+            ) from None
 
     # ---- the file and what is served -----------------------------------------------------
 
     def set_file_fleet(self, fleet: Fleet) -> None:
-        """A (re)loaded fleet file: drop layers it has moved past, abort rollouts it broke."""
+        """A (re)loaded fleet: serve it at once. Layers it has moved past, and rollouts it
+        broke, stop applying now (overlay.effective ignores them); `reconcile_file` records
+        that in the store."""
         self.file_fleet = fleet
+        self.publish()
+
+    async def reconcile_file(self) -> None:
+        """Drop the layers the fleet has moved past and abort the rollouts it broke, durably."""
+        fleet = self.file_fleet
+        if fleet is None:
+            return
         stale = stale_layers(fleet, self.layers.values())
         transitions: list[Transition] = []
         for layer in stale:
@@ -130,7 +173,7 @@ class RolloutController:
             aborted.append(a)
             transitions += [e for e in effects if isinstance(e, Transition)]
         if stale or aborted:
-            self.store.commit(
+            await self._write(
                 "fleet-file", transitions, rollouts=aborted, drop_layers=[x.model for x in stale]
             )
             for x in stale:
@@ -140,7 +183,7 @@ class RolloutController:
                 self.metrics.rollouts.aborts.labels(a.spec.model, "file").inc()
                 log.warning("rollout aborted by a file change", model=a.spec.model, reason=a.reason)
             self._count(transitions)
-        self.publish()
+            self.publish()
 
     def publish(self) -> None:
         """Hand the reconciler the fleet as served and the routing overlay."""
@@ -181,7 +224,7 @@ class RolloutController:
             return layer.stable
         return m.stable
 
-    def start(self, request: RolloutSpec, who: str) -> Rollout:
+    async def start(self, request: RolloutSpec, who: str) -> Rollout:
         """Start a rollout of `request.model` to `request.canary`; its `stable` is ignored:
         the rollout starts from the model's stable version as served now."""
         m = self._model(request.model)
@@ -218,7 +261,7 @@ class RolloutController:
         layer = self._layer(m)
         for v in (spec.stable, spec.canary):
             layer = layer.with_version(v, None, 0.0)
-        self._commit(r, effects, who, layer)
+        await self._commit(r, effects, who, layer)
         log.info("rollout started", model=m.name, stable=spec.stable, canary=spec.canary, who=who)
         return r
 
@@ -228,7 +271,7 @@ class RolloutController:
             return ModelLayer(model=m.name, file_stable=m.stable)
         return layer
 
-    def command(self, model: str, cmd: machine.Command, who: str) -> Rollout:
+    async def command(self, model: str, cmd: machine.Command, who: str) -> Rollout:
         """Pause, Resume, Promote or Abort the model's rollout."""
         self._model(model)
         r = self.rollouts.get(model)
@@ -240,10 +283,10 @@ class RolloutController:
             raise CommandRejected(e.code, str(e)) from None
         if isinstance(cmd, machine.Abort):
             self.metrics.rollouts.aborts.labels(model, "operator").inc()
-        self._commit(new, effects, who)
+        await self._commit(new, effects, who)
         return new
 
-    def undo(self, model: str, who: str) -> Rollout:
+    async def undo(self, model: str, who: str) -> Rollout:
         """A new rollout back to the version a completed rollout replaced, with its settings."""
         self._model(model)
         r = self.rollouts.get(model)
@@ -255,9 +298,11 @@ class RolloutController:
                 f"the rollout of {model} is {r.phase}; only a completed rollout can be undone "
                 + ("(abort a running one instead)" if active(r) else "(an aborted one left stable serving)"),
             )
-        return self.start(replace(r.spec, canary=r.spec.stable), who)
+        return await self.start(replace(r.spec, canary=r.spec.stable), who)
 
-    def _commit(self, r: Rollout, effects: list[Effect], who: str, layer: ModelLayer | None = None) -> None:
+    async def _commit(
+        self, r: Rollout, effects: list[Effect], who: str, layer: ModelLayer | None = None
+    ) -> None:
         """Store the rollout with what its effects do to the model's layer; then apply."""
         m = self._model(r.spec.model)
         layer = layer or self._layer(m)
@@ -268,7 +313,7 @@ class RolloutController:
             elif isinstance(e, machine.Drain):
                 layer = layer.with_version(e.version, "draining", now)
         transitions = [e for e in effects if isinstance(e, Transition)]
-        self.store.commit(who, transitions, rollouts=[r], layers=[layer])
+        await self._write(who, transitions, rollouts=[r], layers=[layer])
         self.rollouts[r.spec.model] = r
         self.layers[m.name] = layer
         self._count(transitions)
@@ -288,9 +333,9 @@ class RolloutController:
         for t in transitions:
             self.metrics.rollouts.transitions.labels(t.model, t.phase).inc()
 
-    def history(self, model: str) -> list[AuditRecord]:
+    async def history(self, model: str) -> list[AuditRecord]:
         self._model(model)
-        return self.store.audit(model)
+        return await self.store.history(model)
 
     # ---- endpoint drains ------------------------------------------------------------------
 
@@ -307,7 +352,7 @@ class RolloutController:
             if ep.address == address
         ]
 
-    def drain(self, address: str, timeout_s: float | None, reason: str, who: str) -> EndpointDrain:
+    async def drain(self, address: str, timeout_s: float | None, reason: str, who: str) -> EndpointDrain:
         served = self.endpoint_models(address)
         if not served:
             raise CommandRejected(
@@ -328,7 +373,7 @@ class RolloutController:
             reason or "drained by operator",
         )
         model = served[0][0]
-        self.store.commit(
+        await self._write(
             who, [Transition(model, "Draining", -1, 0, f"endpoint {address}: {d.reason}")], drains=[d]
         )
         self.drains[address] = d
@@ -336,14 +381,14 @@ class RolloutController:
         self.publish()
         return d
 
-    def undrain(self, address: str, reason: str, who: str) -> None:
+    async def undrain(self, address: str, reason: str, who: str) -> None:
         served = self.endpoint_models(address)
         if not served and address not in self.drains:
             raise CommandRejected("NOT_FOUND", f"no endpoint {address!r} in the fleet")
         if address not in self.drains:
             raise CommandRejected("FAILED_PRECONDITION", f"endpoint {address} is not draining or drained")
         model = served[0][0] if served else ""
-        self.store.commit(
+        await self._write(
             who,
             [
                 Transition(
@@ -395,7 +440,7 @@ class RolloutController:
         self.figures[m.name] = (canary, stable)
         return analysis(canary, stable)
 
-    def tick(self) -> None:
+    async def tick(self) -> None:
         """Advance running rollouts and drains by what the proxies and signals say now."""
         if self.file_fleet is None:
             return
@@ -410,8 +455,8 @@ class RolloutController:
                 if new.phase == "Aborted":
                     self.metrics.rollouts.aborts.labels(model, "analysis").inc()
                     log.warning("rollout aborted by analysis", model=model, reason=new.reason)
-                self._commit(new, effects, "controller")
-        self._tick_drains(now)
+                await self._commit(new, effects, "controller")
+        await self._tick_drains(now)
         self._export()
 
     def _in_flight(self, model: str, address: str) -> float:
@@ -430,7 +475,7 @@ class RolloutController:
         busy = sum(self._in_flight(m, a) for m in models for a in addresses)
         return "no requests in flight" if busy <= 0 else None
 
-    def _tick_drains(self, now: float) -> None:
+    async def _tick_drains(self, now: float) -> None:
         for address, d in list(self.drains.items()):
             if d.state != "draining":
                 continue
@@ -439,7 +484,7 @@ class RolloutController:
             if why is None:
                 continue
             done = replace(d, state="drained")
-            self.store.commit(
+            await self._write(
                 "controller",
                 [
                     Transition(
@@ -469,7 +514,7 @@ class RolloutController:
                 if why is None:
                     continue
                 layer = layer.with_version(version, "retired", now)
-                self.store.commit(
+                await self._write(
                     "controller",
                     [Transition(m.name, "Retired", -1, 0, f"version {version} drained and removed: {why}")],
                     layers=[layer],
@@ -479,13 +524,29 @@ class RolloutController:
                 self.publish()
 
     async def run(self) -> None:
-        """Tick until cancelled."""
-        while True:
-            await asyncio.sleep(self.tick_s)
+        """Tick until cancelled (only while leader), and follow other replicas' changes."""
+        follow = asyncio.create_task(self._follow())
+        try:
+            while True:
+                await asyncio.sleep(self.tick_s)
+                if not self.leader:
+                    continue
+                try:
+                    await self.reconcile_file()
+                    await self.tick()
+                except CommandRejected as e:
+                    log.warning("rollout tick not stored; retrying next tick", reason=str(e))
+                except Exception:
+                    log.exception("rollout tick failed; retrying next tick")
+        finally:
+            follow.cancel()
+
+    async def _follow(self) -> None:
+        async for _ in self.store.changes():
             try:
-                self.tick()
-            except Exception:
-                log.exception("rollout tick failed; retrying next tick")
+                await self.restore()
+            except Exception as e:
+                log.warning("could not reload the state another replica changed", error=str(e))
 
     # ---- metrics ------------------------------------------------------------------------------
 

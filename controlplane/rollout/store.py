@@ -9,14 +9,15 @@ it is committed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from controlplane.rollout.machine import Rollout, RolloutSpec, Transition
 from controlplane.rollout.overlay import EndpointDrain, ModelLayer
@@ -50,6 +51,51 @@ CREATE TABLE IF NOT EXISTS drains (
 """
 
 
+class StoreUnavailable(Exception):
+    """The store cannot be reached; nothing was written."""
+
+
+class StoreConflict(Exception):
+    """Another replica changed what this write would replace since it was read; nothing was
+    written. Reload and try again."""
+
+
+@dataclass(frozen=True)
+class StoredState:
+    rollouts: dict[str, Rollout] = field(default_factory=dict)
+    layers: dict[str, ModelLayer] = field(default_factory=dict)
+    drains: dict[str, EndpointDrain] = field(default_factory=dict)
+
+
+class StateStore(Protocol):
+    """Where rollout and drain state lives: SQLite here, etcd for several replicas
+    (controlplane/ha/). Every write is atomic with its audit records."""
+
+    where: str  # for messages: the file or the etcd endpoints
+
+    async def load(self) -> StoredState: ...
+
+    async def write(
+        self,
+        who: str,
+        transitions: Iterable[Transition] = (),
+        *,
+        rollouts: Iterable[Rollout] = (),
+        layers: Iterable[ModelLayer] = (),
+        drop_layers: Iterable[str] = (),
+        drains: Iterable[EndpointDrain] = (),
+        drop_drains: Iterable[str] = (),
+    ) -> None: ...
+
+    async def history(self, model: str) -> list[AuditRecord]: ...
+
+    def changes(self) -> AsyncIterator[None]:
+        """Yields whenever another replica changed the stored state (never, for SQLite)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class AuditRecord:
     model: str
@@ -72,13 +118,54 @@ class RolloutStore:
     def __init__(self, state_dir: Path) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.path = state_dir / "controlplane.db"
+        self.where = str(self.path)
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")  # a committed transition survives power loss
         self.db.executescript(SCHEMA)
 
-    def close(self) -> None:
+    def close_now(self) -> None:
         self.db.close()
+
+    # The StateStore protocol. SQLite writes take about a millisecond (one fsync): done
+    # inline, so a command is acknowledged only once it is on disk.
+
+    async def load(self) -> StoredState:
+        return StoredState({r.spec.model: r for r in self.all()}, self.layers(), self.drains())
+
+    async def write(
+        self,
+        who: str,
+        transitions: Iterable[Transition] = (),
+        *,
+        rollouts: Iterable[Rollout] = (),
+        layers: Iterable[ModelLayer] = (),
+        drop_layers: Iterable[str] = (),
+        drains: Iterable[EndpointDrain] = (),
+        drop_drains: Iterable[str] = (),
+    ) -> None:
+        try:
+            self.commit(
+                who,
+                transitions,
+                rollouts=rollouts,
+                layers=layers,
+                drop_layers=drop_layers,
+                drains=drains,
+                drop_drains=drop_drains,
+            )
+        except sqlite3.OperationalError as e:
+            raise StoreUnavailable(f"{self.where}: {e}") from e
+
+    async def history(self, model: str) -> list[AuditRecord]:
+        return self.audit(model)
+
+    async def changes(self) -> AsyncIterator[None]:
+        await asyncio.Event().wait()  # one process owns the file: nobody else changes it
+        yield
+
+    async def close(self) -> None:
+        self.close_now()
 
     def save(self, rollout: Rollout, transitions: Iterable[Transition], who: str) -> None:
         """Store the rollout's state and its new audit records atomically."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -39,7 +42,17 @@ class Clock:
         return self.t
 
 
-def controller(state: Path, clock: Clock, signals: SignalStore | None = None) -> RolloutController:
+def run_async(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
+    """Run an async test body on a fresh event loop (pytest sees the same signature)."""
+
+    @functools.wraps(fn)
+    def run(*args: object, **kwargs: object) -> None:
+        asyncio.run(fn(*args, **kwargs))
+
+    return run
+
+
+async def controller(state: Path, clock: Clock, signals: SignalStore | None = None) -> RolloutController:
     metrics = Metrics()
     c = RolloutController(
         RolloutStore(state),
@@ -49,7 +62,9 @@ def controller(state: Path, clock: Clock, signals: SignalStore | None = None) ->
         metrics,
         clock=clock,
     )
+    await c.restore()
     c.set_file_fleet(parse_fleet(FLEET))
+    await c.reconcile_file()
     return c
 
 
@@ -68,70 +83,74 @@ def served_versions(c: RolloutController) -> list[str]:
         (RolloutSpec("m", "", "v2", steps=(5, 150)), "INVALID_ARGUMENT", "each 1-100"),
     ],
 )
-def test_bad_starts_are_refused_with_the_reason(
+@run_async
+async def test_bad_starts_are_refused_with_the_reason(
     tmp_path: Path, req: RolloutSpec, code: str, text: str
 ) -> None:
-    c = controller(tmp_path, Clock())
+    c = await controller(tmp_path, Clock())
     with pytest.raises(CommandRejected) as e:
-        c.start(req, "t")
+        await c.start(req, "t")
     assert e.value.code == code
     assert text in str(e.value)
     assert c.rollouts == {}
 
 
-def test_second_rollout_and_promoting_an_aborted_one_are_preconditions(tmp_path: Path) -> None:
-    c = controller(tmp_path, Clock())
-    c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
+@run_async
+async def test_second_rollout_and_promoting_an_aborted_one_are_preconditions(tmp_path: Path) -> None:
+    c = await controller(tmp_path, Clock())
+    await c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
     with pytest.raises(CommandRejected, match="already has a rollout to v2") as e:
-        c.start(RolloutSpec("m", "", "v2"), "t")
+        await c.start(RolloutSpec("m", "", "v2"), "t")
     assert e.value.code == "FAILED_PRECONDITION"
-    c.command("m", machine.Abort(), "t")
+    await c.command("m", machine.Abort(), "t")
     with pytest.raises(CommandRejected, match="Aborted; start a new one") as e:
-        c.command("m", machine.Promote(), "t")
+        await c.command("m", machine.Promote(), "t")
     assert e.value.code == "FAILED_PRECONDITION"
     with pytest.raises(CommandRejected) as e:
-        c.drain("10.9.9.9:1", None, "", "t")
+        await c.drain("10.9.9.9:1", None, "", "t")
     assert e.value.code == "NOT_FOUND"
 
 
-def test_full_rollout_promotes_then_drains_and_retires_the_old_version(tmp_path: Path) -> None:
+@run_async
+async def test_full_rollout_promotes_then_drains_and_retires_the_old_version(tmp_path: Path) -> None:
     clock, signals = Clock(), SignalStore()
-    c = controller(tmp_path, clock, signals)
-    c.start(RolloutSpec("m", "", "v2", interval_s=10, min_requests=10), "t")
-    c.tick()  # no proxies connected: step 1 at once
+    c = await controller(tmp_path, clock, signals)
+    await c.start(RolloutSpec("m", "", "v2", interval_s=10, min_requests=10), "t")
+    await c.tick()  # no proxies connected: step 1 at once
     assert c.rollouts["m"].weights == {"v1": 95, "v2": 5}
     assert c.reconciler.overlay.splits == {"m": (("v1", 95), ("v2", 5))}
     for step, weight in ((2, 25), (3, 50), (4, 100)):
-        c.tick()  # baseline for the step's analysis
+        await c.tick()  # baseline for the step's analysis
         clock.t += 11
         signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=20, succeeded=20, failed=0, now=0)
-        c.tick()
+        await c.tick()
         assert c.rollouts["m"].step + 1 == step, c.rollouts["m"].reason
         assert c.rollouts["m"].weights["v2"] == weight
-    c.tick()
+    await c.tick()
     clock.t += 11
     signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=20, succeeded=20, failed=0, now=0)
-    c.tick()
+    await c.tick()
     assert c.rollouts["m"].phase == "Completed"
     assert c.reconciler.fleet is not None and c.reconciler.fleet.models[0].stable == "v2"
     assert c.reconciler.overlay.draining == {V1}  # the old version drains ...
     clock.t += 5
-    c.tick()  # ... nothing in flight: retired, its cluster removed
+    await c.tick()  # ... nothing in flight: retired, its cluster removed
     assert served_versions(c) == ["v2"]
     assert c.reconciler.overlay.draining == frozenset()
-    phases = [a.phase for a in c.history("m")]
+    phases = [a.phase for a in await c.history("m")]
     assert phases[0] == "Progressing" and phases[-2:] == ["Completed", "Retired"]
 
 
-def test_failed_analysis_aborts_and_the_canary_drains(tmp_path: Path) -> None:
+@run_async
+async def test_failed_analysis_aborts_and_the_canary_drains(tmp_path: Path) -> None:
     clock, signals = Clock(), SignalStore()
-    c = controller(tmp_path, clock, signals)
-    c.start(RolloutSpec("m", "", "v2", interval_s=30, min_requests=20, max_error_rate=0.05), "t")
-    c.tick()
-    c.tick()
+    c = await controller(tmp_path, clock, signals)
+    await c.start(RolloutSpec("m", "", "v2", interval_s=30, min_requests=20, max_error_rate=0.05), "t")
+    await c.tick()
+    await c.tick()
     signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=25, succeeded=20, failed=5, now=0)
     clock.t += 1
-    c.tick()  # within the step's interval: judged as soon as there are enough requests
+    await c.tick()  # within the step's interval: judged as soon as there are enough requests
     r = c.rollouts["m"]
     assert r.phase == "Aborted"
     assert "error rate 20.00% over 25 requests" in r.reason
@@ -139,64 +158,71 @@ def test_failed_analysis_aborts_and_the_canary_drains(tmp_path: Path) -> None:
     assert c.reconciler.overlay.draining == {V2}
 
 
-def test_restart_resumes_at_the_same_step_and_keeps_api_state_over_file_reloads(tmp_path: Path) -> None:
+@run_async
+async def test_restart_resumes_at_the_same_step_and_keeps_api_state_over_file_reloads(tmp_path: Path) -> None:
     clock = Clock()
-    c = controller(tmp_path, clock)
-    c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
-    c.tick()
-    c.command("m", machine.Promote(), "t")
-    c.store.close()
-    again = controller(tmp_path, clock)  # as after kill -9: only the store survives
+    c = await controller(tmp_path, clock)
+    await c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
+    await c.tick()
+    await c.command("m", machine.Promote(), "t")
+    await c.store.close()
+    again = await controller(tmp_path, clock)  # as after kill -9: only the store survives
     r = again.rollouts["m"]
     assert (r.phase, r.step, r.weights) == ("Progressing", 1, {"v1": 75, "v2": 25})
     assert again.reconciler.overlay.splits == {"m": (("v1", 75), ("v2", 25))}
-    again.command("m", machine.Promote(full=True), "t")
+    await again.command("m", machine.Promote(full=True), "t")
     again.set_file_fleet(parse_fleet(FLEET))  # a reload of the unchanged file
     assert again.reconciler.fleet is not None and again.reconciler.fleet.models[0].stable == "v2"
     # The operator writes the new stable into the file: the file wins, the layer is dropped.
     again.set_file_fleet(parse_fleet(FLEET.replace("stable: v1", "stable: v2")))
+    await again.reconcile_file()
     assert again.layers == {}
     assert served_versions(again) == ["v1", "v2"]
 
 
-def test_a_file_that_drops_the_canary_aborts_the_rollout(tmp_path: Path) -> None:
-    c = controller(tmp_path, Clock())
-    c.start(RolloutSpec("m", "", "v2"), "t")
+@run_async
+async def test_a_file_that_drops_the_canary_aborts_the_rollout(tmp_path: Path) -> None:
+    c = await controller(tmp_path, Clock())
+    await c.start(RolloutSpec("m", "", "v2"), "t")
     c.set_file_fleet(parse_fleet(FLEET.replace('      v2: {endpoints: [{address: "127.0.0.1:8002"}]}\n', "")))
+    assert c.reconciler.overlay.splits == {}  # served without the split at once ...
+    await c.reconcile_file()  # ... and recorded as aborted
     assert c.rollouts["m"].phase == "Aborted"
     assert "no longer has version v2" in c.rollouts["m"].reason
 
 
-def test_drain_marks_then_removes_and_undrain_restores(tmp_path: Path) -> None:
+@run_async
+async def test_drain_marks_then_removes_and_undrain_restores(tmp_path: Path) -> None:
     clock, signals = Clock(), SignalStore()
-    c = controller(tmp_path, clock, signals)
-    c.drain(V1, 60, "maintenance", "t")
+    c = await controller(tmp_path, clock, signals)
+    await c.drain(V1, 60, "maintenance", "t")
     assert c.reconciler.overlay.draining == {V1}
     signals.record_lrs(("m", V1), "envoy", in_progress=2, issued=0, succeeded=0, failed=0, now=10**9)
     clock.t += 5
-    c.tick()
+    await c.tick()
     assert c.drains[V1].state == "draining"  # two requests still in flight
     signals.forget_node("envoy")
-    c.tick()
+    await c.tick()
     assert c.drains[V1].state == "drained"
     assert c.reconciler.fleet is not None
     assert c.reconciler.fleet.models[0].versions[0].endpoints == ()
-    c.undrain(V1, "", "t")
+    await c.undrain(V1, "", "t")
     assert len(c.reconciler.fleet.models[0].versions[0].endpoints) == 1
     with pytest.raises(CommandRejected) as e:
-        c.undrain(V1, "", "t")
+        await c.undrain(V1, "", "t")
     assert e.value.code == "FAILED_PRECONDITION"
 
 
-def test_undo_rolls_back_to_the_replaced_version(tmp_path: Path) -> None:
+@run_async
+async def test_undo_rolls_back_to_the_replaced_version(tmp_path: Path) -> None:
     clock = Clock()
-    c = controller(tmp_path, clock)
-    c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
-    c.tick()
-    c.command("m", machine.Promote(full=True), "t")
+    c = await controller(tmp_path, clock)
+    await c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
+    await c.tick()
+    await c.command("m", machine.Promote(full=True), "t")
     clock.t += 5
-    c.tick()
+    await c.tick()
     assert served_versions(c) == ["v2"]
-    r = c.undo("m", "t")
+    r = await c.undo("m", "t")
     assert (r.spec.stable, r.spec.canary) == ("v2", "v1")
     assert served_versions(c) == ["v1", "v2"]  # v1 is back in service for the rollout

@@ -28,7 +28,7 @@ def test_state_and_audit_round_trip(tmp_path: Path) -> None:
     assert [a.who for a in store.audit("chat")] == ["alice", "controller"]
     assert [a.weight for a in store.audit("chat")] == [0, 10]
     assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    store.close()
+    store.close_now()
     again = RolloutStore(tmp_path)
     assert again.all() == [r]
 
