@@ -22,10 +22,14 @@ from controlplane.balancing.controller import WeightController
 from controlplane.fleet.loader import FleetConfigInvalid
 from controlplane.fleet.model import Fleet
 from controlplane.fleet.watch import FleetFileWatcher
+from controlplane.ha.election import LeaderElection
+from controlplane.ha.etcd import Etcd, parse_store_url
+from controlplane.ha.fleet import EtcdFleetSource
+from controlplane.ha.state import EtcdStateStore, new_replica_id
 from controlplane.obs.http import StatusHTTPServer
 from controlplane.obs.metrics import Metrics
 from controlplane.rollout.controller import RolloutController
-from controlplane.rollout.store import RolloutStore
+from controlplane.rollout.store import RolloutStore, StateStore, StoreUnavailable
 from controlplane.signals import lrs
 from controlplane.v1 import endpoint_pb2_grpc, proxy_pb2_grpc, rollout_pb2_grpc
 from controlplane.xds import csds
@@ -38,7 +42,7 @@ log = structlog.get_logger("controlplane")
 
 @dataclass(frozen=True)
 class ServeOptions:
-    config: Path
+    config: Path | None  # the fleet file; None with an etcd store (the fleet is in etcd)
     xds_listen: str = "127.0.0.1:18000"
     metrics_listen: str = "127.0.0.1:9102"
     debounce_s: float = 0.1
@@ -49,6 +53,9 @@ class ServeOptions:
     admin_token_file: Path | None = None
     admin_readonly_token_file: Path | None = None
     rollout_tick_s: float = 1.0
+    store: str | None = None  # etcd://HOST:PORT[,...][/PREFIX]: several replicas share state
+    replica_id: str = ""
+    leader_ttl_s: int = 5
 
 
 class ControlPlane:
@@ -66,7 +73,24 @@ class ControlPlane:
         self.lrs = lrs.LoadReportingServer(
             self.weights.store, streams_gauge=self.metrics.balancing.lrs_streams
         )
-        self.store = RolloutStore(options.state_dir)
+        self.etcd: Etcd | None = None
+        self.election: LeaderElection | None = None
+        self.store: StateStore
+        if options.store is not None:
+            self.etcd = Etcd(parse_store_url(options.store))
+            replica = options.replica_id or new_replica_id()
+            self.store = EtcdStateStore(self.etcd, replica)
+            self.source: FleetFileWatcher | EtcdFleetSource = EtcdFleetSource(
+                self.etcd, self._on_fleet, self._on_invalid, options.watch_interval_s
+            )
+            self.fleet_name = self.source.name
+        else:
+            assert options.config is not None
+            self.store = RolloutStore(options.state_dir)
+            self.source = FleetFileWatcher(
+                options.config, self._on_fleet, self._on_invalid, options.watch_interval_s
+            )
+            self.fleet_name = str(options.config)
         self.rollouts = RolloutController(
             self.store,
             self.reconciler,
@@ -75,11 +99,16 @@ class ControlPlane:
             self.metrics,
             tick_s=options.rollout_tick_s,
         )
+        if self.etcd is not None:
+            self.rollouts.leader = False  # until this replica wins the election
+            self.election = LeaderElection(
+                self.etcd,
+                replica,
+                options.leader_ttl_s,
+                on_change=lambda leads: setattr(self.rollouts, "leader", leads),
+            )
         self.health = health.aio.HealthServicer()
         self.admin_health = health.aio.HealthServicer()
-        self.watcher = FleetFileWatcher(
-            options.config, self._on_fleet, self._on_invalid, options.watch_interval_s
-        )
         self.grpc_server: grpc.aio.Server | None = None
         self.admin_server: grpc.aio.Server | None = None
         self.admin_port = 0
@@ -97,7 +126,7 @@ class ControlPlane:
         self.metrics.config_valid.set(1)
         log.info(
             "fleet config loaded" if first else "fleet config reloaded",
-            file=str(self.options.config),
+            source=self.fleet_name,
             models=len(fleet.models),
             endpoints=sum(len(v.endpoints) for m in fleet.models for v in m.versions),
         )
@@ -112,7 +141,7 @@ class ControlPlane:
         )
         log.error(
             "fleet config refused",
-            file=str(self.options.config),
+            source=self.fleet_name,
             errors=[str(e) for e in err.errors],
             consequence=serving,
         )
@@ -120,8 +149,15 @@ class ControlPlane:
     async def start(self) -> None:
         # Stored rollout and drain state first, so the first snapshot already has it (after a
         # crash, proxies see the same split as before).
-        await self.rollouts.restore()
-        self.watcher.check()
+        try:
+            await self.rollouts.restore()
+            if isinstance(self.source, EtcdFleetSource):
+                await self.source.check()
+            else:
+                self.source.check()
+        except StoreUnavailable as e:
+            # Keep starting: xDS answers UNAVAILABLE until the fleet loads, retried below.
+            log.error("state store unreachable at start; retrying", error=str(e))
         if self.reconciler.fleet is not None:
             # One bounded scrape round first, so the first snapshot already holds out
             # servers that say they are not ready.
@@ -177,8 +213,9 @@ class ControlPlane:
         await self._set_health()
         self._tasks += [
             asyncio.create_task(self.rollouts.run()),
+            *([asyncio.create_task(self.election.run())] if self.election is not None else []),
             asyncio.create_task(self.reconciler.run()),
-            asyncio.create_task(self.watcher.run()),
+            asyncio.create_task(self.source.run()),
             asyncio.create_task(self.weights.run()),
         ]
         log.info(
@@ -187,7 +224,8 @@ class ControlPlane:
             metrics=self.options.metrics_listen,
             admin=self.options.admin_listen,
             state_dir=str(self.options.state_dir),
-            config=str(self.options.config),
+            fleet=self.fleet_name,
+            store=self.store.where,
         )
 
     def _admin_server(self) -> grpc.aio.Server:

@@ -1,4 +1,4 @@
-"""`controlplane`: serve, check-config, explain, bootstrap, demo, emulate."""
+"""`controlplane`: serve, check-config, explain, bootstrap, import, export, demo, emulate."""
 
 from __future__ import annotations
 
@@ -30,7 +30,32 @@ def _parser() -> argparse.ArgumentParser:
         "from a fleet YAML file. The file is watched: a valid edit is pushed to every proxy; an "
         "invalid edit is refused (logged, counted) and the last good config keeps being served.",
     )
-    s.add_argument("--config", required=True, type=Path, help="fleet YAML file (see docs/configuration.md)")
+    s.add_argument(
+        "--config",
+        type=Path,
+        help="fleet YAML file (see docs/configuration.md); the embedded default. Not with --store, "
+        "where the fleet lives in etcd (see `controlplane import`)",
+    )
+    s.add_argument(
+        "--store",
+        metavar="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
+        help="run as one of several replicas sharing the fleet, rollout and drain state in etcd "
+        "(docs/ha.md); default: the --config file and SQLite under --state-dir",
+    )
+    s.add_argument(
+        "--replica-id",
+        default="",
+        metavar="ID",
+        help="this replica's name in leader election and the audit trail (default: random)",
+    )
+    s.add_argument(
+        "--leader-ttl",
+        type=int,
+        default=5,
+        metavar="SECONDS",
+        help="with --store: the leader's lease; another replica takes over this long after the "
+        "leader dies (default: %(default)s)",
+    )
     s.add_argument(
         "--xds-listen",
         default="127.0.0.1:18000",
@@ -159,6 +184,23 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print progress lines instead of the live view (the default when output is not a terminal)",
     )
+    i = sub.add_parser(
+        "import",
+        help="check a fleet file and store it in etcd, for replicas started with --store",
+        description="Validate a fleet YAML file exactly as `check-config` does, then write it to "
+        "etcd, where every replica serving with --store picks it up within a second. An invalid "
+        "file is refused and nothing is written.",
+    )
+    i.add_argument("--from", dest="source", required=True, type=Path, metavar="FILE", help="the fleet file")
+    i.add_argument("--to", dest="target", required=True, metavar="etcd://HOST:PORT[,...][/PREFIX]")
+    x2 = sub.add_parser(
+        "export",
+        help="write the fleet stored in etcd to a file",
+        description="Read the fleet stored in etcd (by `controlplane import`) and write it to a "
+        "file, or to standard output with --to -.",
+    )
+    x2.add_argument("--from", dest="source", required=True, metavar="etcd://HOST:PORT[,...][/PREFIX]")
+    x2.add_argument("--to", dest="target", required=True, metavar="FILE", help="the file, or - for stdout")
     _add_emulate_parser(sub)
     return p
 
@@ -327,6 +369,14 @@ def main(argv: list[str] | None = None) -> int:
         return _bootstrap(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command in ("import", "export"):
+        from controlplane.ha.transfer import run_export, run_import
+
+        return (
+            run_import(args.source, args.target)
+            if args.command == "import"
+            else run_export(args.source, args.target)
+        )
     if args.command == "demo":
         from controlplane.sim.demo import run_demo
 
@@ -395,7 +445,32 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"controlplane serve: {flag}: {e}", file=sys.stderr)
             return 2
-    if not args.config.exists():
+    if args.store is None and args.config is None:
+        print(
+            "controlplane serve: give --config FILE (the fleet file), or --store etcd://... for "
+            "several replicas",
+            file=sys.stderr,
+        )
+        return 2
+    if args.store is not None:
+        from controlplane.ha.etcd import StoreUrlInvalid, parse_store_url
+
+        if args.config is not None:
+            print(
+                "controlplane serve: --config and --store: with --store the fleet lives in etcd; "
+                f"load the file with: controlplane import --from {args.config} --to {args.store}",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            parse_store_url(args.store)
+        except StoreUrlInvalid as e:
+            print(f"controlplane serve: --store: {e}", file=sys.stderr)
+            return 2
+        if args.leader_ttl < 2:
+            print("controlplane serve: --leader-ttl: at least 2 seconds", file=sys.stderr)
+            return 2
+    elif not args.config.exists():
         print(f"controlplane serve: --config: {args.config} does not exist", file=sys.stderr)
         return 2
     options = ServeOptions(
@@ -408,6 +483,9 @@ def _serve(args: argparse.Namespace) -> int:
         admin_listen=args.admin_listen,
         admin_token_file=args.admin_token_file,
         admin_readonly_token_file=args.admin_readonly_token_file,
+        store=args.store,
+        replica_id=args.replica_id,
+        leader_ttl_s=args.leader_ttl,
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_run_until_signal(options))
@@ -425,6 +503,7 @@ async def _run_until_signal(options: object) -> None:
     try:
         await cp.start()
     except (OSError, TokenFileError) as e:
+        await cp.weights.close()
         print(f"controlplane serve: {e}", file=sys.stderr)
         raise SystemExit(2) from e
     stop = asyncio.Event()

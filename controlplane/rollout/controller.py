@@ -542,6 +542,13 @@ class RolloutController:
             follow.cancel()
 
     async def _follow(self) -> None:
+        # A store unreachable at start: keep trying until the state is loaded.
+        while True:
+            try:
+                await self.restore()
+                break
+            except StoreUnavailable:
+                await asyncio.sleep(1.0)
         async for _ in self.store.changes():
             try:
                 await self.restore()

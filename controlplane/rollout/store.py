@@ -107,7 +107,8 @@ class AuditRecord:
     reason: str
 
 
-def _rollout_from(spec: dict[str, Any], state: dict[str, Any]) -> Rollout:
+def rollout_from_json(spec: dict[str, Any], state: dict[str, Any]) -> Rollout:
+    """A Rollout from its stored JSON (older records lack newer spec fields: defaults apply)."""
     spec["steps"] = tuple(spec["steps"])
     return Rollout(spec=RolloutSpec(**spec), **state)
 
@@ -227,11 +228,11 @@ class RolloutStore:
 
     def get(self, model: str) -> Rollout | None:
         row = self.db.execute("SELECT spec, state FROM rollouts WHERE model = ?", (model,)).fetchone()
-        return None if row is None else _rollout_from(json.loads(row[0]), json.loads(row[1]))
+        return None if row is None else rollout_from_json(json.loads(row[0]), json.loads(row[1]))
 
     def all(self) -> list[Rollout]:
         rows = self.db.execute("SELECT spec, state FROM rollouts ORDER BY model").fetchall()
-        return [_rollout_from(json.loads(s), json.loads(st)) for s, st in rows]
+        return [rollout_from_json(json.loads(s), json.loads(st)) for s, st in rows]
 
     def audit(self, model: str) -> list[AuditRecord]:
         rows = self.db.execute(

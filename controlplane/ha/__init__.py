@@ -1,0 +1,1 @@
+"""Several control-plane replicas on etcd: shared state, leader election, the fleet in etcd."""

@@ -1,0 +1,112 @@
+"""A thin seam to etcd: `etcd://HOST:PORT[,HOST:PORT...][/PREFIX]`, failover across members.
+
+aetcd talks to one member. `Etcd.call` runs a request against the current member and, if
+that member cannot be reached, moves to the next one and tries again, so losing one
+member of a cluster loses nothing. When no member answers it raises StoreUnavailable
+naming them all. Every request has a deadline, so an unreachable etcd never stalls the
+control plane: xDS keeps serving the last snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import aetcd
+import aetcd.exceptions
+import structlog
+
+from controlplane.rollout.store import StoreUnavailable
+
+log = structlog.get_logger("controlplane.ha")
+T = TypeVar("T")
+DEFAULT_PREFIX = "/controlplane"
+# What a member that cannot be reached raises (or a grpc channel that is not ready yet).
+UNREACHABLE = (
+    aetcd.exceptions.ConnectionFailedError,
+    aetcd.exceptions.ConnectionTimeoutError,
+    aetcd.exceptions.InternalError,
+    asyncio.TimeoutError,
+    OSError,
+)
+
+
+class StoreUrlInvalid(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EtcdUrl:
+    endpoints: tuple[tuple[str, int], ...]
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def where(self) -> str:
+        return "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + self.prefix
+
+    def key(self, *parts: str) -> bytes:
+        return "/".join((self.prefix, *parts)).encode()
+
+
+def parse_store_url(url: str) -> EtcdUrl:
+    """`etcd://HOST:PORT[,HOST:PORT...][/PREFIX]` -> EtcdUrl; StoreUrlInvalid says what is wrong."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme != "etcd":
+        raise StoreUrlInvalid(f"{url!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX]")
+    hosts, slash, prefix = rest.partition("/")
+    endpoints = []
+    for hp in hosts.split(","):
+        host, colon, port = hp.strip().rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise StoreUrlInvalid(f"{url!r}: {hp!r} is not HOST:PORT")
+        endpoints.append((host.strip("[]"), int(port)))
+    p = "/" + prefix.strip("/") if slash and prefix.strip("/") else DEFAULT_PREFIX
+    return EtcdUrl(tuple(endpoints), p)
+
+
+class Etcd:
+    """Requests to an etcd cluster, moving to the next member when one is unreachable."""
+
+    def __init__(self, url: EtcdUrl, timeout_s: int = 2) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self._index = 0
+        self._client: aetcd.Client | None = None
+        self._lock = asyncio.Lock()
+
+    async def _current(self) -> aetcd.Client:
+        if self._client is None:
+            host, port = self.url.endpoints[self._index]
+            client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)
+            await client.connect()
+            self._client = client
+        return self._client
+
+    async def _next(self) -> None:
+        client, self._client = self._client, None
+        self._index = (self._index + 1) % len(self.url.endpoints)
+        if client is not None:
+            # Closing a dead channel may fail too; it is gone either way.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), 1)
+
+    async def call(self, request: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        """Run `request` on a member that answers; StoreUnavailable if none does."""
+        errors = []
+        for _ in range(len(self.url.endpoints)):
+            try:
+                client = await self._current()
+                return await asyncio.wait_for(request(client), self.timeout_s + 1)
+            except UNREACHABLE as e:
+                host, port = self.url.endpoints[self._index]
+                errors.append(f"{host}:{port}: {type(e).__name__}")
+                await self._next()
+        raise StoreUnavailable(f"{self.url.where} is unreachable ({'; '.join(errors)})")
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
