@@ -105,8 +105,9 @@ class ControlPlane:
                 self.etcd,
                 replica,
                 options.leader_ttl_s,
-                on_change=lambda leads: setattr(self.rollouts, "leader", leads),
+                on_change=self._on_leadership,
             )
+        self.metrics.rollouts.leader.set(1 if self.rollouts.leader else 0)
         self.health = health.aio.HealthServicer()
         self.admin_health = health.aio.HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None
@@ -116,6 +117,10 @@ class ControlPlane:
         self.xds_port = 0
         self._tasks: list[asyncio.Future[None]] = []
         self._serving = False
+
+    def _on_leadership(self, leads: bool) -> None:
+        self.rollouts.leader = leads
+        self.metrics.rollouts.leader.set(1 if leads else 0)
 
     def _on_fleet(self, fleet: Fleet) -> None:
         first = self.reconciler.fleet is None

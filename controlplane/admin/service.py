@@ -246,6 +246,8 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
                         state = "DRAINED" if d is not None else "RETIRED"
                     elif d is not None or vstate == "draining":
                         state = "DRAINING"
+                    elif vstate == "leaving":
+                        state = "LEAVING"
                     elif w <= 0:
                         state = "HELD_OUT"
                     else:
@@ -256,7 +258,7 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
                         address=ep.address,
                         gpu=ep.gpu or "",
                         state=state,
-                        weight=max(w, 0) if state in ("SERVING", "DRAINING", "HELD_OUT") else 0,
+                        weight=max(w, 0) if state in ("SERVING", "LEAVING", "DRAINING", "HELD_OUT") else 0,
                         capacity=load.capacity,
                         running=load.running,
                         waiting=load.waiting,

@@ -116,6 +116,10 @@ class Metrics:
             ["type"],
             registry=r,
         )
+        # Series at 0 from the start, so rate() and increase() see the first NACK too.
+        for label in _TYPE_SHORT.values():
+            self.nacks.labels(label)
+            self.proxies_nacked.labels(label).set(0)
 
 
 ENDPOINT_LABELS = ["model", "version", "endpoint"]
@@ -250,6 +254,12 @@ class RolloutMetrics:
             "controlplane_endpoints_draining",
             "Endpoints in each drain state (draining: DRAINING in EDS; drained: removed).",
             ["state"],
+            registry=r,
+        )
+        self.leader = Gauge(
+            "controlplane_leader",
+            "1 while this replica drives rollouts and drains (always, with one replica; with "
+            "several on etcd, the holder of the leader lease).",
             registry=r,
         )
         self.admin_requests = Counter(

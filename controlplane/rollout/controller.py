@@ -33,7 +33,7 @@ from controlplane.rollout.machine import (
 from controlplane.rollout.overlay import EndpointDrain, ModelLayer, active, effective, stale_layers
 from controlplane.rollout.store import AuditRecord, StateStore, StoreConflict, StoreUnavailable
 from controlplane.routing.names import cluster_name
-from controlplane.routing.translate import CLUSTER, ENDPOINT
+from controlplane.routing.translate import CLUSTER, ENDPOINT, ROUTE
 from controlplane.signals.store import EndpointCounters, SignalStore
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_LABEL, ProxyRegistry
@@ -43,6 +43,9 @@ log = structlog.get_logger("controlplane.rollout")
 Code = Literal["INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "UNAVAILABLE", "ABORTED"]
 DRAIN_TIMEOUT_S = 120.0  # an endpoint drain removes the endpoint after this even if busy
 DRAIN_SETTLE_S = 3.0  # at least this long DRAINING, so every proxy has it and signals are fresh
+# A version traffic left is marked DRAINING no sooner than this after the route change (the
+# snapshot with it is out by then: debounce max delay 1 s), once every proxy has ACKed it.
+ROUTES_SETTLE_S = 1.0
 
 
 class CommandRejected(Exception):
@@ -311,7 +314,10 @@ class RolloutController:
             if isinstance(e, SetStable):
                 layer = replace(layer, stable=e.version)
             elif isinstance(e, machine.Drain):
-                layer = layer.with_version(e.version, "draining", now)
+                # Routes move off it first; its endpoints go DRAINING only once every proxy
+                # has the new routes (otherwise a proxy could route to a cluster whose
+                # endpoints all refuse new requests: a 503).
+                layer = layer.with_version(e.version, "leaving", now)
         transitions = [e for e in effects if isinstance(e, Transition)]
         await self._write(who, transitions, rollouts=[r], layers=[layer])
         self.rollouts[r.spec.model] = r
@@ -415,11 +421,11 @@ class RolloutController:
                 out.append(s.protocol.node_id or s.peer)
         return tuple(sorted(set(out)))
 
-    def _proxies_synced(self) -> bool:
+    def _proxies_synced(self, type_url: str = ENDPOINT) -> bool:
         return all(
-            s.protocol.status(ENDPOINT) == "SYNCED"
+            s.protocol.status(type_url) == "SYNCED"
             for s in self.registry.streams.values()
-            if ENDPOINT in s.protocol.types and s.protocol.types[ENDPOINT].requested
+            if type_url in s.protocol.types and s.protocol.types[type_url].requested
         )
 
     def _counters(self, model: str, addresses: list[str]) -> dict[str, EndpointCounters]:
@@ -505,9 +511,29 @@ class RolloutController:
                 continue
             r = self.rollouts.get(m.name)
             for version, (state, since) in list(layer.versions.items()):
-                if state != "draining" or (
-                    active(r) and r is not None and version in (r.spec.stable, r.spec.canary)
-                ):
+                if active(r) and r is not None and version in (r.spec.stable, r.spec.canary):
+                    continue
+                if state == "leaving":
+                    if now - since < ROUTES_SETTLE_S or not self._proxies_synced(ROUTE):
+                        continue
+                    layer = layer.with_version(version, "draining", now)
+                    await self._write(
+                        "controller",
+                        [
+                            Transition(
+                                m.name,
+                                "Draining",
+                                -1,
+                                0,
+                                f"version {version}: no route sends to it; draining",
+                            )
+                        ],
+                        layers=[layer],
+                    )
+                    self.layers[m.name] = layer
+                    self.publish()
+                    continue
+                if state != "draining":
                     continue
                 eps = [ep.address for v in m.versions if v.name == version for ep in v.endpoints]
                 why = self._drained([m.name], eps, since, DRAIN_TIMEOUT_S, now)

@@ -4,7 +4,8 @@ The file stays the operator's own; the API adds, per model, a layer on top of it
 
 - A rollout in progress splits the model's traffic between stable and canary.
 - A completed rollout makes its canary the model's stable version, and the old stable
-  drains, then is retired (its cluster removed), even though the file still says otherwise.
+  leaves (no route sends to it), drains (once every proxy has the new routes), then is
+  retired (its cluster removed), even though the file still says otherwise.
 - An aborted rollout's canary drains and is retired the same way.
 - A drained endpoint (`cpctl endpoints drain`) is sent as DRAINING, then removed.
 
@@ -24,7 +25,9 @@ from controlplane.fleet.model import Fleet, Model, Version
 from controlplane.rollout.machine import Rollout
 from controlplane.routing.translate import RoutingOverlay
 
-VersionState = Literal["draining", "retired"]
+# A version traffic left: leaving (routes moved off it, endpoints untouched until every proxy
+# has the new routes), then draining (endpoints DRAINING), then retired (cluster removed).
+VersionState = Literal["leaving", "draining", "retired"]
 DrainState = Literal["draining", "drained"]
 
 

