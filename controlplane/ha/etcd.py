@@ -75,7 +75,7 @@ class Etcd:
         self.timeout_s = timeout_s
         self._index = 0
         self._client: aetcd.Client | None = None
-        self._lock = asyncio.Lock()
+        self._closing: list[asyncio.TimerHandle] = []
 
     async def _current(self) -> aetcd.Client:
         if self._client is None:
@@ -85,28 +85,54 @@ class Etcd:
             self._client = client
         return self._client
 
-    async def _next(self) -> None:
+    async def _next(self, failed: int) -> None:
+        """Move on from member `failed`, unless a concurrent request already has (several tasks
+        share this object; none may skip a member the others just moved to)."""
+        if self._index != failed:
+            return
         client, self._client = self._client, None
         self._index = (self._index + 1) % len(self.url.endpoints)
         if client is not None:
-            # Closing a dead channel may fail too; it is gone either way.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.close(), 1)
+            # Other tasks may still have requests in flight on it: closing the channel now
+            # would cancel them. Close it once they have all timed out.
+            task = asyncio.get_running_loop().call_later(
+                self.timeout_s + 2, lambda: asyncio.ensure_future(_close_quietly(client))
+            )
+            self._closing.append(task)
 
     async def call(self, request: Callable[[aetcd.Client], Awaitable[T]]) -> T:
         """Run `request` on a member that answers; StoreUnavailable if none does."""
         errors = []
-        for _ in range(len(self.url.endpoints)):
+        # Every member twice: right after a member is lost the others may be electing a new
+        # raft leader for a moment (about a second), and refuse requests meanwhile.
+        for attempt in range(2 * len(self.url.endpoints)):
+            if attempt == len(self.url.endpoints):
+                await asyncio.sleep(0.5)
+            index = self._index
+            host, port = self.url.endpoints[index]
             try:
                 client = await self._current()
                 return await asyncio.wait_for(request(client), self.timeout_s + 1)
             except UNREACHABLE as e:
-                host, port = self.url.endpoints[self._index]
                 errors.append(f"{host}:{port}: {type(e).__name__}")
-                await self._next()
+                await self._next(index)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # our caller is being cancelled: let it go
+                # grpc cancels the calls of a channel that was closed under them: try again.
+                errors.append(f"{host}:{port}: channel closed")
         raise StoreUnavailable(f"{self.url.where} is unreachable ({'; '.join(errors)})")
 
     async def close(self) -> None:
+        for handle in self._closing:
+            handle.cancel()
         if self._client is not None:
-            await self._client.close()
+            await _close_quietly(self._client)
             self._client = None
+
+
+async def _close_quietly(client: aetcd.Client) -> None:
+    # Closing a dead channel may fail too; it is gone either way.
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(client.close(), 1)

@@ -11,13 +11,14 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import structlog
 from envoy.service.discovery.v3 import discovery_pb2
+from prometheus_client.core import GaugeMetricFamily
 
 from controlplane.obs.metrics import Metrics, type_label
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
@@ -115,6 +116,31 @@ class ProxyRegistry:
         return [s.describe() for s in sorted(self.streams.values(), key=lambda s: s.stream_id)]
 
 
+class StaleProxiesCollector:
+    """`controlplane_xds_proxies_stale{type}`, counted when scraped: connected streams whose
+    ACKed config of a type is not the current one (a response in flight, or one never ACKed).
+    Briefly above 0 after every push; staying above 0 means a proxy is not converging."""
+
+    def __init__(self, registry: ProxyRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "controlplane_xds_proxies_stale",
+            "Connected proxies whose ACKed config of a type is not the current one (a response in "
+            "flight or never ACKed); above 0 for minutes means a proxy is not converging.",
+            labels=["type"],
+        )
+        stale = dict.fromkeys((type_label(t) for t in TYPE_URLS), 0)
+        for stream in list(self.registry.streams.values()):
+            for t in TYPE_URLS:
+                if t in stream.protocol.types and stream.protocol.status(t) == "STALE":
+                    stale[type_label(t)] += 1
+        for label, n in stale.items():
+            g.add_metric([label], n)
+        yield g
+
+
 class XdsServer:
     """Serves ADS and the per-type discovery services from a SnapshotCache."""
 
@@ -128,6 +154,7 @@ class XdsServer:
         self.cache = cache
         self.metrics = metrics
         self.registry = registry or ProxyRegistry()
+        metrics.registry.register(StaleProxiesCollector(self.registry))
         self.clock = clock
         self._ids = itertools.count(1)
         self._metric_children: dict[tuple[str, str], _TypeMetrics] = {}

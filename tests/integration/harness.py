@@ -571,8 +571,6 @@ class EtcdCluster:
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[n]}",
             "--initial-cluster", cluster,
             "--initial-cluster-state", state,
-            "--heartbeat-interval", "50",
-            "--election-timeout", "500",
         ]  # fmt: skip
 
     def start(self, *names: str) -> EtcdCluster:

@@ -173,8 +173,8 @@ def test_a_change_through_any_replica_is_served_by_all_within_a_second(ha: HaRig
                 return False
         return True
 
-    wait_until(everywhere, 1.5, "the new endpoint on every replica")
-    assert time.monotonic() - added < 1.5
+    wait_until(everywhere, 1.0, "the new endpoint on every replica")
+    assert time.monotonic() - added < 1.0
     # History shows who did it, through which replica.
     h = op.rollouts.History(rollout_pb2.GetRolloutRequest(model=MODEL), metadata=op.md, timeout=5)
     assert h.records[0].phase == "Progressing" and "admin token" in h.records[0].who
@@ -265,7 +265,7 @@ def test_losing_one_member_of_three_loses_nothing(tmp_path: Path) -> None:
         r = op.rollouts.Start(
             rollout_pb2.StartRolloutRequest(model=MODEL, to_version="v2", steps=[50, 100], interval_seconds=1,
                                             min_requests=0),
-            metadata=op.md, timeout=10,
+            metadata=op.md, timeout=20,
         )  # fmt: skip
         assert r.phase == "Progressing"
         wait_until(lambda: rig.rollout("r2").phase == "Completed", 20, "the rollout to complete")
@@ -274,3 +274,35 @@ def test_losing_one_member_of_three_loses_nothing(tmp_path: Path) -> None:
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         rig.close()
+
+
+def test_import_checks_the_file_and_export_gives_it_back(tmp_path: Path) -> None:
+    etcd = EtcdCluster(tmp_path).start()
+    try:
+        good = tmp_path / "fleet.yaml"
+        good.write_text(
+            "listener: {port: 10000}\ntiers: {small: {}}\n"
+            "models: {m: {params_b: 8, stable: v1,\n"
+            "             versions: {v1: {endpoints: [{address: '127.0.0.1:9'}]}}}}\n"
+        )
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(good.read_text().replace("stable: v1", "stable: v9"))
+        cp = str(BIN / "controlplane")
+        out = subprocess.run(
+            [cp, "import", "--from", str(bad), "--to", etcd.url], capture_output=True, text=True
+        )
+        assert out.returncode == 1 and "stable" in out.stderr and "nothing was written" in out.stderr
+        missing = subprocess.run(
+            [cp, "export", "--from", etcd.url, "--to", "-"], capture_output=True, text=True
+        )
+        assert missing.returncode == 1 and "import one first" in missing.stderr
+        ok = subprocess.run(
+            [cp, "import", "--from", str(good), "--to", etcd.url], capture_output=True, text=True
+        )
+        assert ok.returncode == 0 and "1 models, 1 endpoints" in ok.stdout, ok.stderr
+        back = subprocess.run([cp, "export", "--from", etcd.url, "--to", "-"], capture_output=True, text=True)
+        assert back.returncode == 0 and back.stdout == good.read_text()
+    finally:
+        etcd.stop()
+    down = subprocess.run([cp, "export", "--from", etcd.url, "--to", "-"], capture_output=True, text=True)
+    assert down.returncode == 1 and "unreachable" in down.stderr

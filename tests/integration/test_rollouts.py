@@ -168,7 +168,7 @@ def test_full_rollout_then_drain_and_removal_of_v1_drops_nothing(rig: Rig) -> No
         metadata=rig.op.md,  # type: ignore[union-attr]
     )
     phases = [h.phase for h in history.records]
-    assert phases[-2:] == ["Completed", "Retired"]
+    assert phases[-3:] == ["Completed", "Draining", "Retired"]
     assert "(admin token" in history.records[0].who  # who started it, as cpctl reported
 
 

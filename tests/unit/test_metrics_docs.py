@@ -6,13 +6,17 @@ import re
 from pathlib import Path
 
 from controlplane.obs.metrics import Metrics
+from controlplane.xds.cache import SnapshotCache
+from controlplane.xds.server import XdsServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def registered() -> set[str]:
     names = set()
-    for metric in Metrics().registry.collect():
+    metrics = Metrics()
+    XdsServer(SnapshotCache(), metrics)  # registers the collectors counted at scrape time
+    for metric in metrics.registry.collect():
         name = metric.name
         if metric.type == "counter":
             name += "_total"
