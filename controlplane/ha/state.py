@@ -29,10 +29,11 @@ from typing import Any
 import aetcd
 
 from controlplane.ha.etcd import Etcd
-from controlplane.rollout.machine import Rollout, Transition
+from controlplane.rollout.machine import Transition
 from controlplane.rollout.overlay import EndpointDrain, ModelLayer
 from controlplane.rollout.store import (
     AuditRecord,
+    StateChange,
     StoreConflict,
     StoredState,
     StoreUnavailable,
@@ -78,19 +79,9 @@ class EtcdStateStore:
                 state.drains[name] = EndpointDrain(**data)
         return state
 
-    async def write(
-        self,
-        who: str,
-        transitions: Iterable[Transition] = (),
-        *,
-        rollouts: Iterable[Rollout] = (),
-        layers: Iterable[ModelLayer] = (),
-        drop_layers: Iterable[str] = (),
-        drains: Iterable[EndpointDrain] = (),
-        drop_drains: Iterable[str] = (),
-    ) -> None:
+    async def write(self, who: str, transitions: Iterable[Transition], change: StateChange) -> None:
         puts: list[tuple[bytes, bytes]] = []
-        for r in rollouts:
+        for r in change.rollouts:
             state = {k: v for k, v in asdict(r).items() if k != "spec"}
             puts.append(
                 (
@@ -98,12 +89,12 @@ class EtcdStateStore:
                     json.dumps({"spec": asdict(r.spec), "state": state}).encode(),
                 )
             )
-        for layer in layers:
+        for layer in change.layers:
             puts.append((self._state_key("layers", layer.model), json.dumps(asdict(layer)).encode()))
-        for d in drains:
+        for d in change.drains:
             puts.append((self._state_key("drains", d.address), json.dumps(asdict(d)).encode()))
-        deletes = [self._state_key("layers", m) for m in drop_layers]
-        deletes += [self._state_key("drains", a) for a in drop_drains]
+        deletes = [self._state_key("layers", m) for m in change.drop_layers]
+        deletes += [self._state_key("drains", a) for a in change.drop_drains]
         now = time.time()
         for t in transitions:
             self._seq += 1

@@ -31,7 +31,13 @@ from controlplane.rollout.machine import (
     Transition,
 )
 from controlplane.rollout.overlay import EndpointDrain, ModelLayer, active, effective, stale_layers
-from controlplane.rollout.store import AuditRecord, StateStore, StoreConflict, StoreUnavailable
+from controlplane.rollout.store import (
+    AuditRecord,
+    StateChange,
+    StateStore,
+    StoreConflict,
+    StoreUnavailable,
+)
 from controlplane.routing.names import cluster_name
 from controlplane.routing.translate import CLUSTER, ENDPOINT, ROUTE
 from controlplane.signals.store import EndpointCounters, SignalStore
@@ -114,7 +120,7 @@ class RolloutController:
     ) -> None:
         """Write to the store, or raise CommandRejected saying why nothing changed."""
         try:
-            await self.store.write(who, transitions, **changes)
+            await self.store.write(who, transitions, StateChange(**{k: tuple(v) for k, v in changes.items()}))
         except StoreUnavailable as e:
             raise CommandRejected(
                 "UNAVAILABLE",

@@ -61,6 +61,17 @@ class StoreConflict(Exception):
 
 
 @dataclass(frozen=True)
+class StateChange:
+    """What one transition writes besides its audit records: state to store, keys to drop."""
+
+    rollouts: tuple[Rollout, ...] = ()
+    layers: tuple[ModelLayer, ...] = ()
+    drop_layers: tuple[str, ...] = ()
+    drains: tuple[EndpointDrain, ...] = ()
+    drop_drains: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class StoredState:
     rollouts: dict[str, Rollout] = field(default_factory=dict)
     layers: dict[str, ModelLayer] = field(default_factory=dict)
@@ -75,17 +86,7 @@ class StateStore(Protocol):
 
     async def load(self) -> StoredState: ...
 
-    async def write(
-        self,
-        who: str,
-        transitions: Iterable[Transition] = (),
-        *,
-        rollouts: Iterable[Rollout] = (),
-        layers: Iterable[ModelLayer] = (),
-        drop_layers: Iterable[str] = (),
-        drains: Iterable[EndpointDrain] = (),
-        drop_drains: Iterable[str] = (),
-    ) -> None: ...
+    async def write(self, who: str, transitions: Iterable[Transition], change: StateChange) -> None: ...
 
     async def history(self, model: str) -> list[AuditRecord]: ...
 
@@ -134,27 +135,9 @@ class RolloutStore:
     async def load(self) -> StoredState:
         return StoredState({r.spec.model: r for r in self.all()}, self.layers(), self.drains())
 
-    async def write(
-        self,
-        who: str,
-        transitions: Iterable[Transition] = (),
-        *,
-        rollouts: Iterable[Rollout] = (),
-        layers: Iterable[ModelLayer] = (),
-        drop_layers: Iterable[str] = (),
-        drains: Iterable[EndpointDrain] = (),
-        drop_drains: Iterable[str] = (),
-    ) -> None:
+    async def write(self, who: str, transitions: Iterable[Transition], change: StateChange) -> None:
         try:
-            self.commit(
-                who,
-                transitions,
-                rollouts=rollouts,
-                layers=layers,
-                drop_layers=drop_layers,
-                drains=drains,
-                drop_drains=drop_drains,
-            )
+            self.commit(who, transitions, change)
         except sqlite3.OperationalError as e:
             raise StoreUnavailable(f"{self.where}: {e}") from e
 
@@ -170,23 +153,13 @@ class RolloutStore:
 
     def save(self, rollout: Rollout, transitions: Iterable[Transition], who: str) -> None:
         """Store the rollout's state and its new audit records atomically."""
-        self.commit(who, transitions, rollouts=[rollout])
+        self.commit(who, transitions, StateChange(rollouts=(rollout,)))
 
-    def commit(
-        self,
-        who: str,
-        transitions: Iterable[Transition] = (),
-        *,
-        rollouts: Iterable[Rollout] = (),
-        layers: Iterable[ModelLayer] = (),
-        drop_layers: Iterable[str] = (),
-        drains: Iterable[EndpointDrain] = (),
-        drop_drains: Iterable[str] = (),
-    ) -> None:
+    def commit(self, who: str, transitions: Iterable[Transition], change: StateChange) -> None:
         """Store rollouts, layers and drains, and append audit records, in one transaction."""
         now = time.time()
         with self._transaction():
-            for rollout in rollouts:
+            for rollout in change.rollouts:
                 state = {k: v for k, v in asdict(rollout).items() if k != "spec"}
                 self.db.execute(
                     "INSERT INTO rollouts (model, spec, state, updated_at) VALUES (?, ?, ?, ?) "
@@ -194,19 +167,19 @@ class RolloutStore:
                     "updated_at = excluded.updated_at",
                     (rollout.spec.model, json.dumps(asdict(rollout.spec)), json.dumps(state), now),
                 )
-            for layer in layers:
+            for layer in change.layers:
                 self.db.execute(
                     "INSERT OR REPLACE INTO layers (model, data) VALUES (?, ?)",
                     (layer.model, json.dumps(asdict(layer))),
                 )
-            for model in drop_layers:
+            for model in change.drop_layers:
                 self.db.execute("DELETE FROM layers WHERE model = ?", (model,))
-            for d in drains:
+            for d in change.drains:
                 self.db.execute(
                     "INSERT OR REPLACE INTO drains (address, data) VALUES (?, ?)",
                     (d.address, json.dumps(asdict(d))),
                 )
-            for address in drop_drains:
+            for address in change.drop_drains:
                 self.db.execute("DELETE FROM drains WHERE address = ?", (address,))
             self.db.executemany(
                 "INSERT INTO audit (model, at, who, phase, step, weight, reason) "
