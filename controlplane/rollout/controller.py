@@ -601,5 +601,10 @@ class RolloutController:
             if f is not None and active(r):
                 rm.canary_error_rate.labels(model, r.spec.canary).set(f[0].error_rate)
                 rm.canary_error_rate.labels(model, r.spec.stable).set(f[1].error_rate)
+            elif not active(r):
+                # A finished rollout has no step to judge: its last figures would mislead.
+                for v in (r.spec.canary, r.spec.stable):
+                    with contextlib.suppress(KeyError):
+                        rm.canary_error_rate.remove(model, v)
         for state in ("draining", "drained"):
             rm.draining.labels(state).set(sum(1 for d in self.drains.values() if d.state == state))

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from controlplane.fleet.loader import parse_fleet
 from controlplane.obs.metrics import Metrics
@@ -154,12 +155,23 @@ async def test_failed_analysis_aborts_and_the_canary_drains(tmp_path: Path) -> N
     await c.start(RolloutSpec("m", "", "v2", interval_s=30, min_requests=20, max_error_rate=0.05), "t")
     await c.tick()
     await c.tick()
-    signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=25, succeeded=20, failed=5, now=0)
+    signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=10, succeeded=9, failed=1, now=0)
+    await c.tick()  # 10 requests: too few to judge, but the figures are exported
+    assert c.rollouts["m"].phase == "Progressing"
+    assert (
+        'controlplane_rollout_error_rate{model="m",version="v2"} 0.1'
+        in generate_latest(c.metrics.registry).decode()
+    )
+    signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=15, succeeded=11, failed=4, now=0)
     clock.t += 1
     await c.tick()  # within the step's interval: judged as soon as there are enough requests
     r = c.rollouts["m"]
     assert r.phase == "Aborted"
     assert "error rate 20.00% over 25 requests" in r.reason
+    # The finished rollout's error-rate series are gone, not frozen at their last value.
+    text = generate_latest(c.metrics.registry).decode()
+    assert "controlplane_rollout_error_rate{" not in text
+    assert 'controlplane_rollout_phase{model="m",phase="Aborted"} 1.0' in text
     assert c.reconciler.overlay.splits == {}
     assert c.reconciler.overlay.draining == frozenset()  # routes first ...
     clock.t += 1.5
