@@ -30,22 +30,19 @@ import aetcd
 
 from controlplane.ha.etcd import Etcd
 from controlplane.rollout.machine import Transition
-from controlplane.rollout.overlay import EndpointDrain, ModelLayer
+from controlplane.rollout.overlay import EndpointDrain
 from controlplane.rollout.store import (
     AuditRecord,
     StateChange,
     StoreConflict,
     StoredState,
     StoreUnavailable,
+    layer_from_json,
     rollout_from_json,
+    rollout_to_json,
 )
 
 POLL_S = 0.25  # how often a replica checks etcd's revision for others' changes
-
-
-def _layer(d: dict[str, Any]) -> ModelLayer:
-    d["versions"] = {v: (s[0], s[1]) for v, s in d["versions"].items()}
-    return ModelLayer(**d)
 
 
 class EtcdStateStore:
@@ -74,7 +71,7 @@ class EtcdStateStore:
             if kind == "rollouts":
                 state.rollouts[name] = rollout_from_json(data["spec"], data["state"])
             elif kind == "layers":
-                state.layers[name] = _layer(data)
+                state.layers[name] = layer_from_json(data)
             elif kind == "drains":
                 state.drains[name] = EndpointDrain(**data)
         return state
@@ -82,11 +79,11 @@ class EtcdStateStore:
     async def write(self, who: str, transitions: Iterable[Transition], change: StateChange) -> None:
         puts: list[tuple[bytes, bytes]] = []
         for r in change.rollouts:
-            state = {k: v for k, v in asdict(r).items() if k != "spec"}
+            spec, state = rollout_to_json(r)
             puts.append(
                 (
                     self._state_key("rollouts", r.spec.model),
-                    json.dumps({"spec": asdict(r.spec), "state": state}).encode(),
+                    json.dumps({"spec": spec, "state": state}).encode(),
                 )
             )
         for layer in change.layers:

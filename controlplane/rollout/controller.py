@@ -39,7 +39,7 @@ from controlplane.rollout.store import (
     StoreUnavailable,
 )
 from controlplane.routing.names import cluster_name
-from controlplane.routing.translate import CLUSTER, ENDPOINT, ROUTE
+from controlplane.routing.translate import ENDPOINT, ROUTE
 from controlplane.signals.store import EndpointCounters, SignalStore
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_LABEL, ProxyRegistry
@@ -419,11 +419,9 @@ class RolloutController:
         """Connected Envoys (ADS, every cluster) that have not ACKed the cluster and its endpoints."""
         out = []
         for s in self.registry.streams.values():
-            cds = s.protocol.types.get(CLUSTER)
-            if s.service != ADS_LABEL or cds is None or not cds.wildcard:
+            if s.service != ADS_LABEL or not s.protocol.wants_every_cluster:
                 continue  # proxyless gRPC clients follow the stable version only
-            eds = s.protocol.types.get(ENDPOINT)
-            if cname not in cds.acked or eds is None or cname not in eds.acked:
+            if not s.protocol.holds_cluster(cname):
                 out.append(s.protocol.node_id or s.peer)
         return tuple(sorted(set(out)))
 

@@ -108,6 +108,17 @@ class AuditRecord:
     reason: str
 
 
+def rollout_to_json(rollout: Rollout) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(spec, machine state) as stored, by SQLite and by etcd."""
+    return asdict(rollout.spec), {k: v for k, v in asdict(rollout).items() if k != "spec"}
+
+
+def layer_from_json(data: dict[str, Any]) -> ModelLayer:
+    """A ModelLayer from its stored JSON (JSON has lists where the layer has tuples)."""
+    versions = {v: (s[0], s[1]) for v, s in data["versions"].items()}
+    return ModelLayer(**{**data, "versions": versions})
+
+
 def rollout_from_json(spec: dict[str, Any], state: dict[str, Any]) -> Rollout:
     """A Rollout from its stored JSON (older records lack newer spec fields: defaults apply)."""
     spec["steps"] = tuple(spec["steps"])
@@ -160,12 +171,12 @@ class RolloutStore:
         now = time.time()
         with self._transaction():
             for rollout in change.rollouts:
-                state = {k: v for k, v in asdict(rollout).items() if k != "spec"}
+                spec, state = rollout_to_json(rollout)
                 self.db.execute(
                     "INSERT INTO rollouts (model, spec, state, updated_at) VALUES (?, ?, ?, ?) "
                     "ON CONFLICT(model) DO UPDATE SET spec = excluded.spec, state = excluded.state, "
                     "updated_at = excluded.updated_at",
-                    (rollout.spec.model, json.dumps(asdict(rollout.spec)), json.dumps(state), now),
+                    (rollout.spec.model, json.dumps(spec), json.dumps(state), now),
                 )
             for layer in change.layers:
                 self.db.execute(
@@ -188,12 +199,8 @@ class RolloutStore:
             )
 
     def layers(self) -> dict[str, ModelLayer]:
-        out = {}
-        for (data,) in self.db.execute("SELECT data FROM layers ORDER BY model"):
-            d = json.loads(data)
-            d["versions"] = {v: (s[0], s[1]) for v, s in d["versions"].items()}
-            out[d["model"]] = ModelLayer(**d)
-        return out
+        rows = self.db.execute("SELECT data FROM layers ORDER BY model").fetchall()
+        return {layer.model: layer for layer in (layer_from_json(json.loads(r[0])) for r in rows)}
 
     def drains(self) -> dict[str, EndpointDrain]:
         rows = self.db.execute("SELECT data FROM drains ORDER BY address").fetchall()

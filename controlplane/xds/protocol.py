@@ -617,6 +617,17 @@ class XdsStream:
 
     # ---- status -------------------------------------------------------------------------
 
+    @property
+    def wants_every_cluster(self) -> bool:
+        """A wildcard CDS subscriber (an Envoy), not a proxyless client asking by name."""
+        cds = self.types.get(CLUSTER)
+        return cds is not None and cds.wildcard
+
+    def holds_cluster(self, name: str) -> bool:
+        """The proxy has ACKed the cluster and its endpoints: routes may name it."""
+        cds, eds = self.types.get(CLUSTER), self.types.get(ENDPOINT)
+        return cds is not None and eds is not None and name in cds.acked and name in eds.acked
+
     def status(self, type_url: str) -> str:
         """SYNCED, STALE, NACKED or NOT_SENT for one type, as an operator reads it."""
         ts = self.types.get(type_url)
