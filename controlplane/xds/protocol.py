@@ -3,33 +3,52 @@
 Feed it requests (`receive`) and snapshots (`set_snapshot`); it returns events: bytes to
 send, ACKs, NACKs, stale nonces. It never does I/O, so every protocol corner is unit-tested.
 
-Rules it keeps:
+Rules it keeps (docs/xds.md states them for operators):
 - one response in flight per type: the next goes out only after the ACK or NACK, so a slow
   proxy gets the latest state, coalesced, never a backlog;
-- a NACKed response is never re-sent: the same content waits until it changes;
+- a rejected resource is never re-sent: the same content waits until it changes. A NACK
+  is attributed to the resources Envoy names in its error; the valid changes shipped
+  beside them are sent again (Envoy applied them, or will on the re-send, harmlessly);
 - stale nonces are ignored (SotW: the whole request; delta: only its ACK part);
-- on ADS with a wildcard cluster subscription (Envoy), make-before-break: a route is sent
-  only once every cluster it names has been ACKed with its endpoints, and a cluster is
-  removed only after no route the proxy has (or is being sent) names it.
+- on ADS with a wildcard cluster subscription (Envoy), make-before-break: a route entry is
+  sent only once every cluster it names has been ACKed with endpoints sent after the
+  cluster was (re)created; a cluster is removed only after no route the proxy has (or is
+  being sent) names it, and while kept it keeps the last assignment the proxy ACKed;
+- a cluster that is new *or updated* gets a fresh assignment right after it, because
+  Envoy (re)warms it and waits for one, holding its CDS ACK meanwhile;
+- a proxy that reconnects with config from before keeps every cluster it may route to
+  until a route sent on this stream is ACKed (delta: the clusters it declares; SotW: the
+  snapshot's lingering clusters, as a proxy last ACKed them), unless its declared route is
+  one we know;
+- content some proxy already ACKed is never a suspect of a NACK, and a cluster the proxy
+  may route to is never dropped from a state-of-the-world response for want of content:
+  the last definition a proxy ACKed stands in.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from envoy.config.core.v3 import base_pb2
+from envoy.config.route.v3 import route_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
+from controlplane.routing.blend import blend_routes
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
 from controlplane.xds import wire
-from controlplane.xds.snapshot import Snapshot, SnapshotResource
+from controlplane.xds.snapshot import Snapshot, SnapshotResource, encode_resource
 
 FULL_STATE_TYPES = frozenset({LISTENER, CLUSTER})
 WILDCARD = "*"
+# Bounds on what one client can make a stream hold.
+MAX_NAMES_PER_TYPE = 100_000
+MAX_UNKNOWN_TYPES_REPORTED = 8
 
 
 @dataclass(frozen=True)
@@ -58,17 +77,20 @@ class Ack:
 
 @dataclass(frozen=True)
 class Nack:
-    """The proxy rejected a response; it keeps its previous config."""
+    """The proxy rejected a response (or part of it); it keeps its previous config of what
+    it rejected. `rejected` names the resources blamed (all the changed ones if Envoy's
+    message names none of them)."""
 
     type_url: str
     nonce: str
     version: str
     message: str
+    rejected: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class NackCleared:
-    """The desired config went back to what the proxy has: its rejection no longer matters."""
+    """Nothing the proxy rejected is wanted any more (the config moved on, or went back)."""
 
     type_url: str
 
@@ -89,9 +111,18 @@ class NodeIdentified:
     node_id: str
     cluster: str
     user_agent: str
+    node: base_pb2.Node | None = field(default=None, compare=False, repr=False)
 
 
-Event = Send | Ack | Nack | NackCleared | StaleNonce | UnknownType | NodeIdentified
+@dataclass(frozen=True)
+class Refused:
+    """The client asked for more than a stream may hold; the caller ends the stream."""
+
+    code: str  # a grpc.StatusCode name
+    message: str
+
+
+Event = Send | Ack | Nack | NackCleared | StaleNonce | UnknownType | NodeIdentified | Refused
 
 
 @dataclass
@@ -115,17 +146,24 @@ class TypeState:
     latest_nonce: str = ""
     in_flight: _InFlight | None = None
     responded: bool = False
-    # What the proxy has, as far as we know: name -> version, and the resource when we sent it.
+    acked_here: bool = False  # an ACK of this type arrived on this stream
+    # What the proxy has, as far as we know: name -> version, and the resource when we know it.
     acked: dict[str, str] = field(default_factory=dict)
     acked_res: dict[str, SnapshotResource] = field(default_factory=dict)
     acked_version: str = ""  # also the content key of what the proxy holds
     last_subscription: tuple[bool, frozenset[str]] = (False, frozenset())
-    # NACK memory: full-state content key, or per-resource versions.
-    rejected_key: str = ""
+    # NACK memory: name -> the version the proxy rejected (never sent to it again).
     rejected: dict[str, str] = field(default_factory=dict)
+    # A NACK that names no resource blames every change it carried: they become suspects,
+    # re-sent `probe` at a time (a bisection) until the rejected ones are found.
+    suspects: dict[str, str] = field(default_factory=dict)
+    probing: frozenset[str] = frozenset()  # the suspects the next response may carry
+    rejected_key: str = ""  # SotW full state: the content key of the last NACKed response
     last_error: str = ""
-    last_nacked: bool = False
+    last_nacked: bool = False  # something the proxy rejected (or a suspect) is still wanted
     answered: set[str] = field(default_factory=set)
+    # Held from an earlier stream, content unknown: not confirmed until ACKed here.
+    unconfirmed: set[str] = field(default_factory=set)
     # XOR of per-(name, version) hashes of `acked`: the proxy's state version in O(1).
     state_xor: int = 0
     last_names: tuple[int, int] = (0, 0)  # length and hash of the last SotW names list
@@ -134,6 +172,17 @@ class TypeState:
     keep_resources: bool = True
     # The snapshot generation this type was last found fully in sync with (-1: not known).
     settled: int = -1
+
+    def withholds(self, name: str, version: str) -> bool:
+        """Whether `name` at `version` must not go to the proxy now: it rejected it, or it
+        is a suspect outside the current probe."""
+        if self.rejected.get(name) == version:
+            return True
+        return self.suspects.get(name) == version and name not in self.probing
+
+    def probe(self, n: int) -> None:
+        """Let the next response carry the first `n` suspects (at least one, if any)."""
+        self.probing = frozenset(list(self.suspects)[: max(1, n)] if self.suspects else ())
 
     def unsettle(self) -> None:
         """The subscription changed: recompute on the next pump, even after an ACK."""
@@ -205,6 +254,100 @@ def _key(resources: Iterable[tuple[str, str]]) -> str:
     return h.hexdigest()
 
 
+def attribute_nack(message: str, names: Iterable[str]) -> set[str]:
+    """The resources an Envoy error message blames, among `names`.
+
+    Envoy names each rejected resource followed by a colon ("Error adding/updating
+    cluster(s) a@v1: Proto constraint validation failed ..., b@v2: ..."); a name counts only
+    at a word boundary, so `a@v1` is not blamed for `xa@v1` or `a@v10`."""
+    found = set()
+    for name in names:
+        if name and re.search(r"(?:^|[\s,'\"(\[])" + re.escape(name) + r"(?=[:'\"\s,)\]]|$)", message):
+            found.add(name)
+    return found
+
+
+_BLENDS: OrderedDict[tuple[str, str, frozenset[str]], SnapshotResource] = OrderedDict()
+
+
+def _blended(desired: SnapshotResource, held: SnapshotResource | None, ready: set[str]) -> SnapshotResource:
+    """`desired` with its not-ready entries held back (routing/blend.py), serialised once
+    per (desired, held, missing clusters) and shared by every stream in that state."""
+    missing = frozenset(desired.refs - ready)
+    key = (desired.version, held.version if held is not None else "", missing)
+    found = _BLENDS.get(key)
+    if found is not None:
+        _BLENDS.move_to_end(key)
+        return found
+    assert isinstance(desired.message, route_pb2.RouteConfiguration)
+    held_msg = held.message if held is not None else None
+    assert held_msg is None or isinstance(held_msg, route_pb2.RouteConfiguration)
+    msg = blend_routes(desired.message, held_msg, ready)
+    res = encode_resource(ROUTE, desired.name, msg)
+    if held is not None and res.version == held.version:
+        res = held
+    _BLENDS[key] = res
+    if len(_BLENDS) > 256:
+        _BLENDS.popitem(last=False)
+    return res
+
+
+class ClusterMemory:
+    """What proxies of this process ACKed, shared by every stream: the last definition of
+    each cluster, and recent route configurations by version.
+
+    A proxy that reconnects holds config we cannot see (SotW says only a version hash, delta
+    names and versions). A route version it declares is resolved here, so its content is
+    known at once; and when the current definition of a cluster it may route to is refused,
+    or the cluster left the fleet meanwhile, the last definition a proxy took keeps it
+    working, not nothing."""
+
+    def __init__(self, limit: int = 65536, routes: int = 256) -> None:
+        self.limit = limit
+        self.route_limit = routes
+        self._good: OrderedDict[str, SnapshotResource] = OrderedDict()
+        self._routes: OrderedDict[str, SnapshotResource] = OrderedDict()
+        self._last: object = None
+
+    def record(self, resources: dict[str, SnapshotResource]) -> None:
+        """A proxy ACKed these clusters (a shared dict is recorded once, however many ACK it)."""
+        if resources is self._last:
+            return
+        self._last = resources
+        for name, res in resources.items():
+            if isinstance(res, _Placeholder) or self._good.get(name) is res:
+                continue
+            self._good[name] = res
+            self._good.move_to_end(name)
+        while len(self._good) > self.limit:
+            self._good.popitem(last=False)
+
+    def record_routes(self, resources: Iterable[SnapshotResource]) -> None:
+        """A proxy ACKed these route configurations."""
+        for res in resources:
+            if not isinstance(res, _Placeholder):
+                self._routes[res.version] = res
+                self._routes.move_to_end(res.version)
+        while len(self._routes) > self.route_limit:
+            self._routes.popitem(last=False)
+
+    def get(self, name: str) -> SnapshotResource | None:
+        return self._good.get(name)
+
+    def route(self, name: str, version: str) -> SnapshotResource | None:
+        """A route configuration a proxy ACKed at `version` (delta's resource version)."""
+        res = self._routes.get(version)
+        return res if res is not None and res.name == name else None
+
+    def route_by_state(self, name: str, state: str) -> SnapshotResource | None:
+        """The route configuration `name` whose SotW state version is `state`, if a proxy
+        held only that one of its type."""
+        for res in reversed(self._routes.values()):
+            if res.name == name and f"{_h(name, res.version):016x}" == state:
+                return res
+        return None
+
+
 class XdsStream:
     """Protocol state of one xDS stream (ADS carries every type; other services one)."""
 
@@ -215,6 +358,7 @@ class XdsStream:
         delta: bool,
         ads: bool = True,
         type_url: str | None = None,
+        memory: ClusterMemory | None = None,
     ) -> None:
         if not ads and type_url is None:
             raise ValueError("a non-ADS stream serves exactly one type_url")
@@ -224,10 +368,15 @@ class XdsStream:
         self.fixed_type = type_url
         self.types: dict[str, TypeState] = {}
         self.node_id = ""
+        self.node: base_pb2.Node | None = None
+        self.memory = memory if memory is not None else ClusterMemory()
         self._nonce = 0
         self._unknown_reported: set[str] = set()
-        # A cluster new to the proxy warms on EDS sent after it: name -> CDS response nonce.
+        # A cluster new to the proxy, or updated, warms on EDS sent after it: name -> CDS nonce.
         self._eds_fresh_after: dict[str, int] = {}
+        # Clusters the proxy brought from an earlier stream, kept until a route sent here is
+        # ACKed (delta: the names it declared; None: unknown, a SotW reconnect).
+        self._inherited_clusters: frozenset[str] | None = frozenset()
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -246,10 +395,18 @@ class XdsStream:
         events: list[Event] = []
         if request.HasField("node") and request.node.id and not self.node_id:
             self.node_id = request.node.id
-            events.append(NodeIdentified(request.node.id, request.node.cluster, request.node.user_agent_name))
+            self.node = request.node
+            events.append(
+                NodeIdentified(
+                    request.node.id, request.node.cluster, request.node.user_agent_name, request.node
+                )
+            )
         type_url = request.type_url or (self.fixed_type or "")
         if type_url not in TYPE_URLS or (self.fixed_type and type_url != self.fixed_type):
-            if type_url not in self._unknown_reported:
+            if (
+                type_url not in self._unknown_reported
+                and len(self._unknown_reported) < MAX_UNKNOWN_TYPES_REPORTED
+            ):
                 self._unknown_reported.add(type_url)
                 events.append(UnknownType(type_url))
             return events
@@ -260,6 +417,15 @@ class XdsStream:
             events.extend(self._receive_delta(type_url, ts, request, now))
         else:
             events.extend(self._receive_sotw(type_url, ts, request, now))
+        if len(ts.names) > MAX_NAMES_PER_TYPE:
+            events.append(
+                Refused(
+                    "RESOURCE_EXHAUSTED",
+                    f"subscribed to {len(ts.names)} names of {type_url}; a stream may hold at most "
+                    f"{MAX_NAMES_PER_TYPE}",
+                )
+            )
+            return events
         events.extend(self._pump())
         return events
 
@@ -278,18 +444,44 @@ class XdsStream:
             return events  # an ACK with the same subscription: the common case
         ts.last_names = fingerprint
         names = set(raw_names)
-        if not ts.requested:
+        first = not ts.requested
+        if first:
             # Legacy wildcard: a first request without names subscribes to everything.
             wildcard = not names or WILDCARD in names
         else:
             wildcard = WILDCARD in names or (ts.wildcard and not names and not ts.names)
-        if not ts.requested or wildcard != ts.wildcard or names - {WILDCARD} != ts.names:
+        if first or wildcard != ts.wildcard or names - {WILDCARD} != ts.names:
             ts.unsettle()
         ts.wildcard = wildcard
         ts.requested = True
         ts.names = shared_names(names - {WILDCARD})
+        if first and req.version_info:
+            self._inherit_sotw(type_url, ts, req.version_info)
         self._forget_uninterested(type_url, ts)
         return events
+
+    def _inherit_sotw(self, type_url: str, ts: TypeState, version_info: str) -> None:
+        """A reconnecting SotW proxy says which version of the type it holds, not what."""
+        if type_url == CLUSTER:
+            self._inherited_clusters = None  # unknown: keep the lingering clusters
+        elif type_url == ROUTE and ts.names:
+            current = {n: self.snapshot.get(ROUTE, n) for n in ts.names}
+            x = 0
+            for n, res in current.items():
+                if res is not None:
+                    x ^= _h(n, res.version)
+            known = None
+            if len(ts.names) == 1:
+                [only] = ts.names
+                known = self.memory.route_by_state(only, version_info)
+            if f"{x:016x}" == version_info:
+                for n, res in current.items():  # it holds exactly what we would send: known
+                    if res is not None:
+                        ts.hold(n, res.version, res)
+            elif known is not None:
+                ts.hold(known.name, known.version, known)  # one a proxy ACKed here before
+            else:
+                ts.unconfirmed = set(ts.names)
 
     def _receive_delta(
         self, type_url: str, ts: TypeState, req: discovery_pb2.DeltaDiscoveryRequest, now: float
@@ -308,8 +500,17 @@ class XdsStream:
             ts.unsettle()
         if not ts.requested:
             ts.wildcard = not subscribe
-            for name, version in req.initial_resource_versions.items():
-                ts.hold(name, version)
+            for name, version in list(req.initial_resource_versions.items())[:MAX_NAMES_PER_TYPE]:
+                self._inherit_delta(type_url, ts, name, version)
+            if type_url == CLUSTER and req.initial_resource_versions:
+                self._inherited_clusters = frozenset(ts.acked)
+            cds = self.types.get(CLUSTER)
+            if type_url == ENDPOINT and self.ads and (cds is None or not cds.requested):
+                # Endpoints asked for before clusters: Envoy's CDS is paused because a cluster
+                # is (re)warming, and it waits for an assignment sent after it. Which one is
+                # not known: every assignment goes out again.
+                for name in ts.acked:
+                    self._eds_fresh_after.setdefault(name, 0)
         ts.requested = True
         if WILDCARD in subscribe:
             ts.wildcard = True
@@ -320,7 +521,22 @@ class XdsStream:
         for name in unsubscribe:
             ts.drop(name)
             ts.answered.discard(name)
+            ts.unconfirmed.discard(name)
+            if type_url == ENDPOINT:
+                self._eds_fresh_after.pop(name, None)
         return events
+
+    def _inherit_delta(self, type_url: str, ts: TypeState, name: str, version: str) -> None:
+        """A resource the proxy declares it holds from an earlier stream."""
+        res = self.snapshot.get(type_url, name) if type_url != ENDPOINT else None
+        if (res is None or res.version != version) and type_url == ROUTE:
+            res = self.memory.route(name, version)  # one a proxy ACKed here before
+        if res is not None and res.version == version:
+            ts.hold(name, version, res)  # the content we have: known
+            return
+        ts.hold(name, version)
+        if type_url == ROUTE:
+            ts.unconfirmed.add(name)
 
     def _ack_or_nack(
         self, type_url: str, ts: TypeState, nonce: str, error: str, code: int, now: float
@@ -331,14 +547,12 @@ class XdsStream:
         ts.in_flight = None
         ts.settled = -1
         if error or code:
-            ts.last_error = error or f"rejected with code {code}"
-            ts.last_nacked = True
-            if type_url in FULL_STATE_TYPES and not self.delta:
-                ts.rejected_key = flight.version
-            else:
-                ts.rejected.update({n: r.version for n, r in flight.resources.items()})
-            return [Nack(type_url, nonce, flight.version, ts.last_error)]
-        ts.last_nacked = False
+            return [self._nack(type_url, ts, flight, error or f"rejected with code {code}")]
+        ts.acked_here = True
+        for name, res in flight.resources.items():
+            if ts.suspects.get(name) == res.version:
+                del ts.suspects[name]  # carried and accepted: not the culprit
+        ts.probe(len(ts.suspects) // 2)
         if type_url in FULL_STATE_TYPES and not self.delta:
             # Replaced whole, never mutated: may be the snapshot's own dicts, shared by streams.
             ts.acked_res = flight.resources
@@ -357,9 +571,16 @@ class XdsStream:
                         self._eds_fresh_after = {}  # dicts never shrink; let the table go
                 ts.hold(name, res.version, res)
                 ts.rejected.pop(name, None)
+                ts.unconfirmed.discard(name)
             for name in flight.removed:
                 ts.drop(name)
+                ts.unconfirmed.discard(name)
+        if type_url == CLUSTER:
+            self.memory.record(flight.resources)
+        elif type_url == ROUTE and self._gating():
+            self.memory.record_routes(flight.resources.values())
         ts.acked_version = flight.version
+        ts.last_nacked = bool(ts.rejected or ts.suspects)
         ts.settled = flight.generation if flight.complete else -1
         return [
             Ack(
@@ -371,6 +592,44 @@ class XdsStream:
             )
         ]
 
+    def _nack(self, type_url: str, ts: TypeState, flight: _InFlight, message: str) -> Nack:
+        """Blame the resources Envoy names; if it names none (a response refused whole, as
+        Envoy does when a resource fails to decode), bisect the changes it carried. Apply
+        what Envoy applies anyway (removals); valid changes are sent again."""
+        ts.last_error = message
+        ts.last_nacked = True
+        known = self.memory.get if type_url == CLUSTER else (lambda n: None)
+        changed = {
+            n: r
+            for n, r in flight.resources.items()
+            if ts.acked.get(n) != r.version
+            and not isinstance(r, _Placeholder)
+            and getattr(known(n), "version", None) != r.version  # a proxy took it: not the culprit
+        }
+        blamed = attribute_nack(message, changed)
+        if not blamed and len(changed) == 1:
+            blamed = set(changed)
+        for name in blamed:
+            ts.rejected[name] = changed[name].version
+            ts.suspects.pop(name, None)
+        if not blamed and changed:
+            # Suspects: these first (one of them is bad), then any earlier ones; the next
+            # response carries the first half of them.
+            carried = {n: changed[n].version for n in sorted(changed)}
+            ts.suspects = {**carried, **{n: v for n, v in ts.suspects.items() if n not in carried}}
+            ts.probe(len(carried) // 2)
+        if type_url in FULL_STATE_TYPES and not self.delta:
+            # Envoy removes what a state-of-the-world response left out when it rejects part of
+            # it (not when it rejects it whole): what it holds is not known for sure, so the
+            # next different content goes out in full. The dicts may be shared: new ones.
+            ts.acked_res = {n: r for n, r in ts.acked_res.items() if n in flight.resources}
+            ts.acked = {n: v for n, v in ts.acked.items() if n in flight.resources}
+            ts.acked_version = ""
+            ts.rejected_key = flight.version
+        # Delta: removals are sent again (Envoy skips them when it refuses a response whole,
+        # and removing what is gone is harmless).
+        return Nack(type_url, flight.nonce, flight.version, message, tuple(sorted(blamed)))
+
     def _interested(self, type_url: str, ts: TypeState, name: str) -> bool:
         return name in ts.names or (ts.wildcard and name in self.snapshot.wildcard_names(type_url))
 
@@ -381,14 +640,26 @@ class XdsStream:
         for name in [n for n in ts.acked if not self._interested(type_url, ts, n)]:
             ts.drop(name)
             ts.answered.discard(name)
+            ts.unconfirmed.discard(name)
+            if type_url == ENDPOINT:
+                self._eds_fresh_after.pop(name, None)
 
     # ---- what to send -------------------------------------------------------------------
 
     def _gating(self) -> bool:
+        """Make-before-break applies to Envoy: an ADS client with a wildcard CDS subscription.
+        A reconnecting Envoy may ask for routes before clusters (its CDS is paused while a
+        cluster warms), so before any CDS request its user agent decides. Proxyless gRPC
+        asks CDS by name only after RDS: gating it would deadlock."""
+        if not self.ads:
+            return False
         cds = self.types.get(CLUSTER)
-        return self.ads and cds is not None and cds.wildcard
+        if cds is not None and cds.requested:
+            return cds.wildcard
+        return self.node is not None and self.node.user_agent_name == "envoy"
 
     def _ready_clusters(self) -> set[str]:
+        """Clusters a route entry may newly name: ACKed, with endpoints sent after them."""
         cds = self.types.get(CLUSTER)
         eds = self.types.get(ENDPOINT)
         if cds is None or eds is None:
@@ -403,8 +674,16 @@ class XdsStream:
                 ready &= set(flight.resources)
         return ready
 
+    def _routes_confirmed(self) -> bool:
+        """Whether every route the proxy holds is one whose content we know."""
+        rds = self.types.get(ROUTE)
+        if rds is not None and rds.requested:
+            return not rds.unconfirmed
+        lds = self.types.get(LISTENER)
+        return lds is not None and lds.acked_here  # its listeners, ACKed here, use no RDS
+
     def _referenced_clusters(self) -> set[str]:
-        """Clusters named by routes the proxy has or is being sent."""
+        """Clusters named by routes the proxy has or is being sent (or may have, from before)."""
         out: set[str] = set()
         for t in (ROUTE, LISTENER):
             ts = self.types.get(t)
@@ -415,33 +694,63 @@ class XdsStream:
             if ts.in_flight is not None:
                 for res in ts.in_flight.resources.values():
                     out |= res.refs
+        inherited = self._inherited_clusters
+        if inherited is None or inherited:
+            if not self._routes_confirmed():
+                out |= set(self.snapshot.lingering) if inherited is None else inherited
+            else:
+                self._inherited_clusters = frozenset()
         return out
 
     def desired(self, type_url: str) -> dict[str, SnapshotResource]:
         """What this proxy should hold now for a type, with make-before-break applied."""
         return self._desired(type_url)[0]
 
+    def _subscribed(self, type_url: str, ts: TypeState) -> dict[str, SnapshotResource]:
+        """The snapshot's resources for the subscription, before any per-proxy rule."""
+        every = self.snapshot.resources.get(type_url, {})
+        wildcard_names = self.snapshot.wildcard_names(type_url)
+        if ts.wildcard and len(wildcard_names) == len(every) and all(n in every for n in ts.names):
+            # The snapshot's own dict, shared by every stream: copied below before any change.
+            return every if isinstance(every, dict) else dict(every)
+        wanted = set(ts.names)
+        if ts.wildcard:
+            wanted |= wildcard_names
+        out: dict[str, SnapshotResource] = {}
+        for name in wanted:
+            res = every.get(name)
+            if (
+                res is None
+                and type_url == ENDPOINT
+                and name in ts.acked
+                and name not in self.snapshot.lingering
+            ):
+                # The proxy still holds this cluster (kept for make-before-break): it keeps the
+                # last assignment it ACKed; an empty one would blackhole its routes.
+                res = _Placeholder.of(ENDPOINT, name, ts.acked[name])
+            elif res is None:
+                res = self.snapshot.get(type_url, name)  # a lingering cluster's last, else empty
+            if res is not None:
+                out[name] = res
+        return out
+
     def _desired(self, type_url: str) -> tuple[dict[str, SnapshotResource], set[str]]:
-        """(resources, names held back because a cluster they name is not ready yet)."""
+        """(resources, names not as the snapshot has them: held back, kept or refused)."""
         held_back: set[str] = set()
         ts = self.types.get(type_url)
         if ts is None:
             return {}, held_back
-        every = self.snapshot.resources.get(type_url, {})
-        wildcard_names = self.snapshot.wildcard_names(type_url)
-        out: dict[str, SnapshotResource]
-        if ts.wildcard and len(wildcard_names) == len(every) and all(n in every for n in ts.names):
-            # The snapshot's own dict, shared by every stream: copied below before any change.
-            out = every if isinstance(every, dict) else dict(every)
-        else:
-            wanted = set(ts.names)
-            if ts.wildcard:
-                wanted |= wildcard_names
-            out = {}
-            for name in wanted:
-                res = self.snapshot.get(type_url, name)
-                if res is not None:
-                    out[name] = res
+        out = self._subscribed(type_url, ts)
+        if type_url in FULL_STATE_TYPES and not self.delta and (ts.rejected or ts.suspects):
+            # Never re-send what the proxy refused: it keeps its version, or goes without.
+            for name in [n for n, r in out.items() if ts.withholds(n, r.version)]:
+                out = dict(out) if out is self.snapshot.resources.get(type_url) else out
+                held_back.add(name)
+                kept = ts.acked_res.get(name) or self._last_good(type_url, name, out[name].version)
+                if kept is not None:
+                    out[name] = kept
+                else:
+                    del out[name]
         if not self._gating():
             return out, held_back
         if type_url == CLUSTER:
@@ -449,28 +758,51 @@ class XdsStream:
             if kept_names:
                 out = dict(out)
             for name in kept_names:
-                held_back.add(name)  # to be removed later: not in sync yet
                 kept = ts.acked_res.get(name)
+                good = self._last_good(CLUSTER, name, "")
                 if kept is not None:
                     out[name] = kept
-                elif name in ts.acked and ts.wildcard:
-                    # Delta: the proxy has it from before (initial versions); do not remove it.
-                    out[name] = _Placeholder.of(name, ts.acked[name])
-        elif type_url in (ROUTE, LISTENER):
+                elif name in ts.acked and self.delta:
+                    # Delta: the proxy declared it from before; keep it as it is (sending other
+                    # content would re-warm it).
+                    out[name] = _Placeholder.of(CLUSTER, name, ts.acked[name])
+                elif good is not None:
+                    out[name] = good  # SotW: what it holds is not known; what a proxy last took
+                else:
+                    continue  # never ACKed by anyone here: it cannot be holding it from us
+                held_back.add(name)  # to be removed later: not in sync yet
+        elif type_url == ROUTE:
             ready = self._ready_clusters()
             if all(res.refs <= ready for res in out.values()):
                 return out, held_back
             out = dict(out)
+            cds = self.types.get(CLUSTER)
+            refused = set(cds.rejected) if cds is not None else set()
             for name, res in list(out.items()):
                 if res.refs <= ready:
                     continue
-                held = ts.acked_res.get(name)
-                if held is not None and held.refs <= ready:
-                    out[name] = held
-                else:
-                    del out[name]
                 held_back.add(name)
+                held = ts.acked_res.get(name)
+                if held is None and (name in ts.acked or not (res.refs - ready) <= refused):
+                    # The proxy's route is one we do not know, or it has none and the clusters
+                    # are on their way: send nothing partial; wait for them.
+                    del out[name]
+                else:
+                    # Entry by entry: ready ones go out; the others stay as the proxy has them
+                    # (or, for clusters the proxy refused, stay out).
+                    out[name] = _blended(res, held, ready)
         return out, held_back
+
+    def _last_good(self, type_url: str, name: str, refused: str) -> SnapshotResource | None:
+        """For a cluster this proxy may hold but we cannot name the content of: the last
+        definition a proxy ACKed, unless that is the refused one."""
+        if type_url != CLUSTER:
+            return None
+        good = self.memory.get(name)
+        ts = self.types.get(CLUSTER)
+        if good is None or good.version == refused or (ts is not None and ts.withholds(name, good.version)):
+            return None
+        return good
 
     def _pump(self, fast_from: int | None = None) -> Iterable[Event]:
         """Send what each type needs. With `fast_from`, the snapshot is a known successor of
@@ -498,25 +830,41 @@ class XdsStream:
                     else:
                         yield send
                     continue
-            if ts.last_nacked and self._matches_acked(type_url, ts):
+            if ts.last_nacked and self._rejections_settled(type_url, ts):
                 ts.last_nacked = False
                 yield NackCleared(type_url)
             send = self._next_response(type_url, ts)
             if send is not None:
                 yield send
 
+    def _rejections_settled(self, type_url: str, ts: TypeState) -> bool:
+        """Forget rejections (and suspects) of content no longer wanted; True once none is left."""
+        every = self.snapshot.resources.get(type_url, {})
+        for memory in (ts.rejected, ts.suspects):
+            for name in list(memory):
+                res = every.get(name)
+                if res is None or res.version != memory[name] or not self._interested(type_url, ts, name):
+                    del memory[name]
+        ts.probe(len(ts.probing & ts.suspects.keys()))
+        return not ts.rejected and not ts.suspects
+
     def _changed_endpoints(self, ts: TypeState, changed: frozenset[str]) -> Send | None:
         """EDS after a snapshot that changed only `changed`, for a stream that was in sync."""
         updates: dict[str, SnapshotResource] = {}
         removed: set[str] = set()
+        every = self.snapshot.resources.get(ENDPOINT, {})
         for name in changed:
             if name in ts.names:
-                res = self.snapshot.get(ENDPOINT, name)
-                assert res is not None  # EDS always has at least an empty assignment
-                if ts.acked.get(name) != res.version and ts.rejected.get(name) != res.version:
+                res = every.get(name)
+                if res is None:
+                    if name in ts.acked:
+                        continue  # kept: the proxy keeps the last assignment it ACKed
+                    res = self.snapshot.get(ENDPOINT, name)
+                    assert res is not None  # EDS always has at least an empty assignment
+                if ts.acked.get(name) != res.version and not ts.withholds(name, res.version):
                     updates[name] = res
             elif ts.wildcard:
-                res = self.snapshot.resources.get(ENDPOINT, {}).get(name)
+                res = every.get(name)
                 if res is not None and ts.acked.get(name) != res.version:
                     updates[name] = res
                 elif res is None and name in ts.acked and self.delta:
@@ -524,12 +872,6 @@ class XdsStream:
         if not updates and not removed:
             return None
         return self._emit(ENDPOINT, ts, updates, frozenset(removed), ts.state_after(updates, removed))
-
-    def _matches_acked(self, type_url: str, ts: TypeState) -> bool:
-        desired = self.desired(type_url)
-        if type_url in FULL_STATE_TYPES and not self.delta and set(desired) != set(ts.acked):
-            return False
-        return all(ts.acked.get(n) == r.version for n, r in desired.items())
 
     def _next_response(self, type_url: str, ts: TypeState) -> Send | None:
         desired, held_back = self._desired(type_url)
@@ -542,15 +884,23 @@ class XdsStream:
             subscription = (ts.wildcard, frozenset(ts.names))
             if ts.responded and key == ts.acked_version and subscription == ts.last_subscription:
                 return None
+            if key == ts.rejected_key and ts.suspects:
+                # Nothing but the suspects left to try: they are what it refused.
+                ts.rejected.update(ts.suspects)
+                ts.suspects.clear()
+                ts.probe(0)
+                desired, held_back = self._desired(type_url)
+                key = _key((n, r.version) for n, r in desired.items())
             if key == ts.rejected_key:
-                return None
+                return None  # exactly what it refused
             ts.last_subscription = subscription
             return self._emit(type_url, ts, desired, frozenset(), key, complete)
+        fresh = self._eds_fresh_after if type_url == ENDPOINT else {}
         updates = {
             n: r
             for n, r in desired.items()
-            if ts.acked.get(n) != r.version
-            and ts.rejected.get(n) != r.version
+            if (ts.acked.get(n) != r.version or n in fresh)
+            and not ts.withholds(n, r.version)
             and not isinstance(r, _Placeholder)
         }
         removed: frozenset[str] = frozenset()
@@ -580,12 +930,18 @@ class XdsStream:
         ts.settled = -1
         if type_url == CLUSTER:
             eds = self.types.get(ENDPOINT)
-            for name in resources:
-                if name not in ts.acked:
-                    self._eds_fresh_after[name] = self._nonce
-                    if eds is not None:
+            for name, res in resources.items():
+                old = ts.acked.get(name)
+                if old == res.version:
+                    continue
+                # New or updated: Envoy (re)warms it until an assignment arrives after it, and
+                # holds its CDS ACK meanwhile. A new one is not ready before then; an updated
+                # one keeps serving as it was.
+                self._eds_fresh_after[name] = self._nonce
+                if eds is not None:
+                    if old is None:
                         eds.drop(name)
-                        eds.settled = -1
+                    eds.unsettle()  # even an EDS response on its way is not fresh enough
         names = tuple(sorted(resources))
         if self.delta:
             payload = wire.delta_response(
@@ -628,22 +984,66 @@ class XdsStream:
         cds, eds = self.types.get(CLUSTER), self.types.get(ENDPOINT)
         return cds is not None and eds is not None and name in cds.acked and name in eds.acked
 
+    def routes_to(self, cluster: str) -> bool:
+        """Whether a route the proxy has ACKed (or is being sent, or may hold from an earlier
+        stream) names the cluster."""
+        return cluster in self._referenced_clusters()
+
     def status(self, type_url: str) -> str:
-        """SYNCED, STALE, NACKED or NOT_SENT for one type, as an operator reads it."""
+        """SYNCED, STALE, NACKED or NOT_SENT for one type, as an operator reads it. O(1):
+        the pump keeps `settled` current after every request and snapshot."""
         ts = self.types.get(type_url)
-        if ts is None or not ts.requested or not ts.responded:
+        if ts is None or not ts.requested or not (ts.responded or ts.acked):
             return "NOT_SENT"
-        if ts.in_flight is not None:
-            return "STALE"
         if ts.last_nacked:
             return "NACKED"
-        return "SYNCED" if self._matches_acked(type_url, ts) else "STALE"
+        if ts.in_flight is not None:
+            return "STALE"
+        return "SYNCED" if ts.settled == self.snapshot.generation else "STALE"
+
+    def reason(self, type_url: str) -> str:
+        """Why a type is not SYNCED, in an operator's words ('' when it is)."""
+        ts = self.types.get(type_url)
+        status = self.status(type_url)
+        if ts is None or status in ("SYNCED", "NOT_SENT"):
+            return ""
+        if status == "NACKED":
+            names = ", ".join(sorted(ts.rejected))
+            why = f"rejected {names}: {ts.last_error}" if names else ts.last_error
+            if ts.suspects:
+                why += f" (finding the culprit among {len(ts.suspects)} changes)"
+            return why
+        if ts.in_flight is not None:
+            return f"response {ts.in_flight.nonce} sent, not yet ACKed"
+        _, held = self._desired(type_url)
+        if type_url == ROUTE:
+            desired = self._subscribed(type_url, ts)
+            ready = self._ready_clusters()
+            parts = []
+            for name in sorted(held):
+                res = desired.get(name)
+                missing = sorted(res.refs - ready) if res is not None else []
+                parts.append(f"route {name} held back: " + "; ".join(self._why_not_ready(c) for c in missing))
+            return ", ".join(parts) or "not yet in sync"
+        if type_url == CLUSTER and held:
+            return "kept while a route the proxy has names it: " + ", ".join(sorted(held))
+        return "not yet in sync"
+
+    def _why_not_ready(self, cluster: str) -> str:
+        cds, eds = self.types.get(CLUSTER), self.types.get(ENDPOINT)
+        if cds is not None and cluster in cds.rejected:
+            return f"cluster {cluster} was rejected by the proxy ({cds.last_error})"
+        if cds is None or cluster not in cds.acked:
+            return f"cluster {cluster} not yet ACKed by the proxy (warming, or the response is on its way)"
+        if eds is None or cluster not in eds.acked:
+            return f"endpoints of {cluster} not yet ACKed by the proxy"
+        return f"cluster {cluster} is being removed"
 
 
 @dataclass(frozen=True)
 class _Placeholder(SnapshotResource):
-    """A resource the proxy holds from an earlier connection; kept, never re-sent."""
+    """A resource the proxy holds (from an earlier stream, or kept): kept, never re-sent."""
 
     @classmethod
-    def of(cls, name: str, version: str) -> _Placeholder:
-        return cls(name=name, type_url=CLUSTER, version=version, sotw_field=b"", delta_field=b"")
+    def of(cls, type_url: str, name: str, version: str) -> _Placeholder:
+        return cls(name=name, type_url=type_url, version=version, sotw_field=b"", delta_field=b"")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from google.protobuf.message import Message
 
 from controlplane.routing.translate import (
+    CLUSTER,
     ENDPOINT,
     ROUTE,
     DesiredResources,
@@ -74,6 +75,18 @@ def _empty_assignment_resource(name: str) -> SnapshotResource:
 
 
 @dataclass(frozen=True)
+class Lingering:
+    """A cluster that left the fleet: the last assignment it had. A proxy that comes back (a
+    reconnect) may still route to it, and gets this rather than an empty assignment."""
+
+    assignment: SnapshotResource
+    since: float
+
+
+DEFAULT_LINGER_S = 600.0
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """The complete desired state at one moment, shared read-only by every stream."""
 
@@ -85,6 +98,8 @@ class Snapshot:
     # Per type, names added, changed or removed since the snapshot `parent` (None: unknown).
     changes: Mapping[str, frozenset[str]] = field(default_factory=dict)
     parent: int | None = None
+    # Clusters removed within the linger window (name -> last cluster and assignment).
+    lingering: Mapping[str, Lingering] = field(default_factory=dict)
     _versions: dict[str, dict[str, str]] = field(default_factory=dict, compare=False, repr=False)
 
     def versions(self, type_url: str, held: Mapping[str, SnapshotResource]) -> dict[str, str]:
@@ -97,10 +112,12 @@ class Snapshot:
         return {n: r.version for n, r in held.items()}
 
     def get(self, type_url: str, name: str) -> SnapshotResource | None:
-        """The named resource, or for EDS an empty assignment, or None."""
+        """The named resource, or for EDS the last assignment of a lingering cluster, else an
+        empty one (only a name that never had data gets that), or None."""
         res = self.resources.get(type_url, {}).get(name)
         if res is None and type_url == ENDPOINT:
-            return _empty_assignment_resource(name)
+            gone = self.lingering.get(name)
+            return gone.assignment if gone is not None else _empty_assignment_resource(name)
         return res
 
     def wildcard_names(self, type_url: str) -> frozenset[str]:
@@ -116,6 +133,7 @@ def build_snapshot(
     generation: int,
     created_at: float,
     previous: Snapshot | None = None,
+    linger_s: float = DEFAULT_LINGER_S,
 ) -> Snapshot:
     """Serialise desired resources; reuse the previous snapshot's objects for unchanged input.
 
@@ -151,4 +169,29 @@ def build_snapshot(
         wildcard=wildcard,
         changes=changes if previous is not None else {},
         parent=previous.generation if previous is not None else None,
+        lingering=_lingering(previous, resources, changes.get(CLUSTER, frozenset()), created_at, linger_s),
     )
+
+
+def _lingering(
+    previous: Snapshot | None,
+    resources: Mapping[str, Mapping[str, SnapshotResource]],
+    changed_clusters: frozenset[str],
+    now: float,
+    linger_s: float,
+) -> Mapping[str, Lingering]:
+    """Clusters removed since `previous` join the lingering ones; back or expired ones leave."""
+    if previous is None:
+        return {}
+    clusters = resources.get(CLUSTER, {})
+    before = previous.resources.get(CLUSTER, {})
+    gone = [n for n in changed_clusters if n in before and n not in clusters]
+    if not gone and not previous.lingering:
+        return previous.lingering
+    out = {n: g for n, g in previous.lingering.items() if n not in clusters and now - g.since < linger_s}
+    assignments = previous.resources.get(ENDPOINT, {})
+    for name in gone:
+        assignment = assignments.get(name)
+        if assignment is not None:
+            out[name] = Lingering(assignment, now)
+    return out
