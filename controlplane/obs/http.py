@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controlplane.obs.metrics import Metrics
 
+T = TypeVar("T")
+
 
 class ProxyDescriber(Protocol):
     def describe(self) -> list[dict[str, Any]]: ...
+
+    def on_loop(self, read: Callable[[], T], timeout_s: float = ...) -> T: ...
 
 
 def split_host_port(listen: str) -> tuple[str, int]:
@@ -54,8 +59,7 @@ class StatusHTTPServer:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server((host, port), Handler)
         self.port = self.server.server_address[1]
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="status-http")
 
@@ -67,11 +71,13 @@ class StatusHTTPServer:
         self.server.server_close()
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # Prometheus servers, dashboards and people at once: a deep accept queue, so a burst of
+    # scrapes waits its turn instead of being refused.
+    request_queue_size = 1024
+
+
 def _describe(proxies: ProxyDescriber) -> list[dict[str, Any]]:
-    # The registry changes on the event loop thread; retry if it moved under us.
-    for _ in range(5):
-        try:
-            return proxies.describe()
-        except RuntimeError:
-            continue
-    return []
+    # The streams live on the event loop: read them there, never from this thread.
+    return proxies.on_loop(proxies.describe)

@@ -7,13 +7,15 @@ the protocol returns, and turns protocol events into logs and metrics.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -25,10 +27,12 @@ from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, T
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.protocol import (
     Ack,
+    ClusterMemory,
     Event,
     Nack,
     NackCleared,
     NodeIdentified,
+    Refused,
     Send,
     StaleNonce,
     UnknownType,
@@ -58,6 +62,10 @@ PER_TYPE_SERVICES: dict[str, tuple[str, str, str]] = {
     "envoy.service.route.v3.RouteDiscoveryService": (ROUTE, "StreamRoutes", "DeltaRoutes"),
 }
 ADS_LABEL = "ads"  # ConnectedStream.service of an ADS stream
+# Requests read ahead of the protocol per stream; a client that sends faster waits (HTTP/2
+# flow control pushes back on it) instead of growing the server's memory.
+INBOX_LIMIT = 64
+T = TypeVar("T")
 _SERVICE_LABEL = {
     ADS_SERVICE: ADS_LABEL,
     **{name: type_label(t) for name, (t, _, _) in PER_TYPE_SERVICES.items()},
@@ -88,6 +96,7 @@ class ConnectedStream:
                 continue
             types[type_label(type_url)] = {
                 "status": self.protocol.status(type_url),
+                "reason": self.protocol.reason(type_url),
                 "acked_version": ts.acked_version,
                 "last_nack": ts.last_error,
                 "resources": len(ts.acked),
@@ -107,19 +116,70 @@ class ConnectedStream:
 
 
 class ProxyRegistry:
-    """Every connected stream, for status pages and the proxies_nacked gauge."""
+    """Every connected stream, for status pages and the proxies_nacked gauge.
+
+    Streams live on the event loop. Other threads (the HTTP status server) read them only
+    through `on_loop`, which runs the reader there: iterating the tables from another thread
+    while the loop mutates them fails ("dictionary changed size during iteration")."""
 
     def __init__(self) -> None:
         self.streams: dict[int, ConnectedStream] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stale: tuple[float, dict[str, int]] = (0.0, {})
+        self._stale_lock = threading.Lock()
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop the streams live on (set when the server starts)."""
+        self.loop = loop
+
+    def on_loop(self, read: Callable[[], T], timeout_s: float = 5.0) -> T:
+        """Run `read` on the streams' loop and return its result (from any other thread)."""
+        loop = self.loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is None or running is loop or loop.is_closed():
+            return read()
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def call() -> None:
+            try:
+                done.set_result(read())
+            except Exception as e:
+                done.set_exception(e)
+
+        loop.call_soon_threadsafe(call)
+        return done.result(timeout_s)
 
     def describe(self) -> list[dict[str, Any]]:
         return [s.describe() for s in sorted(self.streams.values(), key=lambda s: s.stream_id)]
 
+    def stale_counts(self, max_age_s: float = 0.25) -> dict[str, int]:
+        """Connected streams per type whose config is STALE, computed on the loop at most once
+        per `max_age_s` however many scrapes ask at once."""
+        with self._stale_lock:
+            at, counts = self._stale
+            if counts and time.monotonic() - at < max_age_s:
+                return counts
+            counts = self.on_loop(self._count_stale)
+            self._stale = (time.monotonic(), counts)
+            return counts
+
+    def _count_stale(self) -> dict[str, int]:
+        stale = dict.fromkeys((type_label(t) for t in TYPE_URLS), 0)
+        for stream in self.streams.values():
+            for t in TYPE_URLS:
+                if t in stream.protocol.types and stream.protocol.status(t) == "STALE":
+                    stale[type_label(t)] += 1
+        return stale
+
 
 class StaleProxiesCollector:
     """`controlplane_xds_proxies_stale{type}`, counted when scraped: connected streams whose
-    ACKed config of a type is not the current one (a response in flight, or one never ACKed).
-    Briefly above 0 after every push; staying above 0 means a proxy is not converging."""
+    config of a type is not the current one (a response in flight, one never ACKed, or a
+    route held back because a cluster it needs is not ready on that proxy). Briefly above 0
+    after every push; staying above 0 means a proxy is not converging."""
 
     def __init__(self, registry: ProxyRegistry) -> None:
         self.registry = registry
@@ -127,16 +187,12 @@ class StaleProxiesCollector:
     def collect(self) -> Iterator[GaugeMetricFamily]:
         g = GaugeMetricFamily(
             "controlplane_xds_proxies_stale",
-            "Connected proxies whose ACKed config of a type is not the current one (a response in "
-            "flight or never ACKed); above 0 for minutes means a proxy is not converging.",
+            "Connected proxies whose config of a type is not the current one (a response in "
+            "flight or never ACKed, or a route held back for a cluster not ready on that proxy); "
+            "above 0 for minutes means a proxy is not converging.",
             labels=["type"],
         )
-        stale = dict.fromkeys((type_label(t) for t in TYPE_URLS), 0)
-        for stream in list(self.registry.streams.values()):
-            for t in TYPE_URLS:
-                if t in stream.protocol.types and stream.protocol.status(t) == "STALE":
-                    stale[type_label(t)] += 1
-        for label, n in stale.items():
+        for label, n in self.registry.stale_counts().items():
             g.add_metric([label], n)
         yield g
 
@@ -156,6 +212,8 @@ class XdsServer:
         self.registry = registry or ProxyRegistry()
         metrics.registry.register(StaleProxiesCollector(self.registry))
         self.clock = clock
+        # What proxies of this process ACKed: reconnecting proxies are resolved against it.
+        self.memory = ClusterMemory()
         self._ids = itertools.count(1)
         self._metric_children: dict[tuple[str, str], _TypeMetrics] = {}
 
@@ -211,7 +269,9 @@ class XdsServer:
             )
             return
         transport = "delta" if delta else "sotw"
-        proto = XdsStream(snapshot, delta=delta, ads=type_url is None, type_url=type_url)
+        if self.registry.loop is None:
+            self.registry.bind(asyncio.get_running_loop())
+        proto = XdsStream(snapshot, delta=delta, ads=type_url is None, type_url=type_url, memory=self.memory)
         conn = ConnectedStream(
             stream_id=next(self._ids),
             peer=context.peer() or "",
@@ -227,13 +287,18 @@ class XdsServer:
         slog.info("xds stream opened", service=conn.service)
         inbox: deque[Any] = deque()
         wake = asyncio.Event()
+        room = asyncio.Event()  # set while the inbox has room
+        room.set()
 
         async def read_requests() -> None:
             # One reader per stream; the main loop below wakes on a request or a snapshot.
             try:
                 while True:
+                    await room.wait()
                     request = await context.read()
                     inbox.append(request)
+                    if len(inbox) >= INBOX_LIMIT:
+                        room.clear()
                     wake.set()
                     if request is grpc.aio.EOF:
                         return
@@ -258,6 +323,12 @@ class XdsServer:
                         closed = True
                         break
                     events.extend(proto.receive(request, self.clock()))
+                room.set()
+                refused = next((e for e in events if isinstance(e, Refused)), None)
+                if refused is not None:
+                    slog.warning("xds stream refused", node=proto.node_id, reason=refused.message)
+                    await context.abort(getattr(grpc.StatusCode, refused.code), refused.message)
+                    break
                 if events:
                     await self._handle_events(context, conn, events, slog)
                 if closed:
@@ -304,7 +375,9 @@ class XdsServer:
                 m = self._push_metrics(t, conn.transport)
                 m.acks.inc()
                 m.convergence.observe(ev.latency_s)
-                if conn.nacks.pop(ev.type_url, None) is not None:
+                ts = conn.protocol.types.get(ev.type_url)
+                still_refused = ts is not None and ts.last_nacked  # it took this, not what it refused
+                if not still_refused and conn.nacks.pop(ev.type_url, None) is not None:
                     nack_changed = True
                 slog.debug("xds ack", type=t, version=ev.version, node=conn.protocol.node_id)
             elif isinstance(ev, Nack):
@@ -317,6 +390,7 @@ class XdsServer:
                     type=t,
                     version=ev.version,
                     node=conn.protocol.node_id,
+                    rejected=list(ev.rejected),
                     error=ev.message,
                 )
             elif isinstance(ev, NackCleared):
