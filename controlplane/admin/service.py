@@ -86,6 +86,7 @@ def rollout_message(c: RolloutController, r: machine.Rollout) -> rollout_pb2.Rol
         step_started_at=r.step_started_at,
         ack_deadline_seconds=s.ack_deadline_s,
         shadow_percent=s.shadow_percent,
+        finishing=r.finishing,
     )
     f = c.figures.get(s.model)
     if f is not None and active(r):
@@ -325,6 +326,8 @@ class ProxyService(_Base, proxy_pb2_grpc.ProxyServiceServicer):
                 service=d["service"],
                 transport=d["transport"],
                 connected_seconds=d["connected_seconds"],
+                version=d.get("version", ""),
+                notes=d.get("notes", []),
             )
             for label in (type_label(t) for t in TYPE_URLS):
                 t = d["types"].get(label)
@@ -336,6 +339,7 @@ class ProxyService(_Base, proxy_pb2_grpc.ProxyServiceServicer):
                     acked_version=t["acked_version"],
                     last_nack=t["last_nack"],
                     resources=t["resources"],
+                    reason=t["reason"],
                 )
             out.append(p)
         return proxy_pb2.ListProxiesResponse(proxies=out)

@@ -87,6 +87,7 @@ def rollout_to_dict(r: rollout_pb2.Rollout) -> dict[str, Any]:
         "model": r.model,
         "phase": r.phase,
         "step": r.step,
+        "finishing": r.finishing,
         "steps": list(r.steps),
         "weights": ordered_weights(r),
         "stable_version": r.stable_version,
@@ -258,6 +259,8 @@ def proxy_to_dict(p: proxy_pb2.Proxy) -> dict[str, Any]:
         "node_cluster": p.node_cluster,
         "address": p.address,
         "user_agent": p.user_agent,
+        "version": p.version,
+        "notes": list(p.notes),
         "service": p.service,
         "transport": p.transport,
         "connected_seconds": p.connected_seconds,
@@ -266,6 +269,7 @@ def proxy_to_dict(p: proxy_pb2.Proxy) -> dict[str, Any]:
                 "status": t.status,
                 "acked_version": t.acked_version,
                 "last_nack": t.last_nack,
+                "reason": t.reason,
                 "resources": t.resources,
             }
             for t in p.types
@@ -279,6 +283,7 @@ def proxies_table(proxies: Sequence[proxy_pb2.Proxy]) -> str:
         return "no proxies connected"
     rows = []
     nacks = []
+    why = []
     for p in proxies:
         by_type = {t.type: t for t in p.types}
         node = p.node_id or "-"
@@ -290,9 +295,17 @@ def proxies_table(proxies: Sequence[proxy_pb2.Proxy]) -> str:
             for x in XDS_TYPES
             if x in by_type and by_type[x].last_nack
         ]
+        why += [
+            f"  {node} ({p.address}) {x.upper()} {by_type[x].status}: {by_type[x].reason}"
+            for x in XDS_TYPES
+            if x in by_type and by_type[x].reason and by_type[x].status != "NACKED"
+        ]
+        why += [f"  {node} ({p.address}): {note}" for note in p.notes]
     out = table(["NODE", "ADDRESS", "TRANSPORT", *(x.upper() for x in XDS_TYPES)], rows)
     if nacks:
         out += "\n\nLast NACKs:\n" + "\n".join(nacks)
+    if why:
+        out += "\n\nNot in sync:\n" + "\n".join(why)
     return out
 
 

@@ -39,7 +39,7 @@ from controlplane.rollout.store import (
     StoreUnavailable,
 )
 from controlplane.routing.names import cluster_name
-from controlplane.routing.translate import ENDPOINT, ROUTE
+from controlplane.routing.translate import ENDPOINT
 from controlplane.signals.store import EndpointCounters, SignalStore
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_LABEL, ProxyRegistry
@@ -50,8 +50,11 @@ Code = Literal["INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "UNAVAILA
 DRAIN_TIMEOUT_S = 120.0  # an endpoint drain removes the endpoint after this even if busy
 DRAIN_SETTLE_S = 3.0  # at least this long DRAINING, so every proxy has it and signals are fresh
 # A version traffic left is marked DRAINING no sooner than this after the route change (the
-# snapshot with it is out by then: debounce max delay 1 s), once every proxy has ACKed it.
+# snapshot with it is out by then: debounce max delay 1 s), once no proxy's routes name it.
 ROUTES_SETTLE_S = 1.0
+# A version left outside a rollout (an aborted canary, say) that proxies still route to after
+# this is reported (audit, log) naming them; it drains anyway after DRAIN_TIMEOUT_S.
+LEAVE_REPORT_S = 30.0
 
 
 class CommandRejected(Exception):
@@ -95,6 +98,7 @@ class RolloutController:
         self.drains: dict[str, EndpointDrain] = {}
         self.figures: dict[str, tuple[VersionFigures, VersionFigures]] = {}
         self._baselines: dict[str, _Baseline] = {}
+        self._leave_reported: set[tuple[str, str]] = set()
         self._changed = asyncio.Event()
         # Whether this replica drives rollouts and drains (ticks them). With one replica it
         # always does; with several, the one holding the etcd lease does (controlplane/ha/).
@@ -319,10 +323,14 @@ class RolloutController:
         for e in effects:
             if isinstance(e, SetStable):
                 layer = replace(layer, stable=e.version)
+            elif isinstance(e, machine.Leave):
+                layer = layer.with_version(e.version, "leaving", now)
+            elif isinstance(e, machine.Return):
+                layer = layer.with_version(e.version, None, now)
             elif isinstance(e, machine.Drain):
-                # Routes move off it first; its endpoints go DRAINING only once every proxy
-                # has the new routes (otherwise a proxy could route to a cluster whose
-                # endpoints all refuse new requests: a 503).
+                # Routes move off it first; its endpoints go DRAINING only once no proxy's
+                # routes name it (otherwise a proxy could route to a cluster whose endpoints
+                # all refuse new requests: a 503).
                 layer = layer.with_version(e.version, "leaving", now)
         transitions = [e for e in effects if isinstance(e, Transition)]
         await self._write(who, transitions, rollouts=[r], layers=[layer])
@@ -415,6 +423,18 @@ class RolloutController:
 
     # ---- ticks ------------------------------------------------------------------------------
 
+    def proxies_routing_to(self, cname: str, envoys_only: bool = False) -> tuple[str, ...]:
+        """Connected proxies whose ACKed routes (or routes on their way) name the cluster. With
+        `envoys_only`, proxyless gRPC clients are left out (they follow the stable version,
+        which moves only when a rollout completes)."""
+        out = []
+        for s in self.registry.streams.values():
+            if envoys_only and (s.service != ADS_LABEL or not s.protocol.wants_every_cluster):
+                continue
+            if s.protocol.routes_to(cname):
+                out.append(s.protocol.node_id or s.peer)
+        return tuple(sorted(set(out)))
+
     def proxies_without(self, cname: str) -> tuple[str, ...]:
         """Connected Envoys (ADS, every cluster) that have not ACKed the cluster and its endpoints."""
         out = []
@@ -460,7 +480,12 @@ class RolloutController:
                 continue
             unacked = self.proxies_without(cluster_name(model, r.spec.canary)) if r.step < 0 else ()
             a = self._analyse(r) if r.step >= 0 else None
-            new, effects = machine.apply(r, machine.Tick(now, unacked, a))
+            still = (
+                self.proxies_routing_to(cluster_name(model, r.spec.stable), envoys_only=True)
+                if r.finishing
+                else ()
+            )
+            new, effects = machine.apply(r, machine.Tick(now, unacked, a, still))
             if new != r:
                 if new.phase == "Aborted":
                     self.metrics.rollouts.aborts.labels(model, "analysis").inc()
@@ -518,20 +543,23 @@ class RolloutController:
                 if active(r) and r is not None and version in (r.spec.stable, r.spec.canary):
                     continue
                 if state == "leaving":
-                    if now - since < ROUTES_SETTLE_S or not self._proxies_synced(ROUTE):
+                    if now - since < ROUTES_SETTLE_S:
                         continue
+                    routing = self.proxies_routing_to(cluster_name(m.name, version))
+                    why = f"version {version}: no route sends to it; draining"
+                    if routing and now - since < DRAIN_TIMEOUT_S:
+                        await self._report_leaving(m.name, version, since, routing, now)
+                        continue
+                    if routing:
+                        why = (
+                            f"version {version}: still routed by {', '.join(routing)} after "
+                            f"{DRAIN_TIMEOUT_S:g}s; draining anyway"
+                        )
+                    self._leave_reported.discard((m.name, version))
                     layer = layer.with_version(version, "draining", now)
                     await self._write(
                         "controller",
-                        [
-                            Transition(
-                                m.name,
-                                "Draining",
-                                -1,
-                                0,
-                                f"version {version}: no route sends to it; draining",
-                            )
-                        ],
+                        [Transition(m.name, "Draining", -1, 0, why)],
                         layers=[layer],
                     )
                     self.layers[m.name] = layer
@@ -552,6 +580,20 @@ class RolloutController:
                 self.layers[m.name] = layer
                 log.info("version drained and removed", model=m.name, version=version, why=why)
                 self.publish()
+
+    async def _report_leaving(
+        self, model: str, version: str, since: float, routing: tuple[str, ...], now: float
+    ) -> None:
+        """Once per leaving version: say which proxies keep it from draining."""
+        if now - since < LEAVE_REPORT_S or (model, version) in self._leave_reported:
+            return
+        self._leave_reported.add((model, version))
+        reason = (
+            f"version {version}: proxies still route to it {LEAVE_REPORT_S:g}s after it left: "
+            f"{', '.join(routing)}; it drains once they stop, or after {DRAIN_TIMEOUT_S:g}s"
+        )
+        log.warning("version still routed after leaving", model=model, version=version, proxies=list(routing))
+        await self._write("controller", [Transition(model, "Leaving", -1, 0, reason)])
 
     async def run(self) -> None:
         """Tick until cancelled (only while leader), and follow other replicas' changes."""

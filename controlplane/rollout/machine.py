@@ -13,7 +13,11 @@ Rules (groundwork for the operator API; docs/rollouts.md will carry them):
 - Each step holds for `interval_s` (None: manual gates, advanced by Promote). A failed
   analysis at any tick aborts at once: all traffic back to stable, the canary drained.
   An analysis without `min_requests` canary requests is not judged yet.
-- After the last step (100%) passes, the canary becomes stable and the old stable drains.
+- After the last step (100%) passes, the old stable *leaves*: no route names it any more.
+  The rollout completes (the canary becomes stable, the old stable drains) only once no
+  proxy's ACKed routes name the old stable. If some still do after `ack_deadline_s`, the
+  rollout pauses naming them; Resume waits again, Promote completes it anyway, Abort goes
+  back to the old stable.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class Tick:
     now: float
     unacked_proxies: tuple[str, ...] = ()  # connected proxies without the canary's cluster + endpoints
     analysis: Analysis | None = None
+    still_routed: tuple[str, ...] = ()  # proxies whose ACKed routes still name the old stable
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,22 @@ class Drain:
 
 
 @dataclass(frozen=True)
+class Leave:
+    """No route may name the version any more (its endpoints stay as they are)."""
+
+    model: str
+    version: str
+
+
+@dataclass(frozen=True)
+class Return:
+    """The version serves again: it no longer leaves."""
+
+    model: str
+    version: str
+
+
+@dataclass(frozen=True)
 class SetStable:
     model: str
     version: str
@@ -144,7 +165,7 @@ class Transition:
     reason: str
 
 
-Effect = SetWeights | Drain | SetStable | Transition
+Effect = SetWeights | Drain | Leave | Return | SetStable | Transition
 
 
 @dataclass(frozen=True)
@@ -156,6 +177,7 @@ class Rollout:
     step_started_at: float = 0.0
     waiting_since: float = 0.0
     reason: str = "waiting for every proxy to have the canary's cluster and endpoints"
+    finishing: bool = False  # at 100%, waiting for every proxy's routes to leave the old stable
 
     @property
     def weights(self) -> dict[str, int]:
@@ -189,9 +211,16 @@ def apply(r: Rollout, cmd: Command) -> tuple[Rollout, list[Effect]]:
     if isinstance(cmd, Resume):
         if r.phase != "Paused":
             raise RolloutRejected("FAILED_PRECONDITION", f"the rollout of {r.spec.model} is not paused")
-        p = replace(r, phase="Progressing", reason="resumed", waiting_since=_last_time(r))
+        # Finishing: the wait for the proxies starts again at the next tick.
+        since = 0.0 if r.finishing else _last_time(r)
+        p = replace(r, phase="Progressing", reason="resumed", waiting_since=since)
         return p, [_audit(p)]
     if isinstance(cmd, Promote):
+        if r.finishing:
+            return _complete(
+                replace(r, phase="Progressing"),
+                f"promoted by operator while waiting for proxies; {r.spec.stable} drains now",
+            )
         if r.step < 0:
             raise RolloutRejected(
                 "FAILED_PRECONDITION",
@@ -207,6 +236,8 @@ def _last_time(r: Rollout) -> float:
 
 
 def _tick(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
+    if r.finishing:
+        return _tick_finishing(r, t)
     if r.step < 0:
         if r.phase == "Paused":
             return r, []
@@ -252,16 +283,48 @@ def _judge(spec: RolloutSpec, a: Analysis | None) -> str | None:
     return None
 
 
+def _tick_finishing(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
+    if r.phase == "Paused":
+        return r, []
+    if not t.still_routed:
+        return _complete(r, f"no proxy routes to {r.spec.stable} any more")
+    if r.waiting_since <= 0:
+        return replace(r, waiting_since=t.now), []  # the wait for the proxies starts now
+    if t.now - r.waiting_since >= r.spec.ack_deadline_s:
+        names = ", ".join(sorted(t.still_routed))
+        p = replace(
+            r,
+            phase="Paused",
+            reason=(
+                f"proxies still route to {r.spec.stable} {r.spec.ack_deadline_s:g}s after it left: {names} "
+                "(resume to wait again, promote to drain it anyway, abort to go back)"
+            ),
+        )
+        return p, [_audit(p)]
+    return r, []
+
+
+def _complete(r: Rollout, reason: str) -> tuple[Rollout, list[Effect]]:
+    done = replace(r, phase="Completed", finishing=False, reason=reason)
+    return done, [
+        SetStable(r.spec.model, r.spec.canary),
+        Drain(r.spec.model, r.spec.stable),
+        _audit(replace(done, reason=f"{reason}; {r.spec.canary} is stable, {r.spec.stable} drains")),
+    ]
+
+
 def _goto(r: Rollout, index: int, now: float, reason: str) -> tuple[Rollout, list[Effect]]:
     steps = r.spec.steps
     if index >= len(steps):
-        done = replace(r, phase="Completed", step=len(steps) - 1, weight=100, reason=reason)
-        return done, [
-            SetStable(r.spec.model, r.spec.canary),
-            _set_weights(done),
-            Drain(r.spec.model, r.spec.stable),
-            _audit(replace(done, reason=f"{reason}; {r.spec.canary} is stable, {r.spec.stable} drains")),
-        ]
+        n = replace(
+            r,
+            step=len(steps) - 1,
+            weight=100,
+            finishing=True,
+            waiting_since=0.0,  # set by the next tick (commands carry no time)
+            reason=f"{reason}; waiting for every proxy's routes to leave {r.spec.stable}",
+        )
+        return n, [_set_weights(n), Leave(r.spec.model, r.spec.stable), _audit(n)]
     n = replace(r, step=index, weight=steps[index], step_started_at=now, reason=reason)
     if steps[index] == 100 and r.spec.interval_s is None:
         return _goto(n, index + 1, now, reason)  # manual: promoting to 100% completes it
@@ -269,8 +332,9 @@ def _goto(r: Rollout, index: int, now: float, reason: str) -> tuple[Rollout, lis
 
 
 def _abort(r: Rollout, reason: str) -> tuple[Rollout, list[Effect]]:
-    a = replace(r, phase="Aborted", weight=0, reason=reason)
-    return a, [_set_weights(a), Drain(r.spec.model, r.spec.canary), _audit(a)]
+    a = replace(r, phase="Aborted", weight=0, finishing=False, reason=reason)
+    back = [Return(r.spec.model, r.spec.stable)] if r.finishing else []
+    return a, [_set_weights(a), *back, Drain(r.spec.model, r.spec.canary), _audit(a)]
 
 
 def _set_weights(r: Rollout) -> SetWeights:

@@ -3,9 +3,10 @@
 The file stays the operator's own; the API adds, per model, a layer on top of it:
 
 - A rollout in progress splits the model's traffic between stable and canary.
-- A completed rollout makes its canary the model's stable version, and the old stable
-  leaves (no route sends to it), drains (once every proxy has the new routes), then is
-  retired (its cluster removed), even though the file still says otherwise.
+- A rollout at 100% makes the old stable leave (no route names it, not even the
+  x-model-version one); once it completes, the canary is the model's stable version and
+  the old stable drains (once no proxy's routes name it), then is retired (its cluster
+  removed), even though the file still says otherwise.
 - An aborted rollout's canary drains and is retired the same way.
 - A drained endpoint (`cpctl endpoints drain`) is sent as DRAINING, then removed.
 
@@ -23,6 +24,7 @@ from typing import Literal
 
 from controlplane.fleet.model import Fleet, Model, Version
 from controlplane.rollout.machine import Rollout
+from controlplane.routing.names import cluster_name
 from controlplane.routing.translate import RoutingOverlay
 
 # A version traffic left: leaving (routes moved off it, endpoints untouched until every proxy
@@ -87,6 +89,7 @@ def effective(
     shadow: dict[str, tuple[str, int]] = {}
     draining: set[str] = {a for a, d in drains.items() if d.state == "draining"}
     removed = {a for a, d in drains.items() if d.state == "drained"}
+    unrouted: set[str] = set()
     for m in fleet.models:
         layer = layers.get(m.name)
         if layer is not None and layer.file_stable != m.stable:
@@ -101,6 +104,8 @@ def effective(
             state = layer.versions.get(v.name, (None, 0.0))[0] if layer is not None else None
             if state == "retired" and v.name not in keep:
                 continue
+            if state in ("leaving", "draining"):
+                unrouted.add(cluster_name(m.name, v.name))  # not even by x-model-version
             if state == "draining" and v.name not in keep:
                 draining.update(ep.address for ep in v.endpoints)
             eps = tuple(ep for ep in v.endpoints if ep.address not in removed)
@@ -111,5 +116,5 @@ def effective(
             if r.spec.shadow_percent > 0:
                 shadow[m.name] = (r.spec.canary, r.spec.shadow_percent)
     return replace(fleet, models=tuple(models)), RoutingOverlay(
-        splits=splits, draining=frozenset(draining), shadow=shadow
+        splits=splits, draining=frozenset(draining), shadow=shadow, unrouted=frozenset(unrouted)
     )

@@ -52,7 +52,7 @@ _ModelRouteKey = tuple[
     str,
     TrafficPolicy,
     Affinity | None,
-    tuple[str, ...],
+    tuple[tuple[str, bool], ...],
     tuple[tuple[str, int], ...],
     tuple[str, int] | None,
 ]
@@ -121,7 +121,9 @@ class IncrementalTranslator:
                     m.stable,
                     fleet.traffic_of(m),
                     m.affinity,
-                    tuple(v.name for v in m.versions),
+                    tuple(
+                        (v.name, names.cluster_name(m.name, v.name) in overlay.unrouted) for v in m.versions
+                    ),
                     overlay.splits.get(m.name, ()),
                     overlay.shadow.get(m.name),
                 )

@@ -123,11 +123,14 @@ class RoutingOverlay:
     `splits`: per model, the versions that get traffic and their percent (each above 0); one
     entry routes to that version alone, none to the stable version. `draining`: endpoint
     addresses sent with EDS health status DRAINING, so proxies send them no new requests.
-    `shadow`: per model, (version, percent) of requests mirrored to it, responses discarded."""
+    `shadow`: per model, (version, percent) of requests mirrored to it, responses discarded.
+    `unrouted`: clusters (versions leaving or draining) that no route may name, not even the
+    x-model-version route to that version."""
 
     splits: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     draining: frozenset[str] = frozenset()
     shadow: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    unrouted: frozenset[str] = frozenset()
 
 
 NO_OVERLAY = RoutingOverlay()
@@ -660,8 +663,9 @@ def _class_routes(
             prefix="/", headers=[*headers, exact], dynamic_metadata=metadata
         )
 
-    if len(model.versions) > 1:
-        for v in model.versions:
+    routable = [v for v in model.versions if names.cluster_name(model.name, v.name) not in overlay.unrouted]
+    if len(routable) > 1:
+        for v in routable:
             match = match_also(MODEL_VERSION_HEADER, v.name)
             out.append(_model_route(fleet, model, f"{name}@{v.name}", match, version=v.name))
     for c in fleet.priority_classes:

@@ -69,7 +69,7 @@ class VersionAnalysis(_message.Message):
     def __init__(self, version: _Optional[str] = ..., requests: _Optional[float] = ..., error_rate: _Optional[float] = ..., p99_seconds: _Optional[float] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("model", "stable_version", "canary_version", "phase", "step", "steps", "weights", "reason", "interval_seconds", "manual", "max_error_rate", "max_latency_ratio", "min_requests", "step_started_at", "canary", "stable", "ack_deadline_seconds", "shadow_percent")
+    __slots__ = ("model", "stable_version", "canary_version", "phase", "step", "steps", "weights", "reason", "interval_seconds", "manual", "max_error_rate", "max_latency_ratio", "min_requests", "step_started_at", "canary", "stable", "ack_deadline_seconds", "shadow_percent", "finishing")
     class WeightsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class Rollout(_message.Message):
     STABLE_FIELD_NUMBER: _ClassVar[int]
     ACK_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SHADOW_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    FINISHING_FIELD_NUMBER: _ClassVar[int]
     model: str
     stable_version: str
     canary_version: str
@@ -113,7 +114,8 @@ class Rollout(_message.Message):
     stable: VersionAnalysis
     ack_deadline_seconds: float
     shadow_percent: int
-    def __init__(self, model: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[_Iterable[int]] = ..., weights: _Optional[_Mapping[str, int]] = ..., reason: _Optional[str] = ..., interval_seconds: _Optional[float] = ..., manual: _Optional[bool] = ..., max_error_rate: _Optional[float] = ..., max_latency_ratio: _Optional[float] = ..., min_requests: _Optional[int] = ..., step_started_at: _Optional[float] = ..., canary: _Optional[_Union[VersionAnalysis, _Mapping]] = ..., stable: _Optional[_Union[VersionAnalysis, _Mapping]] = ..., ack_deadline_seconds: _Optional[float] = ..., shadow_percent: _Optional[int] = ...) -> None: ...
+    finishing: bool
+    def __init__(self, model: _Optional[str] = ..., stable_version: _Optional[str] = ..., canary_version: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[_Iterable[int]] = ..., weights: _Optional[_Mapping[str, int]] = ..., reason: _Optional[str] = ..., interval_seconds: _Optional[float] = ..., manual: _Optional[bool] = ..., max_error_rate: _Optional[float] = ..., max_latency_ratio: _Optional[float] = ..., min_requests: _Optional[int] = ..., step_started_at: _Optional[float] = ..., canary: _Optional[_Union[VersionAnalysis, _Mapping]] = ..., stable: _Optional[_Union[VersionAnalysis, _Mapping]] = ..., ack_deadline_seconds: _Optional[float] = ..., shadow_percent: _Optional[int] = ..., finishing: _Optional[bool] = ...) -> None: ...
 
 class AuditRecord(_message.Message):
     __slots__ = ("model", "at", "who", "phase", "step", "weight", "reason")

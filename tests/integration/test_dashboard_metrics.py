@@ -287,7 +287,8 @@ def test_every_metric_of_the_dashboard_and_alerts_is_exported(rig: Rig) -> None:
     assert rig.command("Abort").phase == "Aborted"
     rig.start_rollout()
     wait_until(lambda: "controlplane_rollout_error_rate{" in cp.metrics_text(), 10, "the step's analysis")
-    assert rig.command("Promote", full=True).phase == "Completed"
+    rig.command("Promote", full=True)
+    wait_until(lambda: rig.rollout().phase == "Completed", 10, "the rollout to complete")
     # An endpoint drained by hand, and a proxy that rejects config.
     b1 = rig.servers["b1"].address
     assert rig.op is not None

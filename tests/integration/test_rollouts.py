@@ -235,8 +235,8 @@ def test_kill_9_mid_rollout_drops_nothing_and_resumes_at_the_same_step(rig: Rig)
     assert (r.phase, r.step, dict(r.weights)) == ("Progressing", 2, {"v1": 75, "v2": 25})
     wait_until(lambda: len(restarted.proxies()) == 1, 10, "Envoy to reconnect")
     time.sleep(2)
-    final = rig.command("Promote", full=True)
-    assert final.phase == "Completed"
+    rig.command("Promote", full=True)  # 100%: v1 leaves; completed once Envoy's routes left it
+    wait_until(lambda: rig.rollout().phase == "Completed", 10, "the rollout to complete")
     time.sleep(2)
     assert rig.traffic is not None
     records = rig.traffic.stop()
@@ -388,8 +388,9 @@ def test_promote_full_from_the_first_step_drops_nothing(rig: Rig) -> None:
     rig.start_rollout(manual=True)
     wait_until(lambda: rig.rollout().step == 1, 10, "step 1")
     time.sleep(1)
-    assert rig.command("Promote", full=True).phase == "Completed"
+    assert rig.command("Promote", full=True).finishing
     assert rig.endpoint_states()[rig.servers["a1"].address] == "LEAVING"
+    wait_until(lambda: rig.rollout().phase == "Completed", 10, "the rollout to complete")
     wait_until(
         lambda: all(rig.endpoint_states()[a] == "RETIRED" for a in rig.addresses("a1", "a2")),
         20,

@@ -131,6 +131,11 @@ async def test_full_rollout_promotes_then_drains_and_retires_the_old_version(tmp
     clock.t += 11
     signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=20, succeeded=20, failed=0, now=0)
     await c.tick()
+    # 100% passed: the old version leaves (no route names it, not even x-model-version) ...
+    assert (c.rollouts["m"].phase, c.rollouts["m"].finishing) == ("Progressing", True)
+    assert c.layers["m"].versions["v1"][0] == "leaving"
+    assert c.reconciler.overlay.unrouted == {"m@v1"}
+    await c.tick()  # ... and no proxy routes to it: completed
     assert c.rollouts["m"].phase == "Completed"
     assert c.reconciler.fleet is not None and c.reconciler.fleet.models[0].stable == "v2"
     # The old version leaves: no route sends to it, its endpoints untouched until every
@@ -192,6 +197,7 @@ async def test_restart_resumes_at_the_same_step_and_keeps_api_state_over_file_re
     assert (r.phase, r.step, r.weights) == ("Progressing", 1, {"v1": 75, "v2": 25})
     assert again.reconciler.overlay.splits == {"m": (("v1", 75), ("v2", 25))}
     await again.command("m", machine.Promote(full=True), "t")
+    await again.tick()  # no proxy routes to v1: completed
     again.set_file_fleet(parse_fleet(FLEET))  # a reload of the unchanged file
     assert again.reconciler.fleet is not None and again.reconciler.fleet.models[0].stable == "v2"
     # The operator writes the new stable into the file: the file wins, the layer is dropped.
@@ -241,7 +247,7 @@ async def test_undo_rolls_back_to_the_replaced_version(tmp_path: Path) -> None:
     await c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
     await c.tick()
     await c.command("m", machine.Promote(full=True), "t")
-    for _ in range(2):  # leaving, then draining, then retired
+    for _ in range(3):  # leaving (completed), then draining, then retired
         clock.t += 5
         await c.tick()
     assert served_versions(c) == ["v2"]

@@ -8,9 +8,11 @@ from controlplane.rollout.machine import (
     Abort,
     Analysis,
     Drain,
+    Leave,
     Pause,
     Promote,
     Resume,
+    Return,
     RolloutRejected,
     RolloutSpec,
     SetStable,
@@ -89,7 +91,40 @@ def test_manual_gates_advance_only_by_promote() -> None:
     r, _ = apply(r, Promote())
     assert r.weight == 25
     r, eff = apply(r, Promote(full=True))
-    assert r.phase == "Completed" and SetStable("chat", "v2") in eff
+    # 100%: the old stable leaves first; complete once no proxy routes to it.
+    assert (r.phase, r.weight, r.finishing) == ("Progressing", 100, True) and Leave("chat", "v1") in eff
+    r, eff = apply(r, Tick(1001.0))
+    assert r.phase == "Completed" and SetStable("chat", "v2") in eff and Drain("chat", "v1") in eff
+
+
+def test_the_old_stable_drains_only_once_no_proxy_routes_to_it() -> None:
+    r, _ = run(SPEC, [Tick(0.0), *(Tick(t, analysis=GOOD) for t in (10.0, 20.0, 30.0, 40.0))])
+    assert (r.finishing, r.weight) == (True, 100)
+    r, eff = apply(r, Tick(41.0, analysis=GOOD, still_routed=("envoy-2",)))
+    assert (r.phase, eff) == ("Progressing", [])  # envoy-2's ACKed routes still name v1
+    r, eff = apply(r, Tick(42.0, analysis=GOOD))
+    assert r.phase == "Completed"
+    assert [type(e) for e in eff] == [SetStable, Drain, type(eff[-1])]
+
+
+def test_a_proxy_still_routing_to_the_old_stable_pauses_the_rollout_naming_it() -> None:
+    r, _ = run(SPEC, [Tick(0.0), *(Tick(t, analysis=GOOD) for t in (10.0, 20.0, 30.0, 40.0))])
+    r, _ = apply(r, Tick(41.0, still_routed=("stuck-proxy",)))  # the wait starts
+    r, _ = apply(r, Tick(70.0, still_routed=("stuck-proxy",)))
+    assert r.phase == "Progressing"
+    r, _ = apply(r, Tick(71.0, still_routed=("stuck-proxy",)))
+    assert r.phase == "Paused" and "stuck-proxy" in r.reason and "v1" in r.reason
+    assert r.weight == 100  # the canary keeps every request meanwhile
+    # Resume waits again, from the next tick.
+    r, _ = apply(r, Resume())
+    r, _ = apply(r, Tick(200.0, still_routed=("stuck-proxy",)))
+    r, _ = apply(r, Tick(229.0, still_routed=("stuck-proxy",)))
+    assert r.phase == "Progressing"
+    # Promote completes it anyway; abort would have gone back to v1.
+    done, eff = apply(r, Promote())
+    assert done.phase == "Completed" and Drain("chat", "v1") in eff
+    back, eff = apply(r, Abort())
+    assert back.phase == "Aborted" and Return("chat", "v1") in eff and weights(eff) == [{"v1": 100, "v2": 0}]
 
 
 def test_commands_on_a_finished_rollout_are_rejected() -> None:
@@ -126,7 +161,11 @@ def test_pause_holds_the_step_but_a_failure_still_aborts() -> None:
 commands = st.lists(
     st.one_of(
         st.builds(
-            Tick, st.floats(0, 1000), st.sampled_from([(), ("envoy-1",)]), st.sampled_from([None, GOOD])
+            Tick,
+            st.floats(0, 1000),
+            st.sampled_from([(), ("envoy-1",)]),
+            st.sampled_from([None, GOOD]),
+            st.sampled_from([(), ("envoy-2",)]),
         ),
         st.just(Pause()),
         st.just(Resume()),
@@ -149,6 +188,10 @@ def test_invariants_hold_for_any_command_sequence(cmds: list[object]) -> None:
         assert r.weight == 0 and weights(eff)[-1] == {"v1": 100, "v2": 0}
     if r.phase == "Completed":
         assert r.weight == 100 and SetStable("chat", "v2") in eff
+        # The old stable drains only after it left, and only once no proxy routed to it
+        # (or the operator promoted it through).
+        drain_at = eff.index(Drain("chat", "v1"))
+        assert Leave("chat", "v1") in eff[:drain_at]
     # Make-before-break: a weight above 0 is only ever pushed after a tick with every proxy ACKed.
     first_live = next(
         (i for i, e in enumerate(eff) if isinstance(e, SetWeights) and dict(e.weights)["v2"] > 0), None
@@ -164,7 +207,7 @@ def sorted_ticks(cmds: list[object]) -> list[object]:
     for c in cmds:
         if isinstance(c, Tick):
             t += c.now / 100
-            c = Tick(t, c.unacked_proxies, c.analysis)
+            c = Tick(t, c.unacked_proxies, c.analysis, c.still_routed)
         out.append(c)
     return out
 
