@@ -398,3 +398,131 @@ def test_promote_full_from_the_first_step_drops_nothing(rig: Rig) -> None:
     )
     assert rig.traffic is not None
     assert _failures(rig.traffic.stop()) == []
+
+
+class ScriptedAds:
+    """A real gRPC ADS client that subscribes like Envoy (CDS and LDS wildcard, then EDS for
+    its clusters and RDS for its listener's routes) and ACKs every response, until told to
+    stop ACKing one type: then it holds whatever it had of that type, like a stuck proxy."""
+
+    def __init__(self, target: str, node_id: str) -> None:
+        import queue
+        import threading
+
+        from envoy.config.core.v3 import base_pb2
+        from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+
+        self.pb = discovery_pb2
+        self.node = base_pb2.Node(id=node_id, user_agent_name="envoy")
+        self.outbox: queue.Queue[Any] = queue.Queue()
+        self.frozen: set[str] = set()
+        self.responses: dict[str, int] = {}
+        self.channel = grpc.insecure_channel(target)
+        self._stop = threading.Event()
+        self._subscribed: dict[str, tuple[str, ...]] = {}
+        self.stream = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel).StreamAggregatedResources(
+            self._requests()
+        )
+        for t in (CDS, LDS):
+            self._ask(t, (), "", first=t == CDS)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _requests(self) -> Iterator[Any]:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                yield self.outbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+
+    def _ask(self, type_url: str, names: tuple[str, ...], nonce: str, first: bool = False) -> None:
+        req = self.pb.DiscoveryRequest(type_url=type_url, resource_names=names, response_nonce=nonce)
+        if first:
+            req.node.CopyFrom(self.node)
+        self._subscribed[type_url] = names
+        self.outbox.put(req)
+
+    def _read(self) -> None:
+        from envoy.config.cluster.v3 import cluster_pb2
+        from envoy.config.listener.v3 import listener_pb2
+        from envoy.extensions.filters.network.http_connection_manager.v3 import (
+            http_connection_manager_pb2 as hcm_pb2,
+        )
+
+        try:
+            for resp in self.stream:
+                t = resp.type_url
+                self.responses[t] = self.responses.get(t, 0) + 1
+                if t in self.frozen:
+                    continue  # no ACK, ever: it keeps what it had
+                self._ask(t, self._subscribed.get(t, ()), resp.nonce)
+                if t == CDS:
+                    clusters = (cluster_pb2.Cluster.FromString(a.value) for a in resp.resources)
+                    names = tuple(sorted(c.name for c in clusters))
+                    if names != self._subscribed.get(EDS):
+                        self._ask(EDS, names, "")
+                elif t == LDS and ROUTES not in self._subscribed:
+                    for a in resp.resources:
+                        lst = listener_pb2.Listener.FromString(a.value)
+                        hcm = hcm_pb2.HttpConnectionManager()
+                        lst.filter_chains[0].filters[0].typed_config.Unpack(hcm)
+                        self._ask(ROUTES, (hcm.rds.route_config_name,), "")
+        except grpc.RpcError:
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self.stream.cancel()
+        self.channel.close()
+
+
+CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTES = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+
+
+def test_a_proxy_still_routing_to_the_old_stable_pauses_the_rollout_naming_it(tmp_path: Path) -> None:
+    """At 100% the old stable leaves; a proxy whose ACKed routes still name it (it stopped
+    ACKing routes) keeps it from draining, and after the deadline the rollout pauses naming
+    it. Once it is gone, resume completes the rollout and the old version drains."""
+    config = tmp_path / "fleet.yaml"
+    config.write_text(
+        "listener: {port: 10000}\ntiers: {small: {}}\nsignals: {enabled: false}\n"
+        "models: {m: {params_b: 8, stable: v1, versions: {v1: {endpoints: [{address: '127.0.0.1:9'}]},"
+        " v2: {endpoints: [{address: '127.0.0.1:10'}]}}}}\n"
+    )
+    cp = ControlPlane(config, tmp_path).start()
+    op = Operator(cp)
+    proxy = ScriptedAds(cp.xds, "stuck-proxy")
+    get = rollout_pb2.GetRolloutRequest(model="m")
+    try:
+        wait_until(lambda: cp.proxies()[0]["types"]["route"]["status"] == "SYNCED", 10, "the proxy to sync")
+        op.rollouts.Start(
+            rollout_pb2.StartRolloutRequest(model="m", to_version="v2", manual=True, ack_deadline_seconds=2),
+            metadata=op.md,
+        )
+        wait_until(lambda: op.rollouts.Get(get, metadata=op.md).step == 1, 10, "step 1")
+        wait_until(lambda: cp.proxies()[0]["types"]["route"]["status"] == "SYNCED", 10, "the 95/5 routes")
+        proxy.frozen.add(ROUTES)  # from now on it ACKs no route: its routes keep naming m@v1
+        sent = proxy.responses.get(ROUTES, 0)
+        r = op.rollouts.Promote(rollout_pb2.RolloutCommand(model="m", full=True), metadata=op.md)
+        assert (r.phase, r.finishing, r.weights["v2"]) == ("Progressing", True, 100)
+        wait_until(lambda: proxy.responses.get(ROUTES, 0) > sent, 5, "the routes without v1 to reach it")
+        wait_until(lambda: op.rollouts.Get(get, metadata=op.md).phase == "Paused", 8, "the pause")
+        paused = op.rollouts.Get(get, metadata=op.md)
+        assert "stuck-proxy" in paused.reason and "still route to v1" in paused.reason, paused.reason
+        eps = op.endpoints.List(endpoint_pb2.ListEndpointsRequest(model="m"), metadata=op.md).endpoints
+        assert {e.address: e.state for e in eps}["127.0.0.1:9"] == "LEAVING"  # not drained under it
+        status = cp.proxies()[0]["types"]["route"]
+        assert status["status"] == "STALE" and "not yet ACKed" in status["reason"]
+        proxy.close()
+        wait_until(lambda: cp.proxies() == [], 5, "the stuck proxy to go")
+        op.rollouts.Resume(rollout_pb2.RolloutCommand(model="m"), metadata=op.md)
+        wait_until(lambda: op.rollouts.Get(get, metadata=op.md).phase == "Completed", 5, "completion")
+    finally:
+        proxy.close()
+        op.close()
+        cp.stop()
