@@ -272,10 +272,11 @@ def least_request_policy() -> cluster_pb2.LoadBalancingPolicy:
         policies=[
             # Full scan while weights are equal: a model has tens of servers, not thousands,
             # and power of two choices can pick a busy server twice while another has a free
-            # slot. Unequal weights use Envoy's EDF path either way.
+            # slot. Unequal weights use Envoy's EDF path either way. (Envoy reads
+            # selection_method since 1.30; its older enable_full_scan field is ignored.)
             _lb_policy(
                 "envoy.load_balancing_policies.least_request",
-                least_request_pb2.LeastRequest(enable_full_scan=wrappers_pb2.BoolValue(value=True)),
+                least_request_pb2.LeastRequest(selection_method=least_request_pb2.LeastRequest.FULL_SCAN),
             ),
             _lb_policy("envoy.load_balancing_policies.wrr_locality", wrr),
         ]

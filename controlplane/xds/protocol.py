@@ -41,7 +41,8 @@ from envoy.service.discovery.v3 import discovery_pb2
 
 from controlplane.routing.blend import blend_routes
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
-from controlplane.xds import wire
+from controlplane.xds import capabilities, wire
+from controlplane.xds.capabilities import Capabilities
 from controlplane.xds.snapshot import Snapshot, SnapshotResource, encode_resource
 
 FULL_STATE_TYPES = frozenset({LISTENER, CLUSTER})
@@ -267,6 +268,26 @@ def attribute_nack(message: str, names: Iterable[str]) -> set[str]:
     return found
 
 
+_ADAPTED: OrderedDict[tuple[str, str, frozenset[str]], SnapshotResource] = OrderedDict()
+
+
+def _adapted(res: SnapshotResource, missing: frozenset[str]) -> SnapshotResource:
+    """`res` without the features a proxy lacks, serialised once per (resource, lack)."""
+    lacking = res.needs & missing
+    if not lacking or res.message is None:
+        return res
+    key = (res.type_url, res.version, frozenset(lacking))
+    found = _ADAPTED.get(key)
+    if found is None:
+        found = encode_resource(
+            res.type_url, res.name, capabilities.adapt(res.type_url, res.message, lacking)
+        )
+        _ADAPTED[key] = found
+        if len(_ADAPTED) > 4096:
+            _ADAPTED.popitem(last=False)
+    return found
+
+
 _BLENDS: OrderedDict[tuple[str, str, frozenset[str]], SnapshotResource] = OrderedDict()
 
 
@@ -369,6 +390,7 @@ class XdsStream:
         self.types: dict[str, TypeState] = {}
         self.node_id = ""
         self.node: base_pb2.Node | None = None
+        self.capabilities: Capabilities = capabilities.EVERYTHING
         self.memory = memory if memory is not None else ClusterMemory()
         self._nonce = 0
         self._unknown_reported: set[str] = set()
@@ -396,6 +418,7 @@ class XdsStream:
         if request.HasField("node") and request.node.id and not self.node_id:
             self.node_id = request.node.id
             self.node = request.node
+            self.capabilities = capabilities.of_node(request.node)
             events.append(
                 NodeIdentified(
                     request.node.id, request.node.cluster, request.node.user_agent_name, request.node
@@ -710,6 +733,9 @@ class XdsStream:
         """The snapshot's resources for the subscription, before any per-proxy rule."""
         every = self.snapshot.resources.get(type_url, {})
         wildcard_names = self.snapshot.wildcard_names(type_url)
+        missing = self.capabilities.missing if type_url in (CLUSTER, LISTENER) else frozenset()
+        if missing:
+            every = {n: _adapted(r, missing) for n, r in every.items()}  # as this proxy can take them
         if ts.wildcard and len(wildcard_names) == len(every) and all(n in every for n in ts.names):
             # The snapshot's own dict, shared by every stream: copied below before any change.
             return every if isinstance(every, dict) else dict(every)
@@ -808,6 +834,8 @@ class XdsStream:
         """Send what each type needs. With `fast_from`, the snapshot is a known successor of
         generation `fast_from`, and a type settled at that generation only looks at the
         names that changed: one cluster's change costs O(1) per stream, not O(clusters)."""
+        if self.capabilities.unsupported:
+            return  # too old to configure: it keeps what it has
         order: Sequence[str] = TYPE_URLS if self.ads else (self.fixed_type or "",)
         gen = self.snapshot.generation
         for type_url in order:
@@ -840,9 +868,12 @@ class XdsStream:
     def _rejections_settled(self, type_url: str, ts: TypeState) -> bool:
         """Forget rejections (and suspects) of content no longer wanted; True once none is left."""
         every = self.snapshot.resources.get(type_url, {})
+        missing = self.capabilities.missing if type_url in (CLUSTER, LISTENER) else frozenset()
         for memory in (ts.rejected, ts.suspects):
             for name in list(memory):
                 res = every.get(name)
+                if res is not None and missing:
+                    res = _adapted(res, missing)
                 if res is None or res.version != memory[name] or not self._interested(type_url, ts, name):
                     del memory[name]
         ts.probe(len(ts.probing & ts.suspects.keys()))
@@ -1005,6 +1036,8 @@ class XdsStream:
         """Why a type is not SYNCED, in an operator's words ('' when it is)."""
         ts = self.types.get(type_url)
         status = self.status(type_url)
+        if self.capabilities.unsupported and ts is not None:
+            return self.capabilities.unsupported
         if ts is None or status in ("SYNCED", "NOT_SENT"):
             return ""
         if status == "NACKED":

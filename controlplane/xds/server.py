@@ -107,6 +107,8 @@ class ConnectedStream:
             "node_id": self.protocol.node_id,
             "node_cluster": self.cluster,
             "user_agent": self.user_agent,
+            "version": self.protocol.capabilities.version,
+            "notes": self.protocol.capabilities.notes(),
             "peer": self.peer,
             "service": self.service,
             "transport": self.transport,
@@ -401,7 +403,16 @@ class XdsServer:
             elif isinstance(ev, NodeIdentified):
                 conn.cluster = ev.cluster
                 conn.user_agent = ev.user_agent
-                slog.info("xds node", node=ev.node_id, cluster=ev.cluster, user_agent=ev.user_agent)
+                caps = conn.protocol.capabilities
+                slog.info(
+                    "xds node",
+                    node=ev.node_id,
+                    cluster=ev.cluster,
+                    user_agent=ev.user_agent,
+                    version=caps.version,
+                )
+                for note in caps.notes():
+                    slog.warning("xds proxy lacks a feature; it gets a fallback", node=ev.node_id, note=note)
             elif isinstance(ev, UnknownType):
                 slog.warning("xds request for a type this server does not serve", type_url=ev.type_url)
         if nack_changed:

@@ -13,12 +13,13 @@ from google.protobuf.message import Message
 from controlplane.routing.translate import (
     CLUSTER,
     ENDPOINT,
+    LISTENER,
     ROUTE,
     DesiredResources,
     cluster_refs,
     empty_assignment,
 )
-from controlplane.xds import wire
+from controlplane.xds import capabilities, wire
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class SnapshotResource:
     delta_field: bytes
     # Clusters this resource sends traffic to (routes); make-before-break waits on them.
     refs: frozenset[str] = frozenset()
+    # Features some Envoy versions lack (capabilities.Feature.key): adapted for those proxies.
+    needs: frozenset[str] = frozenset()
     # The message it was built from: the same object next time means the same bytes.
     message: Message | None = field(default=None, compare=False, repr=False)
 
@@ -64,6 +67,7 @@ def encode_resource(type_url: str, name: str, msg: Message) -> SnapshotResource:
         sotw_field=wire.sotw_resource_field(payload),
         delta_field=wire.delta_resource_field(name, version, payload),
         refs=cluster_refs(msg) if type_url == ROUTE else frozenset(),
+        needs=capabilities.needs(type_url, msg) if type_url in (CLUSTER, LISTENER) else frozenset(),
         message=msg,
     )
 

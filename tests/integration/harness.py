@@ -181,6 +181,9 @@ class Envoy:
     listener_port: int
     delta: bool = False
     admin_port: int = field(default_factory=free_port)
+    # Report this version in the node instead of the binary's own (an older Envoy, as the
+    # control plane sees it; the real binary then checks the config it gets is valid).
+    claim_version: tuple[int, int, int] | None = None
     proc: Proc | None = None
 
     def start(self) -> Envoy:
@@ -201,7 +204,15 @@ class Envoy:
             capture_output=True,
             text=True,
         )
-        bootstrap.write_text(out.stdout)
+        text = out.stdout
+        if self.claim_version is not None:
+            major, minor, patch = self.claim_version
+            claim = (
+                "  user_agent_build_version: "
+                f"{{version: {{major_number: {major}, minor_number: {minor}, patch: {patch}}}}}\n"
+            )
+            text = text.replace("node:\n", "node:\n" + claim, 1)
+        bootstrap.write_text(text)
         self.proc = Proc(
             self.node_id,
             [
