@@ -33,11 +33,14 @@ from controlplane.rollout.store import RolloutStore, StateStore, StoreUnavailabl
 from controlplane.signals import lrs
 from controlplane.v1 import endpoint_pb2_grpc, proxy_pb2_grpc, rollout_pb2_grpc
 from controlplane.xds import csds
+from controlplane.xds import memory as xds_memory
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_SERVICE, PER_TYPE_SERVICES, XdsServer
+from controlplane.xds.snapshot import Lingering
 
 log = structlog.get_logger("controlplane")
+XDS_MEMORY_FILE = "xds-memory.bin"  # in the state directory
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ class ControlPlane:
         except StoreUnavailable as e:
             # Keep starting: xDS answers UNAVAILABLE until the fleet loads, retried below.
             log.error("state store unreachable at start; retrying", error=str(e))
+        self._restore_memory()
         if self.reconciler.fleet is not None:
             # One bounded scrape round first, so the first snapshot already holds out
             # servers that say they are not ready.
@@ -222,6 +226,7 @@ class ControlPlane:
             asyncio.create_task(self.reconciler.run()),
             asyncio.create_task(self.source.run()),
             asyncio.create_task(self.weights.run()),
+            asyncio.create_task(self.xds.keep_memory(self.memory_path)),
         ]
         log.info(
             "control plane serving",
@@ -232,6 +237,30 @@ class ControlPlane:
             fleet=self.fleet_name,
             store=self.store.where,
         )
+
+    @property
+    def memory_path(self) -> Path:
+        return self.options.state_dir / XDS_MEMORY_FILE
+
+    def _restore_memory(self) -> None:
+        """What proxies had ACKed before a restart: the first snapshot keeps the clusters a
+        proxy may still route to (a version replaced while this server was down)."""
+        path = self.memory_path
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning("xds memory unreadable; starting without it", path=str(path), error=str(e))
+            return
+        try:
+            found = xds_memory.load(self.xds.memory, data)
+        except ValueError as e:
+            log.warning("xds memory unreadable; starting without it", path=str(path), error=str(e))
+            return
+        now = time.monotonic()
+        self.reconciler.lingering_seed = {n: Lingering(a, now) for n, a in found.assignments.items()}
+        log.info("xds memory restored", path=str(path), clusters=found.clusters, routes=found.routes)
 
     def _admin_server(self) -> grpc.aio.Server:
         """The operator API: bearer-token auth, reflection and health (both open)."""

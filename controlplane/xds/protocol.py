@@ -27,7 +27,6 @@ Rules it keeps (docs/xds.md states them for operators):
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import re
 import sys
@@ -43,7 +42,8 @@ from controlplane.routing.blend import blend_routes
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
 from controlplane.xds import capabilities, wire
 from controlplane.xds.capabilities import Capabilities
-from controlplane.xds.snapshot import Snapshot, SnapshotResource, encode_resource
+from controlplane.xds.memory import ClusterMemory
+from controlplane.xds.snapshot import Placeholder, Snapshot, SnapshotResource, encode_resource, pair_hash
 
 FULL_STATE_TYPES = frozenset({LISTENER, CLUSTER})
 WILDCARD = "*"
@@ -195,9 +195,9 @@ class TypeState:
         """Record that the proxy holds `name` at `version`."""
         old = self.acked.get(name)
         if old is not None:
-            self.state_xor ^= _h(name, old)
+            self.state_xor ^= pair_hash(name, old)
         self.acked[name] = version
-        self.state_xor ^= _h(name, version)
+        self.state_xor ^= pair_hash(name, version)
         if res is not None and self.keep_resources:
             self.acked_res[name] = res
         else:
@@ -207,7 +207,7 @@ class TypeState:
         """Record that the proxy no longer holds `name`."""
         old = self.acked.pop(name, None)
         if old is not None:
-            self.state_xor ^= _h(name, old)
+            self.state_xor ^= pair_hash(name, old)
         self.acked_res.pop(name, None)
 
     def state_after(self, updates: dict[str, SnapshotResource], removed: Iterable[str]) -> str:
@@ -215,11 +215,11 @@ class TypeState:
         x = self.state_xor
         for name in removed:
             if name in self.acked:
-                x ^= _h(name, self.acked[name])
+                x ^= pair_hash(name, self.acked[name])
         for name, res in updates.items():
             if name in self.acked:
-                x ^= _h(name, self.acked[name])
-            x ^= _h(name, res.version)
+                x ^= pair_hash(name, self.acked[name])
+            x ^= pair_hash(name, res.version)
         return f"{x:016x}"
 
 
@@ -238,11 +238,6 @@ def shared_names(names: Iterable[str]) -> frozenset[str]:
     if len(_SHARED_NAMES) > 256:
         _SHARED_NAMES.popitem(last=False)
     return key
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _h(name: str, version: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{name}\0{version}".encode(), digest_size=8).digest(), "big")
 
 
 def _key(resources: Iterable[tuple[str, str]]) -> str:
@@ -311,62 +306,6 @@ def _blended(desired: SnapshotResource, held: SnapshotResource | None, ready: se
     if len(_BLENDS) > 256:
         _BLENDS.popitem(last=False)
     return res
-
-
-class ClusterMemory:
-    """What proxies of this process ACKed, shared by every stream: the last definition of
-    each cluster, and recent route configurations by version.
-
-    A proxy that reconnects holds config we cannot see (SotW says only a version hash, delta
-    names and versions). A route version it declares is resolved here, so its content is
-    known at once; and when the current definition of a cluster it may route to is refused,
-    or the cluster left the fleet meanwhile, the last definition a proxy took keeps it
-    working, not nothing."""
-
-    def __init__(self, limit: int = 65536, routes: int = 256) -> None:
-        self.limit = limit
-        self.route_limit = routes
-        self._good: OrderedDict[str, SnapshotResource] = OrderedDict()
-        self._routes: OrderedDict[str, SnapshotResource] = OrderedDict()
-        self._last: object = None
-
-    def record(self, resources: dict[str, SnapshotResource]) -> None:
-        """A proxy ACKed these clusters (a shared dict is recorded once, however many ACK it)."""
-        if resources is self._last:
-            return
-        self._last = resources
-        for name, res in resources.items():
-            if isinstance(res, _Placeholder) or self._good.get(name) is res:
-                continue
-            self._good[name] = res
-            self._good.move_to_end(name)
-        while len(self._good) > self.limit:
-            self._good.popitem(last=False)
-
-    def record_routes(self, resources: Iterable[SnapshotResource]) -> None:
-        """A proxy ACKed these route configurations."""
-        for res in resources:
-            if not isinstance(res, _Placeholder):
-                self._routes[res.version] = res
-                self._routes.move_to_end(res.version)
-        while len(self._routes) > self.route_limit:
-            self._routes.popitem(last=False)
-
-    def get(self, name: str) -> SnapshotResource | None:
-        return self._good.get(name)
-
-    def route(self, name: str, version: str) -> SnapshotResource | None:
-        """A route configuration a proxy ACKed at `version` (delta's resource version)."""
-        res = self._routes.get(version)
-        return res if res is not None and res.name == name else None
-
-    def route_by_state(self, name: str, state: str) -> SnapshotResource | None:
-        """The route configuration `name` whose SotW state version is `state`, if a proxy
-        held only that one of its type."""
-        for res in reversed(self._routes.values()):
-            if res.name == name and f"{_h(name, res.version):016x}" == state:
-                return res
-        return None
 
 
 class XdsStream:
@@ -492,7 +431,7 @@ class XdsStream:
             x = 0
             for n, res in current.items():
                 if res is not None:
-                    x ^= _h(n, res.version)
+                    x ^= pair_hash(n, res.version)
             known = None
             if len(ts.names) == 1:
                 [only] = ts.names
@@ -626,7 +565,7 @@ class XdsStream:
             n: r
             for n, r in flight.resources.items()
             if ts.acked.get(n) != r.version
-            and not isinstance(r, _Placeholder)
+            and not isinstance(r, Placeholder)
             and getattr(known(n), "version", None) != r.version  # a proxy took it: not the culprit
         }
         blamed = attribute_nack(message, changed)
@@ -753,7 +692,7 @@ class XdsStream:
             ):
                 # The proxy still holds this cluster (kept for make-before-break): it keeps the
                 # last assignment it ACKed; an empty one would blackhole its routes.
-                res = _Placeholder.of(ENDPOINT, name, ts.acked[name])
+                res = Placeholder.of(ENDPOINT, name, ts.acked[name])
             elif res is None:
                 res = self.snapshot.get(type_url, name)  # a lingering cluster's last, else empty
             if res is not None:
@@ -791,7 +730,7 @@ class XdsStream:
                 elif name in ts.acked and self.delta:
                     # Delta: the proxy declared it from before; keep it as it is (sending other
                     # content would re-warm it).
-                    out[name] = _Placeholder.of(CLUSTER, name, ts.acked[name])
+                    out[name] = Placeholder.of(CLUSTER, name, ts.acked[name])
                 elif good is not None:
                     out[name] = good  # SotW: what it holds is not known; what a proxy last took
                 else:
@@ -932,7 +871,7 @@ class XdsStream:
             for n, r in desired.items()
             if (ts.acked.get(n) != r.version or n in fresh)
             and not ts.withholds(n, r.version)
-            and not isinstance(r, _Placeholder)
+            and not isinstance(r, Placeholder)
         }
         removed: frozenset[str] = frozenset()
         if self.delta:
@@ -1071,12 +1010,3 @@ class XdsStream:
         if eds is None or cluster not in eds.acked:
             return f"endpoints of {cluster} not yet ACKed by the proxy"
         return f"cluster {cluster} is being removed"
-
-
-@dataclass(frozen=True)
-class _Placeholder(SnapshotResource):
-    """A resource the proxy holds (from an earlier stream, or kept): kept, never re-sent."""
-
-    @classmethod
-    def of(cls, type_url: str, name: str, version: str) -> _Placeholder:
-        return cls(name=name, type_url=type_url, version=version, sotw_field=b"", delta_field=b"")

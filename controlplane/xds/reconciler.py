@@ -14,7 +14,7 @@ from controlplane.routing.incremental import IncrementalTranslator
 from controlplane.routing.names import cluster_name
 from controlplane.routing.translate import NO_OVERLAY, TYPE_URLS, RoutingOverlay
 from controlplane.xds.cache import SnapshotCache
-from controlplane.xds.snapshot import SERIALISED, Snapshot, build_snapshot
+from controlplane.xds.snapshot import SERIALISED, Lingering, Snapshot, build_snapshot
 
 log = structlog.get_logger("controlplane.reconcile")
 
@@ -43,6 +43,8 @@ class Reconciler:
         self.shed: dict[str, frozenset[str]] = {}
         self.overlay: RoutingOverlay = NO_OVERLAY
         self.translator = IncrementalTranslator()
+        # Clusters a restarted server remembers (xds/memory.py): the first snapshot lingers them.
+        self.lingering_seed: Mapping[str, Lingering] = {}
         self.on_publish: list[Callable[[Snapshot], None]] = []
         self._dirty = asyncio.Event()
         self._last_change = 0.0
@@ -86,7 +88,13 @@ class Reconciler:
         serialised = SERIALISED.value
         desired = self.translator.translate(self.fleet, self.weights, self.shed, self.overlay)
         previous = self.cache.current
-        snap = build_snapshot(desired, self._generation + 1, time.monotonic(), previous)
+        snap = build_snapshot(
+            desired,
+            self._generation + 1,
+            time.monotonic(),
+            previous,
+            lingering_seed=self.lingering_seed if previous is None else None,
+        )
         if previous is not None and not any(snap.changes.values()) and snap.wildcard == previous.wildcard:
             return previous
         self._generation += 1

@@ -10,11 +10,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -24,10 +26,11 @@ from prometheus_client.core import GaugeMetricFamily
 
 from controlplane.obs.metrics import Metrics, type_label
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
+from controlplane.xds import memory as xds_memory
 from controlplane.xds.cache import SnapshotCache
+from controlplane.xds.memory import ClusterMemory
 from controlplane.xds.protocol import (
     Ack,
-    ClusterMemory,
     Event,
     Nack,
     NackCleared,
@@ -218,6 +221,26 @@ class XdsServer:
         self.memory = ClusterMemory()
         self._ids = itertools.count(1)
         self._metric_children: dict[tuple[str, str], _TypeMetrics] = {}
+
+    async def keep_memory(self, path: Path, interval_s: float = 0.1, refresh_s: float = 10.0) -> None:
+        """Write the memory (what proxies ACKed, with each cluster's last assignment) to
+        `path` whenever it learnt something, and every `refresh_s` while the fleet moves, so
+        a restarted server remembers it. Until cancelled; a last write then."""
+        written = (-1, -1)
+        last = 0.0
+        try:
+            while True:
+                await asyncio.sleep(interval_s)
+                snap = self.cache.current
+                state = (self.memory.changes, snap.generation if snap is not None else -1)
+                now = time.monotonic()
+                if state == written or (state[0] == written[0] and now - last < refresh_s):
+                    continue
+                await asyncio.to_thread(_write_atomic, path, xds_memory.dump(self.memory, snap))
+                written, last = state, now
+        finally:
+            with contextlib.suppress(OSError):
+                _write_atomic(path, xds_memory.dump(self.memory, self.cache.current))
 
     def handlers(self) -> Sequence[grpc.GenericRpcHandler]:
         """Generic handlers: requests are parsed, responses are already bytes."""
@@ -449,3 +472,14 @@ class _TypeMetrics:
 
 def _identity(payload: bytes) -> bytes:
     return payload
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash leaves the old file or the new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

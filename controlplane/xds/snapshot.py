@@ -39,6 +39,22 @@ class SnapshotResource:
     message: Message | None = field(default=None, compare=False, repr=False)
 
 
+@dataclass(frozen=True)
+class Placeholder(SnapshotResource):
+    """A resource a proxy holds (from an earlier stream, or kept) whose content we do not
+    have: kept, never sent."""
+
+    @classmethod
+    def of(cls, type_url: str, name: str, version: str) -> Placeholder:
+        return cls(name=name, type_url=type_url, version=version, sotw_field=b"", delta_field=b"")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def pair_hash(name: str, version: str) -> int:
+    """A 64-bit hash of (name, version): XORed over what a proxy holds, its state version."""
+    return int.from_bytes(hashlib.blake2b(f"{name}\0{version}".encode(), digest_size=8).digest(), "big")
+
+
 def content_version(data: bytes) -> str:
     """A short, stable hash of serialised bytes: equal bytes, equal version on every replica."""
     return hashlib.blake2b(data, digest_size=8).hexdigest()
@@ -138,11 +154,13 @@ def build_snapshot(
     created_at: float,
     previous: Snapshot | None = None,
     linger_s: float = DEFAULT_LINGER_S,
+    lingering_seed: Mapping[str, Lingering] | None = None,
 ) -> Snapshot:
     """Serialise desired resources; reuse the previous snapshot's objects for unchanged input.
 
     A message object seen in the previous snapshot is not serialised again; an equal
-    serialisation reuses the previous resource object too.
+    serialisation reuses the previous resource object too. The first snapshot of a process
+    starts lingering with `lingering_seed` (what a restarted server remembered).
     """
     resources: dict[str, dict[str, SnapshotResource]] = {}
     changes: dict[str, frozenset[str]] = {}
@@ -173,7 +191,11 @@ def build_snapshot(
         wildcard=wildcard,
         changes=changes if previous is not None else {},
         parent=previous.generation if previous is not None else None,
-        lingering=_lingering(previous, resources, changes.get(CLUSTER, frozenset()), created_at, linger_s),
+        lingering=(
+            _lingering(previous, resources, changes.get(CLUSTER, frozenset()), created_at, linger_s)
+            if previous is not None
+            else {n: g for n, g in (lingering_seed or {}).items() if n not in resources.get(CLUSTER, {})}
+        ),
     )
 
 

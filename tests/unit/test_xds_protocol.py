@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 from controlplane.fleet import parse_fleet
 from controlplane.routing.blend import entry_refs
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, translate
+from controlplane.xds.memory import ClusterMemory
+from controlplane.xds.memory import dump as memory_dump
+from controlplane.xds.memory import load as memory_load
 from controlplane.xds.protocol import (
     Ack,
-    ClusterMemory,
     Event,
     Nack,
     NackCleared,
@@ -26,7 +28,7 @@ from controlplane.xds.protocol import (
     UnknownType,
     XdsStream,
 )
-from controlplane.xds.snapshot import Snapshot, build_snapshot
+from controlplane.xds.snapshot import Lingering, Snapshot, build_snapshot
 from tests.fleets import fleet_yaml
 from tests.unit.fake_envoy import FakeEnvoy
 
@@ -487,9 +489,13 @@ def _drain(s: XdsStream, envoy: FakeEnvoy, wire: list[bytes], now: float) -> Non
             return
 
 
-def _empty_snapshot(gen: int, previous: Snapshot | None = None) -> Snapshot:
+def _empty_snapshot(
+    gen: int, previous: Snapshot | None = None, seed: dict[str, Lingering] | None = None
+) -> Snapshot:
     text = "listener: {port: 10000}\ntiers:\n  small: {timeout: 30s}\nmodels: {}\n"
-    return build_snapshot(translate(parse_fleet(text)), gen, float(gen), previous=previous)
+    return build_snapshot(
+        translate(parse_fleet(text)), gen, float(gen), previous=previous, lingering_seed=seed
+    )
 
 
 @pytest.mark.parametrize("delta", [False, True])
@@ -527,6 +533,7 @@ def moving_snapshot(
     gen: int,
     previous: Snapshot | None,
     weights: dict[str, dict[str, int]] | None = None,
+    seed: dict[str, Lingering] | None = None,
 ) -> Snapshot:
     """model -> (its one version, its cluster edit): each version has two endpoints."""
     models = {
@@ -535,9 +542,9 @@ def moving_snapshot(
     }
     extra = {m: CLUSTER_EDITS[e] for m, (_, e) in state.items() if CLUSTER_EDITS[e]}
     if not models:
-        return _empty_snapshot(gen, previous)
+        return _empty_snapshot(gen, previous, seed)
     fleet = parse_fleet(fleet_yaml(models, extra_model_keys=extra))
-    return build_snapshot(translate(fleet, weights), gen, float(gen), previous=previous)
+    return build_snapshot(translate(fleet, weights), gen, float(gen), previous=previous, lingering_seed=seed)
 
 
 def _bad_clusters(state: dict[str, tuple[str, int]]) -> set[str]:
@@ -557,6 +564,7 @@ def _bad_clusters(state: dict[str, tuple[str, int]]) -> set[str]:
             st.tuples(st.just("to_client"), st.integers(1, 3), st.just(0), st.just(0)),
             st.tuples(st.just("drain"), st.just(0), st.just(0), st.just(0)),
             st.tuples(st.just("reconnect"), st.just(0), st.just(0), st.just(0)),
+            st.tuples(st.just("restart"), st.just(0), st.just(0), st.just(0)),
         ),
         max_size=40,
     ),
@@ -566,7 +574,8 @@ def test_a_moving_fleet_never_leaves_a_routed_request_failing(
 ) -> None:
     """Random fleet edits (versions replaced with the old one removed, models added and
     removed, cluster-level edits, a cluster Envoy refuses beside other changes), weight
-    changes, reconnects and message interleavings, against a model of Envoy that re-warms,
+    changes, reconnects, restarts (kill -9: only the state directory survives) and message
+    interleavings, against a model of Envoy that re-warms,
     holds its CDS ACK and applies NACKed responses in part: no moment in which a routed
     request would fail, and once quiet the proxy has everything it can apply."""
     state: dict[str, tuple[str, int]] = {"a": ("v1", 0)}
@@ -604,6 +613,17 @@ def test_a_moving_fleet_never_leaves_a_routed_request_failing(
         elif kind == "reconnect":
             envoy.reconnect()
             wire.clear()  # what was on its way is lost with the stream
+            s = XdsStream(current, delta=delta, memory=memory)
+        elif kind == "restart":
+            # kill -9: a new process with only the state directory, on the fleet as it is now
+            # (which the proxy may not have had yet).
+            memory = ClusterMemory()
+            found = memory_load(memory, memory_dump(s.memory, current))
+            seed = {n: Lingering(a, 0.0) for n, a in found.assignments.items()}
+            gen += 1
+            current = moving_snapshot(state, gen, None, weights, seed)
+            envoy.reconnect()
+            wire.clear()
             s = XdsStream(current, delta=delta, memory=memory)
         elif kind == "to_server":
             for _ in range(a):
