@@ -29,18 +29,54 @@ def split_host_port(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+class _SharedRendering:
+    """The metrics page, rendered once for every scraper that asks while a rendering is under
+    way: a burst of scrapes shares one rendering instead of each holding the interpreter
+    (and with it the event loop that serves xDS) for its own. A scrape that arrives when
+    none is under way gets a fresh one."""
+
+    def __init__(self, render: Callable[[], bytes]) -> None:
+        self.render = render
+        self._cond = threading.Condition()
+        self._rendering = False
+        self._done = 0
+        self._page = b""
+
+    def get(self) -> bytes:
+        with self._cond:
+            if self._rendering:
+                done = self._done
+                while self._rendering and self._done == done:
+                    self._cond.wait()
+                if self._done != done:
+                    return self._page
+            self._rendering = True
+        page: bytes | None = None
+        try:
+            page = self.render()
+            return page
+        finally:
+            with self._cond:
+                if page is not None:
+                    self._page = page
+                    self._done += 1
+                self._rendering = False
+                self._cond.notify_all()
+
+
 class StatusHTTPServer:
     """Serves metrics and status from a background thread."""
 
     def __init__(self, listen: str, metrics: Metrics, proxies: ProxyDescriber) -> None:
         host, port = split_host_port(listen)
         registry = metrics.registry
+        page = _SharedRendering(lambda: generate_latest(registry))
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+                    self._send(200, CONTENT_TYPE_LATEST, page.get())
                 elif path == "/healthz":
                     self._send(200, "text/plain", b"ok\n")
                 elif path == "/debug/proxies":
