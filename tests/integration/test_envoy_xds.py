@@ -225,3 +225,46 @@ def test_a_proxy_that_stops_reading_does_not_delay_the_others(stack: Stack) -> N
         done.set()
         stuck.cancel()
         channel.close()
+
+
+def test_a_client_that_asks_for_too_much_is_refused_and_envoy_is_unaffected(stack: Stack) -> None:
+    """A delta client subscribing to more names than a stream may hold gets RESOURCE_EXHAUSTED;
+    one flooding requests is read at its own pace (bounded read-ahead); Envoy keeps serving."""
+    from controlplane.xds.protocol import MAX_NAMES_PER_TYPE
+
+    stack.write(MODELS)
+    stack.start()
+    assert stack.cp is not None
+    channel = grpc.insecure_channel(stack.cp.xds, options=[("grpc.max_send_message_length", 16 << 20)])
+    stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+    try:
+        names = [f"x{i}" for i in range(MAX_NAMES_PER_TYPE + 1)]
+        big = discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, resource_names_subscribe=names)
+        big.node.id = "greedy"
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in stub.DeltaAggregatedResources(iter([big]), timeout=20):
+                pass
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert str(MAX_NAMES_PER_TYPE) in (e.value.details() or "")
+
+        def flood() -> Iterator[discovery_pb2.DiscoveryRequest]:
+            first = discovery_pb2.DiscoveryRequest(type_url=CLUSTER)
+            first.node.id = "flood"
+            yield first
+            for i in range(20000):  # re-subscriptions, as fast as the client can write them
+                yield discovery_pb2.DiscoveryRequest(
+                    type_url=ENDPOINT, resource_names=[f"llama@v{i % 2 + 1}"]
+                )
+
+        responses = stub.StreamAggregatedResources(flood(), timeout=60)
+        next(responses)
+        c = stack.client()
+        assert [c.post(header="llama").status for _ in range(20)] == [200] * 20
+        wait_until(
+            lambda: any(p["node_id"] == "flood" for p in stack.cp.proxies()),  # type: ignore[union-attr]
+            5,
+            "the flooding client to be served, not refused",
+        )
+        responses.cancel()
+    finally:
+        channel.close()

@@ -18,11 +18,14 @@ from controlplane.xds.memory import ClusterMemory
 from controlplane.xds.memory import dump as memory_dump
 from controlplane.xds.memory import load as memory_load
 from controlplane.xds.protocol import (
+    MAX_NAMES_PER_TYPE,
+    MAX_UNKNOWN_TYPES_REPORTED,
     Ack,
     Event,
     Nack,
     NackCleared,
     NodeIdentified,
+    Refused,
     Send,
     StaleNonce,
     UnknownType,
@@ -672,3 +675,26 @@ def _addresses(snapshot: Snapshot, cluster: str) -> list[str]:
 
 def _route_clusters(r: route_components_pb2.Route) -> set[str]:
     return set(entry_refs(r))
+
+
+# ---- bounds on what a client can make a stream hold ----------------------------------------
+
+
+def test_a_subscription_past_the_bound_is_refused() -> None:
+    s = XdsStream(snap(ONE), delta=True)
+    names = [f"n{i}" for i in range(MAX_NAMES_PER_TYPE)]
+    ok = s.receive(discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, resource_names_subscribe=names), 0)
+    assert not [e for e in ok if isinstance(e, Refused)]
+    more = s.receive(
+        discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, resource_names_subscribe=["one-more"]), 0
+    )
+    [refused] = [e for e in more if isinstance(e, Refused)]
+    assert refused.code == "RESOURCE_EXHAUSTED" and str(MAX_NAMES_PER_TYPE) in refused.message
+    assert not sends(more)  # nothing more is sent to it
+
+
+def test_unknown_types_are_reported_a_bounded_number_of_times() -> None:
+    s = XdsStream(snap(ONE), delta=False)
+    reported = [e for i in range(50) for e in s.receive(req(f"type.googleapis.com/x.Unknown{i}"), 0)]
+    assert len(reported) == MAX_UNKNOWN_TYPES_REPORTED
+    assert all(isinstance(e, UnknownType) for e in reported)
