@@ -461,14 +461,8 @@ def test_any_interleaving_never_routes_to_a_missing_cluster(
             wire += [e.payload for e in s.set_snapshot(current, gen) if isinstance(e, Send)]
         elif kind == "drain":
             _drain(s, envoy, wire, gen)
-        elif kind == "to_server":
-            for _ in range(a):
-                if envoy.outbox:
-                    wire += [e.payload for e in s.receive(envoy.outbox.popleft(), gen) if isinstance(e, Send)]
         else:
-            for _ in range(a):
-                if wire:
-                    envoy.receive(wire.pop(0))
+            _deliver(kind, a, s, envoy, wire, gen)
         assert envoy.violations == []
     _drain(s, envoy, wire, gen)
     assert envoy.violations == []
@@ -479,6 +473,16 @@ def test_any_interleaving_never_routes_to_a_missing_cluster(
         assert envoy.assignments[name].SerializeToString(deterministic=True) == res.message.SerializeToString(  # type: ignore[union-attr]
             deterministic=True
         ), f"{name}: endpoints not converged"
+
+
+def _deliver(kind: str, n: int, s: XdsStream, envoy: FakeEnvoy, wire: list[bytes], now: float) -> None:
+    """`n` messages one way: Envoy's requests to the server ("to_server"), or the server's
+    responses to Envoy ("to_client")."""
+    for _ in range(n):
+        if kind == "to_server" and envoy.outbox:
+            wire += [e.payload for e in s.receive(envoy.outbox.popleft(), now) if isinstance(e, Send)]
+        elif kind == "to_client" and wire:
+            envoy.receive(wire.pop(0))
 
 
 def _drain(s: XdsStream, envoy: FakeEnvoy, wire: list[bytes], now: float) -> None:
@@ -628,14 +632,8 @@ def test_a_moving_fleet_never_leaves_a_routed_request_failing(
             envoy.reconnect()
             wire.clear()
             s = XdsStream(current, delta=delta, memory=memory)
-        elif kind == "to_server":
-            for _ in range(a):
-                if envoy.outbox:
-                    wire += [e.payload for e in s.receive(envoy.outbox.popleft(), gen) if isinstance(e, Send)]
         else:
-            for _ in range(a):
-                if wire:
-                    envoy.receive(wire.pop(0))
+            _deliver(kind, a, s, envoy, wire, gen)
         assert envoy.violations == []
     _drain(s, envoy, wire, gen)
     assert envoy.violations == []
