@@ -275,13 +275,18 @@ def client_config(stream: ConnectedStream, with_contents: bool = True) -> csds_p
                     a.Pack(res.message)
                     g.xds_config.CopyFrom(a)
         if ts.last_nacked:
-            # What it rejected is not held: one entry says so, with the proxy's error.
-            g = cfg.generic_xds_configs.add(
-                type_url=type_url,
-                config_status=csds_pb2.ERROR,
-                client_status=config_dump_shared_pb2.NACKED,
-            )
-            g.error_state.details = ts.last_error
+            # What it rejected is not held: an entry per rejected resource (its name and the
+            # version it refused), or one without a name while the culprit is still being
+            # found, each with the proxy's error.
+            for name, version in sorted(ts.rejected.items()) or [("", "")]:
+                g = cfg.generic_xds_configs.add(
+                    type_url=type_url,
+                    name=name,
+                    config_status=csds_pb2.ERROR,
+                    client_status=config_dump_shared_pb2.NACKED,
+                )
+                g.error_state.details = ts.last_error
+                g.error_state.version_info = version
     return cfg
 
 
