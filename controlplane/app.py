@@ -247,15 +247,10 @@ class ControlPlane:
         proxy may still route to (a version replaced while this server was down)."""
         path = self.memory_path
         try:
-            data = path.read_bytes()
+            found = xds_memory.load(self.xds.memory, path.read_bytes())
         except FileNotFoundError:
             return
-        except OSError as e:
-            log.warning("xds memory unreadable; starting without it", path=str(path), error=str(e))
-            return
-        try:
-            found = xds_memory.load(self.xds.memory, data)
-        except ValueError as e:
+        except (OSError, ValueError) as e:
             log.warning("xds memory unreadable; starting without it", path=str(path), error=str(e))
             return
         now = time.monotonic()

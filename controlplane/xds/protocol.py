@@ -31,7 +31,7 @@ import hashlib
 import re
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from envoy.config.core.v3 import base_pb2
@@ -281,6 +281,30 @@ def _adapted(res: SnapshotResource, missing: frozenset[str]) -> SnapshotResource
         if len(_ADAPTED) > 4096:
             _ADAPTED.popitem(last=False)
     return found
+
+
+# Per (snapshot dict, what a proxy lacks): that dict adapted, shared by every stream of that
+# kind (the dict is kept alive by the entry, so its id cannot be reused while cached).
+_ADAPTED_ALL: OrderedDict[
+    tuple[int, frozenset[str]], tuple[Mapping[str, SnapshotResource], dict[str, SnapshotResource]]
+] = OrderedDict()
+
+
+def _adapted_all(
+    every: Mapping[str, SnapshotResource], missing: frozenset[str]
+) -> dict[str, SnapshotResource]:
+    """Every resource of a type as a proxy lacking `missing` can take them, built once per
+    snapshot and lack rather than once per stream and response."""
+    key = (id(every), missing)
+    found = _ADAPTED_ALL.get(key)
+    if found is not None and found[0] is every:
+        _ADAPTED_ALL.move_to_end(key)
+        return found[1]
+    adapted = {n: _adapted(r, missing) for n, r in every.items()}
+    _ADAPTED_ALL[key] = (every, adapted)
+    if len(_ADAPTED_ALL) > 16:
+        _ADAPTED_ALL.popitem(last=False)
+    return adapted
 
 
 _BLENDS: OrderedDict[tuple[str, str, frozenset[str]], SnapshotResource] = OrderedDict()
@@ -674,9 +698,9 @@ class XdsStream:
         wildcard_names = self.snapshot.wildcard_names(type_url)
         missing = self.capabilities.missing if type_url in (CLUSTER, LISTENER) else frozenset()
         if missing:
-            every = {n: _adapted(r, missing) for n, r in every.items()}  # as this proxy can take them
+            every = _adapted_all(every, missing)  # as this proxy can take them (shared)
         if ts.wildcard and len(wildcard_names) == len(every) and all(n in every for n in ts.names):
-            # The snapshot's own dict, shared by every stream: copied below before any change.
+            # A dict shared by every stream: callers copy it before any change.
             return every if isinstance(every, dict) else dict(every)
         wanted = set(ts.names)
         if ts.wildcard:
@@ -706,16 +730,21 @@ class XdsStream:
         if ts is None:
             return {}, held_back
         out = self._subscribed(type_url, ts)
-        if type_url in FULL_STATE_TYPES and not self.delta and (ts.rejected or ts.suspects):
+        withheld = (
+            [n for n, r in out.items() if ts.withholds(n, r.version)]
+            if type_url in FULL_STATE_TYPES and not self.delta and (ts.rejected or ts.suspects)
+            else []
+        )
+        if withheld:
+            out = dict(out)  # it may be shared by every stream
+        for name in withheld:
             # Never re-send what the proxy refused: it keeps its version, or goes without.
-            for name in [n for n, r in out.items() if ts.withholds(n, r.version)]:
-                out = dict(out) if out is self.snapshot.resources.get(type_url) else out
-                held_back.add(name)
-                kept = ts.acked_res.get(name) or self._last_good(type_url, name, out[name].version)
-                if kept is not None:
-                    out[name] = kept
-                else:
-                    del out[name]
+            held_back.add(name)
+            kept = ts.acked_res.get(name) or self._last_good(type_url, name, out[name].version)
+            if kept is not None:
+                out[name] = kept
+            else:
+                del out[name]
         if not self._gating():
             return out, held_back
         if type_url == CLUSTER:
@@ -724,17 +753,16 @@ class XdsStream:
                 out = dict(out)
             for name in kept_names:
                 kept = ts.acked_res.get(name)
-                good = self._last_good(CLUSTER, name, "")
-                if kept is not None:
-                    out[name] = kept
-                elif name in ts.acked and self.delta:
+                if kept is None and name in ts.acked and self.delta:
                     # Delta: the proxy declared it from before; keep it as it is (sending other
                     # content would re-warm it).
-                    out[name] = Placeholder.of(CLUSTER, name, ts.acked[name])
-                elif good is not None:
-                    out[name] = good  # SotW: what it holds is not known; what a proxy last took
-                else:
+                    kept = Placeholder.of(CLUSTER, name, ts.acked[name])
+                if kept is None:
+                    # SotW: what it holds is not known; what a proxy here last took.
+                    kept = self._last_good(CLUSTER, name, "")
+                if kept is None:
                     continue  # never ACKed by anyone here: it cannot be holding it from us
+                out[name] = kept
                 held_back.add(name)  # to be removed later: not in sync yet
         elif type_url == ROUTE:
             ready = self._ready_clusters()

@@ -95,6 +95,7 @@ class Reconciler:
             previous,
             lingering_seed=self.lingering_seed if previous is None else None,
         )
+        self.lingering_seed = {}  # only the first snapshot starts from it
         if previous is not None and not any(snap.changes.values()) and snap.wildcard == previous.wildcard:
             return previous
         self._generation += 1
