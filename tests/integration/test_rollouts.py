@@ -247,16 +247,20 @@ def test_kill_9_mid_rollout_drops_nothing_and_resumes_at_the_same_step(rig: Rig)
     assert 0.12 < canary_share(outage) < 0.4
 
 
+# One model, two versions, no signals: what the API and the proxies' ACKs do, nothing else.
+TWO_VERSIONS_NO_SERVERS = (
+    "listener: {port: 10000}\ntiers: {small: {}}\nsignals: {enabled: false}\n"
+    "models: {m: {params_b: 8, stable: v1, versions: {v1: {endpoints: [{address: '127.0.0.1:9'}]},"
+    " v2: {endpoints: [{address: '127.0.0.1:10'}]}}}}\n"
+)
+
+
 def test_grpcurl_lists_the_services_and_auth_is_enforced(tmp_path: Path) -> None:
     import shutil
     import sys
 
     config = tmp_path / "fleet.yaml"
-    config.write_text(
-        "listener: {port: 10000}\ntiers: {small: {}}\nsignals: {enabled: false}\n"
-        "models: {m: {params_b: 8, stable: v1, versions: {v1: {endpoints: [{address: '127.0.0.1:9'}]},"
-        " v2: {endpoints: [{address: '127.0.0.1:10'}]}}}}\n"
-    )
+    config.write_text(TWO_VERSIONS_NO_SERVERS)
     ro = tmp_path / "ro-token"
     ro.write_text("read-only-secret\n")
     cp = ControlPlane(config, tmp_path, extra_args=["--admin-readonly-token-file", str(ro)]).start()
@@ -338,11 +342,7 @@ def test_a_proxy_that_never_acks_the_canary_pauses_the_rollout_naming_it(tmp_pat
     from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
     config = tmp_path / "fleet.yaml"
-    config.write_text(
-        "listener: {port: 10000}\ntiers: {small: {}}\nsignals: {enabled: false}\n"
-        "models: {m: {params_b: 8, stable: v1, versions: {v1: {endpoints: [{address: '127.0.0.1:9'}]},"
-        " v2: {endpoints: [{address: '127.0.0.1:10'}]}}}}\n"
-    )
+    config.write_text(TWO_VERSIONS_NO_SERVERS)
     cp = ControlPlane(config, tmp_path).start()
     op = Operator(cp)
     release = threading.Event()
@@ -489,11 +489,7 @@ def test_a_proxy_still_routing_to_the_old_stable_pauses_the_rollout_naming_it(tm
     ACKing routes) keeps it from draining, and after the deadline the rollout pauses naming
     it. Once it is gone, resume completes the rollout and the old version drains."""
     config = tmp_path / "fleet.yaml"
-    config.write_text(
-        "listener: {port: 10000}\ntiers: {small: {}}\nsignals: {enabled: false}\n"
-        "models: {m: {params_b: 8, stable: v1, versions: {v1: {endpoints: [{address: '127.0.0.1:9'}]},"
-        " v2: {endpoints: [{address: '127.0.0.1:10'}]}}}}\n"
-    )
+    config.write_text(TWO_VERSIONS_NO_SERVERS)
     cp = ControlPlane(config, tmp_path).start()
     op = Operator(cp)
     proxy = ScriptedAds(cp.xds, "stuck-proxy")

@@ -31,13 +31,17 @@ pytestmark = pytest.mark.envoy
 NACK_MESSAGE = "Expected positive duration"
 
 
-@pytest.fixture(params=["sotw", "delta"])
-def rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ChurnRig]:
-    r = ChurnRig(tmp_path, delta=request.param == "delta", relay=False)
+def _rig(request: pytest.FixtureRequest, tmp_path: Path, relay: bool) -> Iterator[ChurnRig]:
+    r = ChurnRig(tmp_path, delta=request.param == "delta", relay=relay)
     try:
         yield r
     finally:
         r.close()
+
+
+@pytest.fixture(params=["sotw", "delta"])
+def rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ChurnRig]:
+    yield from _rig(request, tmp_path, relay=False)
 
 
 def on_backends(rig: ChurnRig, model: str, backends: set[str], n: int = 10) -> bool:
@@ -265,11 +269,7 @@ BURST = 2000.0
 
 @pytest.fixture(params=["sotw", "delta"])
 def relayed_rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ChurnRig]:
-    r = ChurnRig(tmp_path, delta=request.param == "delta", relay=True)
-    try:
-        yield r
-    finally:
-        r.close()
+    yield from _rig(request, tmp_path, relay=True)
 
 
 def test_restart_with_the_version_replaced_while_the_control_plane_was_down(rig: ChurnRig) -> None:
