@@ -8,28 +8,10 @@ weights are never all zero. Smoothing across updates is a separate step (`smooth
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class EndpointLoad:
-    """What the signals know about one endpoint right now."""
-
-    address: str
-    ready: bool = True
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_use: float = 0.0  # 0-1
-    latency_s: float | None = None  # smoothed mean latency
-    error_rate: float = 0.0  # 0-1
-    age_s: float = 0.0  # age of the newest signal
-    capacity: float = 1.0  # relative throughput (GPU class or learnt)
-    ready_for_s: float = math.inf  # seconds since it became ready (slow start)
-    token_latency_s: float | None = None  # smoothed time per output token: how fast a request runs here
-    fits: bool = True  # the model fits this endpoint's GPU memory (model_aware)
-    preferred: bool = False  # the endpoint's GPU class is one the model prefers (model_aware)
+from controlplane.signals.load import EndpointLoad
 
 
 @dataclass(frozen=True)
@@ -194,7 +176,7 @@ def model_aware(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, i
     return _scale(raw, cfg)
 
 
-POLICIES: dict[str, Policy] = {
+POLICIES: dict[str, Policy] = {  # the names are fleet.model.POLICY_NAMES (a test checks)
     "adaptive": adaptive,
     "round_robin": round_robin,
     "least_request": least_request,

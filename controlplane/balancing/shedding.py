@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from controlplane.balancing.policies import EndpointLoad
 from controlplane.fleet.model import PriorityClass
+from controlplane.signals.load import EndpointLoad
 
 READMIT_BELOW = 0.5  # a shed class is admitted again below this share of its shed_at
 

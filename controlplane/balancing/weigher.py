@@ -15,13 +15,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 from controlplane.balancing.policies import (
     POLICIES,
-    EndpointLoad,
     PolicyConfig,
     SmoothingConfig,
     smooth,
 )
 from controlplane.fleet.model import Endpoint, Fleet, Model
 from controlplane.routing.names import cluster_name
+from controlplane.signals.load import EndpointLoad
 
 LoadOf = Callable[[Model, Endpoint], EndpointLoad]
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import yaml
 
-from controlplane.balancing.policies import POLICIES
 from controlplane.fleet.model import (
     DTYPE_BYTES,
     MEMORY_OVERHEAD,
+    POLICY_NAMES,
     Affinity,
     CircuitBreaker,
     Endpoint,
@@ -335,8 +335,8 @@ def _check_memory_fit(fleet: Fleet, errs: _Errors) -> None:
 
 
 def _policy(value: Any, path: str, errs: _Errors) -> str | None:
-    if value not in POLICIES:
-        errs.add(path, f"unknown balancing policy {value!r} (policies: {', '.join(POLICIES)})")
+    if value not in POLICY_NAMES:
+        errs.add(path, f"unknown balancing policy {value!r} (policies: {', '.join(POLICY_NAMES)})")
         return None
     return str(value)
 

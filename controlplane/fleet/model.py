@@ -136,6 +136,16 @@ class GpuClass:
 
 
 # Bytes per parameter by weight precision; a model needs its weights plus MEMORY_OVERHEAD.
+# The balancing policies a fleet may name (balancing.policies.POLICIES implements each).
+POLICY_NAMES = (
+    "adaptive",
+    "round_robin",
+    "least_request",
+    "least_connections",
+    "weighted_response_time",
+    "model_aware",
+)
+
 DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 MEMORY_OVERHEAD = 1.2  # activations and a minimal KV cache on top of the weights
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from controlplane.balancing.policies import EndpointLoad
+from controlplane.signals.load import EndpointLoad
 from controlplane.signals.parse import MetricsPageInvalid, ServerSample, derive, parse_metrics
 
 UNREACHABLE_AFTER = 3  # scrapes in a row that fail to connect before an endpoint is held out

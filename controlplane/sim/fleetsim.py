@@ -31,7 +31,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from controlplane.balancing.policies import POLICIES, EndpointLoad, PolicyConfig, SmoothingConfig, smooth
+from controlplane.balancing.policies import POLICIES, PolicyConfig, SmoothingConfig, smooth
+from controlplane.signals.load import EndpointLoad
 from controlplane.sim.pickers import LeastRequest, RandomPick, RoundRobin, ServerView, full_scan_pick
 from controlplane.sim.service import BatchingServer, Completed, ServerSpec
 

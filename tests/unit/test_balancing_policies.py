@@ -6,12 +6,12 @@ from hypothesis import strategies as st
 
 from controlplane.balancing.policies import (
     POLICIES,
-    EndpointLoad,
     PolicyConfig,
     SmoothingConfig,
     adaptive,
     smooth,
 )
+from controlplane.signals.load import EndpointLoad
 
 CFG = PolicyConfig()
 
@@ -212,3 +212,9 @@ def test_model_aware_fades_stale_signals_to_capacity() -> None:
     cfg = PolicyConfig()
     stale = [EndpointLoad("a", waiting=20.0, running=1.0, age_s=1e9), EndpointLoad("b")]
     assert model_aware(stale, cfg) == {"a": 100, "b": 100}
+
+
+def test_every_policy_a_fleet_may_name_is_implemented() -> None:
+    from controlplane.fleet.model import POLICY_NAMES
+
+    assert tuple(POLICIES) == POLICY_NAMES

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.balancing.policies import EndpointLoad
 from controlplane.balancing.shedding import saturation, shed_classes
 from controlplane.fleet.model import PriorityClass
+from controlplane.signals.load import EndpointLoad
 
 CLASSES = (
     PriorityClass("premium", high=True),

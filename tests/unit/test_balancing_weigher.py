@@ -4,7 +4,6 @@ import math
 
 import pytest
 
-from controlplane.balancing.policies import EndpointLoad
 from controlplane.balancing.weigher import (
     LoadOf,
     Weigher,
@@ -14,6 +13,7 @@ from controlplane.balancing.weigher import (
 )
 from controlplane.fleet import parse_fleet
 from controlplane.fleet.model import Endpoint, Model
+from controlplane.signals.load import EndpointLoad
 from tests.fleets import fleet_yaml
 
 FLEET = parse_fleet(

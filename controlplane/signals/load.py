@@ -1,0 +1,30 @@
+"""The signals' output: what is known about one endpoint's load right now (pure data).
+
+The signal store produces it; the balancing policies, load shedding and the fleet
+simulator consume it. It lives here, below them, so imports flow one way:
+fleet <- signals <- balancing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EndpointLoad:
+    """What the signals know about one endpoint right now."""
+
+    address: str
+    ready: bool = True
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_use: float = 0.0  # 0-1
+    latency_s: float | None = None  # smoothed mean latency
+    error_rate: float = 0.0  # 0-1
+    age_s: float = 0.0  # age of the newest signal
+    capacity: float = 1.0  # relative throughput (GPU class or learnt)
+    ready_for_s: float = math.inf  # seconds since it became ready (slow start)
+    token_latency_s: float | None = None  # smoothed time per output token: how fast a request runs here
+    fits: bool = True  # the model fits this endpoint's GPU memory (model_aware)
+    preferred: bool = False  # the endpoint's GPU class is one the model prefers (model_aware)
