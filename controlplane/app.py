@@ -70,6 +70,8 @@ class ControlPlane:
         self.cache = SnapshotCache()
         self.xds = XdsServer(self.cache, self.metrics)
         self.reconciler = Reconciler(self.cache, self.metrics, options.debounce_s, options.max_delay_s)
+        # The memory file names a snapshot's clusters before any proxy can have them.
+        self.reconciler.before_publish.append(lambda snap: self.xds.write_ahead(snap, self.memory_path))
         # The first snapshot turns health to SERVING (until then streams get UNAVAILABLE).
         self.reconciler.on_publish.append(self._on_publish)
         self.weights = WeightController(self.reconciler, self.metrics)

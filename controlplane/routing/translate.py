@@ -810,3 +810,21 @@ def cluster_refs(msg: Message) -> frozenset[str]:
                     for wc in r.route.weighted_clusters.clusters:
                         out.add(wc.name)
     return frozenset(out)
+
+
+def rds_names(msg: Message) -> frozenset[str]:
+    """The route configurations a Listener asks for over RDS (its HTTP connection managers,
+    in filter chains or as an API listener). Empty: its routes, if any, are inline."""
+    if not isinstance(msg, listener_pb2.Listener):
+        return frozenset()
+    configs = [f.typed_config for chain in msg.filter_chains for f in chain.filters]
+    if msg.HasField("api_listener"):
+        configs.append(msg.api_listener.api_listener)
+    out: set[str] = set()
+    for cfg in configs:
+        if cfg.Is(hcm_pb2.HttpConnectionManager.DESCRIPTOR):
+            hcm = hcm_pb2.HttpConnectionManager()
+            cfg.Unpack(hcm)
+            if hcm.HasField("rds"):
+                out.add(hcm.rds.route_config_name)
+    return frozenset(out)

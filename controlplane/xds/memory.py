@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 
 from envoy.config.cluster.v3 import cluster_pb2
@@ -30,7 +30,8 @@ from controlplane.routing.translate import CLUSTER, ENDPOINT, ROUTE
 from controlplane.xds import wire
 from controlplane.xds.snapshot import Placeholder, Snapshot, SnapshotResource, encode_resource, pair_hash
 
-MAGIC = b"controlplane-xds-memory 1\n"
+MAGIC = b"controlplane-xds-memory 2\n"
+MAGIC_V1 = b"controlplane-xds-memory 1\n"  # without the section of clusters not known ACKed
 
 
 class ClusterMemory:
@@ -42,6 +43,10 @@ class ClusterMemory:
         self.route_limit = routes
         self.changes = 0
         self._good: OrderedDict[str, SnapshotResource] = OrderedDict()
+        # Restored from the file: clusters sent (or about to be) that no proxy was known to
+        # have ACKed when it was written. Content for a cluster a proxy may hold, never proof
+        # that a proxy took it (NACK attribution reads only `get`).
+        self._sent: dict[str, SnapshotResource] = {}
         self._routes: OrderedDict[str, SnapshotResource] = OrderedDict()
         self._last: object = None
 
@@ -74,7 +79,24 @@ class ClusterMemory:
             self._routes.popitem(last=False)
 
     def get(self, name: str) -> SnapshotResource | None:
+        """The last definition of `name` a proxy ACKed."""
         return self._good.get(name)
+
+    def content(self, name: str) -> SnapshotResource | None:
+        """The last definition a proxy may hold: ACKed, else one sent before a restart."""
+        return self._good.get(name) or self._sent.get(name)
+
+    def restore_sent(self, resources: Iterable[SnapshotResource]) -> None:
+        for res in resources:
+            self._sent[res.name] = res
+        while len(self._sent) > self.limit:
+            self._sent.pop(next(iter(self._sent)))
+
+    def sent(self) -> list[SnapshotResource]:
+        return [r for n, r in self._sent.items() if n not in self._good]
+
+    def names(self) -> Set[str]:
+        return self._good.keys()
 
     def clusters(self) -> list[SnapshotResource]:
         return list(self._good.values())
@@ -105,21 +127,49 @@ class Remembered:
     assignments: dict[str, SnapshotResource]
 
 
+def remembered_names(memory: ClusterMemory, snapshot: Snapshot | None) -> set[str]:
+    """The cluster names `dump(memory, snapshot)` writes."""
+    return set(memory.names()) | {c.name for c in _unacked(memory, snapshot)}
+
+
+def _unacked(memory: ClusterMemory, snapshot: Snapshot | None) -> list[SnapshotResource]:
+    """Clusters of the snapshot, lingering after it, or sent before a restart, that no
+    proxy is known to have ACKed."""
+    acked = memory.names()
+    out: dict[str, SnapshotResource] = {r.name: r for r in memory.sent()}
+    if snapshot is not None:
+        for g in snapshot.lingering.values():
+            if g.cluster is not None and g.cluster.name not in acked:
+                out[g.cluster.name] = g.cluster
+        for n, r in snapshot.resources.get(CLUSTER, {}).items():
+            if n not in acked and not isinstance(r, Placeholder):
+                out[n] = r
+    return list(out.values())
+
+
 def dump(memory: ClusterMemory, snapshot: Snapshot | None) -> bytes:
     """The memory, with each remembered cluster's current (or last) non-empty assignment, as
-    bytes: three DiscoveryResponses (clusters, assignments, routes), each length-prefixed.
-    Cheap: resources are already serialised; this only joins them."""
-    clusters = memory.clusters()
+    bytes: four DiscoveryResponses (ACKed clusters, assignments, routes, clusters not known
+    ACKed), each length-prefixed.
+
+    The snapshot's clusters (and lingering ones) that no proxy has ACKed yet are written in
+    their own section: a proxy may ACK one a moment before a kill -9, before the next write,
+    and route to it. Written ahead of the snapshot's publication (XdsServer.write_ahead), the
+    file names every cluster a proxy can hold. Cheap: resources are already serialised; this
+    only joins them."""
+    acked = memory.clusters()
+    unacked = _unacked(memory, snapshot)
     assignments = []
     if snapshot is not None:
-        for c in clusters:
+        for c in (*acked, *unacked):
             a = snapshot.get(ENDPOINT, c.name)
             if a is not None and a.message is not None and _has_endpoints(a.message):
                 assignments.append(a)
     parts = [
-        wire.sotw_response("", CLUSTER, "", (r.sotw_field for r in clusters)),
+        wire.sotw_response("", CLUSTER, "", (r.sotw_field for r in acked)),
         wire.sotw_response("", ENDPOINT, "", (r.sotw_field for r in assignments)),
         wire.sotw_response("", ROUTE, "", (r.sotw_field for r in memory.routes())),
+        wire.sotw_response("", CLUSTER, "", (r.sotw_field for r in unacked)),
     ]
     return MAGIC + b"".join(struct.pack(">I", len(p)) + p for p in parts)
 
@@ -133,11 +183,16 @@ _TYPES: dict[str, type[Message]] = {
 
 def load(memory: ClusterMemory, data: bytes) -> Remembered:
     """Fill `memory` from `dump`'s bytes; raise ValueError saying what is wrong with them."""
-    if not data.startswith(MAGIC):
+    if data.startswith(MAGIC):
+        sections = 4
+    elif data.startswith(MAGIC_V1):
+        sections = 3
+    else:
         raise ValueError("not an xDS memory file (unknown header)")
     rest = data[len(MAGIC) :]
     by_type: dict[str, list[SnapshotResource]] = {}
-    for _ in range(3):
+    unacked: list[SnapshotResource] = []
+    for i in range(sections):
         if len(rest) < 4:
             raise ValueError("truncated")
         (n,) = struct.unpack(">I", rest[:4])
@@ -150,12 +205,19 @@ def load(memory: ClusterMemory, data: bytes) -> Remembered:
             msgs = [kind.FromString(a.value) for a in resp.resources]
         except (DecodeError, KeyError) as e:
             raise ValueError(f"an unreadable section: {e!r}") from e
-        by_type[resp.type_url] = [encode_resource(resp.type_url, _name(m), m) for m in msgs]
+        found = [encode_resource(resp.type_url, _name(m), m) for m in msgs]
+        if i == 3:
+            unacked = found
+        else:
+            by_type[resp.type_url] = found
     clusters = by_type.get(CLUSTER, [])
     memory.record({c.name: c for c in clusters})
+    memory.restore_sent(unacked)
     routes = by_type.get(ROUTE, [])
     memory.record_routes(routes)
-    return Remembered(len(clusters), len(routes), {a.name: a for a in by_type.get(ENDPOINT, [])})
+    return Remembered(
+        len(clusters) + len(unacked), len(routes), {a.name: a for a in by_type.get(ENDPOINT, [])}
+    )
 
 
 def _name(msg: Message) -> str:

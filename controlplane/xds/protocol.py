@@ -665,8 +665,13 @@ class XdsStream:
         rds = self.types.get(ROUTE)
         if rds is not None and rds.requested:
             return not rds.unconfirmed
+        # No RDS request yet: known only once its listeners, ACKed here, are seen to use no
+        # RDS. A listener that does is followed by a request for its routes, which may come
+        # after the listener's ACK; until then the routes the proxy holds are unknown.
         lds = self.types.get(LISTENER)
-        return lds is not None and lds.acked_here  # its listeners, ACKed here, use no RDS
+        if lds is None or not lds.acked_here:
+            return False
+        return not any(res.routes or isinstance(res, Placeholder) for res in lds.acked_res.values())
 
     def _referenced_clusters(self) -> set[str]:
         """Clusters named by routes the proxy has or is being sent (or may have, from before)."""
@@ -788,10 +793,11 @@ class XdsStream:
 
     def _last_good(self, type_url: str, name: str, refused: str) -> SnapshotResource | None:
         """For a cluster this proxy may hold but we cannot name the content of: the last
-        definition a proxy ACKed, unless that is the refused one."""
+        definition a proxy ACKed (or, after a restart, one sent before it), unless that is
+        the refused one."""
         if type_url != CLUSTER:
             return None
-        good = self.memory.get(name)
+        good = self.memory.content(name)
         ts = self.types.get(CLUSTER)
         if good is None or good.version == refused or (ts is not None and ts.withholds(name, good.version)):
             return None

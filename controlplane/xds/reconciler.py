@@ -45,6 +45,8 @@ class Reconciler:
         self.translator = IncrementalTranslator()
         # Clusters a restarted server remembers (xds/memory.py): the first snapshot lingers them.
         self.lingering_seed: Mapping[str, Lingering] = {}
+        # Called with a new snapshot before any stream sees it, then after.
+        self.before_publish: list[Callable[[Snapshot], None]] = []
         self.on_publish: list[Callable[[Snapshot], None]] = []
         self._dirty = asyncio.Event()
         self._last_change = 0.0
@@ -99,6 +101,8 @@ class Reconciler:
         if previous is not None and not any(snap.changes.values()) and snap.wildcard == previous.wildcard:
             return previous
         self._generation += 1
+        for hook in self.before_publish:
+            hook(snap)
         self.cache.publish(snap)
         self.metrics.serialisations.inc(SERIALISED.value - serialised)
         self.metrics.snapshot_build.observe(time.perf_counter() - started)

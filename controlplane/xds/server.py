@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,6 +41,7 @@ from controlplane.xds.protocol import (
     UnknownType,
     XdsStream,
 )
+from controlplane.xds.snapshot import Snapshot
 
 log = structlog.get_logger("controlplane.xds")
 
@@ -219,8 +220,30 @@ class XdsServer:
         self.clock = clock
         # What proxies of this process ACKed: reconnecting proxies are resolved against it.
         self.memory = ClusterMemory()
+        self._write_lock = threading.Lock()  # the periodic write (a thread) and write_ahead
+        self._written_names: Set[str] = frozenset()  # clusters the memory file names
         self._ids = itertools.count(1)
         self._metric_children: dict[tuple[str, str], _TypeMetrics] = {}
+
+    def write_ahead(self, snapshot: Snapshot, path: Path) -> None:
+        """Before `snapshot` is published: if it has clusters the memory file does not name,
+        write the file now (a few ms, only when cluster names appear). A proxy may ACK a new
+        cluster and route to it before the periodic write; after a kill -9 the restarted
+        server must still know the cluster, or it would drop it from under the routes."""
+        names = snapshot.resources.get(CLUSTER, {}).keys()
+        if names <= self._written_names:
+            return
+        try:
+            self._write(path, snapshot)
+        except OSError as e:
+            log.warning("xds memory not written ahead of a snapshot", path=str(path), error=str(e))
+
+    def _write(self, path: Path, snapshot: Snapshot | None) -> None:
+        names = xds_memory.remembered_names(self.memory, snapshot)
+        data = xds_memory.dump(self.memory, snapshot)
+        with self._write_lock:
+            _write_atomic(path, data)
+        self._written_names = names
 
     async def keep_memory(self, path: Path, interval_s: float = 0.1, refresh_s: float = 10.0) -> None:
         """Write the memory (what proxies ACKed, with each cluster's last assignment) to
@@ -236,11 +259,11 @@ class XdsServer:
                 now = time.monotonic()
                 if state == written or (state[0] == written[0] and now - last < refresh_s):
                     continue
-                await asyncio.to_thread(_write_atomic, path, xds_memory.dump(self.memory, snap))
+                await asyncio.to_thread(self._write, path, snap)
                 written, last = state, now
         finally:
             with contextlib.suppress(OSError):
-                _write_atomic(path, xds_memory.dump(self.memory, self.cache.current))
+                self._write(path, self.cache.current)
 
     def handlers(self) -> Sequence[grpc.GenericRpcHandler]:
         """Generic handlers: requests are parsed, responses are already bytes."""

@@ -18,6 +18,7 @@ from controlplane.routing.translate import (
     DesiredResources,
     cluster_refs,
     empty_assignment,
+    rds_names,
 )
 from controlplane.xds import capabilities, wire
 
@@ -33,6 +34,8 @@ class SnapshotResource:
     delta_field: bytes
     # Clusters this resource sends traffic to (routes); make-before-break waits on them.
     refs: frozenset[str] = frozenset()
+    # Route configurations this resource asks for over RDS (listeners).
+    routes: frozenset[str] = frozenset()
     # Features some Envoy versions lack (capabilities.Feature.key): adapted for those proxies.
     needs: frozenset[str] = frozenset()
     # The message it was built from: the same object next time means the same bytes.
@@ -83,6 +86,7 @@ def encode_resource(type_url: str, name: str, msg: Message) -> SnapshotResource:
         sotw_field=wire.sotw_resource_field(payload),
         delta_field=wire.delta_resource_field(name, version, payload),
         refs=cluster_refs(msg) if type_url == ROUTE else frozenset(),
+        routes=rds_names(msg) if type_url == LISTENER else frozenset(),
         needs=capabilities.needs(type_url, msg) if type_url in (CLUSTER, LISTENER) else frozenset(),
         message=msg,
     )
@@ -101,6 +105,8 @@ class Lingering:
 
     assignment: SnapshotResource
     since: float
+    # Its last definition (None when restored from the memory file, which holds that).
+    cluster: SnapshotResource | None = None
 
 
 DEFAULT_LINGER_S = 600.0
@@ -219,5 +225,5 @@ def _lingering(
     for name in gone:
         assignment = assignments.get(name)
         if assignment is not None:
-            out[name] = Lingering(assignment, now)
+            out[name] = Lingering(assignment, now, before[name])
     return out

@@ -26,10 +26,20 @@ from typing import Any
 BIN = Path(sys.executable).parent
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on 127.0.0.1 now and never handed out before by this process: the kernel
+    may return a just-released port twice, and two processes of one rig told the same port
+    fail in ways that look like anything but a port clash (an Envoy whose admin cannot bind)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 def envoy_binary() -> str:
@@ -231,9 +241,13 @@ class Envoy:
         return self
 
     def _ready(self) -> bool:
+        """This Envoy (not another one sharing the listener port) has its listener active,
+        and the listener answers."""
         assert self.proc is not None
         if not self.proc.alive():
             raise AssertionError(f"envoy exited:\n{self.proc.log()[-3000:]}")
+        if self.stat("listener_manager.total_listeners_active") < 1:
+            return False
         status, _ = http_get(f"http://127.0.0.1:{self.listener_port}/v1/models")
         return status == 200
 

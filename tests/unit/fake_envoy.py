@@ -74,6 +74,7 @@ class FakeEnvoy:
     may_be_empty: set[str] = field(default_factory=set)
     outbox: deque[Request] = field(default_factory=deque)
     held_cds: deque[Request] = field(default_factory=deque)
+    routes_late: bool = False  # the route request waits for the first listener ACK
     initialized: bool = False
     responses: int = 0
     nacks: list[str] = field(default_factory=list)
@@ -83,13 +84,18 @@ class FakeEnvoy:
         self._request(CLUSTER, first=True)
         self._request(LISTENER, first=True)
 
-    def reconnect(self) -> None:
+    def reconnect(self, routes_late: bool = False) -> None:
         """The stream broke; Envoy keeps its config and opens a new one, asking again for every
-        type it subscribes to (in that order), with what it holds."""
+        type it subscribes to (in that order), with what it holds. With `routes_late`, the
+        route request comes only after the first listener response's ACK (an Envoy whose RDS
+        is paused while it applies listeners): until then the server cannot know the routes."""
         self.outbox.clear()
         self.held_cds.clear()
         self.nonces.clear()
+        self.routes_late = routes_late and ROUTE in self.subscriptions
         for type_url in (CLUSTER, ENDPOINT, LISTENER, ROUTE):
+            if type_url == ROUTE and self.routes_late:
+                continue
             if type_url in (CLUSTER, LISTENER) or type_url in self.subscriptions:
                 self._request(type_url, first=True, initial=True)
 
@@ -202,6 +208,9 @@ class FakeEnvoy:
         else:
             self.nacks.append(error)
         self._request(type_url, error=error)
+        if type_url == LISTENER and self.routes_late:
+            self.routes_late = False
+            self._request(ROUTE, first=True, initial=True)
         self._resubscribe()
         if not self.warming:
             if not self.initialized and self.clusters:

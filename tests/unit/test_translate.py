@@ -20,6 +20,7 @@ from controlplane.routing.translate import (
     LISTENER,
     ROUTE,
     cluster_refs,
+    rds_names,
     translate,
 )
 from controlplane.xds.snapshot import build_snapshot
@@ -101,6 +102,17 @@ def test_stable_selects_the_routed_cluster_and_tier_timeout() -> None:
     assert default.route.timeout.seconds == 180
     # Only the version header routes name the other version.
     assert cluster_refs(rc) == {"llama-3-8b@v1", "llama-3-8b@v2"}
+
+
+def test_rds_names_are_what_each_listener_asks_for_over_rds() -> None:
+    d = translate(parse_fleet(BASIC))
+    by_name = {n: rds_names(m) for n, m in d.by_type[LISTENER].items()}
+    assert by_name["inference"] == {"inference"}
+    api = {n: v for n, v in by_name.items() if n != "inference"}
+    assert api and all(len(v) == 1 for v in api.values())  # proxyless API listeners use RDS too
+    inline = listener_pb2.Listener(name="tcp")  # no HTTP connection manager: nothing
+    assert rds_names(inline) == frozenset()
+    assert rds_names(d.by_type[ROUTE]["inference"]) == frozenset()  # not a listener
 
 
 def test_gateway_listener_uses_rds_over_ads_and_body_routing_filter() -> None:

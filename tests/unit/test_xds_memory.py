@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from controlplane.fleet import parse_fleet
 from controlplane.routing.translate import CLUSTER, ENDPOINT, ROUTE, translate
-from controlplane.xds.memory import ClusterMemory, dump, load
+from controlplane.xds.memory import MAGIC, MAGIC_V1, ClusterMemory, dump, load
 from controlplane.xds.snapshot import Lingering, Placeholder, Snapshot, build_snapshot
 from tests.fleets import fleet_yaml
 
@@ -51,13 +53,63 @@ def test_dump_and_load_keep_clusters_routes_and_each_clusters_last_assignment() 
     data = dump(m, second)
     again = ClusterMemory()
     found = load(again, data)
-    assert (found.clusters, found.routes) == (2, 1)
+    assert (found.clusters, found.routes) == (3, 1)  # a@v2 too: in the snapshot, not yet ACKed
     assert again.get("a@v1") is not None
     assert again.get("a@v1").version == m.get("a@v1").version  # type: ignore[union-attr]
     assert found.assignments["a@v1"].version == first.resources[ENDPOINT]["a@v1"].version
     assert found.assignments["b@v1"].version == second.resources[ENDPOINT]["b@v1"].version
     route = first.resources[ROUTE]["inference"]
     assert again.route("inference", route.version) is not None
+
+
+def test_what_no_proxy_acked_yet_is_written_too_lingering_included() -> None:
+    """A proxy may ACK a cluster and be killed with us before the next write: the file names
+    every cluster of the snapshot, and those lingering after it, ACKed or not."""
+    first = snap(V1)
+    m = ClusterMemory()  # nothing ACKed
+    found = load(ClusterMemory(), dump(m, first))
+    assert found.clusters == 2 and set(found.assignments) == {"a@v1", "b@v1"}
+    second = snap(V2, 2, first)  # a@v1 leaves before any proxy ACKed it
+    again = ClusterMemory()
+    found = load(again, dump(m, second))
+    assert found.clusters == 3 and again.clusters() == []  # none is taken for one a proxy ACKed
+    assert {c.name for c in again.sent()} == {"a@v1", "a@v2", "b@v1"}
+    assert again.content("a@v1").version == first.resources[CLUSTER]["a@v1"].version  # type: ignore[union-attr]
+    assert found.assignments["a@v1"].version == first.resources[ENDPOINT]["a@v1"].version
+    # An ACKed definition wins over the snapshot's (which a proxy may have refused).
+    older = build_snapshot(
+        translate(
+            parse_fleet(fleet_yaml(V1, extra_model_keys={"b": "cluster_overrides: {connect_timeout: 2s}"}))
+        ),
+        1,
+        1.0,
+    ).resources[CLUSTER]["b@v1"]
+    assert older.version != second.resources[CLUSTER]["b@v1"].version
+    m.record({"b@v1": older})
+    kept = ClusterMemory()
+    load(kept, dump(m, second))
+    assert kept.get("b@v1").version == older.version  # type: ignore[union-attr]
+    assert kept.content("b@v1").version == older.version  # type: ignore[union-attr]
+    # What was restored unACKed is written again, until a proxy ACKs it.
+    again_twice = ClusterMemory()
+    load(again_twice, dump(again, None))
+    assert {c.name for c in again_twice.sent()} == {"a@v1", "a@v2", "b@v1"}
+
+
+def test_a_version_1_file_still_loads() -> None:
+    first = snap(V1)
+    m = ClusterMemory()
+    m.record(first.resources[CLUSTER])
+    data = dump(m, first)
+    # Version 1 had three sections: drop the fourth and take the old header.
+    body = data[len(MAGIC) :]
+    parts = []
+    for _ in range(3):
+        (n,) = struct.unpack(">I", body[:4])
+        parts.append(body[: 4 + n])
+        body = body[4 + n :]
+    found = load(ClusterMemory(), MAGIC_V1 + b"".join(parts))
+    assert found.clusters == 2 and set(found.assignments) == {"a@v1", "b@v1"}
 
 
 def test_a_restarted_servers_first_snapshot_lingers_what_it_remembers() -> None:
