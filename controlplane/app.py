@@ -173,7 +173,7 @@ class ControlPlane:
             # One bounded scrape round first, so the first snapshot already holds out
             # servers that say they are not ready.
             try:
-                await self.weights.tick()
+                await self.weights.tick(first=True)
             except Exception:
                 log.exception("first signal round failed; starting with capacity weights")
         self.reconciler.rebuild_now()

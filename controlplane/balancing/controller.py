@@ -18,7 +18,8 @@ from controlplane.balancing.weigher import Weigher, load_balance_degree, relativ
 from controlplane.fleet.model import Fleet
 from controlplane.obs.metrics import Metrics
 from controlplane.routing.names import cluster_name
-from controlplane.signals.scrape import Scraper, scrape_targets
+from controlplane.signals.scrape import scrape_targets
+from controlplane.signals.source import SignalSource, make_source
 from controlplane.signals.store import SignalStore
 from controlplane.xds.reconciler import Reconciler
 
@@ -33,33 +34,30 @@ class WeightController:
         self.metrics = metrics
         self.store = store or SignalStore()
         self.weigher = Weigher()
-        self._scraper: Scraper | None = None
+        self._source: SignalSource | None = None
         self._exported: set[tuple[str, str, str]] = set()
         self._errors_exported: dict[tuple[str, str, str], int] = {}
         self._ready: dict[tuple[str, str], bool] = {}
         self._models_exported: set[str] = set()
         self.rounds = 0
 
-    async def _scraper_for(self, fleet: Fleet) -> Scraper:
-        """The scraper for the fleet's signal settings; a new one (the old closed) when they change."""
-        s = fleet.signals
-        cur = self._scraper
-        if cur is None or (cur.timeout_s, cur.metrics_path, cur.health_path) != (
-            s.timeout_s,
-            s.metrics_path,
-            s.health_path,
-        ):
+    async def _source_for(self, fleet: Fleet) -> SignalSource:
+        """The signal source for the fleet's settings; a new one (the old closed) when they change."""
+        cur = self._source
+        if cur is None or not cur.matches(fleet):
             if cur is not None:
                 await cur.close()
-            cur = self._scraper = Scraper(s.timeout_s, s.metrics_path, s.health_path)
+            cur = self._source = make_source(fleet, self.metrics)
         return cur
 
     async def close(self) -> None:
-        if self._scraper is not None:
-            await self._scraper.close()
+        if self._source is not None:
+            await self._source.close()
+            self._source = None
 
-    async def tick(self) -> None:
-        """One round: scrape (if enabled), recompute weights, push changes, export metrics."""
+    async def tick(self, *, first: bool = False) -> None:
+        """One round: take what the source observed, recompute weights, push changes, export
+        metrics. `first`: at start, wait up to one collection timeout for first signals."""
         fleet = self.reconciler.fleet
         if fleet is None:
             return
@@ -67,12 +65,14 @@ class WeightController:
         self.store.retain(set(targets))
         if fleet.signals.enabled:
             started = time.perf_counter()
-            results = await (await self._scraper_for(fleet)).scrape_round(targets)
+            results = await (await self._source_for(fleet)).collect(fleet, targets, first=first)
             self.metrics.balancing.scrape_round.observe(time.perf_counter() - started)
             now = time.monotonic()
             for key, result in results.items():
                 self.store.record_scrape(key, result, now)
-        fleet = self.reconciler.fleet or fleet  # the file may have changed while we scraped
+        elif self._source is not None:
+            await self.close()
+        fleet = self.reconciler.fleet or fleet  # the file may have changed while we collected
         now = time.monotonic()
         capacity: dict[tuple[str, str], float] = {}
         for m in fleet.models:

@@ -8,7 +8,7 @@ round takes at most `timeout_s` (plus scheduling).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import aiohttp
 
@@ -92,3 +92,24 @@ class Scraper:
             return None, None, f"GET {path} failed: {e.__class__.__name__}: {e}"
         except OSError as e:
             return None, None, f"GET {path} failed: {e}"
+
+
+class InlineScrapeSource:
+    """The `scrape` source in this process: one concurrent round per call (tests, tools)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        s = fleet.signals
+        self._settings = (s.timeout_s, s.metrics_path, s.health_path)
+        self.scraper = Scraper(*self._settings)
+
+    def matches(self, fleet: Fleet) -> bool:
+        s = fleet.signals
+        return (s.timeout_s, s.metrics_path, s.health_path) == self._settings
+
+    async def collect(
+        self, fleet: Fleet, targets: Sequence[EndpointKey], *, first: bool = False
+    ) -> dict[EndpointKey, ScrapeResult]:
+        return await self.scraper.scrape_round(targets)
+
+    async def close(self) -> None:
+        await self.scraper.close()

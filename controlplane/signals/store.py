@@ -35,12 +35,17 @@ EndpointKey = tuple[str, str]  # (model, address)
 
 @dataclass(frozen=True)
 class ScrapeResult:
-    """One scrape of one endpoint: /health status (or why it failed) and the /metrics page."""
+    """One observation of one endpoint: /health status (or why it failed) and its load, as
+    a /metrics page to parse here or as a sample already parsed (by a collector process or
+    from Prometheus). No health status and no health error: health was not observed."""
 
     health_status: int | None = None
     health_error: str | None = None
     metrics_text: str | None = None
     metrics_error: str | None = None
+    sample: ServerSample | None = None
+    # How old the observation already is when it arrives (Prometheus: now - sample time).
+    age_s: float = 0.0
 
 
 @dataclass
@@ -111,14 +116,19 @@ class SignalStore:
             sig.scrape_errors += 1
             sig.last_error = result.metrics_error
             return
-        if result.metrics_text is None:
-            return
-        try:
-            sample = parse_metrics(result.metrics_text, key[0])
-        except MetricsPageInvalid as e:
-            sig.scrape_errors += 1
-            sig.last_error = f"unreadable metrics page: {e}"
-            return
+        sample = result.sample
+        if sample is None:
+            if result.metrics_text is None:
+                return
+            try:
+                sample = parse_metrics(result.metrics_text, key[0])
+            except MetricsPageInvalid as e:
+                sig.scrape_errors += 1
+                sig.last_error = f"unreadable metrics page: {e}"
+                return
+        now -= max(0.0, result.age_s)
+        if sig.sample_at is not None and now <= sig.sample_at:
+            return  # not newer than what is held (a source that answers with the same sample)
         delta = derive(sig.sample, sample)
         self._learn_throughput(sig, sample, delta.completed, now)
         if delta.mean_latency_s is not None:
