@@ -59,6 +59,7 @@ class ServeOptions:
     store: str | None = None  # etcd://HOST:PORT[,...][/PREFIX]: several replicas share state
     replica_id: str = ""
     leader_ttl_s: int = 5
+    signal_collectors: int | None = None  # collector processes; None: sized to the cores
 
 
 class ControlPlane:
@@ -74,7 +75,7 @@ class ControlPlane:
         self.reconciler.before_publish.append(lambda snap: self.xds.write_ahead(snap, self.memory_path))
         # The first snapshot turns health to SERVING (until then streams get UNAVAILABLE).
         self.reconciler.on_publish.append(self._on_publish)
-        self.weights = WeightController(self.reconciler, self.metrics)
+        self.weights = WeightController(self.reconciler, self.metrics, collectors=options.signal_collectors)
         self.lrs = lrs.LoadReportingServer(
             self.weights.store, streams_gauge=self.metrics.balancing.lrs_streams
         )

@@ -1,9 +1,11 @@
-"""The weight loop (thin I/O shell): scrape, fold into the store, weigh, hand to the reconciler.
+"""The weight loop (thin I/O shell): take signals, fold into the store, weigh, hand on.
 
-Every `signals.interval` of the fleet file: one concurrent scrape round (bounded by
-`signals.timeout`), then every cluster's weights are recomputed from the store (scrapes
-plus Envoy load reports) and only changed clusters go to the reconciler, which debounces
-them into a snapshot. Per-endpoint gauges are refreshed each round.
+Every `signals.interval` of the fleet file: what the signal source observed since the
+last round (`signals/source.py`: collector processes scraping the servers, or
+Prometheus; never a scrape in this process), then every cluster's weights are recomputed
+from the store (signals plus Envoy load reports) and only changed clusters go to the
+reconciler, which debounces them into a snapshot. Per-endpoint gauges are refreshed each
+round.
 """
 
 from __future__ import annotations
@@ -29,8 +31,15 @@ log = structlog.get_logger("controlplane.balancing")
 class WeightController:
     """Owns the signal store, the scraper and the weigher; drives them once per interval."""
 
-    def __init__(self, reconciler: Reconciler, metrics: Metrics, store: SignalStore | None = None) -> None:
+    def __init__(
+        self,
+        reconciler: Reconciler,
+        metrics: Metrics,
+        store: SignalStore | None = None,
+        collectors: int | None = None,
+    ) -> None:
         self.reconciler = reconciler
+        self.collectors = collectors  # collector processes (None: sized to the cores; 0: inline)
         self.metrics = metrics
         self.store = store or SignalStore()
         self.weigher = Weigher()
@@ -47,7 +56,7 @@ class WeightController:
         if cur is None or not cur.matches(fleet):
             if cur is not None:
                 await cur.close()
-            cur = self._source = make_source(fleet, self.metrics)
+            cur = self._source = make_source(fleet, self.metrics, self.collectors)
         return cur
 
     async def close(self) -> None:

@@ -57,6 +57,15 @@ def _parser() -> argparse.ArgumentParser:
         "leader dies (default: %(default)s)",
     )
     s.add_argument(
+        "--signal-collectors",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes that scrape and parse the servers' metrics, outside the xDS process "
+        "(default: one per CPU core but one, at least 1, at most 8; 0 scrapes in the xDS "
+        "process itself, for debugging only)",
+    )
+    s.add_argument(
         "--xds-listen",
         default="127.0.0.1:18000",
         metavar="HOST:PORT",
@@ -320,6 +329,14 @@ def _add_emulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     e.add_argument(
         "--seed", type=int, metavar="INT", help="seed for the error and OOM draws (default: random)"
     )
+    e.add_argument(
+        "--metrics-page",
+        choices=["full", "compact"],
+        default="full",
+        help="the /metrics page: full has the families of a vLLM v1 server (13 histograms, about "
+        "35 KB, as a real page's); compact the emulator's original 11 (4 histograms, about 10 KB). "
+        "The families the control plane reads are the same in both (default: %(default)s)",
+    )
     e.add_argument("--log-format", choices=["console", "json"], default="console", help="log output format")
     e.add_argument("--log-level", default="info", help="debug, info, warning, error (default: info)")
 
@@ -467,6 +484,9 @@ def _serve(args: argparse.Namespace) -> int:
         except StoreUrlInvalid as e:
             print(f"controlplane serve: --store: {e}", file=sys.stderr)
             return 2
+        if args.signal_collectors is not None and not 0 <= args.signal_collectors <= 64:
+            print("controlplane serve: --signal-collectors: 0 to 64", file=sys.stderr)
+            return 2
         if args.leader_ttl < 2:
             print("controlplane serve: --leader-ttl: at least 2 seconds", file=sys.stderr)
             return 2
@@ -486,6 +506,7 @@ def _serve(args: argparse.Namespace) -> int:
         store=args.store,
         replica_id=args.replica_id,
         leader_ttl_s=args.leader_ttl,
+        signal_collectors=args.signal_collectors,
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_run_until_signal(options))
@@ -549,6 +570,7 @@ def _emulate(args: argparse.Namespace) -> int:
         phantom_output_tokens=args.phantom_output_tokens,
         faults=faults,
         seed=args.seed,
+        metrics_page=args.metrics_page,
     )
     ports = [port + i if port else 0 for i in range(args.count)]
     with contextlib.suppress(KeyboardInterrupt):

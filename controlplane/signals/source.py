@@ -34,8 +34,14 @@ class SignalSource(Protocol):
     async def close(self) -> None: ...
 
 
-def make_source(fleet: Fleet, metrics: Metrics) -> SignalSource:
-    """The source the fleet's `signals` section asks for."""
-    from controlplane.signals.scrape import InlineScrapeSource
+def make_source(fleet: Fleet, metrics: Metrics, collectors: int | None = None) -> SignalSource:
+    """The source the fleet's `signals` section asks for. `collectors`: scrape with that
+    many collector processes (None: sized to the cores; 0: in this process, for debugging
+    and tools only, as it competes with xDS for this process's CPU)."""
+    if collectors == 0:
+        from controlplane.signals.scrape import InlineScrapeSource
 
-    return InlineScrapeSource(fleet)
+        return InlineScrapeSource(fleet)
+    from controlplane.signals.collector import CollectorPool
+
+    return CollectorPool(fleet, metrics, collectors)

@@ -1,0 +1,303 @@
+"""The `scrape` signal source: collector processes scrape and parse; this process merges.
+
+The process that serves xDS never scrapes or parses. `CollectorPool` starts collector
+processes (`collector_worker.py`, sized to the cores: one per core but one, at least one,
+at most `MAX_WORKERS`) and gives each a share of the endpoints (by a hash of the address,
+stable as the fleet changes). Each scrapes its share on its own schedule and sends back
+compact records (a parsed `ServerSample` per endpoint); a reader thread per process puts
+them in an inbox, and each weight round takes what arrived (`collect`), at once.
+
+A collector that dies is started again (its endpoints' signals age meanwhile and fade to
+capacity, as for an unreadable page); one that stops reporting for `STUCK_AFTER_S` (or
+five intervals, whichever is longer) is killed and started again. Nothing here waits on a
+collector, except the very first round, which waits for the collectors to start and then
+at most one scrape timeout for first signals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import multiprocessing
+import os
+import threading
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import ClassVar
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from controlplane.fleet.model import Fleet
+from controlplane.obs.metrics import Metrics
+from controlplane.signals.collector_worker import Settings, Stats
+from controlplane.signals.collector_worker import main as worker_main
+from controlplane.signals.store import EndpointKey, ScrapeResult
+
+log = structlog.get_logger("controlplane.signals")
+
+MAX_WORKERS = 8
+STUCK_AFTER_S = 10.0
+START_TIMEOUT_S = 15.0  # a collector that has not reported by then is started again
+CONCURRENCY = 128  # scrapes in flight per collector
+
+
+def default_workers() -> int:
+    """One collector per core but one (the xDS process keeps a core), at least one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, min(MAX_WORKERS, cores - 1))
+
+
+def settings_of(fleet: Fleet) -> Settings:
+    s = fleet.signals
+    return Settings(s.interval_s, s.timeout_s, s.metrics_path, s.health_path, CONCURRENCY)
+
+
+class CollectorMetrics:
+    """The observer observed: registered once per Metrics registry."""
+
+    _by_registry: ClassVar[dict[int, CollectorMetrics]] = {}
+
+    @classmethod
+    def of(cls, metrics: Metrics) -> CollectorMetrics:
+        found = cls._by_registry.get(id(metrics.registry))
+        if found is None:
+            found = cls._by_registry[id(metrics.registry)] = cls(metrics.registry)
+        return found
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.cpu = Counter(
+            "controlplane_signals_collector_cpu_seconds",
+            "CPU seconds used by the collector processes (scraping and parsing, outside xDS).",
+            registry=r,
+        )
+        self.scrapes = Counter(
+            "controlplane_signals_scrapes",
+            "Endpoint scrapes by outcome: ok, unreachable (no HTTP answer), http_error "
+            "(/metrics answered non-200), unreadable (a page that does not parse).",
+            ["outcome"],
+            registry=r,
+        )
+        self.pages = Counter("controlplane_signals_pages", "Metrics pages read.", registry=r)
+        self.page_bytes = Counter(
+            "controlplane_signals_page_bytes", "Bytes of metrics pages read.", registry=r
+        )
+        self.parse = Counter(
+            "controlplane_signals_parse_seconds",
+            "Seconds spent parsing metrics pages (the families read only) in the collectors.",
+            registry=r,
+        )
+        self.lag = Gauge(
+            "controlplane_signals_scrape_lag_seconds",
+            "The latest a scrape started after its due time since the last round (0: on time; "
+            "grows when collectors are short of CPU or of concurrency).",
+            registry=r,
+        )
+        self.backing_off = Gauge(
+            "controlplane_signals_endpoints_backing_off",
+            "Endpoints unreachable for longer than the hold-out threshold, probed less often "
+            "(up to every 30 s, jittered) until they answer.",
+            registry=r,
+        )
+        self.collectors = Gauge(
+            "controlplane_signals_collectors", "Collector processes running and reporting.", registry=r
+        )
+        self.restarts = Counter(
+            "controlplane_signals_collector_restarts",
+            "Collector processes started again after dying or going silent.",
+            ["reason"],
+            registry=r,
+        )
+        self.records = Counter(
+            "controlplane_signals_records", "Load records received from the collectors.", registry=r
+        )
+
+
+class _Worker:
+    """One collector process and the thread that reads its records."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.proc: BaseProcess | None = None
+        self.conn: Connection | None = None
+        self.started_at = 0.0
+        self.heard_at: float | None = None
+        self.sent: tuple[Settings, tuple[EndpointKey, ...]] | None = None
+        self.stats = Stats()
+        self.counted = Stats()  # what was already added to the counters
+
+
+class CollectorPool:
+    """SignalSource `scrape`: collector processes, merged here."""
+
+    def __init__(self, fleet: Fleet, metrics: Metrics, workers: int | None = None) -> None:
+        self.metrics = CollectorMetrics.of(metrics)
+        self.n = workers or default_workers()
+        self._ctx = multiprocessing.get_context("spawn")
+        self._inbox: collections.deque[tuple[EndpointKey, ScrapeResult]] = collections.deque()
+        self._lock = threading.Lock()
+        self._workers = [_Worker(i) for i in range(self.n)]
+        self._closed = False
+        self._first_done = False
+        for w in self._workers:
+            self._start(w)
+
+    # -- processes
+
+    def _start(self, w: _Worker) -> None:
+        parent, child = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=worker_main, args=(child, w.index), name=f"controlplane-collector-{w.index}", daemon=True
+        )
+        proc.start()
+        child.close()
+        w.proc, w.conn, w.started_at, w.heard_at, w.sent = proc, parent, time.monotonic(), None, None
+        w.counted = Stats()
+        threading.Thread(
+            target=self._read, args=(w, parent), daemon=True, name=f"collector-{w.index}"
+        ).start()
+
+    def _read(self, w: _Worker, conn: Connection) -> None:
+        while True:
+            try:
+                kind, (batch, stats) = conn.recv()
+            except (EOFError, OSError, ValueError, TypeError):
+                return
+            if kind != "results":
+                continue
+            with self._lock:
+                if conn is not w.conn:
+                    return  # replaced meanwhile
+                self._inbox.extend(batch)
+                w.stats = stats
+                w.heard_at = time.monotonic()
+
+    def _stop(self, w: _Worker) -> None:
+        conn, proc = w.conn, w.proc
+        w.conn = w.proc = None
+        if conn is not None:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("stop", None))
+            conn.close()
+        if proc is not None:
+            proc.join(timeout=1.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=1.0)
+
+    def _watch(self, interval_s: float) -> None:
+        """Start again a collector that died or went silent."""
+        now = time.monotonic()
+        silent_after = max(STUCK_AFTER_S, 5 * interval_s)
+        for w in self._workers:
+            reason = None
+            if w.proc is None or not w.proc.is_alive():
+                reason = "exited"
+            elif w.heard_at is None and now - w.started_at > START_TIMEOUT_S:
+                reason = "never reported"
+            elif w.heard_at is not None and now - w.heard_at > silent_after:
+                reason = "silent"
+            if reason is not None:
+                code = w.proc.exitcode if w.proc is not None else None
+                log.warning("collector restarted", collector=w.index, reason=reason, exit_code=code)
+                self.metrics.restarts.labels(reason).inc()
+                self._stop(w)
+                self._start(w)
+
+    # -- SignalSource
+
+    def matches(self, fleet: Fleet) -> bool:
+        return getattr(fleet.signals, "source", "scrape") == "scrape"
+
+    async def collect(
+        self, fleet: Fleet, targets: Sequence[EndpointKey], *, first: bool = False
+    ) -> Mapping[EndpointKey, ScrapeResult]:
+        settings = settings_of(fleet)
+        self._watch(settings.interval_s)
+        shares: list[list[EndpointKey]] = [[] for _ in range(self.n)]
+        for key in targets:
+            shares[zlib.crc32(key[1].encode()) % self.n].append(key)
+        first = first or not self._first_done
+        for w, share in zip(self._workers, shares, strict=True):
+            sent = (settings, tuple(share))
+            if w.sent != sent and w.conn is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    w.conn.send(("config", (settings, share, first)))
+                    w.sent = sent
+        out: dict[EndpointKey, ScrapeResult] = {}
+        if first:
+            await self._first_signals(settings, set(targets), out)
+            self._first_done = True
+        self._drain(out)
+        self._export()
+        return out
+
+    async def _first_signals(
+        self, settings: Settings, wanted: set[EndpointKey], out: dict[EndpointKey, ScrapeResult]
+    ) -> None:
+        """Wait for the collectors to start (bounded), then at most one scrape timeout."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and any(w.heard_at is None for w in self._workers):
+            await asyncio.sleep(0.02)
+        deadline = time.monotonic() + settings.timeout_s + 0.05
+        while time.monotonic() < deadline:
+            self._drain(out)
+            if wanted <= out.keys():
+                return
+            await asyncio.sleep(0.01)
+
+    def _drain(self, out: dict[EndpointKey, ScrapeResult]) -> None:
+        n = 0
+        while True:
+            try:
+                key, result = self._inbox.popleft()
+            except IndexError:
+                break
+            out[key] = result
+            n += 1
+        if n:
+            self.metrics.records.inc(n)
+
+    def _export(self) -> None:
+        m = self.metrics
+        live = 0
+        lag = 0.0
+        backing_off = 0
+        with self._lock:
+            for w in self._workers:
+                s, c = w.stats, w.counted
+                if w.heard_at is not None and w.proc is not None and w.proc.is_alive():
+                    live += 1
+                lag = max(lag, s.max_lag_s)
+                backing_off += s.backing_off
+                m.cpu.inc(max(0.0, s.cpu_s - c.cpu_s))
+                ok = (s.scrapes - s.unreachable - s.http_errors - s.unreadable) - (
+                    c.scrapes - c.unreachable - c.http_errors - c.unreadable
+                )
+                m.scrapes.labels("ok").inc(max(0, ok))
+                m.scrapes.labels("unreachable").inc(max(0, s.unreachable - c.unreachable))
+                m.scrapes.labels("http_error").inc(max(0, s.http_errors - c.http_errors))
+                m.scrapes.labels("unreadable").inc(max(0, s.unreadable - c.unreadable))
+                m.pages.inc(max(0, s.pages - c.pages))
+                m.page_bytes.inc(max(0, s.page_bytes - c.page_bytes))
+                m.parse.inc(max(0.0, s.parse_s - c.parse_s))
+                w.counted = s
+        m.collectors.set(live)
+        m.lag.set(lag)
+        m.backing_off.set(backing_off)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        def stop_all() -> None:
+            for w in self._workers:
+                self._stop(w)
+
+        await asyncio.to_thread(stop_all)
+        self.metrics.collectors.set(0)

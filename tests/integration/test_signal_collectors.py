@@ -1,0 +1,166 @@
+"""The collector processes against real sockets: live servers, hung ones and refused ones.
+
+No Envoy here: what is under test is that collection runs in other processes, that the
+first round waits at most one scrape timeout however many servers hang, that unreachable
+servers are backed off, and that a collector that dies is replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from controlplane.fleet import parse_fleet
+from controlplane.obs.metrics import Metrics
+from controlplane.signals.collector import CollectorPool
+from controlplane.signals.scrape import scrape_targets
+from controlplane.signals.store import UNREACHABLE_AFTER
+from tests.fleets import fleet_yaml
+from tests.integration.harness import free_port
+
+PAGE = (
+    'vllm:num_requests_running{{model_name="m"}} 2\n'
+    'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
+    'vllm:kv_cache_usage_perc{{model_name="m"}} 0.25\n'
+    'vllm:e2e_request_latency_seconds_sum{{model_name="m"}} 10\n'
+    'vllm:e2e_request_latency_seconds_count{{model_name="m"}} 20\n'
+)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    waiting = 0
+
+    def do_GET(self) -> None:
+        body = b"ok" if self.path == "/health" else PAGE.format(waiting=self.server.waiting).encode()  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class Fixture:
+    def __init__(self) -> None:
+        self.live: list[ThreadingHTTPServer] = []
+        self.hung: list[socket.socket] = []
+        self.refused: list[str] = []
+
+    def address(self, srv: ThreadingHTTPServer) -> str:
+        return f"127.0.0.1:{srv.server_address[1]}"
+
+    def start(self, live: int, hung: int, refused: int) -> None:
+        for i in range(live):
+            srv = ThreadingHTTPServer(("127.0.0.1", free_port()), _Handler)
+            srv.waiting = i  # type: ignore[attr-defined]
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            self.live.append(srv)
+        for _ in range(hung):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen(64)  # accepted by the kernel, never read: every request times out
+            self.hung.append(s)
+        self.refused = [f"127.0.0.1:{free_port()}" for _ in range(refused)]  # nothing listens
+
+    def addresses(self) -> list[str]:
+        return (
+            [self.address(s) for s in self.live]
+            + [f"127.0.0.1:{s.getsockname()[1]}" for s in self.hung]
+            + self.refused
+        )
+
+    def close(self) -> None:
+        for srv in self.live:
+            srv.shutdown()
+            srv.server_close()
+        for s in self.hung:
+            s.close()
+
+
+@pytest.fixture
+def servers() -> Iterator[Fixture]:
+    f = Fixture()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def _fleet(addresses: list[str], interval: str = "500ms", timeout: str = "300ms"):  # type: ignore[no-untyped-def]
+    text = fleet_yaml({"m": {"v1": addresses}}).replace(
+        "tiers:", f"signals: {{interval: {interval}, timeout: {timeout}}}\ntiers:"
+    )
+    return parse_fleet(text)
+
+
+def test_collectors_scrape_outside_wait_one_timeout_back_off_and_are_replaced(servers: Fixture) -> None:
+    servers.start(live=3, hung=40, refused=40)
+    fleet = _fleet(servers.addresses())
+    targets = scrape_targets(fleet)
+    metrics = Metrics()
+
+    async def run() -> None:
+        pool = CollectorPool(fleet, metrics, workers=2)
+        try:
+            # The first round: collectors start, then at most one scrape timeout (0.3 s),
+            # however many servers hang.
+            started = time.monotonic()
+            first = await pool.collect(fleet, targets, first=True)
+            waited = time.monotonic() - started
+            ready_at = max(w.heard_at or 0.0 for w in pool._workers)
+            assert time.monotonic() - ready_at < 0.3 + 0.25, f"waited {waited:.2f}s in all"
+            live = {("m", servers.address(s)): i for i, s in enumerate(servers.live)}
+            for key, waiting in live.items():
+                assert first[key].sample is not None and first[key].sample.waiting == waiting
+            for addr in servers.refused:
+                assert first[("m", addr)].health_error is not None
+            # Rounds go on: live servers keep reporting; refused ones are backed off.
+            seen: dict[tuple[str, str], int] = dict.fromkeys(live, 0)
+            refused_attempts = 0
+            for _ in range(40):
+                await asyncio.sleep(0.1)
+                got = await pool.collect(fleet, targets)
+                for key in got:
+                    if key in seen:
+                        seen[key] += 1
+                    elif key[1] in servers.refused:
+                        refused_attempts += 1
+            assert all(n >= 5 for n in seen.values()), seen
+            # 40 refused over 4 s at 2/s would be 320 attempts; backed off after the
+            # hold-out threshold, far fewer.
+            assert refused_attempts < 40 * (UNREACHABLE_AFTER + 3), refused_attempts
+            backing_off = metrics.registry.get_sample_value("controlplane_signals_endpoints_backing_off")
+            assert backing_off is not None and backing_off >= 40
+            assert (
+                metrics.registry.get_sample_value("controlplane_signals_collector_cpu_seconds_total") or 0
+            ) > 0
+            # A collector killed: started again, and the live servers report again.
+            victim = pool._workers[0].proc
+            assert victim is not None
+            victim.kill()
+            victim.join(5)
+            await pool.collect(fleet, targets)
+            restarts = metrics.registry.get_sample_value(
+                "controlplane_signals_collector_restarts_total", {"reason": "exited"}
+            )
+            assert restarts == 1
+            after = dict.fromkeys(live, 0)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not all(after.values()):
+                await asyncio.sleep(0.1)
+                for key in await pool.collect(fleet, targets):
+                    if key in after:
+                        after[key] += 1
+            assert all(after.values()), after
+        finally:
+            await pool.close()
+        assert all(w.proc is None for w in pool._workers)
+
+    asyncio.run(run())
