@@ -28,7 +28,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from controlplane.sim.emulator_engine import LiveBatchingServer
-from controlplane.sim.emulator_metrics import GARBAGE_PAGE, VllmMetrics
+from controlplane.sim.emulator_metrics import GARBAGE_PAGE, METRICS_PAGES, MetricsPage, VllmMetrics
 from controlplane.sim.emulator_protocol import (
     ApiError,
     Faults,
@@ -74,6 +74,7 @@ class EmulatorConfig:
     phantom_output_tokens: int = 256
     faults: Faults = field(default_factory=Faults)  # in force from the start
     seed: int | None = None  # seeds the error/OOM draws, for repeatable runs
+    metrics_page: MetricsPage = "full"  # "compact": only the families the emulator first served
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -104,6 +105,10 @@ class EmulatorConfig:
             )
         if self.faults.crash:
             raise ValueError("faults.crash: a server cannot start crashed")
+        if self.metrics_page not in METRICS_PAGES:
+            raise ValueError(
+                f"metrics_page: must be one of {', '.join(METRICS_PAGES)}, got {self.metrics_page!r}"
+            )
 
     @property
     def spec(self) -> ServerSpec:
@@ -210,7 +215,12 @@ class EmulatedServer:
             await runner.cleanup()
             raise
         self.port = int(runner.addresses[0][1])
-        self._life = _Life(runner, engine, VllmMetrics(self.config.model), engine.now())
+        metrics = VllmMetrics(
+            self.config.model,
+            page=self.config.metrics_page,
+            kv_capacity_tokens=self.config.kv_capacity_tokens,
+        )
+        self._life = _Life(runner, engine, metrics, engine.now())
         self.faults = replace(self.faults, crash=False)
         await self._apply(self.faults)
         return self
@@ -399,7 +409,8 @@ class EmulatedServer:
                         await engine.wait_until(seq.token_time(k))
                         await stream.write(sse(stream_chunk(req, request_id, created, k)))
                 await engine.wait_until(seq.finished)
-            life.metrics.observe_finished(seq, req.finish_reason)
+            batch = min(engine.num_running + 1, engine.spec.slots)  # its slot is free already
+            life.metrics.observe_finished(seq, req.finish_reason, batch_size=batch)
             if stream is None:
                 return web.json_response(completion_body(req, request_id, created))
             await stream.write(sse(stream_chunk(req, request_id, created, None)))

@@ -2,111 +2,365 @@
 
 Names, label (`model_name`), 0-1 KV fractions and histogram buckets follow vLLM's
 production metrics, so the control plane's scraper reads the emulator as it reads vLLM.
-Each server has its own registry; a restarted server starts a new one, so its counters
-reset as a restarted vLLM's do.
+Each server has its own `VllmMetrics`; a restarted server starts a new one, so its
+counters reset as a restarted vLLM's do.
+
+Two pages: `compact` has the eleven families the emulator always served; `full` adds the
+rest of a vLLM v1 server's families (about 33 KB, 13 histograms, as a real page), each
+fed by what the emulated engine did. The families the control plane parses are the same
+in both. `sample_full_page` renders the full page of a server that has served a
+workload, for benchmarks that need a realistic page without running a server.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import bisect
+import math
+import random
+import time
+from collections.abc import Iterator, Mapping
+from typing import Literal, get_args
+
+from prometheus_client import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from controlplane.sim.emulator_engine import Sequence
+from controlplane.sim.service import BatchingServer, ServerSpec
 
-# vLLM's buckets: request latencies (e2e, queue) and time to first token.
+MetricsPage = Literal["full", "compact"]
+METRICS_PAGES: tuple[MetricsPage, ...] = get_args(MetricsPage)
+
+# vLLM's buckets: request latencies (e2e, queue and the phases) and time to first token.
 LATENCY_BUCKETS = (
     *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
     *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
 )
+# Finer at the low end than vLLM's (which start at 10 ms), for the emulator's fast test
+# configurations; the inter-token histogram of the full page has vLLM's own.
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 TTFT_BUCKETS = (
     *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5),
     *(10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
 )
+TOKEN_STEP_BUCKETS = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5),
+    *(10.0, 20.0, 40.0, 80.0),
+)
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+# Tokens per engine step: vLLM v0.10 buckets them at its default CUDA-graph capture sizes
+# (1, 2, 4, then every 8 up to 512 for 256 sequences).
+ITERATION_BUCKETS = (1.0, 2.0, 4.0, *(float(n) for n in range(8, 513, 8)))
+# The emulator refuses no prompt for its length; the token-count buckets assume a server
+# started with --max-model-len 32768, prefill chunked at 8192 tokens per step.
+MAX_MODEL_LEN = 32768
+MAX_NUM_BATCHED_TOKENS = 8192
+BLOCK_SIZE = 16  # tokens per KV block, for the cache_config_info gauge
+ENGINE = "0"  # vLLM v1 labels its engine-core families with the engine's index
+
 FINISH_REASONS = ("stop", "length")
 
 GARBAGE_PAGE = (
     b"<html><head><title>502 Bad Gateway</title></head><body>upstream exporter crashed</body></html>\n"
 )
 
+_SAMPLE_CREATED = 1_767_225_600.0  # 2026-01-01: sample pages are byte-for-byte repeatable
 
-class VllmMetrics:
-    """The metrics of one emulated server's lifetime."""
 
-    def __init__(self, model: str) -> None:
-        self.registry = CollectorRegistry()
-        r, m, label = self.registry, model, ["model_name"]
-        self._running = Gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", label, registry=r
-        ).labels(m)
-        self._waiting = Gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", label, registry=r
-        ).labels(m)
-        self._kv = Gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", label, registry=r
-        ).labels(m)
-        self._kv_legacy = Gauge(
-            "vllm:gpu_cache_usage_perc",
-            "GPU KV-cache usage. 1 means 100 percent usage. Deprecated: use vllm:kv_cache_usage_perc.",
-            label,
-            registry=r,
-        ).labels(m)
-        self._e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            label,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        ).labels(m)
-        self._ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            label,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(m)
-        self._tpot = Histogram(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds.",
-            label,
-            buckets=TPOT_BUCKETS,
-            registry=r,
-        ).labels(m)
-        self._queue = Histogram(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            label,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        ).labels(m)
-        success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            ["model_name", "finished_reason"],
-            registry=r,
-        )
-        self._success = {reason: success.labels(m, reason) for reason in FINISH_REASONS}
-        self._prompt = Counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", label, registry=r
-        ).labels(m)
-        self._generation = Counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", label, registry=r
-        ).labels(m)
+def one_two_five(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`: vLLM's token-count buckets for a model length."""
+    bounds: list[float] = []
+    scale = 1
+    while scale <= limit:
+        bounds.extend(float(m * scale) for m in (1, 2, 5) if m * scale <= limit)
+        scale *= 10
+    return tuple(bounds)
 
-    def observe_finished(self, seq: Sequence, finish_reason: str) -> None:
-        """Count a request that ran to its end."""
+
+class _Histogram:
+    """Bucket counts and a sum; `observe` takes many equal observations at once."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, the last one +Inf
+        self.total = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        if times > 0:
+            self.counts[bisect.bisect_left(self.bounds, value)] += times
+            self.total += value * times
+
+    def metric(self, name: str, doc: str, labels: Mapping[str, str], created: float) -> Metric:
+        family = Metric(name, doc, "histogram")
+        cumulative = 0
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            cumulative += count
+            family.add_sample(
+                f"{name}_bucket", {**labels, "le": "+Inf" if bound == math.inf else repr(bound)}, cumulative
+            )
+        family.add_sample(f"{name}_count", dict(labels), cumulative)
+        family.add_sample(f"{name}_sum", dict(labels), self.total)
+        family.add_sample(f"{name}_created", dict(labels), created)
+        return family
+
+
+def _gauge(name: str, doc: str, labels: Mapping[str, str], value: float) -> Metric:
+    family = Metric(name, doc, "gauge")
+    family.add_sample(name, dict(labels), value)
+    return family
+
+
+def _counter(name: str, doc: str, values: list[tuple[Mapping[str, str], float]], created: float) -> Metric:
+    family = Metric(name, doc, "counter")
+    for labels, value in values:
+        family.add_sample(f"{name}_total", dict(labels), value)
+        family.add_sample(f"{name}_created", dict(labels), created)
+    return family
+
+
+class VllmMetrics(Collector):
+    """The metrics of one emulated server's lifetime, rendered as `page` asks."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        page: MetricsPage = "full",
+        max_model_len: int = MAX_MODEL_LEN,
+        kv_capacity_tokens: int = ServerSpec.kv_capacity_tokens,
+        created: float | None = None,
+    ) -> None:
+        if page not in METRICS_PAGES:
+            raise ValueError(f"page: must be one of {', '.join(METRICS_PAGES)}, got {page!r}")
+        self.model = model
+        self.page: MetricsPage = page
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.created = time.time() if created is None else created
+        self._running = self._waiting = self._kv = 0.0
+        # The compact page's families.
+        self._e2e = _Histogram(LATENCY_BUCKETS)
+        self._ttft = _Histogram(TTFT_BUCKETS)
+        self._tpot = _Histogram(TPOT_BUCKETS)
+        self._queue = _Histogram(LATENCY_BUCKETS)
+        self._success = dict.fromkeys(FINISH_REASONS, 0)
+        self._prompt = 0
+        self._generation = 0
+        # The full page's.
+        tokens = one_two_five(max_model_len)
+        self._itl = _Histogram(TOKEN_STEP_BUCKETS)
+        self._inference = _Histogram(LATENCY_BUCKETS)
+        self._prefill = _Histogram(LATENCY_BUCKETS)
+        self._decode = _Histogram(LATENCY_BUCKETS)
+        self._prompt_tokens = _Histogram(tokens)
+        self._generation_tokens = _Histogram(tokens)
+        self._max_tokens = _Histogram(tokens)
+        self._n = _Histogram(N_BUCKETS)
+        self._iteration = _Histogram(ITERATION_BUCKETS)
+
+    def observe_finished(
+        self, seq: Sequence, finish_reason: str, *, batch_size: int = 1, max_tokens: int | None = None
+    ) -> None:
+        """Count a request that ran to its end. `batch_size`: sequences running when it
+        finished, itself included (its decode steps are counted as steps of that many
+        tokens); `max_tokens`: the request's limit (default: its output, as the emulator
+        always generates exactly max_tokens)."""
+        out = seq.output_tokens
         self._e2e.observe(seq.latency_s)
         self._ttft.observe(seq.ttft_s)
         self._queue.observe(seq.queue_s)
-        for _ in range(seq.output_tokens - 1):  # as vLLM: one observation per inter-token gap
-            self._tpot.observe(seq.decode_s_per_token)
-        self._success[finish_reason].inc()
-        self._prompt.inc(seq.prompt_tokens)
-        self._generation.inc(seq.output_tokens)
+        # As vLLM: one observation per gap between output tokens, all equal here.
+        self._tpot.observe(seq.decode_s_per_token, out - 1)
+        self._success[finish_reason] += 1
+        self._prompt += seq.prompt_tokens
+        self._generation += out
+        self._itl.observe(seq.decode_s_per_token, out - 1)
+        self._inference.observe(seq.finished - seq.started)
+        self._prefill.observe(seq.first_token - seq.started)
+        self._decode.observe(seq.finished - seq.first_token)
+        self._prompt_tokens.observe(seq.prompt_tokens)
+        self._generation_tokens.observe(out)
+        self._max_tokens.observe(out if max_tokens is None else max_tokens)
+        self._n.observe(1)  # the emulator answers n=1 only
+        self._observe_steps(seq.prompt_tokens, out, max(1, batch_size))
+
+    def _observe_steps(self, prompt: int, out: int, batch: int) -> None:
+        """The engine has no global steps; this is a request's share of them: its prefill
+        in chunks (the last one also yields its first token), then its other tokens as
+        steps of `batch` tokens each, so that a step its batch shares is counted once
+        across the batch. The histogram's sum stays prompt + generated tokens, as on vLLM."""
+        chunks, last = divmod(prompt, MAX_NUM_BATCHED_TOKENS)
+        self._iteration.observe(MAX_NUM_BATCHED_TOKENS, chunks)
+        self._iteration.observe(last + 1)
+        steps, rest = divmod(out - 1, batch)
+        self._iteration.observe(batch, steps)
+        if rest:
+            self._iteration.observe(rest)
 
     def render(self, running: int, waiting: int, kv_use: float) -> bytes:
         """The page, with the gauges as of now."""
-        self._running.set(running)
-        self._waiting.set(waiting)
-        self._kv.set(kv_use)
-        self._kv_legacy.set(kv_use)
-        return generate_latest(self.registry)
+        self._running, self._waiting, self._kv = float(running), float(waiting), kv_use
+        return generate_latest(self)
+
+    def collect(self) -> Iterator[Metric]:
+        """The families of the page, in prometheus_client's form."""
+        m, at = {"model_name": self.model}, self.created
+        yield _gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", m, self._running
+        )
+        yield _gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", m, self._waiting
+        )
+        yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m, self._kv)
+        yield _gauge(
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage. Deprecated: use vllm:kv_cache_usage_perc.",
+            m,
+            self._kv,
+        )
+        yield self._e2e.metric(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m, at
+        )
+        yield self._ttft.metric(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m, at
+        )
+        yield self._tpot.metric(
+            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", m, at
+        )
+        yield self._queue.metric(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", m, at
+        )
+        yield _counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [({**m, "finished_reason": r}, n) for r, n in self._success.items()],
+            at,
+        )
+        yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", [(m, self._prompt)], at)
+        yield _counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", [(m, self._generation)], at
+        )
+        if self.page == "full":
+            yield from self._full_only()
+
+    def _full_only(self) -> Iterator[Metric]:
+        # New families carry vLLM v1's `engine` label; the ones above keep the labels the
+        # control plane and the compact page have always had.
+        e, at = {"engine": ENGINE, "model_name": self.model}, self.created
+        yield self._itl.metric(
+            "vllm:inter_token_latency_seconds", "Seconds between consecutive output tokens.", e, at
+        )
+        yield self._inference.metric(
+            "vllm:request_inference_time_seconds",
+            "Seconds a request spent running (prefill and decode).",
+            e,
+            at,
+        )
+        yield self._prefill.metric(
+            "vllm:request_prefill_time_seconds", "Seconds from scheduling to the first token.", e, at
+        )
+        yield self._decode.metric(
+            "vllm:request_decode_time_seconds", "Seconds from the first token to the end.", e, at
+        )
+        yield self._prompt_tokens.metric(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request.", e, at
+        )
+        yield self._generation_tokens.metric(
+            "vllm:request_generation_tokens", "Generated tokens per finished request.", e, at
+        )
+        yield self._iteration.metric(
+            "vllm:iteration_tokens_total", "Tokens (prompt and generated) per engine step.", e, at
+        )
+        yield self._max_tokens.metric(
+            "vllm:request_params_max_tokens", "The max_tokens parameter of finished requests.", e, at
+        )
+        yield self._n.metric("vllm:request_params_n", "The n parameter of finished requests.", e, at)
+        yield _counter(
+            "vllm:num_preemptions",
+            "Requests preempted by the scheduler (the emulator never preempts).",
+            [(e, 0.0)],
+            at,
+        )
+        # No prefix cache here: every prompt token is a query, none a hit.
+        for prefix, note in (("", ""), ("gpu_", " Deprecated: use vllm:prefix_cache_*.")):
+            yield _counter(
+                f"vllm:{prefix}prefix_cache_queries",
+                f"Prompt tokens looked up in the prefix cache.{note}",
+                [(e, self._prompt)],
+                at,
+            )
+            yield _counter(
+                f"vllm:{prefix}prefix_cache_hits",
+                f"Prompt tokens found in the prefix cache.{note}",
+                [(e, 0.0)],
+                at,
+            )
+        config = {
+            "engine": ENGINE,
+            "block_size": str(BLOCK_SIZE),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "False",
+            "num_gpu_blocks": str(math.ceil(self.kv_capacity_tokens / BLOCK_SIZE)),
+        }
+        yield _gauge("vllm:cache_config_info", "The engine's KV-cache configuration (always 1).", config, 1.0)
+
+
+def sample_full_page(model: str = "m", *, seed: int = 0, requests: int = 5000) -> str:
+    """The full page of a server that has served `requests` requests (see `sample_page`):
+    30-60 KB, 13 histograms, every one populated. For benchmarks of scraping and parsing."""
+    return sample_page(model, seed=seed, requests=requests, page="full")
+
+
+def sample_page(
+    model: str = "m",
+    *,
+    seed: int = 0,
+    requests: int = 5000,
+    page: MetricsPage = "full",
+    spec: ServerSpec | None = None,
+) -> str:
+    """The page of a server (`spec`, ServerSpec's defaults if None) that has served
+    `requests` requests of a chat-like workload arriving at 90% of its capacity, run
+    through the emulator's batching model on a simulated clock; the gauges show the
+    requests still in it. Pure, and the same text for the same arguments."""
+    if requests < 1:
+        raise ValueError(f"requests: must be >= 1, got {requests!r}")
+    spec = spec or ServerSpec()
+    rng = random.Random(seed)
+    # Prompts around 600 tokens and answers around 180, long-tailed; clients cap answers.
+    work: list[tuple[int, int, int]] = []
+    for _ in range(requests + 4 * spec.slots):  # a few more arrive than finish
+        limit = rng.choice((256, 512, 1024, 1024, 2048, 4096))
+        prompt = min(MAX_MODEL_LEN - limit, max(1, round(rng.lognormvariate(math.log(600), 1.0))))
+        out = min(limit, max(1, round(rng.lognormvariate(math.log(180), 0.9))))
+        work.append((prompt, out, limit))
+    mean_service = sum(p * spec.prefill_s_per_token + o * spec.decode_s_per_token for p, o, _ in work) / (
+        len(work) * spec.speed
+    )
+    rate = 0.9 * spec.slots / mean_service
+    server = BatchingServer(spec)
+    metrics = VllmMetrics(
+        model, page=page, kv_capacity_tokens=spec.kv_capacity_tokens, created=_SAMPLE_CREATED
+    )
+    decode = spec.decode_s_per_token / spec.speed
+    arrival, submitted, finished = rng.expovariate(rate), 0, 0
+    while finished < requests:
+        due = server.next_event()
+        if due is not None and (due <= arrival or submitted == len(work)):
+            batch = len(server.running)
+            for c in server.advance(due):
+                if finished == requests:
+                    break
+                prompt, out, limit = work[c.request_id]
+                seq = Sequence(c.prompt_tokens, c.output_tokens, c.submitted)
+                seq.started, seq.first_token, seq.finished = c.started, c.first_token, c.finished
+                seq.decode_s_per_token = decode
+                reason = "length" if out == limit else "stop"
+                metrics.observe_finished(seq, reason, batch_size=batch, max_tokens=limit)
+                finished += 1
+            continue
+        server.submit(submitted, work[submitted][0], work[submitted][1], arrival)
+        submitted += 1
+        arrival += rng.expovariate(rate)
+    return metrics.render(len(server.running), len(server.waiting), server.kv_use).decode()

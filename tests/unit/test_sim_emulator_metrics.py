@@ -1,0 +1,198 @@
+"""The emulator's /metrics page: the full page is a real vLLM page's size and shape, the
+compact one the emulator's original, and the control plane reads the same load from both."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane.cli.main import main
+from controlplane.signals.parse import parse_metrics
+from controlplane.sim.emulator import EmulatorConfig
+from controlplane.sim.emulator_engine import Sequence
+from controlplane.sim.emulator_metrics import (
+    ITERATION_BUCKETS,
+    MAX_MODEL_LEN,
+    VllmMetrics,
+    one_two_five,
+    sample_full_page,
+    sample_page,
+)
+
+MODEL = "llama-3-8b"
+COMPACT_FAMILIES = {
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:time_per_output_token_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_success",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+}
+# The families `controlplane.signals.parse` reads, with the labels they have always had.
+PARSED = {
+    "vllm:num_requests_running": {"model_name"},
+    "vllm:num_requests_waiting": {"model_name"},
+    "vllm:kv_cache_usage_perc": {"model_name"},
+    "vllm:gpu_cache_usage_perc": {"model_name"},
+    "vllm:e2e_request_latency_seconds": {"model_name"},
+    "vllm:time_per_output_token_seconds": {"model_name"},
+    "vllm:request_success": {"model_name", "finished_reason"},
+}
+
+
+def families(page: str) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(page)}
+
+
+def value(page: str, sample: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    raise AssertionError(f"{sample} {labels} not on the page")
+
+
+def finished(prompt: int, out: int, *, submitted: float, started: float, decode: float) -> Sequence:
+    seq = Sequence(prompt, out, submitted)
+    seq.started = started
+    seq.first_token = started + prompt * 0.001
+    seq.decode_s_per_token = decode
+    seq.finished = seq.first_token + out * decode
+    return seq
+
+
+def test_both_pages_parse_and_compact_is_the_original_eleven_families() -> None:
+    for page in ("full", "compact"):
+        metrics = VllmMetrics(MODEL, page=page)
+        metrics.observe_finished(finished(100, 20, submitted=0.0, started=0.5, decode=0.02), "length")
+        text = metrics.render(2, 1, 0.3).decode()
+        found = families(text)
+        if page == "compact":
+            assert set(found) - {n for n in found if n.endswith("_created")} == COMPACT_FAMILIES
+        else:
+            assert set(found) > COMPACT_FAMILIES
+        assert sum(f.type == "histogram" for f in found.values()) == (13 if page == "full" else 4)
+
+
+def test_sample_full_page_is_a_real_pages_size_with_every_histogram_populated() -> None:
+    page = sample_full_page()
+    size = len(page.encode())
+    print(f"sample_full_page(): {size} bytes ({size / 1024:.1f} KiB)")
+    assert 30_000 <= size <= 60_000
+    found = families(page)
+    histograms = [f for f in found.values() if f.type == "histogram"]
+    assert len(histograms) >= 12
+    for family in histograms:
+        assert value(page, f"{family.name}_count") > 0, family.name
+    assert page == sample_full_page()  # repeatable
+    assert page != sample_full_page(seed=1)
+    served = sum(value(page, "vllm:request_success_total", finished_reason=r) for r in ("stop", "length"))
+    assert served == 5000 == value(page, "vllm:e2e_request_latency_seconds_count")
+    # As on vLLM, the tokens of all engine steps are the prompt and generated tokens.
+    assert value(page, "vllm:iteration_tokens_total_sum") == value(page, "vllm:prompt_tokens_total") + value(
+        page, "vllm:generation_tokens_total"
+    )
+    for r in (100, 20_000):
+        assert 30_000 <= len(sample_full_page(requests=r).encode()) <= 60_000
+
+
+def test_the_control_plane_reads_the_same_load_from_both_pages() -> None:
+    full, compact = (sample_page(MODEL, seed=3, requests=800, page=p) for p in ("full", "compact"))
+    assert len(full) > 3 * len(compact)
+    a, b = parse_metrics(full, MODEL), parse_metrics(compact, MODEL)
+    assert a == b
+    assert a.running and a.waiting is not None and a.kv_use and a.latency_count == 800
+    assert a.latency_sum_s and a.successes == 800 and a.token_latency_count and a.latency_buckets
+
+
+def test_the_parsed_families_keep_their_labels_on_the_full_page() -> None:
+    found = families(sample_full_page(MODEL, requests=200))
+    for name, labels in PARSED.items():
+        for s in found[name].samples:
+            assert set(s.labels) - {"le"} == labels, s
+    assert found["vllm:request_prompt_tokens"].samples[0].labels["engine"] == "0"
+
+
+def test_the_histograms_observe_what_the_request_did() -> None:
+    metrics = VllmMetrics(MODEL, page="full", kv_capacity_tokens=1600)
+    # Queued 0.5 s, 100 prompt tokens prefilled in 0.1 s, 20 tokens at 0.05 s: 1.0 s decode.
+    seq = finished(100, 20, submitted=0.0, started=0.5, decode=0.05)
+    metrics.observe_finished(seq, "stop", batch_size=4, max_tokens=64)
+    page = metrics.render(0, 0, 0.0).decode()
+    e = {"engine": "0"}
+    for sample, want in [
+        ("vllm:request_queue_time_seconds_sum", 0.5),
+        ("vllm:time_to_first_token_seconds_sum", 0.6),
+        ("vllm:request_prefill_time_seconds_sum", 0.1),
+        ("vllm:request_decode_time_seconds_sum", 1.0),
+        ("vllm:request_inference_time_seconds_sum", 1.1),
+        ("vllm:e2e_request_latency_seconds_sum", 1.6),
+        ("vllm:request_prompt_tokens_sum", 100),
+        ("vllm:request_generation_tokens_sum", 20),
+        ("vllm:request_params_max_tokens_sum", 64),
+        ("vllm:request_params_n_sum", 1),
+        ("vllm:prefix_cache_queries_total", 100),
+        ("vllm:prefix_cache_hits_total", 0),
+        ("vllm:num_preemptions_total", 0),
+    ]:
+        assert value(page, sample) == pytest.approx(want), sample
+    # One observation per gap between tokens, in both per-token histograms.
+    for name in ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"):
+        assert value(page, f"{name}_count") == 19
+        assert value(page, f"{name}_sum") == pytest.approx(19 * 0.05)
+    # Steps: the prefill with the first token (101), then 19 tokens in steps of 4: 4 x 4 + 3.
+    assert value(page, "vllm:iteration_tokens_total_count") == 6
+    assert value(page, "vllm:iteration_tokens_total_bucket", le="2.0", **e) == 0
+    assert value(page, "vllm:iteration_tokens_total_bucket", le="4.0", **e) == 5  # cumulative
+    assert value(page, "vllm:iteration_tokens_total_bucket", le="104.0", **e) == 6
+    assert value(page, "vllm:iteration_tokens_total_sum") == 120
+    assert value(page, "vllm:cache_config_info", num_gpu_blocks="100") == 1
+
+
+def test_bucket_lists() -> None:
+    assert one_two_five(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert one_two_five(MAX_MODEL_LEN)[-1] == 20_000
+    assert ITERATION_BUCKETS[:5] == (1, 2, 4, 8, 16) and ITERATION_BUCKETS[-1] == 512
+    assert len(ITERATION_BUCKETS) == 67
+    assert all(math.isfinite(b) for b in ITERATION_BUCKETS)
+
+
+def test_the_page_mode_is_a_server_setting() -> None:
+    assert EmulatorConfig(MODEL).metrics_page == "full"
+    assert EmulatorConfig(MODEL, metrics_page="compact").metrics_page == "compact"
+    with pytest.raises(ValueError, match="metrics_page"):
+        EmulatorConfig(MODEL, metrics_page="huge")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="page"):
+        VllmMetrics(MODEL, page="huge")  # type: ignore[arg-type]
+
+
+def test_the_emulate_command_takes_the_page_mode(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started: list[EmulatorConfig] = []
+
+    async def run(config: EmulatorConfig, host: str, ports: list[int], crash_after: float | None) -> int:
+        started.append(config)
+        return 0
+
+    monkeypatch.setattr("controlplane.cli.main._run_emulators_until_signal", run)
+    assert main(["emulate", "--model", MODEL, "--metrics-page", "compact"]) == 0
+    assert main(["emulate", "--model", MODEL]) == 0
+    assert [c.metrics_page for c in started] == ["compact", "full"]
+    with pytest.raises(SystemExit) as bad:
+        main(["emulate", "--model", MODEL, "--metrics-page", "huge"])
+    assert bad.value.code == 2
+    assert "--metrics-page" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as shown:
+        main(["emulate", "--help"])
+    assert shown.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--metrics-page {full,compact}" in help_text and "(default: full)" in help_text
