@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.signals.parse import MetricsPageInvalid, ServerSample, derive, parse_metrics
@@ -173,3 +173,76 @@ def test_a_bucket_without_le_is_refused() -> None:
     page = VLLM.replace('le="1.0",', "")
     with pytest.raises(MetricsPageInvalid, match="numeric 'le'"):
         parse_metrics(page, "llama-3-8b")
+
+
+# ---- the selective parse reads what prometheus_client reads ---------------------------------
+
+_NAMES = st.sampled_from(
+    [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:e2e_request_latency_seconds_sum",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_success_total",
+        "vllm:time_per_output_token_seconds_sum",
+        "vllm:time_per_output_token_seconds_count",
+        "vllm:iteration_tokens_total_bucket",  # a family not read
+    ]
+)
+_VALUE = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False, width=32).map(repr),
+    st.integers(-5, 10**9).map(str),
+    st.sampled_from(["1e3", "0.5", "+Inf", "-Inf", "NaN", "1E-2"]),
+)
+_LABEL_VALUE = st.one_of(
+    st.sampled_from(["m", "other", "0.5", "+Inf"]),
+    st.text(alphabet='ab "\\\n,=}{', max_size=6).map(
+        lambda s: s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    ),
+)
+
+
+@st.composite
+def _lines(draw: st.DrawFn) -> str:
+    name = draw(_NAMES)
+    labels = draw(
+        st.dictionaries(st.sampled_from(["model_name", "le", "engine", "x"]), _LABEL_VALUE, max_size=3)
+    )
+    if name.endswith("_bucket"):
+        labels["le"] = draw(st.sampled_from(["0.1", "1.0", "+Inf", "2.5e1"]))
+    body = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    sep = draw(st.sampled_from([" ", "  ", "\t"]))
+    ts = draw(st.sampled_from(["", " 1700000000000"]))
+    return f"{name}{{{body}}}{sep}{draw(_VALUE)}{ts}" if labels else f"{name}{sep}{draw(_VALUE)}{ts}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(lines=st.lists(_lines(), min_size=1, max_size=12), model=st.sampled_from([None, "m", "other"]))
+def test_the_selective_parse_agrees_with_prometheus_client(lines: list[str], model: str | None) -> None:
+    page = "\n".join(lines) + "\n"
+
+    def outcome(select: bool) -> object:
+        try:
+            return parse_metrics(page, model, select=select)
+        except MetricsPageInvalid as e:
+            return ("invalid", str(e).split(":")[0])
+
+    ours, theirs = outcome(True), outcome(False)
+    if isinstance(ours, tuple) and isinstance(theirs, tuple):
+        return  # both refuse it (the wording may differ by which line they stopped at)
+    if ours != theirs and isinstance(ours, ServerSample) and isinstance(theirs, ServerSample):
+        # NaN never equals itself: compare field by field treating NaN as equal.
+        for f in ours.__dataclass_fields__:
+            a, b = getattr(ours, f), getattr(theirs, f)
+            assert a == b or (a != a and b != b), (f, a, b)
+        return
+    assert ours == theirs
+
+
+def test_a_full_vllm_page_reads_the_same_both_ways() -> None:
+    from controlplane.sim.emulator_metrics import sample_full_page
+
+    page = sample_full_page("m", seed=3)
+    assert parse_metrics(page, "m") == parse_metrics(page, "m", select=False)
