@@ -19,14 +19,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import multiprocessing
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 import zlib
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import ClassVar
 
 import structlog
@@ -35,7 +36,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from controlplane.fleet.model import Fleet
 from controlplane.obs.metrics import Metrics
 from controlplane.signals.collector_worker import Settings, Stats
-from controlplane.signals.collector_worker import main as worker_main
 from controlplane.signals.store import EndpointKey, ScrapeResult
 
 log = structlog.get_logger("controlplane.signals")
@@ -122,7 +122,7 @@ class _Worker:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.proc: BaseProcess | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Connection | None = None
         self.started_at = 0.0
         self.heard_at: float | None = None
@@ -137,7 +137,6 @@ class CollectorPool:
     def __init__(self, fleet: Fleet, metrics: Metrics, workers: int | None = None) -> None:
         self.metrics = CollectorMetrics.of(metrics)
         self.n = workers or default_workers()
-        self._ctx = multiprocessing.get_context("spawn")
         self._inbox: collections.deque[tuple[EndpointKey, ScrapeResult]] = collections.deque()
         self._lock = threading.Lock()
         self._workers = [_Worker(i) for i in range(self.n)]
@@ -149,17 +148,29 @@ class CollectorPool:
     # -- processes
 
     def _start(self, w: _Worker) -> None:
-        parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=worker_main, args=(child, w.index), name=f"controlplane-collector-{w.index}", daemon=True
-        )
-        proc.start()
-        child.close()
-        w.proc, w.conn, w.started_at, w.heard_at, w.sent = proc, parent, time.monotonic(), None, None
+        # A fresh interpreter (`python -m ...collector_worker`), not a fork of this process
+        # (threads, gRPC) nor multiprocessing's spawn (which re-imports our __main__), talking
+        # over a socket pair.
+        ours, theirs = socket.socketpair()
+        with theirs:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "controlplane.signals.collector_worker",
+                    "--fd",
+                    str(theirs.fileno()),
+                    "--worker",
+                    str(w.index),
+                ],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        conn = Connection(ours.detach())
+        w.proc, w.conn, w.started_at, w.heard_at, w.sent = proc, conn, time.monotonic(), None, None
         w.counted = Stats()
-        threading.Thread(
-            target=self._read, args=(w, parent), daemon=True, name=f"collector-{w.index}"
-        ).start()
+        reader = threading.Thread(target=self._read, args=(w, conn), daemon=True, name=f"collector-{w.index}")
+        reader.start()
 
     def _read(self, w: _Worker, conn: Connection) -> None:
         while True:
@@ -184,10 +195,11 @@ class CollectorPool:
                 conn.send(("stop", None))
             conn.close()
         if proc is not None:
-            proc.join(timeout=1.0)
-            if proc.is_alive():
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(timeout=1.0)
+                proc.wait(timeout=5.0)
 
     def _watch(self, interval_s: float) -> None:
         """Start again a collector that died or went silent."""
@@ -195,14 +207,14 @@ class CollectorPool:
         silent_after = max(STUCK_AFTER_S, 5 * interval_s)
         for w in self._workers:
             reason = None
-            if w.proc is None or not w.proc.is_alive():
+            if w.proc is None or w.proc.poll() is not None:
                 reason = "exited"
             elif w.heard_at is None and now - w.started_at > START_TIMEOUT_S:
                 reason = "never reported"
             elif w.heard_at is not None and now - w.heard_at > silent_after:
                 reason = "silent"
             if reason is not None:
-                code = w.proc.exitcode if w.proc is not None else None
+                code = w.proc.returncode if w.proc is not None else None
                 log.warning("collector restarted", collector=w.index, reason=reason, exit_code=code)
                 self.metrics.restarts.labels(reason).inc()
                 self._stop(w)
@@ -270,7 +282,7 @@ class CollectorPool:
         with self._lock:
             for w in self._workers:
                 s, c = w.stats, w.counted
-                if w.heard_at is not None and w.proc is not None and w.proc.is_alive():
+                if w.heard_at is not None and w.proc is not None and w.proc.poll() is None:
                     live += 1
                 lag = max(lag, s.max_lag_s)
                 backing_off += s.backing_off

@@ -2,8 +2,10 @@
 compact load records to the control plane (I/O shell; runs outside the xDS process).
 
 Each endpoint is scraped on its own schedule (`signals/schedule.py`: spread over the
-interval, backing off from unreachable ones); at most `concurrency` scrapes run at once,
-and a scrape's timeout starts when it gets a slot, not while it waits for one. Pages are
+interval, backing off from unreachable ones); at most `concurrency` scrapes run at once
+per lane (one lane for endpoints that answered last time, one for those that did not,
+so hung servers never delay live ones), and a scrape's timeout starts when it gets a
+slot, not while it waits for one. Pages are
 parsed here (`parse_metrics`, only the families read), so the control plane receives a
 `ScrapeResult` with a `ServerSample`, never a page. Records go out in batches every
 `FLUSH_S`, with the process's counters (CPU seconds, pages, bytes, lag, back-off).
@@ -14,9 +16,12 @@ machine is short of CPU, serving xDS wins. It exits when the control plane goes 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
+import resource
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -60,12 +65,21 @@ class Stats:
     cpu_s: float = 0.0
 
 
-def main(conn: Connection, worker_id: int) -> None:
-    """The process entry point."""
+def main(argv: list[str] | None = None) -> None:
+    """The process entry point: `python -m controlplane.signals.collector_worker --fd N
+    --worker I`, started by CollectorPool with one end of a socket pair as fd N."""
+    p = argparse.ArgumentParser(description="a signal collector process (started by the control plane)")
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--worker", type=int, default=0)
+    a = p.parse_args(argv)
     with contextlib.suppress(OSError):
         os.nice(NICE)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_Worker(conn, worker_id).run())
+    with contextlib.suppress(OSError, ValueError):
+        # Two sockets per scrape in flight, two lanes: room for them whatever the default.
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the control plane stops us (Ctrl-C hits both)
+    asyncio.run(_Worker(Connection(a.fd), a.worker).run())
 
 
 class _Worker:
@@ -78,6 +92,7 @@ class _Worker:
         self.stop = asyncio.Event()
         self.wake = asyncio.Event()
         self.sem = asyncio.Semaphore(self.settings.concurrency)
+        self.failing_sem = asyncio.Semaphore(self.settings.concurrency)
         self.session: aiohttp.ClientSession | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -100,6 +115,7 @@ class _Worker:
             now = time.monotonic()
             if settings.concurrency != self.settings.concurrency:
                 self.sem = asyncio.Semaphore(settings.concurrency)
+                self.failing_sem = asyncio.Semaphore(settings.concurrency)
             self.settings = settings
             self.schedule.set_interval(settings.interval_s, now)
             self.schedule.set_targets(targets, now, first=first)
@@ -135,7 +151,11 @@ class _Worker:
 
     async def _one(self, key: EndpointKey, due: float) -> None:
         s = self.settings
-        async with self.sem:
+        # Two lanes: endpoints whose last scrape failed wait for their own slots, so a fleet
+        # of hung servers (each holding a slot for the whole timeout) never delays the
+        # scrapes of the ones that answer.
+        lane = self.failing_sem if self.schedule.failures.get(key) else self.sem
+        async with lane:
             started = time.monotonic()
             self.stats.max_lag_s = max(self.stats.max_lag_s, started - due)
             (h_status, _, h_err), (m_status, body, m_err) = await asyncio.gather(
@@ -206,3 +226,12 @@ class _Worker:
                 await loop.run_in_executor(None, self.conn.send, ("results", (batch, stats)))
             except (OSError, ValueError):
                 os._exit(0)
+
+
+if __name__ == "__main__":
+    # Run as the named module, not __main__: the records' classes must pickle by their
+    # importable names (controlplane.signals.collector_worker.Stats), as the control plane
+    # unpickles them.
+    from controlplane.signals import collector_worker
+
+    collector_worker.main()

@@ -145,7 +145,7 @@ def test_collectors_scrape_outside_wait_one_timeout_back_off_and_are_replaced(se
             victim = pool._workers[0].proc
             assert victim is not None
             victim.kill()
-            victim.join(5)
+            victim.wait(5)
             await pool.collect(fleet, targets)
             restarts = metrics.registry.get_sample_value(
                 "controlplane_signals_collector_restarts_total", {"reason": "exited"}
