@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -12,15 +13,23 @@ SOTW_METHOD = ADS + "StreamAggregatedResources"
 DELTA_METHOD = ADS + "DeltaAggregatedResources"
 
 
-def bench_fleet(clusters: int, endpoints: int) -> Fleet:
-    """`clusters` models with one version each, `endpoints` endpoints spread evenly."""
+def bench_fleet(clusters: int, endpoints: int, addresses: list[str] | None = None) -> Fleet:
+    """`clusters` models with one version each, `endpoints` endpoints spread evenly, on
+    loopback addresses (127.x.y.z: nothing is sent anywhere else, even when scraped), or
+    on `addresses` (host:port) in order."""
+    if addresses:
+        endpoints = len(addresses)
     per = max(1, endpoints // clusters)
     models = []
     n = 0
     for c in range(clusters):
         eps = []
         for _ in range(per):
-            eps.append(Endpoint(host=f"10.{n // 65536 % 256}.{n // 256 % 256}.{n % 256}", port=8000))
+            if addresses:
+                host, _, port = addresses[n].rpartition(":")
+                eps.append(Endpoint(host=host, port=int(port)))
+            else:
+                eps.append(Endpoint(host=f"127.{n // 65536 % 256 + 1}.{n // 256 % 256}.{n % 256}", port=8000))
             n += 1
         models.append(
             Model(name=f"m{c}", tier="all", stable="v1", versions=(Version("v1", tuple(eps)),), params_b=8)
@@ -52,3 +61,33 @@ def cpu_seconds(pid: int) -> float:
         fields = f.read().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
     return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (its collector processes, for CPU accounting)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of `pid` and every live process under it."""
+    total = 0.0
+    for p in (pid, *descendants(pid)):
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(p)
+    return total

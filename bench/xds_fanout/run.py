@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import cpu_seconds, rss_bytes  # noqa: E402
+from common import cpu_seconds, rss_bytes, tree_cpu_seconds  # noqa: E402
 
 
 def free_port() -> int:
@@ -66,6 +66,10 @@ class Result:
     burst_s: float = 0.0
     burst_snapshots: int = 0
     rebuild_ms: float | None = None
+    window_cores: float = 0.0  # CPU of the server and its processes during the updates, in cores
+    signals_before: list[float] = field(default_factory=list)
+    signals_after: list[float] = field(default_factory=list)
+    signals_delta: list[float] = field(default_factory=list)
 
     def q(self, p: float) -> float:
         if not self.conv:
@@ -101,7 +105,19 @@ def collect(q: queue.Queue[str], prefix: str, n: int, timeout: float) -> list[li
     return out
 
 
-def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: int, workers: int) -> Result:
+def run_one(
+    impl: str,
+    transport: str,
+    n: int,
+    c: int,
+    endpoints: int,
+    updates: int,
+    workers: int,
+    server_args: tuple[str, ...] = (),
+    settle_s: float = 1.0,
+) -> Result:
+    """One server (with `server_args`) and N clients. `settle_s`: wait after the initial
+    sync before the updates (the signals benchmark lets collection reach steady state)."""
     res = Result(impl, transport, n, c)
     port = free_port()
     delta = transport == "delta"
@@ -118,6 +134,7 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
             "--endpoints",
             str(endpoints),
             *(["--delta"] if delta else []),
+            *server_args,
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -181,11 +198,27 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
                 print(wait_for(sq, "status", 10), flush=True)
             raise
         res.sync_s = max(float(x[2]) for x in synced) - started
-        time.sleep(1.0)
+        signals = "--signals" in server_args
+        if signals:
+            # Steady state: the second half of the settling time, collection running.
+            time.sleep(settle_s / 2)
+            cpu0, t0 = tree_cpu_seconds(server.pid), time.monotonic()
+            send("signals")
+            res.signals_before = [float(x) for x in wait_for(sq, "signals", 10).split()[1:]]
+            time.sleep(settle_s / 2)
+            res.window_cores = (tree_cpu_seconds(server.pid) - cpu0) / (time.monotonic() - t0)
+            send("signals")
+            res.signals_after = [float(x) for x in wait_for(sq, "signals", 10).split()[1:]]
+            res.signals_delta = [a - b for a, b in zip(res.signals_after, res.signals_before, strict=True)]
+        else:
+            time.sleep(settle_s)
         res.rss_per_stream = (rss_bytes(server.pid) - rss0) / n
+        window_cpu0, window_t0 = tree_cpu_seconds(server.pid), time.monotonic()
         for u in range(updates):
             while not sq.empty():
                 sq.get_nowait()
+            while not cq.empty():
+                cq.get_nowait()  # EDS lines of earlier pushes (signals) are not this update's
             cpu0 = cpu_seconds(server.pid)
             send(f"update {u * 37 % c} {u + 1}")
             published = float(wait_for(sq, "published", 30).split()[2])
@@ -194,7 +227,9 @@ def run_one(impl: str, transport: str, n: int, c: int, endpoints: int, updates: 
             res.cpu_per_push.append(cpu_seconds(server.pid) - cpu0)
             res.conv += [float(x[2]) - published for x in got]
             res.update_bytes += [int(x[3]) for x in got]
-        if impl == "ours":
+        if not signals:
+            res.window_cores = (tree_cpu_seconds(server.pid) - window_cpu0) / (time.monotonic() - window_t0)
+        if impl == "ours" and not server_args:
             time.sleep(2.0)  # let the server go idle (pushes are counted when their write completes)
             while not sq.empty():
                 sq.get_nowait()

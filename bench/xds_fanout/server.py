@@ -45,12 +45,21 @@ async def commands(handle: object) -> None:
 
 
 async def run_ours(args: argparse.Namespace) -> None:
-    fleet = bench_fleet(args.clusters, args.endpoints)
+    addresses = Path(args.addresses).read_text().split() if args.addresses else None
+    fleet = bench_fleet(args.clusters, args.endpoints, addresses)
     cache = SnapshotCache()
     metrics = Metrics()
     reconciler = Reconciler(cache, metrics, debounce_s=args.debounce, max_delay_s=1.0)
     reconciler.on_publish.append(lambda s: say(f"published {s.generation} {time.monotonic():.6f}"))
     reconciler.set_fleet(fleet)
+    weights = None
+    if args.signals:
+        # As `controlplane serve` runs: the weight loop with its collector processes.
+        from controlplane.balancing.controller import WeightController
+
+        weights = WeightController(reconciler, metrics, collectors=args.collectors)
+        await weights.tick(first=True)
+        weights_task = asyncio.create_task(weights.run())
     reconciler.rebuild_now()
     xds = XdsServer(cache, metrics)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", 1 << 20)])
@@ -73,6 +82,22 @@ async def run_ours(args: argparse.Namespace) -> None:
                 cname, w = new_weights(fleet, i * 7919, 10_000 + i)
                 reconciler.set_weights(cname, w)
             say(f"burst_done {time.monotonic() - t:.6f}")
+        elif cmd[0] == "signals":
+            # The collectors' counters, as the control plane exports them.
+            names = (
+                "controlplane_signals_collector_cpu_seconds_total",
+                "controlplane_signals_pages_total",
+                "controlplane_signals_page_bytes_total",
+                "controlplane_signals_parse_seconds_total",
+                "controlplane_signals_endpoints_backing_off",
+                "controlplane_signals_scrape_lag_seconds",
+            )
+            values = [metrics.registry.get_sample_value(n) or 0.0 for n in names]
+            scrapes = sum(
+                metrics.registry.get_sample_value("controlplane_signals_scrapes_total", {"outcome": o}) or 0.0
+                for o in ("ok", "unreachable", "http_error", "unreadable")
+            )
+            say("signals " + " ".join(f"{v:.6f}" for v in (*values, scrapes)))
         elif cmd[0] == "pushes":
             total = sum(
                 metrics.registry.get_sample_value(
@@ -106,6 +131,9 @@ async def run_ours(args: argparse.Namespace) -> None:
 
     await commands(handle)
     task.cancel()
+    if weights is not None:
+        weights_task.cancel()
+        await weights.close()
     await server.stop(0)
 
 
@@ -114,7 +142,8 @@ async def run_floor(args: argparse.Namespace) -> None:
     from envoy.service.discovery.v3 import discovery_pb2
     from google.protobuf import any_pb2
 
-    fleet = bench_fleet(args.clusters, args.endpoints)
+    addresses = Path(args.addresses).read_text().split() if args.addresses else None
+    fleet = bench_fleet(args.clusters, args.endpoints, addresses)
     desired = translate(fleet)
     version = 1
 
@@ -219,6 +248,9 @@ def main() -> None:
     p.add_argument("--endpoints", type=int, default=10_000)
     p.add_argument("--delta", action="store_true", help="floor: which encoding updates use")
     p.add_argument("--debounce", type=float, default=0.1)
+    p.add_argument("--signals", action="store_true", help="ours: run the weight loop (collectors)")
+    p.add_argument("--addresses", help="ours: a file of host:port endpoint addresses, in order")
+    p.add_argument("--collectors", type=int, default=None, help="collector processes (default: by cores)")
     args = p.parse_args()
     configure_logging("json", "info")  # as `controlplane serve` runs by default
     asyncio.run(run_ours(args) if args.impl == "ours" else run_floor(args))
