@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from controlplane.signals.parse import MetricsPageInvalid, parse_metrics
 from controlplane.signals.schedule import Schedule
@@ -95,6 +96,9 @@ class _Worker:
         self.failing_sem = asyncio.Semaphore(self.settings.concurrency)
         self.session: aiohttp.ClientSession | None = None
         self.tasks: set[asyncio.Task[None]] = set()
+        # Built once per target, not per request (URL parsing is a good share of a request).
+        self._urls: dict[tuple[str, str], URL] = {}
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     # -- messages from the control plane (a reader thread hands them to the loop)
 
@@ -129,6 +133,8 @@ class _Worker:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=2, force_close=False),
             headers={"User-Agent": "inference-controlplane-scraper"},
+            auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding",),  # plain text: nothing to decompress
         )
         flusher = asyncio.create_task(self._flush_forever())
         try:
@@ -194,9 +200,16 @@ class _Worker:
     ) -> tuple[int | None, bytes | None, str | None]:
         """(status, body, error): error is set when no usable HTTP answer came in time."""
         assert self.session is not None
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        timeout = self._timeouts.get(timeout_s)
+        if timeout is None:
+            timeout = self._timeouts[timeout_s] = aiohttp.ClientTimeout(total=timeout_s)
+        url = self._urls.get((address, path))
+        if url is None:
+            if len(self._urls) > 65536:
+                self._urls.clear()
+            url = self._urls[(address, path)] = URL.build(scheme="http", authority=address, path=path)
         try:
-            async with self.session.get(f"http://{address}{path}", timeout=timeout) as resp:
+            async with self.session.get(url, timeout=timeout) as resp:
                 if not want_body:
                     return resp.status, None, None
                 if resp.content_length is not None and resp.content_length > MAX_PAGE_BYTES:
