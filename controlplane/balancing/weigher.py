@@ -93,6 +93,15 @@ class Weigher:
         self.current: dict[str, dict[str, int]] = {}
         self.views: dict[str, ClusterView] = {}
 
+    @staticmethod
+    def _load(fleet: Fleet, model: Model, ep: Endpoint, load_of: LoadOf) -> EndpointLoad:
+        load = load_of(model, ep)
+        fits = fleet.fits(model, ep)
+        preferred = ep.gpu is not None and ep.gpu in model.preferred_gpus
+        if fits != load.fits or preferred != load.preferred:  # copied only when they differ
+            load = dataclasses.replace(load, fits=fits, preferred=preferred)
+        return load
+
     def update(self, fleet: Fleet, load_of: LoadOf) -> dict[str, dict[str, int]]:
         """Recompute every cluster; return {cluster: weights} for those that changed."""
         cfg = policy_config(fleet)
@@ -105,14 +114,7 @@ class Weigher:
             policy = POLICIES[policy_name]
             for version in model.versions:
                 cname = cluster_name(model.name, version.name)
-                loads = tuple(
-                    dataclasses.replace(
-                        load_of(model, ep),
-                        fits=fleet.fits(model, ep),
-                        preferred=ep.gpu is not None and ep.gpu in model.preferred_gpus,
-                    )
-                    for ep in version.endpoints
-                )
+                loads = tuple(self._load(fleet, model, ep, load_of) for ep in version.endpoints)
                 target = policy(loads, cfg)
                 previous = self.current.get(cname, {})
                 weights = smooth(previous, target, self.smoothing)

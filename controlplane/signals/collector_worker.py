@@ -164,10 +164,20 @@ class _Worker:
         async with lane:
             started = time.monotonic()
             self.stats.max_lag_s = max(self.stats.max_lag_s, started - due)
-            (h_status, _, h_err), (m_status, body, m_err) = await asyncio.gather(
-                self._get(key[1], s.health_path, s.timeout_s, want_body=False),
-                self._get(key[1], s.metrics_path, s.timeout_s, want_body=True),
-            )
+            if lane is self.failing_sem:
+                # It did not answer last time: one probe of /health; the page only if it answers.
+                h_status, _, h_err = await self._get(key[1], s.health_path, s.timeout_s, want_body=False)
+                if h_status is None:
+                    m_status, body, m_err = None, None, h_err
+                else:
+                    m_status, body, m_err = await self._get(
+                        key[1], s.metrics_path, s.timeout_s, want_body=True
+                    )
+            else:
+                (h_status, _, h_err), (m_status, body, m_err) = await asyncio.gather(
+                    self._get(key[1], s.health_path, s.timeout_s, want_body=False),
+                    self._get(key[1], s.metrics_path, s.timeout_s, want_body=True),
+                )
         reached = h_status is not None or m_status is not None
         self.stats.scrapes += 1
         if not reached:
