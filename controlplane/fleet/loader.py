@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -17,6 +18,7 @@ from controlplane.fleet.model import (
     DTYPE_BYTES,
     MEMORY_OVERHEAD,
     POLICY_NAMES,
+    SIGNAL_SOURCES,
     Affinity,
     CircuitBreaker,
     Endpoint,
@@ -25,6 +27,7 @@ from controlplane.fleet.model import (
     ListenerSpec,
     Model,
     PriorityClass,
+    PrometheusSpec,
     SignalsSpec,
     Tier,
     TrafficPolicy,
@@ -368,7 +371,7 @@ _SIGNAL_DURATIONS = {
 
 
 def _signals(value: Any, errs: _Errors) -> SignalsSpec | None:
-    allowed = {"enabled", "metrics_path", "health_path", *_SIGNAL_DURATIONS}
+    allowed = {"enabled", "metrics_path", "health_path", "source", "prometheus", *_SIGNAL_DURATIONS}
     m = _mapping(value, "signals", errs, allowed)
     if m is None:
         return None
@@ -386,6 +389,20 @@ def _signals(value: Any, errs: _Errors) -> SignalsSpec | None:
     for key, field_name in _SIGNAL_DURATIONS.items():
         if key in m:
             kwargs[field_name] = _duration(m[key], f"signals.{key}", errs)
+    if "source" in m:
+        if m["source"] not in SIGNAL_SOURCES:
+            errs.add(
+                "signals.source",
+                f"unknown source {m['source']!r} (known: {', '.join(sorted(SIGNAL_SOURCES))})",
+            )
+        kwargs["source"] = m["source"]
+    if "prometheus" in m:
+        kwargs["prometheus"] = _prometheus(m["prometheus"], errs)
+    elif kwargs.get("source") == "prometheus":
+        reason = "required when signals.source is prometheus (at least its url)"
+        errs.items.append(
+            ConfigError(errs.file, "signals.prometheus", reason, errs.lines.get("signals.source"))
+        )
     if len(errs.items) != before:
         return None
     spec = SignalsSpec(**kwargs)
@@ -393,7 +410,57 @@ def _signals(value: Any, errs: _Errors) -> SignalsSpec | None:
         errs.add("signals.timeout", f"must not exceed signals.interval ({spec.interval_s:g}s)")
     if spec.stale_full_s <= spec.stale_after_s:
         errs.add("signals.stale_full", f"must be greater than signals.stale_after ({spec.stale_after_s:g}s)")
+    prom = spec.prometheus if spec.source == "prometheus" else None
+    if prom is not None and spec.stale_after_s < prom.interval_s:
+        # Every sample is already up to one query interval old when it arrives.
+        errs.add(
+            "signals.stale_after",
+            f"must be at least signals.prometheus.interval ({prom.interval_s:g}s) with the prometheus source",
+        )
     return spec if len(errs.items) == before else None
+
+
+_LABEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _prometheus(value: Any, errs: _Errors) -> PrometheusSpec | None:
+    path = "signals.prometheus"
+    m = _mapping(value, path, errs, {"url", "interval", "timeout", "address_label"})
+    if m is None:
+        return None
+    before = len(errs.items)
+    kwargs: dict[str, Any] = {}
+    if "url" not in m:
+        reason = "required: the Prometheus server, e.g. http://prometheus:9090"
+        errs.items.append(ConfigError(errs.file, f"{path}.url", reason, errs.lines.get(path)))
+    else:
+        url = m["url"]
+        parts = urlsplit(url.strip()) if isinstance(url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            errs.add(f"{path}.url", f"expected http://HOST:PORT or https://HOST:PORT, got {url!r}")
+        elif parts.query or parts.fragment:
+            errs.add(f"{path}.url", f"expected no query or fragment, got {url!r}")
+        else:
+            try:
+                _ = parts.port  # raises ValueError on a bad port
+            except ValueError as e:
+                errs.add(f"{path}.url", f"bad port in {url!r}: {e}")
+            kwargs["url"] = url.strip().rstrip("/")
+    for key in ("interval", "timeout"):
+        if key in m:
+            kwargs[f"{key}_s"] = _duration(m[key], f"{path}.{key}", errs)
+    if "address_label" in m:
+        label = m["address_label"]
+        if not isinstance(label, str) or not _LABEL_NAME.match(label):
+            errs.add(f"{path}.address_label", f"expected a Prometheus label name, got {label!r}")
+        kwargs["address_label"] = label
+    if len(errs.items) != before:
+        return None
+    spec = PrometheusSpec(**kwargs)
+    if spec.timeout_s > spec.interval_s:
+        errs.add(f"{path}.timeout", f"must not exceed {path}.interval ({spec.interval_s:g}s)")
+        return None
+    return spec
 
 
 def _listener(value: Any, errs: _Errors) -> ListenerSpec | None:

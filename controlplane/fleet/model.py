@@ -150,11 +150,26 @@ DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "
 MEMORY_OVERHEAD = 1.2  # activations and a minimal KV cache on top of the weights
 
 
+SIGNAL_SOURCES = ("scrape", "prometheus")  # where load signals come from (signals/source.py)
+
+
+@dataclass(frozen=True)
+class PrometheusSpec:
+    """The Prometheus server the `prometheus` signal source asks (instant PromQL queries)."""
+
+    url: str  # http(s)://HOST:PORT, maybe with a path prefix; no trailing slash
+    interval_s: float = 2.0  # how often the queries run (weight rounds in between get nothing new)
+    timeout_s: float = 1.0  # per query; a slow Prometheus delays a weight round at most this
+    address_label: str = "instance"  # the series label that carries the endpoint's host:port
+
+
 @dataclass(frozen=True)
 class SignalsSpec:
     """How load signals are collected from the inference servers."""
 
     enabled: bool = True
+    source: str = "scrape"  # one of SIGNAL_SOURCES
+    prometheus: PrometheusSpec | None = None  # required when source is prometheus
     interval_s: float = 1.0  # scrape period, and the period weights are recomputed
     timeout_s: float = 0.5  # per endpoint and scrape; a slow server cannot delay the others
     metrics_path: str = "/metrics"

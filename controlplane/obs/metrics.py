@@ -109,6 +109,7 @@ class Metrics:
             registry=r,
         )
         self.balancing = BalancingMetrics(r)
+        self.prometheus_source = PrometheusSourceMetrics(r)
         self.rollouts = RolloutMetrics(r)
         self.proxies_nacked = Gauge(
             "controlplane_xds_proxies_nacked",
@@ -266,5 +267,45 @@ class RolloutMetrics:
             "controlplane_admin_requests_total",
             "Operator API calls, by method and gRPC status code.",
             ["method", "code"],
+            registry=r,
+        )
+
+
+PROMETHEUS_OUTCOMES = ("success", "error", "http_error", "unreachable", "timeout", "invalid")
+
+
+class PrometheusSourceMetrics:
+    """The `prometheus` signal source's queries (signals/prometheus.py)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.queries = Counter(
+            "controlplane_signals_prometheus_queries_total",
+            "Instant queries sent to Prometheus, by query (the family read) and outcome (success, "
+            "error: Prometheus answered status error; http_error, unreachable, timeout, invalid: "
+            "an answer that is not the expected JSON).",
+            ["query", "outcome"],
+            registry=r,
+        )
+        self.query_seconds = Histogram(
+            "controlplane_signals_prometheus_query_seconds",
+            "Time from sending one instant query to Prometheus to its answer read and decoded.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
+        self.series_matched = Gauge(
+            "controlplane_signals_prometheus_series_matched",
+            "Series in the latest complete round of answers that counted for a fleet endpoint.",
+            registry=r,
+        )
+        self.series_unmatched = Gauge(
+            "controlplane_signals_prometheus_series_unmatched",
+            "Series in the latest complete round of answers that named no fleet endpoint (another "
+            "address, or another model's series).",
+            registry=r,
+        )
+        self.endpoints_without_series = Gauge(
+            "controlplane_signals_prometheus_endpoints_without_series",
+            "Fleet endpoints for which the latest complete round found no series (Prometheus does not "
+            "scrape them, cannot reach them, or labels them otherwise); their signals fade.",
             registry=r,
         )

@@ -38,6 +38,10 @@ def make_source(fleet: Fleet, metrics: Metrics, collectors: int | None = None) -
     """The source the fleet's `signals` section asks for. `collectors`: scrape with that
     many collector processes (None: sized to the cores; 0: in this process, for debugging
     and tools only, as it competes with xDS for this process's CPU)."""
+    if fleet.signals.source == "prometheus":
+        from controlplane.signals.prometheus import PrometheusSource
+
+        return PrometheusSource(fleet, metrics)
     if collectors == 0:
         from controlplane.signals.scrape import InlineScrapeSource
 

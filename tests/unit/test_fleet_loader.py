@@ -7,6 +7,7 @@ import pytest
 from controlplane.cli.main import main
 from controlplane.fleet import FleetConfigInvalid, load_fleet, parse_fleet
 from controlplane.fleet.loader import parse_address, parse_duration
+from controlplane.fleet.model import PrometheusSpec
 from tests.fleets import BASIC
 
 
@@ -348,3 +349,111 @@ def test_a_stable_version_that_fits_nowhere_and_unknown_preferred_classes_are_er
         for e in errs
     )
     assert any("models.big.preferred_gpus: 'B200' is neither a gpu_classes entry" in e for e in errs)
+
+
+# ---- signals.source: prometheus ----------------------------------------------------------
+
+
+def test_the_signal_source_defaults_to_scrape() -> None:
+    fleet = parse_fleet(BASIC)
+    assert (fleet.signals.source, fleet.signals.prometheus) == ("scrape", None)
+
+
+def test_the_prometheus_source_loads_with_its_settings() -> None:
+    fleet = parse_fleet(
+        BASIC + "signals:\n  source: prometheus\n  prometheus: {url: 'http://10.0.0.9:9090/', interval: 3s, "
+        "timeout: 800ms, address_label: pod_address}\n"
+    )
+    assert fleet.signals.source == "prometheus"
+    assert fleet.signals.prometheus == PrometheusSpec(
+        url="http://10.0.0.9:9090", interval_s=3.0, timeout_s=0.8, address_label="pod_address"
+    )
+
+
+def test_the_prometheus_source_defaults_everything_but_the_url() -> None:
+    fleet = parse_fleet(
+        BASIC + "signals: {source: prometheus, prometheus: {url: 'https://prom.example/x'}}\n"
+    )
+    assert fleet.signals.prometheus == PrometheusSpec(url="https://prom.example/x")
+    assert (fleet.signals.prometheus.interval_s, fleet.signals.prometheus.timeout_s) == (2.0, 1.0)
+    assert fleet.signals.prometheus.address_label == "instance"
+
+
+def test_a_prometheus_section_is_kept_while_the_source_is_scrape() -> None:
+    fleet = parse_fleet(BASIC + "signals: {prometheus: {url: 'http://127.0.0.1:9090'}}\n")
+    assert fleet.signals.source == "scrape"
+    assert fleet.signals.prometheus is not None
+
+
+def test_an_unknown_signal_source_is_refused() -> None:
+    assert errors_of(BASIC + "signals: {source: promql}\n") == [
+        "fleet.yaml:17: signals.source: unknown source 'promql' (known: prometheus, scrape)"
+    ]
+
+
+def test_the_prometheus_source_needs_its_section_and_url() -> None:
+    assert errors_of(BASIC + "signals: {source: prometheus}\n") == [
+        "fleet.yaml:17: signals.prometheus: required when signals.source is prometheus (at least its url)"
+    ]
+    assert errors_of(BASIC + "signals: {source: prometheus, prometheus: {interval: 2s}}\n") == [
+        "fleet.yaml:17: signals.prometheus.url: required: the Prometheus server, e.g. http://prometheus:9090"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("ftp://10.0.0.9:9090", "expected http://HOST:PORT or https://HOST:PORT, got 'ftp://10.0.0.9:9090'"),
+        ("10.0.0.9:9090", "expected http://HOST:PORT or https://HOST:PORT, got '10.0.0.9:9090'"),
+        ("http://", "expected http://HOST:PORT or https://HOST:PORT, got 'http://'"),
+        ("9090", "expected http://HOST:PORT or https://HOST:PORT, got 9090"),
+        ("http://10.0.0.9:9090/?x=1", "expected no query or fragment, got 'http://10.0.0.9:9090/?x=1'"),
+        ("http://10.0.0.9:99999", "bad port in 'http://10.0.0.9:99999'"),
+    ],
+)
+def test_a_prometheus_url_that_is_not_http_is_refused(url: str, reason: str) -> None:
+    value = url if url == "9090" else f"'{url}'"
+    errs = errors_of(BASIC + f"signals: {{source: prometheus, prometheus: {{url: {value}}}}}\n")
+    assert len(errs) == 1, errs
+    assert errs[0].startswith("fleet.yaml:17: signals.prometheus.url: " + reason), errs
+
+
+def test_prometheus_settings_errors_name_the_field() -> None:
+    errs = errors_of(
+        BASIC + "signals:\n  source: prometheus\n  prometheus:\n    url: 'http://127.0.0.1:9090'\n"
+        "    interval: soon\n    timeout: -1s\n    address_label: 'host:port'\n    job: vllm\n"
+    )
+    assert errs == [
+        "fleet.yaml:24: signals.prometheus.job: unknown key (allowed: address_label, interval, timeout, url)",
+        "fleet.yaml:21: signals.prometheus.interval: expected a duration such as 60s, 500ms, 3m; got 'soon'",
+        "fleet.yaml:22: signals.prometheus.timeout: expected a duration such as 60s, 500ms, 3m; got '-1s'",
+        "fleet.yaml:23: signals.prometheus.address_label: expected a Prometheus label name, got 'host:port'",
+    ]
+    errs = errors_of(BASIC + "signals: {source: prometheus, prometheus: [http://127.0.0.1:9090]}\n")
+    assert errs == ["fleet.yaml:17: signals.prometheus: expected a mapping, got a list"]
+
+
+def test_the_prometheus_timeout_is_within_its_interval() -> None:
+    errs = errors_of(
+        BASIC + "signals: {source: prometheus, prometheus: {url: 'http://127.0.0.1:9090', interval: 1s, "
+        "timeout: 2s}}\n"
+    )
+    assert errs == [
+        "fleet.yaml:17: signals.prometheus.timeout: must not exceed signals.prometheus.interval (1s)"
+    ]
+
+
+def test_signals_go_stale_no_sooner_than_one_prometheus_interval() -> None:
+    text = (
+        "signals: {source: prometheus, stale_after: 3s, "
+        "prometheus: {url: 'http://127.0.0.1:9090', interval: 5s}}\n"
+    )
+    errs = errors_of(BASIC + text)
+    assert errs == [
+        "fleet.yaml:17: signals.stale_after: must be at least signals.prometheus.interval (5s) with the "
+        "prometheus source"
+    ]
+    # The same section with the scrape source is not checked: its interval is not used.
+    assert (
+        parse_fleet(BASIC + text.replace("source: prometheus", "source: scrape")).signals.source == "scrape"
+    )
