@@ -66,6 +66,21 @@ class Stats:
     cpu_s: float = 0.0
 
 
+async def read_page(content: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """The whole body, however many reads it arrives in (`read(n)` returns what has arrived,
+    not n bytes), or None once it is over `limit` bytes."""
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        chunk = await content.read(1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        total += len(chunk)
+        if total > limit:
+            return None
+        chunks.append(chunk)
+
+
 def main(argv: list[str] | None = None) -> None:
     """The process entry point: `python -m controlplane.signals.collector_worker --fd N
     --worker I`, started by CollectorPool with one end of a socket pair as fd N."""
@@ -224,8 +239,8 @@ class _Worker:
                     return resp.status, None, None
                 if resp.content_length is not None and resp.content_length > MAX_PAGE_BYTES:
                     return resp.status, None, f"page of {resp.content_length} bytes is over the limit"
-                body = await resp.content.read(MAX_PAGE_BYTES + 1)
-                if len(body) > MAX_PAGE_BYTES:
+                body = await read_page(resp.content, MAX_PAGE_BYTES)
+                if body is None:
                     return resp.status, None, f"page is over the {MAX_PAGE_BYTES} byte limit"
                 return resp.status, body, None
         except TimeoutError:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import aiohttp
 
 from controlplane.fleet.model import Fleet
+from controlplane.signals.collector_worker import read_page
 from controlplane.signals.store import EndpointKey, ScrapeResult
 
 MAX_PAGE_BYTES = 4 << 20  # a metrics page larger than this is refused, not buffered
@@ -82,8 +83,8 @@ class Scraper:
                     return resp.status, None, None
                 if resp.content_length is not None and resp.content_length > MAX_PAGE_BYTES:
                     return resp.status, None, f"page of {resp.content_length} bytes is over the limit"
-                body = await resp.content.read(MAX_PAGE_BYTES + 1)
-                if len(body) > MAX_PAGE_BYTES:
+                body = await read_page(resp.content, MAX_PAGE_BYTES)
+                if body is None:
                     return resp.status, None, f"page is over the {MAX_PAGE_BYTES} byte limit"
                 return resp.status, body.decode("utf-8", errors="replace"), None
         except TimeoutError:

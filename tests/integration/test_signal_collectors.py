@@ -33,15 +33,25 @@ PAGE = (
 )
 
 
+# Families that are not read, before the ones read, as on a real page: about 40 KB.
+FILLER = "".join(f'vllm:iteration_tokens_total_bucket{{le="{i}",model_name="m"}} {i}\n' for i in range(700))
+
+
 class _Handler(BaseHTTPRequestHandler):
     waiting = 0
 
     def do_GET(self) -> None:
-        body = b"ok" if self.path == "/health" else PAGE.format(waiting=self.server.waiting).encode()  # type: ignore[attr-defined]
+        waiting = self.server.waiting  # type: ignore[attr-defined]
+        body = b"ok" if self.path == "/health" else (FILLER + PAGE.format(waiting=waiting)).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        # The page in three writes, apart: a client must read it whole, not what came first.
+        third = len(body) // 3
+        for part in (body[:third], body[third : 2 * third], body[2 * third :]):
+            self.wfile.write(part)
+            self.wfile.flush()
+            time.sleep(0.01)
 
     def log_message(self, *args: object) -> None:
         pass
