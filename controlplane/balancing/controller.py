@@ -11,6 +11,7 @@ round.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import structlog
@@ -18,6 +19,7 @@ import structlog
 from controlplane.balancing.shedding import saturation, shed_classes
 from controlplane.balancing.weigher import Weigher, load_balance_degree, relative_capacity
 from controlplane.fleet.model import Fleet
+from controlplane.obs.endpoint_metrics import EndpointRow
 from controlplane.obs.metrics import Metrics
 from controlplane.routing.names import cluster_name
 from controlplane.signals.scrape import scrape_targets
@@ -44,8 +46,6 @@ class WeightController:
         self.store = store or SignalStore()
         self.weigher = Weigher()
         self._source: SignalSource | None = None
-        self._exported: set[tuple[str, str, str]] = set()
-        self._errors_exported: dict[tuple[str, str, str], int] = {}
         self._ready: dict[tuple[str, str], bool] = {}
         self._models_exported: set[str] = set()
         self.rounds = 0
@@ -142,44 +142,34 @@ class WeightController:
                 self._ready[key] = load.ready
 
     def _export(self, fleet: Fleet, now: float) -> None:
+        """Per-endpoint gauges: one tuple of rows handed over (rendered when /metrics is read,
+        obs/endpoint_metrics.py); per-model gauges set here."""
         b = self.metrics.balancing
-        seen: set[tuple[str, str, str]] = set()
+        rows: list[EndpointRow] = []
+        endpoints = self.store.endpoints
         for view in self.weigher.views.values():
             for load in view.loads:
-                labels = (view.model, view.version, load.address)
-                seen.add(labels)
-                b.weight.labels(*labels).set(view.weights.get(load.address, 0))
-                b.ready.labels(*labels).set(1 if load.ready else 0)
-                b.capacity.labels(*labels).set(load.capacity)
-                b.running.labels(*labels).set(load.running)
-                b.waiting.labels(*labels).set(load.waiting)
-                b.kv.labels(*labels).set(load.kv_use)
-                b.latency.labels(*labels).set(load.latency_s if load.latency_s is not None else float("nan"))
-                b.error_rate.labels(*labels).set(load.error_rate)
-                b.signal_age.labels(*labels).set(load.age_s)
-                b.in_flight.labels(*labels).set(self.store.lrs_totals((view.model, load.address), now)[0])
-                sig = self.store.endpoints.get((view.model, load.address))
-                errors = sig.scrape_errors if sig is not None else 0
-                new = errors - self._errors_exported.get(labels, 0)
-                b.scrape_errors.labels(*labels).inc(max(0, new))
-                self._errors_exported[labels] = errors
-        for labels in self._exported - seen:
-            for g in (
-                b.weight,
-                b.capacity,
-                b.ready,
-                b.running,
-                b.waiting,
-                b.kv,
-                b.latency,
-                b.error_rate,
-                b.signal_age,
-            ):
-                g.remove(*labels)
-            b.in_flight.remove(*labels)
-            b.scrape_errors.remove(*labels)
-            self._errors_exported.pop(labels, None)
-        self._exported = seen
+                key = (view.model, load.address)
+                sig = endpoints.get(key)
+                rows.append(
+                    EndpointRow(
+                        view.model,
+                        view.version,
+                        load.address,
+                        view.weights.get(load.address, 0),
+                        load.ready,
+                        load.capacity,
+                        load.running,
+                        load.waiting,
+                        load.kv_use,
+                        load.latency_s if load.latency_s is not None else math.nan,
+                        load.error_rate,
+                        load.age_s,
+                        self.store.lrs_totals(key, now)[0] if sig is not None and sig.lrs else 0.0,
+                        sig.scrape_errors if sig is not None else 0,
+                    )
+                )
+        b.endpoints.publish(tuple(rows))
         models: set[str] = set()
         for m in fleet.models:
             stable = self.weigher.views.get(cluster_name(m.name, m.stable))

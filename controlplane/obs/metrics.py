@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from controlplane.obs.endpoint_metrics import EndpointRows
+
 _TYPE_SHORT = {
     "type.googleapis.com/envoy.config.listener.v3.Listener": "listener",
     "type.googleapis.com/envoy.config.route.v3.RouteConfiguration": "route",
@@ -109,6 +111,7 @@ class Metrics:
             registry=r,
         )
         self.balancing = BalancingMetrics(r)
+        self.collectors = CollectorMetrics(r)
         self.prometheus_source = PrometheusSourceMetrics(r)
         self.rollouts = RolloutMetrics(r)
         self.proxies_nacked = Gauge(
@@ -132,44 +135,9 @@ class BalancingMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, ENDPOINT_LABELS, registry=r)
-
-        self.weight = gauge(
-            "controlplane_endpoint_weight",
-            "EDS load_balancing_weight pushed for the endpoint (0: held out, not ready).",
-        )
-        self.capacity = gauge(
-            "controlplane_endpoint_capacity",
-            "Relative capacity used for the endpoint: declared (GPU class or endpoint) or learnt "
-            "from its observed throughput against its peers'.",
-        )
-        self.ready = gauge("controlplane_endpoint_ready", "1 if the endpoint is ready (/health), else 0.")
-        self.running = gauge("controlplane_endpoint_running", "Requests the server reports running.")
-        self.waiting = gauge("controlplane_endpoint_waiting", "Requests the server reports queued.")
-        self.kv = gauge("controlplane_endpoint_kv_cache_usage", "KV-cache use the server reports (0-1).")
-        self.latency = gauge(
-            "controlplane_endpoint_latency_seconds",
-            "EWMA of the mean end-to-end request latency the server reports, per scrape interval.",
-        )
-        self.error_rate = gauge(
-            "controlplane_endpoint_error_rate",
-            "EWMA error share: the worse of the server's counters and the proxies' load reports.",
-        )
-        self.in_flight = gauge(
-            "controlplane_endpoint_in_flight",
-            "Requests in progress to the endpoint, summed over all proxies' load reports (LRS).",
-        )
-        self.signal_age = gauge(
-            "controlplane_endpoint_signal_age_seconds",
-            "Age of the endpoint's newest readable metrics page (+Inf: never read).",
-        )
-        self.scrape_errors = Counter(
-            "controlplane_endpoint_scrape_errors_total",
-            "Scrapes of the endpoint's /metrics that failed or returned an unreadable page.",
-            ENDPOINT_LABELS,
-            registry=r,
-        )
+        # Per endpoint: rendered from the weight loop's latest rows when read (cheap rounds).
+        self.endpoints = EndpointRows()
+        r.register(self.endpoints)
         self.balance_degree = Gauge(
             "controlplane_model_load_balance_degree",
             "L: standard deviation of the utilisation ((running + waiting) / capacity) of the ready "
@@ -308,4 +276,56 @@ class PrometheusSourceMetrics:
             "Fleet endpoints for which the latest complete round found no series (Prometheus does not "
             "scrape them, cannot reach them, or labels them otherwise); their signals fade.",
             registry=r,
+        )
+
+
+class CollectorMetrics:
+    """The `scrape` signal source's collector processes (signals/collector.py): the
+    observer observed."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.cpu = Counter(
+            "controlplane_signals_collector_cpu_seconds",
+            "CPU seconds used by the collector processes (scraping and parsing, outside xDS).",
+            registry=r,
+        )
+        self.scrapes = Counter(
+            "controlplane_signals_scrapes",
+            "Endpoint scrapes by outcome: ok, unreachable (no HTTP answer), http_error "
+            "(/metrics answered non-200), unreadable (a page that does not parse).",
+            ["outcome"],
+            registry=r,
+        )
+        self.pages = Counter("controlplane_signals_pages", "Metrics pages read.", registry=r)
+        self.page_bytes = Counter(
+            "controlplane_signals_page_bytes", "Bytes of metrics pages read.", registry=r
+        )
+        self.parse = Counter(
+            "controlplane_signals_parse_seconds",
+            "Seconds spent parsing metrics pages (the families read only) in the collectors.",
+            registry=r,
+        )
+        self.lag = Gauge(
+            "controlplane_signals_scrape_lag_seconds",
+            "The latest a scrape started after its due time since the last round (0: on time; "
+            "grows when collectors are short of CPU or of concurrency).",
+            registry=r,
+        )
+        self.backing_off = Gauge(
+            "controlplane_signals_endpoints_backing_off",
+            "Endpoints unreachable for longer than the hold-out threshold, probed less often "
+            "(up to every 30 s, jittered) until they answer.",
+            registry=r,
+        )
+        self.collectors = Gauge(
+            "controlplane_signals_collectors", "Collector processes running and reporting.", registry=r
+        )
+        self.restarts = Counter(
+            "controlplane_signals_collector_restarts",
+            "Collector processes started again after dying or going silent.",
+            ["reason"],
+            registry=r,
+        )
+        self.records = Counter(
+            "controlplane_signals_records", "Load records received from the collectors.", registry=r
         )

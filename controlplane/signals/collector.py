@@ -28,10 +28,8 @@ import time
 import zlib
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
-from typing import ClassVar
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from controlplane.fleet.model import Fleet
 from controlplane.obs.metrics import Metrics
@@ -57,66 +55,6 @@ def settings_of(fleet: Fleet) -> Settings:
     return Settings(s.interval_s, s.timeout_s, s.metrics_path, s.health_path, CONCURRENCY)
 
 
-class CollectorMetrics:
-    """The observer observed: registered once per Metrics registry."""
-
-    _by_registry: ClassVar[dict[int, CollectorMetrics]] = {}
-
-    @classmethod
-    def of(cls, metrics: Metrics) -> CollectorMetrics:
-        found = cls._by_registry.get(id(metrics.registry))
-        if found is None:
-            found = cls._by_registry[id(metrics.registry)] = cls(metrics.registry)
-        return found
-
-    def __init__(self, r: CollectorRegistry) -> None:
-        self.cpu = Counter(
-            "controlplane_signals_collector_cpu_seconds",
-            "CPU seconds used by the collector processes (scraping and parsing, outside xDS).",
-            registry=r,
-        )
-        self.scrapes = Counter(
-            "controlplane_signals_scrapes",
-            "Endpoint scrapes by outcome: ok, unreachable (no HTTP answer), http_error "
-            "(/metrics answered non-200), unreadable (a page that does not parse).",
-            ["outcome"],
-            registry=r,
-        )
-        self.pages = Counter("controlplane_signals_pages", "Metrics pages read.", registry=r)
-        self.page_bytes = Counter(
-            "controlplane_signals_page_bytes", "Bytes of metrics pages read.", registry=r
-        )
-        self.parse = Counter(
-            "controlplane_signals_parse_seconds",
-            "Seconds spent parsing metrics pages (the families read only) in the collectors.",
-            registry=r,
-        )
-        self.lag = Gauge(
-            "controlplane_signals_scrape_lag_seconds",
-            "The latest a scrape started after its due time since the last round (0: on time; "
-            "grows when collectors are short of CPU or of concurrency).",
-            registry=r,
-        )
-        self.backing_off = Gauge(
-            "controlplane_signals_endpoints_backing_off",
-            "Endpoints unreachable for longer than the hold-out threshold, probed less often "
-            "(up to every 30 s, jittered) until they answer.",
-            registry=r,
-        )
-        self.collectors = Gauge(
-            "controlplane_signals_collectors", "Collector processes running and reporting.", registry=r
-        )
-        self.restarts = Counter(
-            "controlplane_signals_collector_restarts",
-            "Collector processes started again after dying or going silent.",
-            ["reason"],
-            registry=r,
-        )
-        self.records = Counter(
-            "controlplane_signals_records", "Load records received from the collectors.", registry=r
-        )
-
-
 class _Worker:
     """One collector process and the thread that reads its records."""
 
@@ -135,7 +73,7 @@ class CollectorPool:
     """SignalSource `scrape`: collector processes, merged here."""
 
     def __init__(self, fleet: Fleet, metrics: Metrics, workers: int | None = None) -> None:
-        self.metrics = CollectorMetrics.of(metrics)
+        self.metrics = metrics.collectors
         self.n = workers or default_workers()
         self._inbox: collections.deque[tuple[EndpointKey, ScrapeResult]] = collections.deque()
         self._lock = threading.Lock()
