@@ -38,12 +38,16 @@ async def stream(target: str, sid: str, delta: bool, ready: asyncio.Event) -> No
     for attempt in range(5):
         synced = asyncio.Event()
         task = asyncio.create_task(_stream(target, sid, delta, synced))
-        try:
-            await asyncio.wait_for(asyncio.shield(synced.wait()), 30)
-        except TimeoutError:
+        waiter = asyncio.create_task(synced.wait())
+        # Synced, or the stream ended first (a server not up yet fails at once): whichever
+        # comes first, not a 30 s wait for a sync that cannot come.
+        done, _ = await asyncio.wait({task, waiter}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
             task.cancel()
+            waiter.cancel()
             say(f"retry {sid} {attempt} no-sync")
             continue
+        waiter.cancel()
         try:
             await task
             return
