@@ -66,6 +66,34 @@ class Stats:
     cpu_s: float = 0.0
 
 
+async def fetch(
+    session: aiohttp.ClientSession,
+    url: URL | str,
+    path: str,
+    timeout: aiohttp.ClientTimeout,
+    *,
+    want_body: bool,
+) -> tuple[int | None, bytes | None, str | None]:
+    """One GET: (status, body, error); error is set when no usable HTTP answer came in time.
+    A body over MAX_PAGE_BYTES is refused, not buffered."""
+    try:
+        async with session.get(url, timeout=timeout) as resp:
+            if not want_body:
+                return resp.status, None, None
+            if resp.content_length is not None and resp.content_length > MAX_PAGE_BYTES:
+                return resp.status, None, f"page of {resp.content_length} bytes is over the limit"
+            body = await read_page(resp.content, MAX_PAGE_BYTES)
+            if body is None:
+                return resp.status, None, f"page is over the {MAX_PAGE_BYTES} byte limit"
+            return resp.status, body, None
+    except TimeoutError:
+        return None, None, f"GET {path} timed out after {timeout.total:g}s"
+    except aiohttp.ClientError as e:
+        return None, None, f"GET {path} failed: {e.__class__.__name__}: {e}"
+    except OSError as e:
+        return None, None, f"GET {path} failed: {e}"
+
+
 async def read_page(content: aiohttp.StreamReader, limit: int) -> bytes | None:
     """The whole body, however many reads it arrives in (`read(n)` returns what has arrived,
     not n bytes), or None once it is over `limit` bytes."""
@@ -233,22 +261,7 @@ class _Worker:
             if len(self._urls) > 65536:
                 self._urls.clear()
             url = self._urls[(address, path)] = URL.build(scheme="http", authority=address, path=path)
-        try:
-            async with self.session.get(url, timeout=timeout) as resp:
-                if not want_body:
-                    return resp.status, None, None
-                if resp.content_length is not None and resp.content_length > MAX_PAGE_BYTES:
-                    return resp.status, None, f"page of {resp.content_length} bytes is over the limit"
-                body = await read_page(resp.content, MAX_PAGE_BYTES)
-                if body is None:
-                    return resp.status, None, f"page is over the {MAX_PAGE_BYTES} byte limit"
-                return resp.status, body, None
-        except TimeoutError:
-            return None, None, f"GET {path} timed out after {timeout_s:g}s"
-        except aiohttp.ClientError as e:
-            return None, None, f"GET {path} failed: {e.__class__.__name__}: {e}"
-        except OSError as e:
-            return None, None, f"GET {path} failed: {e}"
+        return await fetch(self.session, url, path, timeout, want_body=want_body)
 
     async def _flush_forever(self) -> None:
         loop = asyncio.get_running_loop()

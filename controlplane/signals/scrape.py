@@ -13,10 +13,8 @@ from collections.abc import Iterable, Sequence
 import aiohttp
 
 from controlplane.fleet.model import Fleet
-from controlplane.signals.collector_worker import read_page
+from controlplane.signals.collector_worker import fetch
 from controlplane.signals.store import EndpointKey, ScrapeResult
-
-MAX_PAGE_BYTES = 4 << 20  # a metrics page larger than this is refused, not buffered
 
 
 def scrape_targets(fleet: Fleet) -> list[EndpointKey]:
@@ -77,22 +75,10 @@ class Scraper:
     ) -> tuple[int | None, str | None, str | None]:
         """(status, body, error): error is set when no HTTP answer came in time."""
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        try:
-            async with self._client().get(f"http://{address}{path}", timeout=timeout) as resp:
-                if not want_body:
-                    return resp.status, None, None
-                if resp.content_length is not None and resp.content_length > MAX_PAGE_BYTES:
-                    return resp.status, None, f"page of {resp.content_length} bytes is over the limit"
-                body = await read_page(resp.content, MAX_PAGE_BYTES)
-                if body is None:
-                    return resp.status, None, f"page is over the {MAX_PAGE_BYTES} byte limit"
-                return resp.status, body.decode("utf-8", errors="replace"), None
-        except TimeoutError:
-            return None, None, f"GET {path} timed out after {self.timeout_s:g}s"
-        except aiohttp.ClientError as e:
-            return None, None, f"GET {path} failed: {e.__class__.__name__}: {e}"
-        except OSError as e:
-            return None, None, f"GET {path} failed: {e}"
+        status, body, error = await fetch(
+            self._client(), f"http://{address}{path}", path, timeout, want_body=want_body
+        )
+        return status, body.decode("utf-8", errors="replace") if body is not None else None, error
 
 
 class InlineScrapeSource:
