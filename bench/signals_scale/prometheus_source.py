@@ -57,7 +57,7 @@ LATENCY_BUCKETS = (
 
 
 def address(i: int) -> str:
-    return f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}:8000"
+    return f"127.{i // 65536 + 1}.{(i // 256) % 256}.{i % 256}:8000"
 
 
 def model_of(i: int) -> str:

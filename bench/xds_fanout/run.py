@@ -66,6 +66,7 @@ class Result:
     burst_s: float = 0.0
     burst_snapshots: int = 0
     rebuild_ms: float | None = None
+    spreads: list[float] = field(default_factory=list)  # per update: the last client's receipt
     window_cores: float = 0.0  # CPU of the server and its processes during the updates, in cores
     signals_before: list[float] = field(default_factory=list)
     signals_after: list[float] = field(default_factory=list)
@@ -226,6 +227,7 @@ def run_one(
             time.sleep(0.2)
             res.cpu_per_push.append(cpu_seconds(server.pid) - cpu0)
             res.conv += [float(x[2]) - published for x in got]
+            res.spreads.append(max(float(x[2]) for x in got) - published)
             res.update_bytes += [int(x[3]) for x in got]
         if not signals:
             res.window_cores = (tree_cpu_seconds(server.pid) - window_cpu0) / (time.monotonic() - window_t0)
