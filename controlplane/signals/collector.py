@@ -63,7 +63,8 @@ class _Worker:
         self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Connection | None = None
         self.started_at = 0.0
-        self.heard_at: float | None = None
+        self.heard_at: float | None = None  # its latest report
+        self.first_heard_at: float | None = None  # its first report since it was started
         self.sent: tuple[Settings, tuple[EndpointKey, ...]] | None = None
         self.stats = Stats()
         self.counted = Stats()  # what was already added to the counters
@@ -106,6 +107,7 @@ class CollectorPool:
             )
         conn = Connection(ours.detach())
         w.proc, w.conn, w.started_at, w.heard_at, w.sent = proc, conn, time.monotonic(), None, None
+        w.first_heard_at = None
         w.counted = Stats()
         reader = threading.Thread(target=self._read, args=(w, conn), daemon=True, name=f"collector-{w.index}")
         reader.start()
@@ -124,6 +126,8 @@ class CollectorPool:
                 self._inbox.extend(batch)
                 w.stats = stats
                 w.heard_at = time.monotonic()
+                if w.first_heard_at is None:
+                    w.first_heard_at = w.heard_at
 
     def _stop(self, w: _Worker) -> None:
         conn, proc = w.conn, w.proc

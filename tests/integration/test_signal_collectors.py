@@ -103,7 +103,7 @@ def servers() -> Iterator[Fixture]:
         f.close()
 
 
-def _fleet(addresses: list[str], interval: str = "500ms", timeout: str = "300ms"):  # type: ignore[no-untyped-def]
+def _fleet(addresses: list[str], interval: str = "500ms", timeout: str = "500ms"):  # type: ignore[no-untyped-def]
     text = fleet_yaml({"m": {"v1": addresses}}).replace(
         "tiers:", f"signals: {{interval: {interval}, timeout: {timeout}}}\ntiers:"
     )
@@ -111,7 +111,9 @@ def _fleet(addresses: list[str], interval: str = "500ms", timeout: str = "300ms"
 
 
 def test_collectors_scrape_outside_wait_one_timeout_back_off_and_are_replaced(servers: Fixture) -> None:
-    servers.start(live=3, hung=40, refused=40)
+    # More hung servers than a collector has slots (2 x 128): waiting for all of them
+    # would take three timeouts; the first round must not.
+    servers.start(live=3, hung=600, refused=40)
     fleet = _fleet(servers.addresses())
     targets = scrape_targets(fleet)
     metrics = Metrics()
@@ -119,22 +121,27 @@ def test_collectors_scrape_outside_wait_one_timeout_back_off_and_are_replaced(se
     async def run() -> None:
         pool = CollectorPool(fleet, metrics, workers=2)
         try:
-            # The first round: collectors start, then at most one scrape timeout (0.3 s),
+            # The first round: collectors start, then at most one scrape timeout (0.5 s),
             # however many servers hang.
             started = time.monotonic()
             first = await pool.collect(fleet, targets, first=True)
             waited = time.monotonic() - started
-            ready_at = max(w.heard_at or 0.0 for w in pool._workers)
-            assert time.monotonic() - ready_at < 0.3 + 0.25, f"waited {waited:.2f}s in all"
+            ready_at = max(w.first_heard_at or 0.0 for w in pool._workers)
+            assert time.monotonic() - ready_at < 0.5 + 0.4, f"waited {waited:.2f}s in all"
+            # It did not wait for everyone: 300 hung servers per collector take three waves
+            # of 128 slots, 1.5 s, to be answered for.
+            assert len(first) < len(targets)
             live = {("m", servers.address(s)): i for i, s in enumerate(servers.live)}
             for key, waiting in live.items():
-                assert first[key].sample is not None and first[key].sample.waiting == waiting
+                if key in first:  # those that got a slot in the first wave
+                    assert first[key].sample is not None and first[key].sample.waiting == waiting
             for addr in servers.refused:
-                assert first[("m", addr)].health_error is not None
+                if ("m", addr) in first:
+                    assert first[("m", addr)].health_error is not None
             # Rounds go on: live servers keep reporting; refused ones are backed off.
             seen: dict[tuple[str, str], int] = dict.fromkeys(live, 0)
             refused_attempts = 0
-            for _ in range(40):
+            for _ in range(60):
                 await asyncio.sleep(0.1)
                 got = await pool.collect(fleet, targets)
                 for key in got:
@@ -143,9 +150,9 @@ def test_collectors_scrape_outside_wait_one_timeout_back_off_and_are_replaced(se
                     elif key[1] in servers.refused:
                         refused_attempts += 1
             assert all(n >= 5 for n in seen.values()), seen
-            # 40 refused over 4 s at 2/s would be 320 attempts; backed off after the
+            # 40 refused over 6 s at 2/s would be 480 attempts; backed off after the
             # hold-out threshold, far fewer.
-            assert refused_attempts < 40 * (UNREACHABLE_AFTER + 3), refused_attempts
+            assert refused_attempts < 40 * (UNREACHABLE_AFTER + 4), refused_attempts
             backing_off = metrics.registry.get_sample_value("controlplane_signals_endpoints_backing_off")
             assert backing_off is not None and backing_off >= 40
             assert (
