@@ -361,12 +361,12 @@ def test_the_signal_source_defaults_to_scrape() -> None:
 
 def test_the_prometheus_source_loads_with_its_settings() -> None:
     fleet = parse_fleet(
-        BASIC + "signals:\n  source: prometheus\n  prometheus: {url: 'http://10.0.0.9:9090/', interval: 3s, "
+        BASIC + "signals:\n  source: prometheus\n  prometheus: {url: 'http://127.0.0.9:9090/', interval: 3s, "
         "timeout: 800ms, address_label: pod_address}\n"
     )
     assert fleet.signals.source == "prometheus"
     assert fleet.signals.prometheus == PrometheusSpec(
-        url="http://10.0.0.9:9090", interval_s=3.0, timeout_s=0.8, address_label="pod_address"
+        url="http://127.0.0.9:9090", interval_s=3.0, timeout_s=0.8, address_label="pod_address"
     )
 
 
@@ -403,12 +403,12 @@ def test_the_prometheus_source_needs_its_section_and_url() -> None:
 @pytest.mark.parametrize(
     ("url", "reason"),
     [
-        ("ftp://10.0.0.9:9090", "expected http://HOST:PORT or https://HOST:PORT, got 'ftp://10.0.0.9:9090'"),
-        ("10.0.0.9:9090", "expected http://HOST:PORT or https://HOST:PORT, got '10.0.0.9:9090'"),
+        ("ftp://127.0.0.9:9090", "expected http://HOST:PORT or https://HOST:PORT, got 'ftp://127.0.0.9:9090'"),
+        ("127.0.0.9:9090", "expected http://HOST:PORT or https://HOST:PORT, got '127.0.0.9:9090'"),
         ("http://", "expected http://HOST:PORT or https://HOST:PORT, got 'http://'"),
         ("9090", "expected http://HOST:PORT or https://HOST:PORT, got 9090"),
-        ("http://10.0.0.9:9090/?x=1", "expected no query or fragment, got 'http://10.0.0.9:9090/?x=1'"),
-        ("http://10.0.0.9:99999", "bad port in 'http://10.0.0.9:99999'"),
+        ("http://127.0.0.9:9090/?x=1", "expected no query or fragment, got 'http://127.0.0.9:9090/?x=1'"),
+        ("http://127.0.0.9:99999", "bad port in 'http://127.0.0.9:99999'"),
     ],
 )
 def test_a_prometheus_url_that_is_not_http_is_refused(url: str, reason: str) -> None:

@@ -35,7 +35,7 @@ from controlplane.signals.source import make_source
 from controlplane.signals.store import ScrapeResult, SignalStore
 from tests.fleets import fleet_yaml
 
-A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+A, B, C = "127.0.0.1:8000", "127.0.0.2:8000", "127.0.0.3:8000"
 EVAL = 1_700_000_100.0  # Prometheus's evaluation time of the round
 SCRAPED = EVAL - 1.5  # when Prometheus last scraped the servers
 
@@ -102,9 +102,9 @@ def test_one_query_per_field_summed_by_address_and_model() -> None:
 
 
 def test_the_success_counter_and_histogram_are_asked_only_for_analysed_addresses_escaped() -> None:
-    queries = {q.name: q.promql for q in build_queries("instance", [B, A, "[fd00::1]:8000", A])}
+    queries = {q.name: q.promql for q in build_queries("instance", [B, A, "[::1]:8000", A])}
     assert set(queries) == {*ASKED, "successes", BUCKETS}
-    only = '{instance=~"10\\\\.0\\\\.0\\\\.1:8000|10\\\\.0\\\\.0\\\\.2:8000|\\\\[fd00::1\\\\]:8000"}'
+    only = '{instance=~"127\\\\.0\\\\.0\\\\.1:8000|127\\\\.0\\\\.0\\\\.2:8000|\\\\[::1\\\\]:8000"}'
     assert (
         queries[BUCKETS]
         == f"sum by (instance, model_name, le) (vllm:e2e_request_latency_seconds_bucket{only})"
@@ -148,10 +148,10 @@ def conv(answers: dict[str, list[Any]], targets: list[tuple[str, str]], **kw: An
 def test_a_vector_answer_is_decoded_by_label_set() -> None:
     v = decode_answer(200, answer([item(A, 3), item(B, "1e+03", model=None)]))
     assert v == Vector(
-        {'"instance":"10.0.0.1:8000","model_name":"chat"': "3", '"instance":"10.0.0.2:8000"': "1e+03"}, EVAL
+        {'"instance":"127.0.0.1:8000","model_name":"chat"': "3", '"instance":"127.0.0.2:8000"': "1e+03"}, EVAL
     )
     assert (
-        series_key({"model_name": "chat", "instance": A}) == '"instance":"10.0.0.1:8000","model_name":"chat"'
+        series_key({"model_name": "chat", "instance": A}) == '"instance":"127.0.0.1:8000","model_name":"chat"'
     )
     assert v.unlabelled  # B's series has no model_name
     assert not decode_answer(200, answer([item(A, 3), item(B, 4)])).unlabelled
@@ -193,7 +193,7 @@ def test_an_answer_in_any_other_json_form_decodes_the_same() -> None:
     assert decode_answer(200, unsorted) == decode_answer(200, answer([item(A, 3)]))
     escaped = [item(A, 3, model='say "hi"')]
     assert decode_answer(200, answer(escaped)).values == {
-        '"instance":"10.0.0.1:8000","model_name":"say "hi""': "3"
+        '"instance":"127.0.0.1:8000","model_name":"say "hi""': "3"
     }
 
 
@@ -306,7 +306,7 @@ def test_an_endpoint_without_any_series_gets_an_error_and_no_sample() -> None:
     assert out.without_series == [("chat", B)]
     missing = out.results[("chat", B)]
     assert missing.sample is None and missing.health_error is None and missing.health_status is None
-    assert missing.metrics_error is not None and "instance='10.0.0.2:8000'" in missing.metrics_error
+    assert missing.metrics_error is not None and "instance='127.0.0.2:8000'" in missing.metrics_error
 
 
 def test_series_of_addresses_outside_the_fleet_are_counted_and_ignored() -> None:
