@@ -403,7 +403,10 @@ def test_the_prometheus_source_needs_its_section_and_url() -> None:
 @pytest.mark.parametrize(
     ("url", "reason"),
     [
-        ("ftp://127.0.0.9:9090", "expected http://HOST:PORT or https://HOST:PORT, got 'ftp://127.0.0.9:9090'"),
+        (
+            "ftp://127.0.0.9:9090",
+            "expected http://HOST:PORT or https://HOST:PORT, got 'ftp://127.0.0.9:9090'",
+        ),
         ("127.0.0.9:9090", "expected http://HOST:PORT or https://HOST:PORT, got '127.0.0.9:9090'"),
         ("http://", "expected http://HOST:PORT or https://HOST:PORT, got 'http://'"),
         ("9090", "expected http://HOST:PORT or https://HOST:PORT, got 9090"),
