@@ -6,7 +6,7 @@ maps each dialect's metric names to running, waiting, KV use (0-1), latency sum/
 success/failure counters; a dialect that does not export a quantity leaves it None.
 Counters are cumulative; `derive` turns two samples into interval rates.
 
-Only the lines of the families read are parsed (`select_lines`): plain lines with string
+Only the lines of the families read are parsed (`_select`): plain lines with string
 operations, any other with prometheus_client's own text parser, so the text format's
 semantics are prometheus_client's (a property test checks both paths agree). On a 33 KB
 vLLM page that is about 20x cheaper than prometheus_client's parse of the whole page.
@@ -117,11 +117,6 @@ _BUCKETS = {
 }
 
 
-# Every sample name any dialect's fields read: a page's other lines are never parsed.
-WANTED: tuple[str, ...] = tuple(
-    sorted({n for fields in _FIELDS.values() for n in fields} | set(_BUCKETS.values()))
-)
-
 Sample = tuple[str, dict[str, str], float]
 
 
@@ -141,11 +136,6 @@ _PREFIXES: dict[str, tuple[str, ...]] = {
 _RESTS: dict[str, tuple[str, ...]] = {
     d: tuple(n[len(_DETECT[d]) :] for n in prefixes) for d, prefixes in _PREFIXES.items()
 }
-
-
-def select_lines(text: str) -> list[str]:
-    """The page's sample lines of the families `parse_metrics` reads, nothing else."""
-    return _select(text)[0]
 
 
 def _select(text: str) -> tuple[list[str], str | None]:
@@ -243,7 +233,7 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
     """Parse a /metrics page. With `model`, count only samples labelled with that model
     (or unlabelled ones); a page that labels one other model is taken as that server's only
     model. Raise MetricsPageInvalid with the reason. `select`: read only the lines of the
-    families read (`select_lines`, then `_selected_samples`); a page with none of them is
+    families read (`_select`, then `_selected_samples`); a page with none of them is
     parsed whole by prometheus_client, for the precise reason."""
     chosen, hint = _select(text) if select else ([], None)
     samples = _selected_samples(chosen) if chosen else _parsed(text)

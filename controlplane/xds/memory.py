@@ -127,11 +127,6 @@ class Remembered:
     assignments: dict[str, SnapshotResource]
 
 
-def remembered_names(memory: ClusterMemory, snapshot: Snapshot | None) -> set[str]:
-    """The cluster names `dump(memory, snapshot)` writes."""
-    return set(memory.names()) | {c.name for c in _unacked(memory, snapshot)}
-
-
 def _unacked(memory: ClusterMemory, snapshot: Snapshot | None) -> list[SnapshotResource]:
     """Clusters of the snapshot, lingering after it, or sent before a restart, that no
     proxy is known to have ACKed."""
@@ -148,9 +143,14 @@ def _unacked(memory: ClusterMemory, snapshot: Snapshot | None) -> list[SnapshotR
 
 
 def dump(memory: ClusterMemory, snapshot: Snapshot | None) -> bytes:
-    """The memory, with each remembered cluster's current (or last) non-empty assignment, as
-    bytes: four DiscoveryResponses (ACKed clusters, assignments, routes, clusters not known
-    ACKed), each length-prefixed.
+    """`dump_named` without the names."""
+    return dump_named(memory, snapshot)[0]
+
+
+def dump_named(memory: ClusterMemory, snapshot: Snapshot | None) -> tuple[bytes, set[str]]:
+    """(the file's bytes, the cluster names it holds): the memory, with each remembered
+    cluster's current (or last) non-empty assignment, as four DiscoveryResponses (ACKed
+    clusters, assignments, routes, clusters not known ACKed), each length-prefixed.
 
     The snapshot's clusters (and lingering ones) that no proxy has ACKed yet are written in
     their own section: a proxy may ACK one a moment before a kill -9, before the next write,
@@ -171,7 +171,8 @@ def dump(memory: ClusterMemory, snapshot: Snapshot | None) -> bytes:
         wire.sotw_response("", ROUTE, "", (r.sotw_field for r in memory.routes())),
         wire.sotw_response("", CLUSTER, "", (r.sotw_field for r in unacked)),
     ]
-    return MAGIC + b"".join(struct.pack(">I", len(p)) + p for p in parts)
+    names = {r.name for r in acked} | {r.name for r in unacked}
+    return MAGIC + b"".join(struct.pack(">I", len(p)) + p for p in parts), names
 
 
 _TYPES: dict[str, type[Message]] = {

@@ -239,8 +239,7 @@ class XdsServer:
             log.warning("xds memory not written ahead of a snapshot", path=str(path), error=str(e))
 
     def _write(self, path: Path, snapshot: Snapshot | None) -> None:
-        names = xds_memory.remembered_names(self.memory, snapshot)
-        data = xds_memory.dump(self.memory, snapshot)
+        data, names = xds_memory.dump_named(self.memory, snapshot)
         with self._write_lock:
             _write_atomic(path, data)
         self._written_names = names

@@ -14,10 +14,8 @@ from hypothesis import strategies as st
 from controlplane.fleet import parse_fleet
 from controlplane.routing.blend import entry_refs
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, translate
-from controlplane.xds.memory import ClusterMemory
-from controlplane.xds.memory import dump as memory_dump
+from controlplane.xds.memory import ClusterMemory, dump_named
 from controlplane.xds.memory import load as memory_load
-from controlplane.xds.memory import remembered_names as memory_names
 from controlplane.xds.protocol import (
     MAX_NAMES_PER_TYPE,
     MAX_UNKNOWN_TYPES_REPORTED,
@@ -610,8 +608,7 @@ def test_a_moving_fleet_never_leaves_a_routed_request_failing(
     # The memory file as the server writes it: ahead of a snapshot with new cluster names
     # (XdsServer.write_ahead), and now and then (here: when the wire is quiet). A kill -9
     # keeps only this, not what was ACKed since.
-    persisted = memory_dump(memory, current)
-    written = memory_names(memory, current)
+    persisted, written = dump_named(memory, current)
     for kind, a, b, c in steps:
         if kind in ("edit", "weights"):
             if kind == "edit":
@@ -633,12 +630,12 @@ def test_a_moving_fleet_never_leaves_a_routed_request_failing(
             gen += 1
             new = moving_snapshot(state, gen, current, weights)
             if not new.resources[CLUSTER].keys() <= written:
-                persisted, written = memory_dump(memory, new), memory_names(memory, new)
+                persisted, written = dump_named(memory, new)
             current = new
             wire += [e.payload for e in s.set_snapshot(current, gen) if isinstance(e, Send)]
         elif kind == "drain":
             _drain(s, envoy, wire, gen)
-            persisted, written = memory_dump(memory, current), memory_names(memory, current)
+            persisted, written = dump_named(memory, current)
         elif kind == "reconnect":
             envoy.reconnect(routes_late=bool(a))
             wire.clear()  # what was on its way is lost with the stream
@@ -651,7 +648,7 @@ def test_a_moving_fleet_never_leaves_a_routed_request_failing(
             seed = {n: Lingering(a, 0.0) for n, a in found.assignments.items()}
             gen += 1
             current = moving_snapshot(state, gen, None, weights, seed)
-            persisted, written = memory_dump(memory, current), memory_names(memory, current)
+            persisted, written = dump_named(memory, current)
             envoy.reconnect(routes_late=bool(a))
             wire.clear()
             s = XdsStream(current, delta=delta, memory=memory)
