@@ -57,7 +57,9 @@ async def run(args: argparse.Namespace, out: IO[str]) -> Counter[str]:
     url = args.url.rstrip("/") + "/v1/completions"
     tally: Counter[str] = Counter()
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    connector = aiohttp.TCPConnector(limit=args.connections)
+    # --fresh-connections: one TCP connection per request, so that several proxies sharing
+    # a port (SO_REUSEPORT) each get a share; kept-alive connections stick to one proxy.
+    connector = aiohttp.TCPConnector(limit=args.connections, force_close=args.fresh_connections)
     tasks: set[asyncio.Task[None]] = set()
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.monotonic()
@@ -90,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--timeout", type=float, default=30.0, help="per request, seconds (default: %(default)s)")
     p.add_argument("--connections", type=int, default=200, help="connection pool size (default: %(default)s)")
+    p.add_argument(
+        "--fresh-connections",
+        action="store_true",
+        help="open a new connection for every request instead of keeping connections alive "
+        "(spreads load over proxies that share a port)",
+    )
     p.add_argument("--header", action="append", default=[], metavar="NAME:VALUE", help="extra request header")
     p.add_argument("--out", required=True, help="JSON-lines file of responses ('-' for stdout)")
     args = p.parse_args(argv)

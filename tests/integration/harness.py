@@ -523,7 +523,13 @@ class Traffic:
     every response recorded (time sent, status, emulated server, error)."""
 
     def __init__(
-        self, port: int, model: str, log_dir: Path, rate: float = 100.0, name: str = "traffic"
+        self,
+        port: int,
+        model: str,
+        log_dir: Path,
+        rate: float = 100.0,
+        name: str = "traffic",
+        fresh_connections: bool = False,
     ) -> None:
         self.out = log_dir / f"{name}.jsonl"
         self.proc = Proc(
@@ -540,6 +546,7 @@ class Traffic:
                 str(rate),
                 "--out",
                 str(self.out),
+                *(["--fresh-connections"] if fresh_connections else []),
             ],
             log_dir,
         )

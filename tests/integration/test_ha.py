@@ -183,7 +183,11 @@ def test_a_change_through_any_replica_is_served_by_all_within_a_second(ha: HaRig
 def test_leader_killed_mid_rollout_another_takes_over_and_nothing_fails(ha: HaRig) -> None:
     ha.start()
     for i in range(2):
-        ha.traffic.append(Traffic(ha.listener, MODEL, ha.tmp, rate=50, name=f"traffic-{i}"))
+        # A new connection per request: kept-alive connections would all stick to whichever
+        # Envoy the kernel picked first, and "load through both" would be a coin toss.
+        ha.traffic.append(
+            Traffic(ha.listener, MODEL, ha.tmp, rate=50, name=f"traffic-{i}", fresh_connections=True)
+        )
     wait_until(lambda: all(n > 50 for n in _served_by_each_envoy(ha)), 20, "load through both Envoys")
     wait_until(lambda: ha.leader() is not None, 10, "a leader")
     leader = ha.leader()
