@@ -17,6 +17,7 @@ from controlplane.rollout.controller import CommandRejected, RolloutController
 from controlplane.rollout.overlay import active
 from controlplane.routing.names import cluster_name
 from controlplane.routing.translate import TYPE_URLS
+from controlplane.signals.store import EndpointSignals
 from controlplane.v1 import (
     endpoint_pb2,
     endpoint_pb2_grpc,
@@ -88,6 +89,11 @@ def rollout_message(c: RolloutController, r: machine.Rollout) -> rollout_pb2.Rol
         shadow_percent=s.shadow_percent,
         finishing=r.finishing,
     )
+    note = c.inconclusive.get(s.model)
+    if note is not None and r.phase == "Progressing" and not r.finishing:
+        # Not stored: what the running step's analysis lacks so far (a manual step never
+        # pauses for it; a timed one does once its interval has elapsed).
+        msg.reason = f"{r.reason}; analysis so far {note}"
     f = c.figures.get(s.model)
     if f is not None and active(r):
         for field, version, fig in (("canary", s.canary, f[0]), ("stable", s.stable, f[1])):
@@ -268,6 +274,8 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
                         error_rate=load.error_rate,
                         signal_age_seconds=load.age_s if math.isfinite(load.age_s) else -1.0,
                         drain_started_at=d.started_at if d is not None else 0.0,
+                        sight="SEEN" if load.in_sight else "OUT_OF_SIGHT",
+                        note=_endpoint_note(c.signals.endpoints.get((m.name, ep.address)), state, now_mono),
                     )
                     if load.latency_s is not None:
                         msg.latency_seconds = load.latency_s
@@ -303,6 +311,20 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
             return self._one(request.address)
 
         return await self.call(context, "Undrain", undrain)
+
+
+def _endpoint_note(sig: EndpointSignals | None, state: str, now: float) -> str:
+    """Why an endpoint is held out or out of sight, in words ("" when it serves normally)."""
+    if sig is None:
+        return ""
+    if sig.out_of_sight_since is not None:
+        why = f"out of sight for {now - sig.out_of_sight_since:.0f}s ({sig.last_error or 'no answer'})"
+        if state == "HELD_OUT":
+            return f"{why}; held out: the rest of its version is seen and ready"
+        return f"{why}; kept serving on its last verdict: the control plane cannot vouch for its version"
+    if state == "HELD_OUT" and sig.ready is False:
+        return f"not ready: {sig.last_error or 'health check'}"
+    return ""
 
 
 class ProxyService(_Base, proxy_pb2_grpc.ProxyServiceServicer):

@@ -11,6 +11,7 @@ round.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 
@@ -48,6 +49,8 @@ class WeightController:
         self._source: SignalSource | None = None
         self._ready: dict[tuple[str, str], bool] = {}
         self._models_exported: set[str] = set()
+        self._fail_static: set[str] = set()  # clusters keeping endpoints out of sight in service
+        self._sight_exported: set[tuple[str, str]] = set()
         self.rounds = 0
 
     async def _source_for(self, fleet: Fleet) -> SignalSource:
@@ -100,6 +103,7 @@ class WeightController:
             self.metrics.balancing.weight_updates.labels(cname.rpartition("@")[0]).inc()
         self._shed(fleet)
         self._log_readiness()
+        self._watch_sight()
         self._export(fleet, now)
         self.rounds += 1
 
@@ -140,6 +144,37 @@ class WeightController:
                         reason=None if load.ready or sig is None else sig.last_error or "health check",
                     )
                 self._ready[key] = load.ready
+
+    def _watch_sight(self) -> None:
+        """Count and log each cluster's entry into fail static (and its end); export how many
+        endpoints are out of sight, held out or kept."""
+        b = self.metrics.balancing
+        exported: set[tuple[str, str]] = set()
+        for cname, view in self.weigher.views.items():
+            kept = view.kept_out_of_sight
+            if view.out_of_sight or (view.model, view.version) in self._sight_exported:
+                b.out_of_sight.labels(view.model, view.version, "held_out").set(view.out_of_sight - kept)
+                b.out_of_sight.labels(view.model, view.version, "kept").set(kept)
+                exported.add((view.model, view.version))
+            if kept and cname not in self._fail_static:
+                self._fail_static.add(cname)
+                b.sight_lost.labels(view.model, view.version).inc()
+                log.warning(
+                    "lost sight of servers: keeping them in service on their last verdict",
+                    model=view.model,
+                    version=view.version,
+                    out_of_sight=view.out_of_sight,
+                    endpoints=len(view.loads),
+                )
+            elif not kept and cname in self._fail_static:
+                self._fail_static.discard(cname)
+                log.info("servers back in sight", model=view.model, version=view.version)
+        for model, version in self._sight_exported - exported:
+            for decision in ("held_out", "kept"):
+                with contextlib.suppress(KeyError):
+                    b.out_of_sight.remove(model, version, decision)
+        self._fail_static &= set(self.weigher.views)
+        self._sight_exported = exported
 
     def _export(self, fleet: Fleet, now: float) -> None:
         """Per-endpoint gauges: one tuple of rows handed over (rendered when /metrics is read,

@@ -4,7 +4,8 @@
 of its versions' endpoints, smooths the result against the weights in force, and returns
 only the clusters whose weights changed, so the reconciler publishes nothing when nothing
 moved. Held-out endpoints (weight 0) come back at their target at once; the smoothing
-and slow start live in `policies`.
+and slow start live in `policies`. Endpoints the control plane cannot see are held out or
+kept per cluster (`sight`), before the policy runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from controlplane.balancing.policies import (
     SmoothingConfig,
     smooth,
 )
+from controlplane.balancing.sight import judge_sight
 from controlplane.fleet.model import Endpoint, Fleet, Model
 from controlplane.routing.names import cluster_name
 from controlplane.signals.load import EndpointLoad
@@ -83,6 +85,8 @@ class ClusterView:
     policy: str
     loads: tuple[EndpointLoad, ...]
     weights: Mapping[str, int]
+    out_of_sight: int = 0  # endpoints whose probes go unanswered
+    kept_out_of_sight: int = 0  # ...kept serving, as the rest of the cluster cannot vouch (fail static)
 
 
 class Weigher:
@@ -114,14 +118,17 @@ class Weigher:
             policy = POLICIES[policy_name]
             for version in model.versions:
                 cname = cluster_name(model.name, version.name)
-                loads = tuple(self._load(fleet, model, ep, load_of) for ep in version.endpoints)
+                sight = judge_sight([self._load(fleet, model, ep, load_of) for ep in version.endpoints])
+                loads = sight.loads
                 target = policy(loads, cfg)
                 previous = self.current.get(cname, {})
                 weights = smooth(previous, target, self.smoothing)
                 if weights != previous:
                     changed[cname] = weights
                     self.current[cname] = weights
-                views[cname] = ClusterView(model.name, version.name, policy_name, loads, weights)
+                views[cname] = ClusterView(
+                    model.name, version.name, policy_name, loads, weights, sight.out_of_sight, sight.kept
+                )
         for gone in [c for c in self.current if c not in views]:
             del self.current[gone]
         self.views = views

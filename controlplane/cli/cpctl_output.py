@@ -224,6 +224,8 @@ def endpoint_to_dict(e: endpoint_pb2.Endpoint) -> dict[str, Any]:
         "error_rate": e.error_rate,
         "signal_age_seconds": e.signal_age_seconds if e.signal_age_seconds >= 0 else None,
         "drain_started_at": e.drain_started_at or None,
+        "sight": e.sight,
+        "note": e.note,
     }
 
 
@@ -236,7 +238,7 @@ def endpoints_table(endpoints: Sequence[endpoint_pb2.Endpoint]) -> str:
             e.version,
             e.address,
             e.gpu or "-",
-            e.state,
+            e.state + (" (out of sight)" if e.sight == "OUT_OF_SIGHT" else ""),
             str(e.weight),
             number_text(e.running),
             number_text(e.waiting),
@@ -247,7 +249,9 @@ def endpoints_table(endpoints: Sequence[endpoint_pb2.Endpoint]) -> str:
         for e in endpoints
     ]
     headers = ["MODEL", "VERSION", "ADDRESS", "GPU", "STATE", "WEIGHT", "RUNNING", "WAITING", "IN-FLIGHT"]
-    return table([*headers, "LATENCY", "ERRORS"], rows)
+    out = table([*headers, "LATENCY", "ERRORS"], rows)
+    notes = [f"{e.model}/{e.version} {e.address}: {e.note}" for e in endpoints if e.note]
+    return out + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 # ---- proxies ------------------------------------------------------------------------------

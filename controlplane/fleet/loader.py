@@ -17,6 +17,7 @@ import yaml
 from controlplane.fleet.model import (
     DTYPE_BYTES,
     MEMORY_OVERHEAD,
+    METRICS_SCHEMES,
     POLICY_NAMES,
     SIGNAL_SOURCES,
     Affinity,
@@ -24,7 +25,9 @@ from controlplane.fleet.model import (
     Endpoint,
     Fleet,
     GpuClass,
+    HealthProbe,
     ListenerSpec,
+    MetricsProbe,
     Model,
     PriorityClass,
     PrometheusSpec,
@@ -610,6 +613,8 @@ _MODEL_KEYS = {
     "preferred_gpus",
     "affinity",
     "zones",
+    "health",
+    "metrics",
     *TRAFFIC_KEYS,
 }
 AFFINITY_BODY_FIELDS = ("prompt_cache_key", "user")
@@ -635,6 +640,71 @@ def _affinity(value: Any, path: str, errs: _Errors) -> Affinity | None:
     if len(errs.items) != before or factor is None:
         return None
     return Affinity(header=header, body_field=body, algorithm=str(algorithm), balance_factor=factor)
+
+
+def _port(value: Any, path: str, errs: _Errors) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        errs.add(path, f"expected a port number 1-65535, got {value!r}")
+        return None
+    return value
+
+
+def _url_path(value: Any, path: str, errs: _Errors) -> str | None:
+    if not isinstance(value, str) or not value.startswith("/"):
+        errs.add(path, f"expected a path starting with '/', got {value!r}")
+        return None
+    return value
+
+
+def _health(value: Any, path: str, errs: _Errors) -> HealthProbe | None:
+    """`none`, `{http: {path, port}}` or `{grpc: {service, port}}` (each key optional)."""
+    if value == "none":
+        return HealthProbe("none")
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in ("http", "grpc"):
+        errs.add(
+            path,
+            "expected none, {http: {path: /health, port: N}} or {grpc: {service: NAME, port: N}}, "
+            f"got {value!r}",
+        )
+        return None
+    kind, spec = next(iter(value.items()))
+    keys = {"path", "port"} if kind == "http" else {"service", "port"}
+    m = _mapping(spec if spec is not None else {}, f"{path}.{kind}", errs, keys)
+    if m is None:
+        return None
+    before = len(errs.items)
+    port = _port(m["port"], f"{path}.{kind}.port", errs) if "port" in m else None
+    probe_path = _url_path(m["path"], f"{path}.{kind}.path", errs) if "path" in m else None
+    service = m.get("service", "")
+    if not isinstance(service, str):
+        errs.add(f"{path}.{kind}.service", f"expected a gRPC service name (a string), got {service!r}")
+    if len(errs.items) != before:
+        return None
+    return HealthProbe(kind, path=probe_path, service=str(service), port=port)
+
+
+def _metrics_probe(value: Any, path: str, errs: _Errors) -> MetricsProbe | None:
+    """`none` or `{path, port, scheme}` (each optional)."""
+    if value == "none":
+        return MetricsProbe(enabled=False)
+    m = _mapping(value, path, errs, {"path", "port", "scheme"})
+    if m is None:
+        return None
+    before = len(errs.items)
+    port = _port(m["port"], f"{path}.port", errs) if "port" in m else None
+    probe_path = _url_path(m["path"], f"{path}.path", errs) if "path" in m else None
+    scheme = m.get("scheme", "http")
+    if scheme not in METRICS_SCHEMES:
+        errs.add(f"{path}.scheme", f"expected one of {', '.join(METRICS_SCHEMES)}, got {scheme!r}")
+    if len(errs.items) != before:
+        return None
+    return MetricsProbe(path=probe_path, port=port, scheme=str(scheme))
+
+
+def _probes(m: dict[str, Any], path: str, errs: _Errors) -> tuple[HealthProbe | None, MetricsProbe | None]:
+    health = _health(m["health"], f"{path}.health", errs) if "health" in m else None
+    metrics = _metrics_probe(m["metrics"], f"{path}.metrics", errs) if "metrics" in m else None
+    return health, metrics
 
 
 def _models(value: Any, tiers: list[Tier] | None, errs: _Errors) -> list[Model] | None:
@@ -695,6 +765,7 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
     overrides = m.get("cluster_overrides")
     if overrides is not None:
         _check_cluster_overrides(overrides, f"{path}.cluster_overrides", errs)
+    health, metrics = _probes(m, path, errs)
     if len(errs.items) != before or tier is None or versions is None:
         return None
     return Model(
@@ -711,6 +782,8 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         affinity=affinity,
         zones=tuple(zones),
         cluster_overrides=overrides,
+        health=health,
+        metrics=metrics,
     )
 
 
@@ -769,12 +842,13 @@ def _versions(path: str, value: Any, errs: _Errors) -> list[Version] | None:
         if not isinstance(vname, str) or not _VERSION.match(vname):
             errs.add(p, "version names use letters, digits, '.', '_' and '-' (at most 63)")
             continue
-        vm = _mapping(vspec, p, errs, {"endpoints"})
+        vm = _mapping(vspec, p, errs, {"endpoints", "health", "metrics"})
         if vm is None:
             continue
         endpoints = _endpoints(p, vm.get("endpoints"), seen, errs)
+        health, metrics = _probes(vm, p, errs)
         if endpoints is not None:
-            out.append(Version(name=vname, endpoints=tuple(endpoints)))
+            out.append(Version(name=vname, endpoints=tuple(endpoints), health=health, metrics=metrics))
     return out
 
 

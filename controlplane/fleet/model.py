@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -29,12 +29,44 @@ class Endpoint:
         return format_address(self.host, self.port)
 
 
+HEALTH_KINDS = ("http", "grpc", "none")
+METRICS_SCHEMES = ("http", "https")
+
+
+@dataclass(frozen=True)
+class HealthProbe:
+    """How the control plane asks a server whether it is ready.
+
+    `http`: GET `path` (2xx ready, 404 no health endpoint: ready, anything else not ready);
+    `grpc`: grpc.health.v1 Check(`service`) (SERVING ready, UNIMPLEMENTED: ready, anything
+    else not ready); `none`: never asked (ready unless its metrics say otherwise).
+    `port` None: the serving port."""
+
+    kind: str = "http"
+    path: str | None = None  # http; None: the fleet's signals.health_path
+    service: str = ""  # grpc; "" asks about the server as a whole
+    port: int | None = None
+
+
+@dataclass(frozen=True)
+class MetricsProbe:
+    """Where a server's Prometheus page is: `scheme://host:port path` (port None: the serving
+    port; path None: the fleet's signals.metrics_path). `enabled` False: not scraped."""
+
+    enabled: bool = True
+    path: str | None = None
+    port: int | None = None
+    scheme: str = "http"
+
+
 @dataclass(frozen=True)
 class Version:
-    """A model version and the endpoints that serve it."""
+    """A model version and the endpoints that serve it (probes: the model's unless set)."""
 
     name: str
     endpoints: tuple[Endpoint, ...]
+    health: HealthProbe | None = None
+    metrics: MetricsProbe | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +142,8 @@ class Model:
     zones: tuple[str, ...] = ()  # zones in order of preference: fall back down the list
     # Merged verbatim into every generated Cluster of this model; Envoy has the last word.
     cluster_overrides: Mapping[str, Any] | None = field(default=None, compare=True)
+    health: HealthProbe | None = None  # None: gRPC health for protocol http2, else HTTP
+    metrics: MetricsProbe | None = None  # None: the fleet's metrics_path on the serving port
 
     def version(self, name: str) -> Version:
         for v in self.versions:
@@ -258,6 +292,25 @@ class Fleet:
         if model.zones:
             zone_rank = model.zones.index(endpoint.zone) if endpoint.zone in model.zones else len(model.zones)
         return zone_rank * 2 + gpu_rank
+
+    def health_of(self, model: Model, version: Version) -> HealthProbe:
+        """How a version's servers are asked about readiness: the version's probe, else the
+        model's, else gRPC health for a model served over HTTP/2 (gRPC), else HTTP GET of
+        signals.health_path; an HTTP probe without a path gets signals.health_path."""
+        probe = version.health or model.health
+        if probe is None:
+            probe = HealthProbe("grpc") if model.protocol == "http2" else HealthProbe("http")
+        if probe.kind == "http" and probe.path is None:
+            probe = replace(probe, path=self.signals.health_path)
+        return probe
+
+    def metrics_of(self, model: Model, version: Version) -> MetricsProbe:
+        """Where a version's servers' metrics are read: the version's, else the model's, else
+        signals.metrics_path on the serving port."""
+        probe = version.metrics or model.metrics or MetricsProbe()
+        if probe.path is None:
+            probe = replace(probe, path=self.signals.metrics_path)
+        return probe
 
     def declared_capacity(self, endpoint: Endpoint) -> float | None:
         """The endpoint's own capacity, else its GPU class's; None if neither is configured."""

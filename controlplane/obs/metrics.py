@@ -173,6 +173,21 @@ class BalancingMetrics:
         self.lrs_streams = Gauge(
             "controlplane_lrs_streams", "Connected Envoy load-reporting (LRS) streams.", registry=r
         )
+        self.out_of_sight = Gauge(
+            "controlplane_endpoints_out_of_sight",
+            "Endpoints whose health and metrics probes go unanswered (refused or timing out), by "
+            "model and version, and whether they were held out or kept serving (fail static: the "
+            "rest of their cluster cannot vouch that the control plane sees the fleet).",
+            ["model", "version", "decision"],
+            registry=r,
+        )
+        self.sight_lost = Counter(
+            "controlplane_loss_of_sight_episodes_total",
+            "Times a cluster went into fail static: endpoints out of sight kept serving on their "
+            "last verdict because the control plane cannot see enough of the cluster.",
+            ["model", "version"],
+            registry=r,
+        )
 
 
 PHASES = ("Progressing", "Paused", "Completed", "Aborted")

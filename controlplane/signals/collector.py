@@ -34,6 +34,7 @@ import structlog
 from controlplane.fleet.model import Fleet
 from controlplane.obs.metrics import Metrics
 from controlplane.signals.collector_worker import Settings, Stats
+from controlplane.signals.probe import Probe, probes_of
 from controlplane.signals.store import EndpointKey, ScrapeResult
 
 log = structlog.get_logger("controlplane.signals")
@@ -65,7 +66,7 @@ class _Worker:
         self.started_at = 0.0
         self.heard_at: float | None = None  # its latest report
         self.first_heard_at: float | None = None  # its first report since it was started
-        self.sent: tuple[Settings, tuple[EndpointKey, ...]] | None = None
+        self.sent: tuple[Settings, tuple[EndpointKey, ...], dict[EndpointKey, Probe]] | None = None
         self.stats = Stats()
         self.counted = Stats()  # what was already added to the counters
 
@@ -81,6 +82,7 @@ class CollectorPool:
         self._workers = [_Worker(i) for i in range(self.n)]
         self._closed = False
         self._first_done = False
+        self._probes: tuple[Fleet | None, dict[EndpointKey, Probe]] = (None, {})
         for w in self._workers:
             self._start(w)
 
@@ -176,11 +178,13 @@ class CollectorPool:
         for key in targets:
             shares[zlib.crc32(key[1].encode()) % self.n].append(key)
         first = first or not self._first_done
+        probes = self._probes_of(fleet, settings)
         for w, share in zip(self._workers, shares, strict=True):
-            sent = (settings, tuple(share))
+            mine = {k: probes[k] for k in share if k in probes}
+            sent = (settings, tuple(share), mine)
             if w.sent != sent and w.conn is not None:
                 with contextlib.suppress(OSError, ValueError):
-                    w.conn.send(("config", (settings, share, first)))
+                    w.conn.send(("config", (settings, share, first, mine)))
                     w.sent = sent
         out: dict[EndpointKey, ScrapeResult] = {}
         if first:
@@ -189,6 +193,16 @@ class CollectorPool:
         self._drain(out)
         self._export()
         return out
+
+    def _probes_of(self, fleet: Fleet, settings: Settings) -> dict[EndpointKey, Probe]:
+        """The targets probed otherwise than the default (HTTP health and metrics on the
+        serving port), worked out once per fleet."""
+        cached_for, probes = self._probes
+        if cached_for is not fleet:
+            default = Probe(health_path=settings.health_path, metrics_path=settings.metrics_path)
+            probes = {k: p for k, p in probes_of(fleet).items() if p != default}
+            self._probes = (fleet, probes)
+        return probes
 
     async def _first_signals(
         self, settings: Settings, wanted: set[EndpointKey], out: dict[EndpointKey, ScrapeResult]

@@ -29,13 +29,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import aiohttp
-from yarl import URL
 
 from controlplane.signals.parse import MetricsPageInvalid, parse_metrics
+from controlplane.signals.probe import Probe, Prober, at_port
 from controlplane.signals.schedule import Schedule
 from controlplane.signals.store import EndpointKey, ScrapeResult
 
-MAX_PAGE_BYTES = 4 << 20  # a metrics page larger than this is refused, not buffered
 FLUSH_S = 0.05  # records are sent at most this long after their scrape ended
 NICE = 10  # collectors yield the CPU to the xDS process
 
@@ -66,49 +65,6 @@ class Stats:
     cpu_s: float = 0.0
 
 
-async def fetch(
-    session: aiohttp.ClientSession,
-    url: URL | str,
-    path: str,
-    timeout: aiohttp.ClientTimeout,
-    *,
-    want_body: bool,
-) -> tuple[int | None, bytes | None, str | None]:
-    """One GET: (status, body, error); error is set when no usable HTTP answer came in time.
-    A body over MAX_PAGE_BYTES is refused, not buffered."""
-    try:
-        async with session.get(url, timeout=timeout) as resp:
-            if not want_body:
-                return resp.status, None, None
-            if resp.content_length is not None and resp.content_length > MAX_PAGE_BYTES:
-                return resp.status, None, f"page of {resp.content_length} bytes is over the limit"
-            body = await read_page(resp.content, MAX_PAGE_BYTES)
-            if body is None:
-                return resp.status, None, f"page is over the {MAX_PAGE_BYTES} byte limit"
-            return resp.status, body, None
-    except TimeoutError:
-        return None, None, f"GET {path} timed out after {timeout.total:g}s"
-    except aiohttp.ClientError as e:
-        return None, None, f"GET {path} failed: {e.__class__.__name__}: {e}"
-    except OSError as e:
-        return None, None, f"GET {path} failed: {e}"
-
-
-async def read_page(content: aiohttp.StreamReader, limit: int) -> bytes | None:
-    """The whole body, however many reads it arrives in (`read(n)` returns what has arrived,
-    not n bytes), or None once it is over `limit` bytes."""
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        chunk = await content.read(1 << 16)
-        if not chunk:
-            return b"".join(chunks)
-        total += len(chunk)
-        if total > limit:
-            return None
-        chunks.append(chunk)
-
-
 def main(argv: list[str] | None = None) -> None:
     """The process entry point: `python -m controlplane.signals.collector_worker --fd N
     --worker I`, started by CollectorPool with one end of a socket pair as fd N."""
@@ -137,11 +93,9 @@ class _Worker:
         self.wake = asyncio.Event()
         self.sem = asyncio.Semaphore(self.settings.concurrency)
         self.failing_sem = asyncio.Semaphore(self.settings.concurrency)
-        self.session: aiohttp.ClientSession | None = None
+        self.prober: Prober | None = None
+        self.probes: dict[EndpointKey, Probe] = {}  # targets probed otherwise than by default
         self.tasks: set[asyncio.Task[None]] = set()
-        # Built once per target, not per request (URL parsing is a good share of a request).
-        self._urls: dict[tuple[str, str], URL] = {}
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     # -- messages from the control plane (a reader thread hands them to the loop)
 
@@ -158,7 +112,7 @@ class _Worker:
         if kind == "stop":
             self.stop.set()
         elif kind == "config":
-            settings, targets, first = body
+            settings, targets, first, self.probes = body
             now = time.monotonic()
             if settings.concurrency != self.settings.concurrency:
                 self.sem = asyncio.Semaphore(settings.concurrency)
@@ -166,6 +120,11 @@ class _Worker:
             self.settings = settings
             self.schedule.set_interval(settings.interval_s, now)
             self.schedule.set_targets(targets, now, first=first)
+            if self.prober is not None:  # close gRPC channels to servers no longer probed
+                keep = {at_port(k[1], p.health_port) for k, p in self.probes.items() if p.health == "grpc"}
+                task = asyncio.ensure_future(self.prober.forget(keep))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
         self.wake.set()
 
     # -- the loop
@@ -173,12 +132,13 @@ class _Worker:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._reader, args=(loop,), daemon=True, name="collector-reader").start()
-        self.session = aiohttp.ClientSession(
+        session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=2, force_close=False),
             headers={"User-Agent": "inference-controlplane-scraper"},
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding",),  # plain text: nothing to decompress
         )
+        self.prober = Prober(session)
         flusher = asyncio.create_task(self._flush_forever())
         try:
             while not self.stop.is_set():
@@ -196,45 +156,42 @@ class _Worker:
             flusher.cancel()
             for t in list(self.tasks):
                 t.cancel()
-            await self.session.close()
+            await self.prober.close()
+            await session.close()
+
+    def _probe_of(self, key: EndpointKey) -> Probe:
+        s = self.settings
+        return self.probes.get(key) or Probe(health_path=s.health_path, metrics_path=s.metrics_path)
 
     async def _one(self, key: EndpointKey, due: float) -> None:
         s = self.settings
+        assert self.prober is not None
+        probe = self._probe_of(key)
         # Two lanes: endpoints whose last scrape failed wait for their own slots, so a fleet
         # of hung servers (each holding a slot for the whole timeout) never delays the
         # scrapes of the ones that answer.
-        lane = self.failing_sem if self.schedule.failures.get(key) else self.sem
+        failing = bool(self.schedule.failures.get(key))
+        lane = self.failing_sem if failing else self.sem
         async with lane:
             started = time.monotonic()
             self.stats.max_lag_s = max(self.stats.max_lag_s, started - due)
-            if lane is self.failing_sem:
-                # It did not answer last time: one probe of /health; the page only if it answers.
-                h_status, _, h_err = await self._get(key[1], s.health_path, s.timeout_s, want_body=False)
-                if h_status is None:
-                    m_status, body, m_err = None, None, h_err
-                else:
-                    m_status, body, m_err = await self._get(
-                        key[1], s.metrics_path, s.timeout_s, want_body=True
-                    )
-            else:
-                (h_status, _, h_err), (m_status, body, m_err) = await asyncio.gather(
-                    self._get(key[1], s.health_path, s.timeout_s, want_body=False),
-                    self._get(key[1], s.metrics_path, s.timeout_s, want_body=True),
-                )
-        reached = h_status is not None or m_status is not None
+            # It did not answer last time: one health probe; the page only if it answers.
+            r = await self.prober.probe(key[1], probe, s.timeout_s, health_first=failing)
+        reached = r.reached
         self.stats.scrapes += 1
         if not reached:
             self.stats.unreachable += 1
         sample = None
-        if m_err is None and m_status is not None and m_status != 200:
-            m_err = f"GET {s.metrics_path} answered HTTP {m_status}"
+        m_err = r.metrics_error
+        if m_err is None and r.metrics_status is not None and r.metrics_status != 200:
+            m_err = f"GET {probe.metrics_path} answered HTTP {r.metrics_status}"
             self.stats.http_errors += 1
-        if m_err is None and body is not None:
+        if m_err is None and r.body is not None:
             self.stats.pages += 1
-            self.stats.page_bytes += len(body)
+            self.stats.page_bytes += len(r.body)
             t0 = time.perf_counter()
             try:
-                sample = parse_metrics(body.decode("utf-8", errors="replace"), key[0])
+                sample = parse_metrics(r.body.decode("utf-8", errors="replace"), key[0])
             except MetricsPageInvalid as e:
                 m_err = f"unreadable metrics page: {e}"
                 self.stats.unreadable += 1
@@ -242,26 +199,17 @@ class _Worker:
         self.outbox.append(
             (
                 key,
-                ScrapeResult(health_status=h_status, health_error=h_err, metrics_error=m_err, sample=sample),
+                ScrapeResult(
+                    health_status=r.health_status,
+                    health_error=r.health_error,
+                    metrics_error=m_err,
+                    sample=sample,
+                    reached=reached,
+                ),
             )
         )
         self.schedule.done(key, due, reached, time.monotonic())
         self.wake.set()
-
-    async def _get(
-        self, address: str, path: str, timeout_s: float, *, want_body: bool
-    ) -> tuple[int | None, bytes | None, str | None]:
-        """(status, body, error): error is set when no usable HTTP answer came in time."""
-        assert self.session is not None
-        timeout = self._timeouts.get(timeout_s)
-        if timeout is None:
-            timeout = self._timeouts[timeout_s] = aiohttp.ClientTimeout(total=timeout_s)
-        url = self._urls.get((address, path))
-        if url is None:
-            if len(self._urls) > 65536:
-                self._urls.clear()
-            url = self._urls[(address, path)] = URL.build(scheme="http", authority=address, path=path)
-        return await fetch(self.session, url, path, timeout, want_body=want_body)
 
     async def _flush_forever(self) -> None:
         loop = asyncio.get_running_loop()

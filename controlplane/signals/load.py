@@ -16,7 +16,7 @@ class EndpointLoad:
     """What the signals know about one endpoint right now."""
 
     address: str
-    ready: bool = True
+    ready: bool = True  # the server's own last verdict (an endpoint never heard from: ready)
     running: float = 0.0
     waiting: float = 0.0
     kv_use: float = 0.0  # 0-1
@@ -28,3 +28,7 @@ class EndpointLoad:
     token_latency_s: float | None = None  # smoothed time per output token: how fast a request runs here
     fits: bool = True  # the model fits this endpoint's GPU memory (model_aware)
     preferred: bool = False  # the endpoint's GPU class is one the model prefers (model_aware)
+    # False: its probes have gone unanswered for UNREACHABLE_AFTER scrapes in a row. The
+    # control plane cannot see it; whether it is held out is the cluster's call
+    # (balancing/sight.py), because the proxies may well reach it.
+    in_sight: bool = True

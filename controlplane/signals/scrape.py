@@ -1,4 +1,4 @@
-"""Scrape every endpoint's /health and /metrics concurrently, each bounded in time (I/O shell).
+"""Probe every endpoint's health and metrics concurrently, each bounded in time (I/O shell).
 
 One aiohttp session with keep-alive connections is reused across rounds. A server that
 hangs costs its own timeout and nothing else: every endpoint is scraped in parallel and a
@@ -8,12 +8,12 @@ round takes at most `timeout_s` (plus scheduling).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import aiohttp
 
 from controlplane.fleet.model import Fleet
-from controlplane.signals.collector_worker import fetch
+from controlplane.signals.probe import Probe, Prober, probes_of
 from controlplane.signals.store import EndpointKey, ScrapeResult
 
 
@@ -28,57 +28,50 @@ def scrape_targets(fleet: Fleet) -> list[EndpointKey]:
 
 
 class Scraper:
-    """Reusable HTTP client for scrape rounds. Close it with `close()`."""
+    """Reusable HTTP (and gRPC health) client for scrape rounds. Close it with `close()`."""
 
     def __init__(self, timeout_s: float, metrics_path: str = "/metrics", health_path: str = "/health"):
         self.timeout_s = timeout_s
-        self.metrics_path = metrics_path
-        self.health_path = health_path
-        self._session: aiohttp.ClientSession | None = None
+        self.default = Probe(health_path=health_path, metrics_path=metrics_path)
+        self._prober: Prober | None = None
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=256, limit_per_host=2, force_close=False),
-                headers={"User-Agent": "inference-controlplane-scraper"},
+    def _client(self) -> Prober:
+        if self._prober is None or self._prober.session.closed:
+            self._prober = Prober(
+                aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=256, limit_per_host=2, force_close=False),
+                    headers={"User-Agent": "inference-controlplane-scraper"},
+                )
             )
-        return self._session
+        return self._prober
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._prober is not None:
+            await self._prober.close()
+            await self._prober.session.close()
 
-    async def scrape_round(self, targets: Iterable[EndpointKey]) -> dict[EndpointKey, ScrapeResult]:
+    async def scrape_round(
+        self, targets: Iterable[EndpointKey], probes: Mapping[EndpointKey, Probe] | None = None
+    ) -> dict[EndpointKey, ScrapeResult]:
         """Scrape all targets at once; every result arrives within the timeout."""
         keys = list(targets)
-        results = await asyncio.gather(*(self._scrape(addr) for _, addr in keys))
+        probes = probes or {}
+        results = await asyncio.gather(*(self._scrape(k[1], probes.get(k, self.default)) for k in keys))
         return dict(zip(keys, results, strict=True))
 
-    async def _scrape(self, address: str) -> ScrapeResult:
-        health, metrics = await asyncio.gather(
-            self._get(address, self.health_path, want_body=False),
-            self._get(address, self.metrics_path, want_body=True),
-        )
-        h_status, _, h_err = health
-        m_status, text, m_err = metrics
-        if m_err is None and m_status is not None and m_status != 200:
-            m_err = f"GET {self.metrics_path} answered HTTP {m_status}"
+    async def _scrape(self, address: str, probe: Probe) -> ScrapeResult:
+        r = await self._client().probe(address, probe, self.timeout_s)
+        m_err = r.metrics_error
+        if m_err is None and r.metrics_status is not None and r.metrics_status != 200:
+            m_err = f"GET {probe.metrics_path} answered HTTP {r.metrics_status}"
+        text = r.body.decode("utf-8", errors="replace") if r.body is not None and m_err is None else None
         return ScrapeResult(
-            health_status=h_status,
-            health_error=h_err,
-            metrics_text=text if m_err is None else None,
+            health_status=r.health_status,
+            health_error=r.health_error,
+            metrics_text=text,
             metrics_error=m_err,
+            reached=r.reached,
         )
-
-    async def _get(
-        self, address: str, path: str, *, want_body: bool
-    ) -> tuple[int | None, str | None, str | None]:
-        """(status, body, error): error is set when no HTTP answer came in time."""
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        status, body, error = await fetch(
-            self._client(), f"http://{address}{path}", path, timeout, want_body=want_body
-        )
-        return status, body.decode("utf-8", errors="replace") if body is not None else None, error
 
 
 class InlineScrapeSource:
@@ -96,7 +89,7 @@ class InlineScrapeSource:
     async def collect(
         self, fleet: Fleet, targets: Sequence[EndpointKey], *, first: bool = False
     ) -> dict[EndpointKey, ScrapeResult]:
-        return await self.scraper.scrape_round(targets)
+        return await self.scraper.scrape_round(targets, probes_of(fleet))
 
     async def close(self) -> None:
         await self.scraper.close()

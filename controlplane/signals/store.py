@@ -6,10 +6,14 @@ one `EndpointLoad` for the balancing policies. Time is an input (`now`, monotoni
 seconds), so every rule here is unit-tested without sleeping.
 
 Rules (docs/signals.md):
-- Readiness: `/health` 2xx is ready, 404 means the server has no health endpoint (ready),
-  any other status is not ready at once. Unreachable (refused, timeout) counts as not
-  ready after `UNREACHABLE_AFTER` scrapes in a row; before that the last verdict stands.
-  An endpoint never scraped yet is assumed ready.
+- Readiness is the server's own word: a health answer 2xx is ready (HTTP 404: the server
+  has no health endpoint, ready), any other answer (or gRPC NOT_SERVING) is not ready at
+  once. No answer at all (refused, timeout) is not a verdict: the last one stands, and
+  after `UNREACHABLE_AFTER` such scrapes in a row the endpoint is *out of sight*
+  (`EndpointLoad.in_sight`). Whether an endpoint out of sight is held out is decided per
+  cluster (balancing/sight.py): the control plane losing sight of servers must not take
+  them out of the proxies' hands. An endpoint never scraped yet is assumed ready.
+- An answer to either probe (health or metrics, even an HTTP error) brings it back in sight.
 - A ready endpoint seen turning ready (not at first sight) gets `ready_for_s` from that
   moment, for the slow-start ramp.
 - A page that cannot be parsed counts a scrape error and leaves the last good sample in
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 from controlplane.signals.load import EndpointLoad
 from controlplane.signals.parse import MetricsPageInvalid, ServerSample, derive, parse_metrics
 
-UNREACHABLE_AFTER = 3  # scrapes in a row that fail to connect before an endpoint is held out
+UNREACHABLE_AFTER = 3  # unanswered scrapes in a row before an endpoint is out of sight
 EWMA_ALPHA = 0.3  # weight of the newest interval in latency and error-rate averages
 LRS_MAX_AGE_S = 10.0  # a proxy's report older than this no longer counts
 
@@ -46,6 +50,9 @@ class ScrapeResult:
     sample: ServerSample | None = None
     # How old the observation already is when it arrives (Prometheus: now - sample time).
     age_s: float = 0.0
+    # Whether any probe got an answer (an HTTP error status counts): the server is in sight.
+    # None: the source cannot tell (Prometheus); then only the health probe says.
+    reached: bool | None = None
 
 
 @dataclass
@@ -68,6 +75,13 @@ class EndpointCounters:
     buckets: tuple[tuple[float, float], ...] = ()
     lrs_ok: float = 0.0
     lrs_failed: float = 0.0
+    dialect: str | None = None  # of the server's metrics page; None: not scraped yet
+    # Whether the server's metrics count failed requests (TGI, Triton). vLLM and SGLang count
+    # only successes: without load reports, a server failing every request looks idle.
+    server_counts_failures: bool = False
+    # When the newest load report naming the endpoint arrived (the store's clock), from any
+    # proxy still reporting; None: none. A report with zero counts still shows a proxy reports.
+    lrs_reported_at: float | None = None
 
 
 @dataclass
@@ -81,9 +95,10 @@ class EndpointSignals:
     error_rate: float = 0.0
     throughput: float | None = None  # learnt: completions/s per running request x peak running
     peak_running: float = 0.0
-    ready: bool | None = None  # None: not seen yet
+    ready: bool | None = None  # the server's last verdict; None: none yet
     ready_since: float | None = None  # when it was seen turning ready
-    unreachable: int = 0  # failed health scrapes in a row
+    unreachable: int = 0  # scrapes in a row that got no answer from any probe
+    out_of_sight_since: float | None = None  # when it went out of sight (None: in sight)
     scrape_errors: int = 0
     last_error: str | None = None
     lrs: dict[str, _LrsEntry] = field(default_factory=dict)  # by proxy node id
@@ -164,21 +179,34 @@ class SignalStore:
         return sig.throughput if sig is not None else None
 
     def _record_health(self, sig: EndpointSignals, result: ScrapeResult, now: float) -> None:
-        if result.health_status is None and result.health_error is None:
-            return
-        was = sig.ready
-        if result.health_status is not None:
+        answered = result.reached
+        if answered is None:
+            if result.health_status is None and result.health_error is None:
+                return  # nothing about reachability (probes off, or Prometheus without health)
+            answered = result.health_status is not None
+        if answered:
             sig.unreachable = 0
-            ready = 200 <= result.health_status < 300 or result.health_status == 404
+            sig.out_of_sight_since = None
         else:
             sig.unreachable += 1
-            sig.last_error = f"health check failed: {result.health_error}"
-            ready = False if sig.unreachable >= UNREACHABLE_AFTER else (was if was is not None else True)
+            sig.last_error = f"no answer: {result.health_error or result.metrics_error}"
+            if sig.unreachable >= UNREACHABLE_AFTER and sig.out_of_sight_since is None:
+                sig.out_of_sight_since = now
+        if result.health_status is None:
+            return  # no verdict from the server: the last one stands
+        was = sig.ready
+        ready = 200 <= result.health_status < 300 or result.health_status == 404
         sig.ready = ready
         if ready and was is False:
             sig.ready_since = now
         elif not ready:
             sig.ready_since = None
+            sig.last_error = f"health check answered {result.health_status}"
+
+    def out_of_sight(self, key: EndpointKey) -> bool:
+        """Whether the endpoint's probes have gone unanswered UNREACHABLE_AFTER times in a row."""
+        sig = self.endpoints.get(key)
+        return sig is not None and sig.out_of_sight_since is not None
 
     def record_lrs(
         self,
@@ -209,6 +237,12 @@ class SignalStore:
             buckets=s.latency_buckets if s is not None else (),
             lrs_ok=sig.lrs_ok_total,
             lrs_failed=sig.lrs_failed_total,
+            dialect=s.dialect if s is not None else None,
+            # TGI and Triton count failures even before the page has the counter (TGI's
+            # appears with the first failure).
+            server_counts_failures=s is not None
+            and (s.failures is not None or s.dialect in ("tgi", "triton")),
+            lrs_reported_at=max((e.at for e in sig.lrs.values()), default=None),
         )
 
     def forget_node(self, node: str) -> None:
@@ -249,6 +283,7 @@ class SignalStore:
             age_s=math.inf if sig.sample_at is None else max(0.0, now - sig.sample_at),
             capacity=capacity,
             ready_for_s=ready_for,
+            in_sight=sig.out_of_sight_since is None,
         )
 
 

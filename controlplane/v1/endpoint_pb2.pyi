@@ -23,7 +23,7 @@ class DrainRequest(_message.Message):
     def __init__(self, address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Endpoint(_message.Message):
-    __slots__ = ("model", "version", "address", "gpu", "state", "weight", "capacity", "running", "waiting", "in_flight", "kv_use", "latency_seconds", "error_rate", "signal_age_seconds", "drain_started_at")
+    __slots__ = ("model", "version", "address", "gpu", "state", "weight", "capacity", "running", "waiting", "in_flight", "kv_use", "latency_seconds", "error_rate", "signal_age_seconds", "drain_started_at", "sight", "note")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,8 @@ class Endpoint(_message.Message):
     ERROR_RATE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAIN_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    SIGHT_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     address: str
@@ -54,7 +56,9 @@ class Endpoint(_message.Message):
     error_rate: float
     signal_age_seconds: float
     drain_started_at: float
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., address: _Optional[str] = ..., gpu: _Optional[str] = ..., state: _Optional[str] = ..., weight: _Optional[int] = ..., capacity: _Optional[float] = ..., running: _Optional[float] = ..., waiting: _Optional[float] = ..., in_flight: _Optional[float] = ..., kv_use: _Optional[float] = ..., latency_seconds: _Optional[float] = ..., error_rate: _Optional[float] = ..., signal_age_seconds: _Optional[float] = ..., drain_started_at: _Optional[float] = ...) -> None: ...
+    sight: str
+    note: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., address: _Optional[str] = ..., gpu: _Optional[str] = ..., state: _Optional[str] = ..., weight: _Optional[int] = ..., capacity: _Optional[float] = ..., running: _Optional[float] = ..., waiting: _Optional[float] = ..., in_flight: _Optional[float] = ..., kv_use: _Optional[float] = ..., latency_seconds: _Optional[float] = ..., error_rate: _Optional[float] = ..., signal_age_seconds: _Optional[float] = ..., drain_started_at: _Optional[float] = ..., sight: _Optional[str] = ..., note: _Optional[str] = ...) -> None: ...
 
 class ListEndpointsResponse(_message.Message):
     __slots__ = ("endpoints",)

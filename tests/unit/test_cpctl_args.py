@@ -430,6 +430,20 @@ def test_endpoints_table_and_dict() -> None:
     assert out.endpoint_to_dict(endpoint_pb2.Endpoint(address="a:1"))["latency_seconds"] is None
 
 
+def test_an_endpoint_out_of_sight_is_marked_and_explained() -> None:
+    note = (
+        "out of sight for 12s (no answer: GET /health timed out after 0.5s); kept serving on its last verdict"
+    )
+    e = endpoint_pb2.Endpoint(
+        model="llama", version="v1", address="127.0.0.1:8000", state="SERVING", weight=5,
+        sight="OUT_OF_SIGHT", note=note,
+    )  # fmt: skip
+    text = out.endpoints_table([e])
+    assert "SERVING (out of sight)" in text.splitlines()[1]
+    assert text.splitlines()[-1] == f"llama/v1 127.0.0.1:8000: {note}"
+    assert out.endpoint_to_dict(e)["sight"] == "OUT_OF_SIGHT"
+
+
 def test_proxies_table() -> None:
     envoy = proxy_pb2.Proxy(node_id="envoy-1", address="ipv4:127.0.0.1:5000", transport="sotw", service="ads")
     for t, status in (("cds", "SYNCED"), ("eds", "SYNCED"), ("lds", "NACKED"), ("rds", "STALE")):

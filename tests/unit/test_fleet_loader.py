@@ -7,7 +7,7 @@ import pytest
 from controlplane.cli.main import main
 from controlplane.fleet import FleetConfigInvalid, load_fleet, parse_fleet
 from controlplane.fleet.loader import parse_address, parse_duration
-from controlplane.fleet.model import PrometheusSpec
+from controlplane.fleet.model import HealthProbe, MetricsProbe, PrometheusSpec
 from tests.fleets import BASIC
 
 
@@ -47,9 +47,9 @@ def test_unknown_key_names_path_and_line() -> None:
     errs = errors_of(BASIC.replace("stable: v1", "stable: v1\n    stabel: v2"))
     assert errs == [
         "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: affinity, balancing, "
-        "circuit_breakers, cluster_overrides, dtype, max_body_bytes, memory_gb, outlier_detection, "
-        "params_b, preferred_gpus, protocol, retries, stable, stream_idle_timeout, tier, timeout, versions, "
-        "zones)"
+        "circuit_breakers, cluster_overrides, dtype, health, max_body_bytes, memory_gb, metrics, "
+        "outlier_detection, params_b, preferred_gpus, protocol, retries, stable, stream_idle_timeout, tier, "
+        "timeout, versions, zones)"
     ]
 
 
@@ -460,3 +460,39 @@ def test_signals_go_stale_no_sooner_than_one_prometheus_interval() -> None:
     assert (
         parse_fleet(BASIC + text.replace("source: prometheus", "source: scrape")).signals.source == "scrape"
     )
+
+
+def test_probes_per_model_and_version() -> None:
+    fleet = parse_fleet(
+        "listener: {port: 10000}\ntiers: {small: {}}\nmodels:\n"
+        "  t: {params_b: 1, stable: v1, health: {http: {path: /v2/health/ready}}, metrics: {port: 8002},\n"
+        "      versions: {v1: {endpoints: ['127.0.0.1:8000']},\n"
+        "                 v2: {health: none, metrics: none, endpoints: ['127.0.0.1:9000']}}}\n"
+        "  g: {params_b: 1, stable: v1, protocol: http2, versions: {v1: {endpoints: ['127.0.0.1:7000']}}}\n"
+        "  h: {params_b: 1, stable: v1, versions: {v1: {endpoints: ['127.0.0.1:7001']}}}\n"
+    )
+    t, g, h = (fleet.model(n) for n in ("t", "g", "h"))
+    assert fleet.health_of(t, t.version("v1")) == HealthProbe("http", path="/v2/health/ready")
+    assert fleet.metrics_of(t, t.version("v1")) == MetricsProbe(path="/metrics", port=8002)
+    assert fleet.health_of(t, t.version("v2")).kind == "none"
+    assert not fleet.metrics_of(t, t.version("v2")).enabled
+    assert fleet.health_of(g, g.version("v1")) == HealthProbe("grpc")  # gRPC servers: gRPC health
+    assert fleet.health_of(h, h.version("v1")) == HealthProbe("http", path="/health")
+
+
+def test_probe_errors_name_the_field() -> None:
+    errs = errors_of(
+        BASIC.replace(
+            "stable: v1",
+            "stable: v1\n    health: {grpc: {service: 3, path: /x}}\n"
+            "    metrics: {port: 0, scheme: ftp, path: metrics}",
+        )
+    )
+    joined = "\n".join(errs)
+    assert "models.llama-3-8b.health.grpc.path: unknown key (allowed: port, service)" in joined
+    assert "models.llama-3-8b.health.grpc.service: expected a gRPC service name" in joined
+    assert "models.llama-3-8b.metrics.port: expected a port number 1-65535, got 0" in joined
+    assert "models.llama-3-8b.metrics.scheme: expected one of http, https, got 'ftp'" in joined
+    assert "models.llama-3-8b.metrics.path: expected a path starting with '/'" in joined
+    bad_kind = errors_of(BASIC.replace("stable: v1", "stable: v1\n    health: {tcp: {port: 1}}"))
+    assert any("models.llama-3-8b.health: expected none, {http:" in e for e in bad_kind)

@@ -91,16 +91,52 @@ def test_a_server_without_a_health_endpoint_is_ready() -> None:
     assert store.load(KEY, 1.0, 0.0).ready
 
 
-def test_unreachable_is_held_out_only_after_several_failures() -> None:
+def test_no_answer_is_out_of_sight_after_several_failures_never_a_verdict() -> None:
     store = SignalStore()
     store.record_scrape(KEY, ScrapeResult(health_status=200), now=0.0)
     for i in range(1, UNREACHABLE_AFTER):
         store.record_scrape(KEY, ScrapeResult(health_error="connection refused"), now=float(i))
-        assert store.load(KEY, 1.0, float(i)).ready
+        assert store.load(KEY, 1.0, float(i)).in_sight
     store.record_scrape(KEY, ScrapeResult(health_error="connection refused"), now=9.0)
-    assert not store.load(KEY, 1.0, 9.0).ready
+    load = store.load(KEY, 1.0, 9.0)
+    assert not load.in_sight and load.ready  # the server's last word (ready) stands
+    assert store.out_of_sight(KEY)
     store.record_scrape(KEY, ScrapeResult(health_status=200), now=10.0)
-    assert store.load(KEY, 1.0, 10.0).ready
+    assert store.load(KEY, 1.0, 10.0).in_sight
+
+
+def test_an_unready_server_that_goes_silent_stays_unready() -> None:
+    store = SignalStore()
+    store.record_scrape(KEY, ScrapeResult(health_status=503), now=0.0)
+    for i in range(1, UNREACHABLE_AFTER + 2):
+        store.record_scrape(KEY, ScrapeResult(health_error="timed out"), now=float(i))
+    load = store.load(KEY, 1.0, 9.0)
+    assert not load.ready and not load.in_sight
+
+
+def test_an_answer_from_the_metrics_port_keeps_a_server_in_sight() -> None:
+    """Health hangs but the page answers (even with an HTTP error): the server is in sight."""
+    store = SignalStore()
+    for i in range(UNREACHABLE_AFTER + 2):
+        store.record_scrape(
+            KEY,
+            ScrapeResult(health_error="timed out", metrics_error="GET /metrics: HTTP 500", reached=True),
+            now=float(i),
+        )
+    assert store.load(KEY, 1.0, 9.0).in_sight
+    for i in range(UNREACHABLE_AFTER):
+        store.record_scrape(
+            KEY, ScrapeResult(health_error="timed out", metrics_error="refused", reached=False), now=10.0 + i
+        )
+    assert not store.load(KEY, 1.0, 20.0).in_sight
+
+
+def test_a_source_that_cannot_tell_reachability_changes_nothing() -> None:
+    """Prometheus results carry no health and no reachability: sight is left as it was."""
+    store = SignalStore()
+    for i in range(UNREACHABLE_AFTER + 2):
+        store.record_scrape(KEY, ScrapeResult(metrics_error="Prometheus has no series"), now=float(i))
+    assert store.load(KEY, 1.0, 9.0).in_sight
 
 
 def test_never_scraped_is_assumed_ready_with_no_trusted_signal() -> None:
