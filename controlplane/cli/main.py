@@ -331,11 +331,22 @@ def _add_emulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     e.add_argument(
         "--metrics-page",
-        choices=["full", "compact"],
+        choices=["full", "compact", "triton"],
         default="full",
         help="the /metrics page: full has the families of a vLLM v1 server (13 histograms, about "
-        "35 KB, as a real page's); compact the emulator's original 11 (4 histograms, about 10 KB). "
-        "The families the control plane reads are the same in both (default: %(default)s)",
+        "35 KB, as a real page's); compact the emulator's original 11 (4 histograms, about 10 KB); "
+        "triton a Triton Inference Server's nv_inference_* families (failures counted, no "
+        "histogram). The vLLM families the control plane reads are the same in full and compact "
+        "(default: %(default)s)",
+    )
+    e.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve /metrics (and /health) on this port instead of the serving port, as Triton "
+        "does on 8002; 0 picks a free one (default: on the serving port). With --count, each "
+        "server gets PORT+i",
     )
     e.add_argument("--log-format", choices=["console", "json"], default="console", help="log output format")
     e.add_argument("--log-level", default="info", help="debug, info, warning, error (default: info)")
@@ -574,12 +585,21 @@ def _emulate(args: argparse.Namespace) -> int:
     )
     ports = [port + i if port else 0 for i in range(args.count)]
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(_run_emulators_until_signal(config, host, ports, args.crash_after))
+        mports = (
+            None
+            if args.metrics_port is None
+            else [args.metrics_port + i if args.metrics_port else 0 for i in range(args.count)]
+        )
+        return asyncio.run(_run_emulators_until_signal(config, host, ports, args.crash_after, mports))
     return 0
 
 
 async def _run_emulators_until_signal(
-    config: object, host: str, ports: list[int], crash_after: float | None
+    config: object,
+    host: str,
+    ports: list[int],
+    crash_after: float | None,
+    metrics_ports: list[int] | None = None,
 ) -> int:
     import signal
 
@@ -589,7 +609,7 @@ async def _run_emulators_until_signal(
 
     assert isinstance(config, EmulatorConfig)
     log = structlog.get_logger("controlplane.emulate")
-    emulators = Emulators([config] * len(ports), host, ports)
+    emulators = Emulators([config] * len(ports), host, ports, metrics_ports)
     try:
         await emulators.start()
     except OSError as e:
@@ -599,6 +619,7 @@ async def _run_emulators_until_signal(
         log.info(
             "emulated server started",
             address=server.address,
+            metrics_port=server.metrics_port,
             model=config.model,
             gpu=config.gpu,
             speed=config.speed,

@@ -28,7 +28,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from controlplane.sim.emulator_engine import LiveBatchingServer
-from controlplane.sim.emulator_metrics import GARBAGE_PAGE, METRICS_PAGES, MetricsPage, VllmMetrics
+from controlplane.sim.emulator_metrics import (
+    GARBAGE_PAGE,
+    METRICS_PAGES,
+    MetricsPage,
+    TritonMetrics,
+    VllmMetrics,
+)
 from controlplane.sim.emulator_protocol import (
     ApiError,
     Faults,
@@ -134,10 +140,15 @@ class _Life:
 class EmulatedServer:
     """One emulated inference server on host:port (port 0: the OS picks one at start)."""
 
-    def __init__(self, config: EmulatorConfig, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, config: EmulatorConfig, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None
+    ) -> None:
         self.config = config
         self.host = host
         self.port = port
+        # Triton-style: /metrics (and /health) on a port of their own; None: the serving port.
+        self.metrics_port = metrics_port
+        self._metrics_runner: web.AppRunner | None = None
         self.faults = config.faults
         # The emulator's own bookkeeping, kept across crashes (the /metrics page is not).
         self.requests_total = 0  # completion and chat requests received, whatever the answer
@@ -194,6 +205,7 @@ class EmulatedServer:
             "waiting": engine.num_waiting if engine else 0,
             "phantoms": engine.backlog if engine else 0,
             "kv_cache_usage": engine.kv_use if engine else 0.0,
+            "metrics_port": self.metrics_port,
             "faults": self.faults.to_json(),
         }
 
@@ -215,11 +227,21 @@ class EmulatedServer:
             await runner.cleanup()
             raise
         self.port = int(runner.addresses[0][1])
-        metrics = VllmMetrics(
-            self.config.model,
-            page=self.config.metrics_page,
-            kv_capacity_tokens=self.config.kv_capacity_tokens,
-        )
+        metrics: VllmMetrics
+        if self.config.metrics_page == "triton":
+            metrics = TritonMetrics(self.config.model, kv_capacity_tokens=self.config.kv_capacity_tokens)
+        else:
+            metrics = VllmMetrics(
+                self.config.model,
+                page=self.config.metrics_page,
+                kv_capacity_tokens=self.config.kv_capacity_tokens,
+            )
+        if self.metrics_port is not None:
+            mapp = web.Application()
+            mapp.router.add_get("/metrics", self._metrics)
+            mapp.router.add_get("/health", self._health)
+            self._metrics_runner = web.AppRunner(mapp, access_log=None, handler_cancellation=True)
+            await self._metrics_runner.setup()
         self._life = _Life(runner, engine, metrics, engine.now())
         self.faults = replace(self.faults, crash=False)
         await self._apply(self.faults)
@@ -251,7 +273,26 @@ class EmulatedServer:
         self.faults = replace(self.faults, crash=False)
         return await self.start()
 
+    async def _metrics_site(self, up: bool) -> None:
+        """Open or close the separate metrics port (closed: connection refused)."""
+        runner = self._metrics_runner
+        if runner is None:
+            return
+        if up and not runner.sites:
+            await web.TCPSite(runner, self.host, self.metrics_port or 0).start()
+            self.metrics_port = int(runner.addresses[0][1])
+        elif not up:
+            for old in list(runner.sites):
+                await old.stop()
+            if runner.server is not None:  # kept-alive connections are cut too, as by a firewall
+                for conn in runner.server.connections:
+                    if conn.transport is not None:
+                        conn.transport.abort()
+
     async def _teardown(self, life: _Life, *, abrupt: bool) -> None:
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
         for site in list(life.runner.sites):
             await site.stop()  # the listening socket closes: connection refused from here on
         if abrupt and life.runner.server is not None:
@@ -272,6 +313,8 @@ class EmulatedServer:
         crash: bool | None = None,
         backlog: int | None = None,
         garbage_metrics: bool | None = None,
+        probes_hang: bool | None = None,
+        metrics_port_down: bool | None = None,
     ) -> Faults:
         """Change the named faults (None leaves one as it is); raise FaultsInvalid naming a
         bad one. `crash=True` crashes the server (see `crash`). Returns the faults in force."""
@@ -284,6 +327,8 @@ class EmulatedServer:
                 ("crash", crash),
                 ("backlog", backlog),
                 ("garbage_metrics", garbage_metrics),
+                ("probes_hang", probes_hang),
+                ("metrics_port_down", metrics_port_down),
             )
             if v is not None
         }
@@ -302,6 +347,7 @@ class EmulatedServer:
             await engine.set_backlog(
                 wanted.backlog, self.config.phantom_prompt_tokens, self.config.phantom_output_tokens
             )
+            await self._metrics_site(up=not wanted.metrics_port_down)
 
     # --- HTTP --------------------------------------------------------------------------
 
@@ -312,7 +358,8 @@ class EmulatedServer:
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
+        if self.metrics_port is None:
+            app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/emulator/faults", self._get_faults)
         app.router.add_post("/emulator/faults", self._post_faults)
         app.router.add_get("/emulator/stats", self._get_stats)
@@ -363,6 +410,8 @@ class EmulatedServer:
         if not (f.error_rate or f.oom_rate):
             return
         u = self._rng.random()
+        if u < f.error_rate + f.oom_rate and self._life is not None:
+            self._life.metrics.observe_failed()  # counted by dialects that count failures (Triton)
         if u < f.error_rate:
             raise ApiError(
                 500, "internal server error (emulated fault)", type="server_error", code="internal_error"
@@ -442,6 +491,8 @@ class EmulatedServer:
     async def _health(self, request: web.Request) -> web.Response:
         life = self._life
         assert life is not None
+        if self.faults.probes_hang:
+            await asyncio.Event().wait()  # until the client gives up (the handler is cancelled)
         left = self._cold_for(life)
         if left > 0:
             return web.json_response(
@@ -452,6 +503,8 @@ class EmulatedServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         life = self._life
         assert life is not None
+        if self.faults.probes_hang:
+            await asyncio.Event().wait()  # until the client gives up (the handler is cancelled)
         if self.faults.garbage_metrics:
             return web.Response(body=GARBAGE_PAGE, content_type="text/html")
         engine = life.engine
@@ -496,11 +549,18 @@ class Emulators:
         configs: Sequence[EmulatorConfig],
         host: str = "127.0.0.1",
         ports: Sequence[int] | None = None,
+        metrics_ports: Sequence[int | None] | None = None,
     ) -> None:
         if ports is not None and len(ports) != len(configs):
             raise ValueError(f"ports: {len(ports)} given for {len(configs)} servers")
         self.servers = [
-            EmulatedServer(c, host, ports[i] if ports is not None else 0) for i, c in enumerate(configs)
+            EmulatedServer(
+                c,
+                host,
+                ports[i] if ports is not None else 0,
+                metrics_ports[i] if metrics_ports is not None else None,
+            )
+            for i, c in enumerate(configs)
         ]
 
     async def start(self) -> Emulators:

@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 from controlplane.sim.emulator_engine import Sequence
 from controlplane.sim.service import BatchingServer, ServerSpec
 
-MetricsPage = Literal["full", "compact"]
+MetricsPage = Literal["full", "compact", "triton"]
 METRICS_PAGES: tuple[MetricsPage, ...] = get_args(MetricsPage)
 
 # vLLM's buckets: request latencies (e2e, queue and the phases) and time to first token.
@@ -185,6 +185,9 @@ class VllmMetrics(Collector):
         self._n.observe(1)  # the emulator answers n=1 only
         self._observe_steps(seq.prompt_tokens, out, max(1, batch_size))
 
+    def observe_failed(self) -> None:
+        """A request answered with an error. vLLM counts only successes: nothing to do."""
+
     def _observe_steps(self, prompt: int, out: int, batch: int) -> None:
         """The engine has no global steps; this is a request's share of them: its prefill
         in chunks (the last one also yields its first token), then its other tokens as
@@ -304,6 +307,63 @@ class VllmMetrics(Collector):
             "num_gpu_blocks": str(math.ceil(self.kv_capacity_tokens / BLOCK_SIZE)),
         }
         yield _gauge("vllm:cache_config_info", "The engine's KV-cache configuration (always 1).", config, 1.0)
+
+
+class TritonMetrics(VllmMetrics):
+    """The same bookkeeping, rendered in Triton Inference Server's dialect (the `nv_` families
+    of its metrics port, 8002 on a real one): request success and failure counters, request,
+    queue and compute durations in microseconds (cumulative), the pending requests gauge and
+    per-GPU gauges. Triton counts failures, unlike vLLM; it has no latency histogram and no
+    running-requests gauge."""
+
+    def __init__(self, model: str, **kw: object) -> None:
+        super().__init__(model, page="full", **kw)  # type: ignore[arg-type]
+        self.failures = 0
+        self._duration_us = self._queue_us = self._compute_us = 0.0
+        self._count = 0
+
+    def observe_finished(
+        self, seq: Sequence, finish_reason: str, *, batch_size: int = 1, max_tokens: int | None = None
+    ) -> None:
+        super().observe_finished(seq, finish_reason, batch_size=batch_size, max_tokens=max_tokens)
+        self._count += 1
+        self._duration_us += seq.latency_s * 1e6
+        self._queue_us += seq.queue_s * 1e6
+        self._compute_us += (seq.finished - seq.started) * 1e6
+
+    def observe_failed(self) -> None:
+        self.failures += 1
+
+    def render(self, running: int, waiting: int, kv_use: float) -> bytes:
+        m = f'model="{self.model}",version="1"'
+        ok = sum(self._success.values())
+        families = [
+            ("nv_inference_request_success", "counter", "Number of successful inference requests", ok),
+            ("nv_inference_request_failure", "counter", "Number of failed inference requests", self.failures),
+            ("nv_inference_count", "counter", "Number of inferences performed", self._count),
+            ("nv_inference_exec_count", "counter", "Number of model executions performed", self._count),
+            ("nv_inference_request_duration_us", "counter", "Cumulative inference request duration in "
+             "microseconds (includes cached requests)", self._duration_us),
+            ("nv_inference_queue_duration_us", "counter", "Cumulative inference queuing duration in "
+             "microseconds", self._queue_us),
+            ("nv_inference_compute_infer_duration_us", "counter", "Cumulative compute inference duration "
+             "in microseconds", self._compute_us),
+            ("nv_inference_pending_request_count", "gauge", "Instantaneous number of pending requests "
+             "awaiting execution per-model.", waiting),
+        ]  # fmt: skip
+        lines: list[str] = []
+        for name, kind, doc, value in families:
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{{{m}}} {value:g}"]
+        gpu = 'gpu_uuid="GPU-emulated-0"'
+        lines += [
+            "# HELP nv_gpu_utilization GPU utilization rate [0.0 - 1.0)",
+            "# TYPE nv_gpu_utilization gauge",
+            f"nv_gpu_utilization{{{gpu}}} {min(1.0, running / 8):g}",
+            "# HELP nv_gpu_memory_used_bytes GPU used memory, in bytes",
+            "# TYPE nv_gpu_memory_used_bytes gauge",
+            f"nv_gpu_memory_used_bytes{{{gpu}}} {kv_use * 40e9:g}",
+        ]
+        return ("\n".join(lines) + "\n").encode()
 
 
 def sample_full_page(model: str = "m", *, seed: int = 0, requests: int = 5000) -> str:

@@ -341,6 +341,10 @@ class Faults:
     crash: bool = False  # the process is gone: connection refused
     backlog: int = 0  # phantom long requests kept in the server's queue and slots
     garbage_metrics: bool = False  # /metrics answers a page that is not Prometheus text
+    # GET /health and /metrics never answer (the client times out) while serving works: the
+    # control plane's path to the server is blackholed, the proxies' is not.
+    probes_hang: bool = False
+    metrics_port_down: bool = False  # the separate metrics port (--metrics-port) refuses connections
 
     def __post_init__(self) -> None:
         for name, kind in _FAULT_TYPES.items():

@@ -194,6 +194,7 @@ class Envoy:
     # Report this version in the node instead of the binary's own (an older Envoy, as the
     # control plane sees it; the real binary then checks the config it gets is valid).
     claim_version: tuple[int, int, int] | None = None
+    load_reports: bool = True  # False: a bootstrap without load_stats_config (no LRS)
     proc: Proc | None = None
 
     def start(self) -> Envoy:
@@ -209,6 +210,7 @@ class Envoy:
                 "--admin-port",
                 str(self.admin_port),
                 *(["--delta"] if self.delta else []),
+                *([] if self.load_reports else ["--no-load-reports"]),
             ],
             check=True,
             capture_output=True,
@@ -282,10 +284,17 @@ class Emulator:
     """One `controlplane emulate` process (one emulated GPU server) on a free port."""
 
     def __init__(
-        self, name: str, log_dir: Path, model: str, port: int | None = None, **flags: object
+        self,
+        name: str,
+        log_dir: Path,
+        model: str,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        **flags: object,
     ) -> None:
         self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.host = host
+        self.address = f"{host}:{self.port}"
         args = [str(BIN / "controlplane"), "emulate", "--listen", self.address, "--model", model]
         for key, value in flags.items():
             args += [f"--{key.replace('_', '-')}", str(value)]
@@ -295,7 +304,7 @@ class Emulator:
     def _listening(self) -> bool:
         if not self.proc.alive():
             raise AssertionError(f"emulator exited:\n{self.proc.log()[-3000:]}")
-        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+        with socket.create_connection((self.host, self.port), timeout=0.5):
             return True
 
     def set_faults(self, **faults: object) -> None:

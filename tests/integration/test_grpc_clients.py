@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -18,9 +19,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from controlplane.routing.translate import CLUSTER
+from controlplane.v1 import endpoint_pb2
 from controlplane.xds.bootstrap import grpc_bootstrap
 from tests.fleets import fleet_yaml
-from tests.integration.harness import ControlPlane, wait_until
+from tests.integration.harness import ControlPlane, Operator, wait_until
 
 
 class GrpcBackend:
@@ -28,7 +30,7 @@ class GrpcBackend:
 
     def __init__(self, name: str) -> None:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        svc = health.HealthServicer()
+        svc = self.health = health.HealthServicer()
         svc.set(name, health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(svc, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
@@ -95,6 +97,49 @@ def test_proxyless_grpc_client_follows_the_fleet(tmp_path: Path, backends: dict[
             client.kill()
             client.wait()
         cp.stop()
+
+
+def test_a_grpc_only_server_is_probed_over_grpc_health_and_reached(tmp_path: Path) -> None:
+    """No HTTP at all on the server: the control plane asks grpc.health.v1 (the default for
+    `protocol: http2`), sees it ready, and a proxyless client dialling xds:/// reaches it.
+    NOT_SERVING then holds it out: the gRPC answer is what decides."""
+    g = GrpcBackend("g1")
+    config = tmp_path / "fleet.yaml"
+    write(
+        config,
+        fleet_yaml({"embed": {"v1": [g.address]}}, extra_model_keys={"embed": "protocol: http2"})
+        + "signals: {interval: 300ms, timeout: 200ms}\n",
+    )
+    cp = ControlPlane(config, tmp_path).start()
+    op = Operator(cp)
+    boot = tmp_path / "grpc-bootstrap.json"
+    boot.write_text(grpc_bootstrap("grpc-client-1", cp.xds))
+
+    def endpoint() -> endpoint_pb2.Endpoint:
+        r = op.endpoints.List(endpoint_pb2.ListEndpointsRequest(model="embed"), metadata=op.md, timeout=5)
+        return r.endpoints[0]
+
+    try:
+        time.sleep(1.5)  # five probe intervals: an HTTP probe would have lost sight of it by now
+        wait_until(lambda: cp.metric("controlplane_signals_scrapes_total", outcome="ok") >= 3, 10, "probes")
+        e = endpoint()
+        assert (e.sight, e.state, e.note) == ("SEEN", "SERVING", ""), e
+        assert cp.metric("controlplane_signals_scrapes_total", outcome="unreachable") == 0
+        out = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("grpc_xds_client.py")), "xds:///embed", "g1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "GRPC_XDS_BOOTSTRAP": str(boot)},
+        )
+        assert out.stdout.strip() == "reached g1", out.stdout + out.stderr
+        g.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        wait_until(lambda: endpoint().state == "HELD_OUT", 5, "held out on NOT_SERVING")
+        assert endpoint().sight == "SEEN" and "not ready" in endpoint().note
+    finally:
+        op.close()
+        cp.stop()
+        g.server.stop(0)
 
 
 def test_unavailable_until_a_valid_config_then_serving(tmp_path: Path) -> None:

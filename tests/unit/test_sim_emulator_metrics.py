@@ -16,6 +16,7 @@ from controlplane.sim.emulator_engine import Sequence
 from controlplane.sim.emulator_metrics import (
     ITERATION_BUCKETS,
     MAX_MODEL_LEN,
+    TritonMetrics,
     VllmMetrics,
     one_two_five,
     sample_full_page,
@@ -178,15 +179,40 @@ def test_the_emulate_command_takes_the_page_mode(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     started: list[EmulatorConfig] = []
+    metrics_ports: list[list[int] | None] = []
 
-    async def run(config: EmulatorConfig, host: str, ports: list[int], crash_after: float | None) -> int:
+    async def run(
+        config: EmulatorConfig,
+        host: str,
+        ports: list[int],
+        crash_after: float | None,
+        mports: list[int] | None = None,
+    ) -> int:
         started.append(config)
+        metrics_ports.append(mports)
         return 0
 
     monkeypatch.setattr("controlplane.cli.main._run_emulators_until_signal", run)
     assert main(["emulate", "--model", MODEL, "--metrics-page", "compact"]) == 0
     assert main(["emulate", "--model", MODEL]) == 0
-    assert [c.metrics_page for c in started] == ["compact", "full"]
+    assert (
+        main(
+            [
+                "emulate",
+                "--model",
+                MODEL,
+                "--metrics-page",
+                "triton",
+                "--metrics-port",
+                "9002",
+                "--count",
+                "2",
+            ]
+        )
+        == 0
+    )
+    assert [c.metrics_page for c in started] == ["compact", "full", "triton"]
+    assert metrics_ports == [None, None, [9002, 9003]]
     with pytest.raises(SystemExit) as bad:
         main(["emulate", "--model", MODEL, "--metrics-page", "huge"])
     assert bad.value.code == 2
@@ -195,4 +221,24 @@ def test_the_emulate_command_takes_the_page_mode(
         main(["emulate", "--help"])
     assert shown.value.code == 0
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--metrics-page {full,compact}" in help_text and "(default: full)" in help_text
+    assert "--metrics-page {full,compact,triton}" in help_text and "(default: full)" in help_text
+
+
+def test_the_triton_page_is_read_as_triton_with_failures_counted() -> None:
+    m = TritonMetrics(MODEL)
+    for i in range(4):
+        m.observe_finished(finished(10, 5, submitted=i, started=i + 0.5, decode=0.02), "length")
+    m.observe_failed()
+    page = m.render(running=2, waiting=3, kv_use=0.25).decode()
+    assert "vllm:" not in page and families(page)  # valid Prometheus text, Triton names only
+    sample = parse_metrics(page, MODEL)
+    assert sample.dialect == "triton"
+    assert (sample.successes, sample.failures, sample.waiting) == (4.0, 1.0, 3.0)
+    assert sample.latency_count == 4.0
+    assert sample.latency_sum_s == pytest.approx(4 * (0.5 + 0.01 + 0.1), rel=1e-3)
+    # vLLM counts only successes: a failure leaves its page as it was.
+    v = VllmMetrics(MODEL)
+    before = v.render(0, 0, 0.0)
+    v.observe_failed()
+    assert parse_metrics(v.render(0, 0, 0.0).decode(), MODEL).failures is None
+    assert parse_metrics(before.decode(), MODEL).failures is None
