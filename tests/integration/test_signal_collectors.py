@@ -141,17 +141,23 @@ def test_collectors_scrape_outside_wait_one_timeout_back_off_and_are_replaced(se
             # Rounds go on: live servers keep reporting; refused ones are backed off.
             seen: dict[tuple[str, str], int] = dict.fromkeys(live, 0)
             refused_attempts = 0
-            for _ in range(60):
+            # Six seconds, or longer (up to 15 s) until every live server has reported five
+            # times: collectors run niced, and a busy machine starves them for a while. The
+            # refused ones are counted over the first six seconds only.
+            window = time.monotonic()
+            while (elapsed := time.monotonic() - window) < 6 or (
+                elapsed < 15 and not all(n >= 5 for n in seen.values())
+            ):
                 await asyncio.sleep(0.1)
                 got = await pool.collect(fleet, targets)
                 for key in got:
                     if key in seen:
                         seen[key] += 1
-                    elif key[1] in servers.refused:
+                    elif key[1] in servers.refused and elapsed < 6:
                         refused_attempts += 1
             assert all(n >= 5 for n in seen.values()), seen
             # 40 refused over 6 s at 2/s would be 480 attempts; backed off after the
-            # hold-out threshold, far fewer.
+            # out-of-sight threshold, far fewer.
             assert refused_attempts < 40 * (UNREACHABLE_AFTER + 4), refused_attempts
             backing_off = metrics.registry.get_sample_value("controlplane_signals_endpoints_backing_off")
             assert backing_off is not None and backing_off >= 40
