@@ -25,6 +25,7 @@ from controlplane.fleet.watch import FleetFileWatcher
 from controlplane.ha.election import LeaderElection
 from controlplane.ha.etcd import Etcd, parse_store_url
 from controlplane.ha.fleet import EtcdFleetSource
+from controlplane.ha.reports import SharedReports
 from controlplane.ha.state import EtcdStateStore, new_replica_id
 from controlplane.obs.http import StatusHTTPServer
 from controlplane.obs.metrics import Metrics
@@ -105,8 +106,14 @@ class ControlPlane:
             self.metrics,
             tick_s=options.rollout_tick_s,
         )
+        self.reports: SharedReports | None = None
         if self.etcd is not None:
             self.rollouts.leader = False  # until this replica wins the election
+            # An Envoy's load reports may go to another replica than the leader: share them.
+            self.reports = SharedReports(
+                self.etcd, replica, self.weights.store, self.rollouts.analysed_endpoints
+            )
+            self.rollouts.peer_reports = self.reports.counters
             self.election = LeaderElection(
                 self.etcd,
                 replica,
@@ -226,6 +233,7 @@ class ControlPlane:
         self._tasks += [
             asyncio.create_task(self.rollouts.run()),
             *([asyncio.create_task(self.election.run())] if self.election is not None else []),
+            *([asyncio.create_task(self.reports.run())] if self.reports is not None else []),
             asyncio.create_task(self.reconciler.run()),
             asyncio.create_task(self.source.run()),
             asyncio.create_task(self.weights.run()),

@@ -10,14 +10,19 @@ step. Two sources count requests and errors, and the larger of each is used:
 The p99 comes from the server's latency histogram (vLLM, SGLang, TGI), interpolated within
 its bucket as Prometheus' histogram_quantile does. A counter that went backwards (a server
 restarted) counts from zero.
+
+The figures also say what could have been seen: whether a load report for the endpoints
+arrived in the window (its counts moved, or a newer report came, even one of zeros), and
+which servers count no failures. machine.inconclusive judges from that.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from controlplane.rollout.machine import Analysis
+from controlplane.rollout.machine import UNSCRAPED, Analysis
 from controlplane.signals.store import EndpointCounters
 
 
@@ -26,6 +31,8 @@ class VersionFigures:
     requests: float
     errors: float
     p99_s: float | None
+    load_reports: bool = False  # a proxy's load report for these endpoints arrived in the window
+    uncounted: tuple[str, ...] = ()  # dialects (or UNSCRAPED) of servers that count no failures
 
     @property
     def error_rate(self) -> float:
@@ -67,6 +74,8 @@ def figures(
     """What the endpoints at `addresses` did between the `base` and `now` readings."""
     requests = errors = 0.0
     buckets: dict[float, float] = {}
+    reported = False
+    uncounted: set[str] = set()
     for a in addresses:
         n = now.get(a, EndpointCounters())
         b = base.get(a, EndpointCounters())
@@ -78,15 +87,40 @@ def figures(
         errors += max(s_fail, l_fail)
         for le, c in _bucket_delta(n.buckets, b.buckets).items():
             buckets[le] = buckets.get(le, 0.0) + c
-    return VersionFigures(requests, errors, quantile(buckets, 0.99))
+        reported = reported or l_ok + l_fail > 0 or _newer(n.lrs_reported_at, b.lrs_reported_at)
+        if not n.server_counts_failures:
+            uncounted.add(n.dialect or UNSCRAPED)
+    return VersionFigures(requests, errors, quantile(buckets, 0.99), reported, tuple(sorted(uncounted)))
 
 
-def analysis(canary: VersionFigures, stable: VersionFigures) -> Analysis:
-    """The machine's view of one step so far."""
+def _newer(now: float | None, base: float | None) -> bool:
+    return now is not None and (base is None or now > base)
+
+
+def with_peer_reports(local: EndpointCounters, peers: EndpointCounters) -> EndpointCounters:
+    """The endpoint's counters with the load reports other control-plane replicas received
+    (HA: a proxy's load reports may go to another replica than the leader)."""
+    at = [t for t in (local.lrs_reported_at, peers.lrs_reported_at) if t is not None]
+    return replace(
+        local,
+        lrs_ok=local.lrs_ok + peers.lrs_ok,
+        lrs_failed=local.lrs_failed + peers.lrs_failed,
+        lrs_reported_at=max(at) if at else None,
+    )
+
+
+def analysis(canary: VersionFigures, stable: VersionFigures, window_s: float = math.inf) -> Analysis:
+    """The machine's view of one step so far, watched for `window_s` seconds."""
     return Analysis(
         canary_requests=int(canary.requests),
         canary_error_rate=canary.error_rate,
         stable_error_rate=stable.error_rate,
         canary_p99_s=canary.p99_s,
         stable_p99_s=stable.p99_s,
+        stable_requests=int(stable.requests),
+        # Proxies that report the stable version would report the canary's requests too:
+        # Envoy leaves an endpoint that served nothing out of its report.
+        load_reports=canary.load_reports or stable.load_reports,
+        canary_uncounted=canary.uncounted,
+        window_s=window_s,
     )

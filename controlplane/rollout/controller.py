@@ -21,7 +21,7 @@ import structlog
 from controlplane.fleet.model import Fleet, Model
 from controlplane.obs.metrics import PHASES, Metrics
 from controlplane.rollout import machine
-from controlplane.rollout.analysis import VersionFigures, analysis, figures
+from controlplane.rollout.analysis import VersionFigures, analysis, figures, with_peer_reports
 from controlplane.rollout.machine import (
     Effect,
     Rollout,
@@ -40,7 +40,7 @@ from controlplane.rollout.store import (
 )
 from controlplane.routing.names import cluster_name
 from controlplane.routing.translate import ENDPOINT
-from controlplane.signals.store import EndpointCounters, SignalStore
+from controlplane.signals.store import EndpointCounters, EndpointKey, SignalStore
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_LABEL, ProxyRegistry
 
@@ -55,6 +55,10 @@ ROUTES_SETTLE_S = 1.0
 # A version left outside a rollout (an aborted canary, say) that proxies still route to after
 # this is reported (audit, log) naming them; it drains anyway after DRAIN_TIMEOUT_S.
 LEAVE_REPORT_S = 30.0
+# Envoy reopens a failed load-report stream after 5 s, to any replica (a dead one again,
+# maybe): for this long after this replica starts or takes the lead, a window without load
+# reports proves nothing, so its analysis counts as watched only from then on.
+LRS_RECONNECT_S = 12.0
 
 
 class CommandRejected(Exception):
@@ -70,6 +74,7 @@ class _Baseline:
     step: int
     step_started_at: float
     counters: dict[str, EndpointCounters]
+    taken_at: float
 
 
 class RolloutController:
@@ -84,6 +89,7 @@ class RolloutController:
         metrics: Metrics,
         clock: Callable[[], float] = time.time,
         tick_s: float = 1.0,
+        peer_reports: Callable[[EndpointKey], EndpointCounters] | None = None,
     ) -> None:
         self.store = store
         self.reconciler = reconciler
@@ -97,7 +103,13 @@ class RolloutController:
         self.layers: dict[str, ModelLayer] = {}
         self.drains: dict[str, EndpointDrain] = {}
         self.figures: dict[str, tuple[VersionFigures, VersionFigures]] = {}
+        # Why a running step's analysis is inconclusive so far (shown with the status; a
+        # timed step pauses on it once its interval has elapsed).
+        self.inconclusive: dict[str, str] = {}
+        # The load reports other replicas received (HA), to add to this replica's own.
+        self.peer_reports = peer_reports
         self._baselines: dict[str, _Baseline] = {}
+        self._driving_since: float | None = None  # when this replica began ticking rollouts
         self._leave_reported: set[tuple[str, str]] = set()
         self._changed = asyncio.Event()
         # Whether this replica drives rollouts and drains (ticks them). With one replica it
@@ -336,6 +348,7 @@ class RolloutController:
         await self._write(who, transitions, rollouts=[r], layers=[layer])
         self.rollouts[r.spec.model] = r
         self.layers[m.name] = layer
+        self.inconclusive.pop(m.name, None)  # said of the rollout as it was: the next tick says anew
         self._count(transitions)
         for t in transitions:
             log.info(
@@ -452,34 +465,65 @@ class RolloutController:
             if type_url in s.protocol.types and s.protocol.types[type_url].requested
         )
 
-    def _counters(self, model: str, addresses: list[str]) -> dict[str, EndpointCounters]:
-        return {a: self.signals.counters((model, a)) for a in addresses}
+    def analysed_endpoints(self) -> set[EndpointKey]:
+        """The endpoints whose load reports running rollouts' analysis reads (both versions)."""
+        fleet = self.file_fleet
+        if fleet is None:
+            return set()
+        out: set[EndpointKey] = set()
+        for m in fleet.models:
+            r = self.rollouts.get(m.name)
+            if r is None or not active(r):
+                continue
+            for v in m.versions:
+                if v.name in (r.spec.stable, r.spec.canary):
+                    out.update((m.name, ep.address) for ep in v.endpoints)
+        return out
 
-    def _analyse(self, r: Rollout) -> machine.Analysis | None:
+    def _counters(self, model: str, addresses: list[str]) -> dict[str, EndpointCounters]:
+        out = {a: self.signals.counters((model, a)) for a in addresses}
+        if self.peer_reports is not None:
+            out = {a: with_peer_reports(c, self.peer_reports((model, a))) for a, c in out.items()}
+        return out
+
+    def _analyse(self, r: Rollout, now_s: float) -> machine.Analysis | None:
         m = self._model(r.spec.model)
         addrs = {v.name: [ep.address for ep in v.endpoints] for v in m.versions}
         both = addrs.get(r.spec.canary, []) + addrs.get(r.spec.stable, [])
         now = self._counters(m.name, both)
         b = self._baselines.get(m.name)
         if b is None or (b.step, b.step_started_at) != (r.step, r.step_started_at):
-            self._baselines[m.name] = _Baseline(r.step, r.step_started_at, now)
+            self._baselines[m.name] = _Baseline(r.step, r.step_started_at, now, now_s)
             self.figures.pop(m.name, None)
+            self.inconclusive.pop(m.name, None)
             return None
         canary = figures(now, b.counters, addrs.get(r.spec.canary, []))
         stable = figures(now, b.counters, addrs.get(r.spec.stable, []))
         self.figures[m.name] = (canary, stable)
-        return analysis(canary, stable)
+        driving = self._driving_since if self._driving_since is not None else now_s
+        watched = max(0.0, now_s - max(b.taken_at, driving + LRS_RECONNECT_S))
+        a = analysis(canary, stable, watched)
+        running = r.phase == "Progressing" and not r.finishing
+        why = machine.inconclusive(r.spec, r.weight, a) if running else None
+        if why is None:
+            self.inconclusive.pop(m.name, None)
+        else:
+            self.inconclusive[m.name] = why
+        return a
 
     async def tick(self) -> None:
         """Advance running rollouts and drains by what the proxies and signals say now."""
         if self.file_fleet is None:
             return
         now = self.clock()
+        if self._driving_since is None:
+            self._driving_since = now
         for model, r in list(self.rollouts.items()):
             if not active(r):
+                self.inconclusive.pop(model, None)
                 continue
             unacked = self.proxies_without(cluster_name(model, r.spec.canary)) if r.step < 0 else ()
-            a = self._analyse(r) if r.step >= 0 else None
+            a = self._analyse(r, now) if r.step >= 0 else None
             still = (
                 self.proxies_routing_to(cluster_name(model, r.spec.stable), envoys_only=True)
                 if r.finishing
@@ -602,6 +646,7 @@ class RolloutController:
             while True:
                 await asyncio.sleep(self.tick_s)
                 if not self.leader:
+                    self._driving_since = None  # a new lead waits for the proxies' reports again
                     continue
                 try:
                     await self.reconcile_file()

@@ -13,6 +13,10 @@ Rules (groundwork for the operator API; docs/rollouts.md will carry them):
 - Each step holds for `interval_s` (None: manual gates, advanced by Promote). A failed
   analysis at any tick aborts at once: all traffic back to stable, the canary drained.
   An analysis without `min_requests` canary requests is not judged yet.
+- A step whose analysis is inconclusive (`inconclusive`: no error signal covers the canary,
+  or it served far less than its share) pauses when its interval has elapsed, with a reason
+  naming what is missing. Resume starts the step over (a fresh interval and analysis);
+  Promote goes on without the evidence. Manual gates never pause for it.
 - After the last step (100%) passes, the old stable *leaves*: no route names it any more.
   The rollout completes (the canary becomes stable, the old stable drains) only once no
   proxy's ACKed routes name the old stable. If some still do after `ack_deadline_s`, the
@@ -23,12 +27,24 @@ Rules (groundwork for the operator API; docs/rollouts.md will carry them):
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
 Phase = Literal["Progressing", "Paused", "Completed", "Aborted"]
 DEFAULT_STEPS = (5, 25, 50, 100)
+INCONCLUSIVE = "inconclusive: "  # how an inconclusive pause's reason begins
+# An analysis window shorter than this cannot show that something is missing: Envoy sends
+# load reports every second and servers are scraped every second or two.
+INCONCLUSIVE_AFTER_S = 5.0
+# The canary is short of its share when it served less than this fraction of the requests
+# its weight should have brought (stable's requests x w / (100 - w)), once at least
+# max(min_requests, SHARE_MIN_EXPECTED) were expected: fewer are too noisy to tell.
+SHARE_FLOOR = 0.25
+SHARE_MIN_EXPECTED = 20
+UNSCRAPED = "unscraped"  # in Analysis.canary_uncounted: a server with no metrics read yet
+_RESTART_STEP = -1.0  # waiting_since after resuming an inconclusive step: restart it next tick
 
 
 class RolloutRejected(ValueError):
@@ -78,13 +94,26 @@ class RolloutSpec:
 
 @dataclass(frozen=True)
 class Analysis:
-    """Canary against stable since the current step began (from server metrics and LRS)."""
+    """Canary against stable since the current step began (from server metrics and LRS).
+
+    The defaults of the coverage fields say "covered", so a test can leave them out;
+    analysis.analysis always fills them in."""
 
     canary_requests: int
     canary_error_rate: float
     stable_error_rate: float = 0.0
     canary_p99_s: float | None = None
     stable_p99_s: float | None = None
+    stable_requests: int = 0
+    # Whether some proxy's load report for the canary's or stable's endpoints arrived in the
+    # window: then the proxies count the canary's 5xx too.
+    load_reports: bool = True
+    # The dialects of the canary's servers whose metrics count no failures (UNSCRAPED for a
+    # server with no metrics read); empty: every one counts its failures.
+    canary_uncounted: tuple[str, ...] = ()
+    # How long the figures have been watched: since the step's baseline, and not before the
+    # proxies could have reported to this replica (RolloutController._analyse).
+    window_s: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -211,6 +240,16 @@ def apply(r: Rollout, cmd: Command) -> tuple[Rollout, list[Effect]]:
     if isinstance(cmd, Resume):
         if r.phase != "Paused":
             raise RolloutRejected("FAILED_PRECONDITION", f"the rollout of {r.spec.model} is not paused")
+        if r.step >= 0 and not r.finishing and r.reason.startswith(INCONCLUSIVE):
+            # The step starts over at the next tick (commands carry no time): its old window
+            # lacked the evidence, and a fixed signal deserves a whole interval of its own.
+            p = replace(
+                r,
+                phase="Progressing",
+                reason="resumed; the step starts over (its analysis was inconclusive)",
+                waiting_since=_RESTART_STEP,
+            )
+            return p, [_audit(p)]
         # Finishing: the wait for the proxies starts again at the next tick.
         since = 0.0 if r.finishing else _last_time(r)
         p = replace(r, phase="Progressing", reason="resumed", waiting_since=since)
@@ -257,13 +296,57 @@ def _tick(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
     verdict = _judge(r.spec, t.analysis)
     if verdict is not None:
         return _abort(r, verdict)
-    if r.phase == "Paused" or r.spec.interval_s is None:
+    if r.phase == "Paused":
+        return r, []
+    if r.waiting_since == _RESTART_STEP:
+        return replace(r, step_started_at=t.now, waiting_since=t.now), []
+    if r.spec.interval_s is None:
         return r, []
     if t.now - r.step_started_at < r.spec.interval_s:
         return r, []
-    if t.analysis is None or t.analysis.canary_requests < r.spec.min_requests:
+    if t.analysis is None:
+        return r, []
+    why = inconclusive(r.spec, r.weight, t.analysis)
+    if why is not None:
+        p = replace(r, phase="Paused", reason=why)
+        return p, [_audit(p)]
+    if _unseen(t.analysis) or t.analysis.canary_requests < r.spec.min_requests:
         return r, []  # not enough evidence yet: hold the step
     return _goto(r, r.step + 1, t.now, f"step {r.step + 1} passed analysis")
+
+
+def _unseen(a: Analysis) -> bool:
+    """Traffic flowed but nothing could have counted a canary failure (so far)."""
+    return a.canary_requests + a.stable_requests > 0 and not a.load_reports and bool(a.canary_uncounted)
+
+
+def inconclusive(spec: RolloutSpec, weight: int, a: Analysis) -> str | None:
+    """Why the analysis cannot tell whether the canary is good, or None. Judged only over a
+    window of at least INCONCLUSIVE_AFTER_S; a step with no traffic at all just holds."""
+    if a.window_s < INCONCLUSIVE_AFTER_S:
+        return None
+    if _unseen(a):
+        dialects = [d for d in a.canary_uncounted if d != UNSCRAPED]
+        servers = (
+            f"its servers ({', '.join(dialects)}) count only successes"
+            if dialects
+            else "its servers' failure counts are not read (no metrics scraped)"
+        )
+        return (
+            f"{INCONCLUSIVE}no load reports from proxies for {spec.model}/{spec.canary} and {servers}, "
+            "so a failing canary would go unseen; enable load_stats_config in the Envoy bootstrap "
+            "or use `controlplane bootstrap`"
+        )
+    if weight < 100:
+        expected = a.stable_requests * weight / (100 - weight)
+        floor = max(spec.min_requests, SHARE_MIN_EXPECTED)
+        if expected >= floor and a.canary_requests < SHARE_FLOOR * expected:
+            return (
+                f"{INCONCLUSIVE}the canary {spec.canary} served {a.canary_requests} requests "
+                f"where its {weight}% share means about {expected:.0f} ({spec.stable} served "
+                f"{a.stable_requests}); requests to it may fail before any counter sees them"
+            )
+    return None
 
 
 def _judge(spec: RolloutSpec, a: Analysis | None) -> str | None:

@@ -13,10 +13,11 @@ from prometheus_client import generate_latest
 from controlplane.fleet.loader import parse_fleet
 from controlplane.obs.metrics import Metrics
 from controlplane.rollout import machine
-from controlplane.rollout.controller import CommandRejected, RolloutController
+from controlplane.rollout.controller import LRS_RECONNECT_S, CommandRejected, RolloutController
 from controlplane.rollout.machine import RolloutSpec
 from controlplane.rollout.store import RolloutStore
-from controlplane.signals.store import SignalStore
+from controlplane.signals.parse import ServerSample
+from controlplane.signals.store import EndpointCounters, ScrapeResult, SignalStore
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ProxyRegistry
@@ -254,3 +255,100 @@ async def test_undo_rolls_back_to_the_replaced_version(tmp_path: Path) -> None:
     r = await c.undo("m", "t")
     assert (r.spec.stable, r.spec.canary) == ("v2", "v1")
     assert served_versions(c) == ["v1", "v2"]  # v1 is back in service for the rollout
+
+
+def vllm(successes: float) -> ScrapeResult:
+    return ScrapeResult(sample=ServerSample("vllm", successes=successes))
+
+
+async def blind_steps(c: RolloutController, clock: Clock, signals: SignalStore, seconds: int) -> None:
+    """Traffic as vLLM servers count it (successes only) for `seconds`, one tick a second."""
+    for _ in range(seconds):
+        clock.t += 1
+        signals.record_scrape(("m", V1), vllm(100.0 * clock.t), clock.t)
+        signals.record_scrape(("m", V2), vllm(5.0 * clock.t), clock.t)
+        await c.tick()
+
+
+@run_async
+async def test_without_load_reports_a_vllm_canary_pauses_as_inconclusive_at_its_interval(
+    tmp_path: Path,
+) -> None:
+    clock, signals = Clock(), SignalStore()
+    c = await controller(tmp_path, clock, signals)
+    await c.tick()  # this replica drives from now on ...
+    clock.t += LRS_RECONNECT_S  # ... long enough for every proxy to have reported, if it does
+    await c.start(RolloutSpec("m", "", "v2", interval_s=10, min_requests=10), "t")
+    await c.tick()
+    started = c.rollouts["m"].step_started_at
+    await blind_steps(c, clock, signals, 9)
+    assert c.rollouts["m"].phase == "Progressing"
+    assert "no load reports" in c.inconclusive["m"]  # shown meanwhile, not stored
+    await blind_steps(c, clock, signals, 1)
+    r = c.rollouts["m"]
+    assert (r.phase, clock.t - started) == ("Paused", 10)
+    assert r.reason.startswith("inconclusive: no load reports from proxies for m/v2")
+    assert "(vllm) count only successes" in r.reason
+    assert [a.reason for a in await c.history("m")][-1] == r.reason
+    # The same traffic with one proxy's load report (zero counts even) is covered.
+    await c.command("m", machine.Promote(), "t")
+    await c.tick()
+    await blind_steps(c, clock, signals, 2)
+    signals.record_lrs(("m", V1), "envoy", in_progress=0, issued=0, succeeded=0, failed=0, now=clock.t)
+    await blind_steps(c, clock, signals, 9)
+    assert (c.rollouts["m"].phase, c.rollouts["m"].weights["v2"]) == ("Progressing", 50)
+
+
+@run_async
+async def test_right_after_taking_the_lead_missing_reports_prove_nothing(tmp_path: Path) -> None:
+    # Envoy reopens a load-report stream 5 s after it broke: a new leader waits before it
+    # concludes that none come, and holds the step meanwhile rather than pass it.
+    clock, signals = Clock(), SignalStore()
+    c = await controller(tmp_path, clock, signals)
+    await c.start(RolloutSpec("m", "", "v2", interval_s=5, min_requests=10), "t")
+    await c.tick()
+    await blind_steps(c, clock, signals, int(LRS_RECONNECT_S) + 4)
+    assert (c.rollouts["m"].phase, c.rollouts["m"].weights["v2"]) == ("Progressing", 5)
+    await blind_steps(c, clock, signals, 2)
+    assert c.rollouts["m"].phase == "Paused"
+
+
+@run_async
+async def test_load_reports_received_by_another_replica_cover_the_canary(tmp_path: Path) -> None:
+    clock, signals = Clock(), SignalStore()
+    peer = {"at": None}
+
+    def peer_reports(key: tuple[str, str]) -> EndpointCounters:
+        return (
+            EndpointCounters(lrs_ok=1.0, lrs_reported_at=peer["at"]) if key[1] == V1 else EndpointCounters()
+        )
+
+    c = await controller(tmp_path, clock, signals)
+    c.peer_reports = peer_reports
+    await c.tick()
+    clock.t += LRS_RECONNECT_S
+    await c.start(RolloutSpec("m", "", "v2", interval_s=10, min_requests=10), "t")
+    await c.tick()
+    for _ in range(11):
+        peer["at"] = clock.t  # another replica keeps receiving envoy's reports
+        await blind_steps(c, clock, signals, 1)
+    assert (c.rollouts["m"].phase, c.rollouts["m"].weights["v2"]) == ("Progressing", 25)
+
+
+@run_async
+async def test_a_manual_step_shows_it_is_inconclusive_and_never_pauses(tmp_path: Path) -> None:
+    from controlplane.admin.service import rollout_message
+
+    clock, signals = Clock(), SignalStore()
+    c = await controller(tmp_path, clock, signals)
+    await c.tick()
+    clock.t += LRS_RECONNECT_S
+    await c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
+    await c.tick()
+    await blind_steps(c, clock, signals, 30)
+    r = c.rollouts["m"]
+    assert r.phase == "Progressing"
+    shown = rollout_message(c, r).reason
+    assert shown.startswith(r.reason) and "; analysis so far inconclusive: no load reports" in shown
+    await c.command("m", machine.Promote(), "t")  # a new step: its own analysis
+    assert rollout_message(c, c.rollouts["m"]).reason == c.rollouts["m"].reason

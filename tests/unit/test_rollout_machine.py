@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.rollout.machine import (
+    INCONCLUSIVE,
+    INCONCLUSIVE_AFTER_S,
     Abort,
     Analysis,
     Drain,
@@ -18,7 +22,9 @@ from controlplane.rollout.machine import (
     SetStable,
     SetWeights,
     Tick,
+    Transition,
     apply,
+    inconclusive,
     run,
     start,
 )
@@ -215,3 +221,164 @@ def sorted_ticks(cmds: list[object]) -> list[object]:
 def test_shadow_must_be_a_percent() -> None:
     with pytest.raises(RolloutRejected, match="--shadow"):
         RolloutSpec("m", "v1", "v2", shadow_percent=101).check()
+
+
+# ---- inconclusive analysis -------------------------------------------------------------------
+
+# vLLM canary behind proxies without load reports: stable's successes show traffic flows, the
+# canary's failures (if any) would show nowhere.
+BLIND = Analysis(
+    canary_requests=0,
+    canary_error_rate=0.0,
+    stable_requests=400,
+    load_reports=False,
+    canary_uncounted=("vllm",),
+    window_s=9.0,
+)
+
+
+def test_a_step_no_error_signal_covers_pauses_when_its_interval_has_elapsed() -> None:
+    r, _ = run(SPEC, [Tick(0.0)])
+    r, eff = apply(r, Tick(9.0, analysis=BLIND))
+    assert (r.phase, eff) == ("Progressing", [])  # within the interval: nothing yet
+    r, eff = apply(r, Tick(10.0, analysis=BLIND))
+    assert (r.phase, r.weight) == ("Paused", 5)
+    assert r.reason.startswith("inconclusive: no load reports from proxies for chat/v2")
+    assert "(vllm) count only successes" in r.reason and "load_stats_config" in r.reason
+    assert [e.reason for e in eff if isinstance(e, Transition)] == [r.reason]
+
+
+def test_success_counts_without_an_error_signal_do_not_pass_either() -> None:
+    # The server says 500 successes; nothing could have counted a failure.
+    claimed = replace(BLIND, canary_requests=500, stable_requests=9500)
+    r, _ = run(SPEC, [Tick(0.0), Tick(10.0, analysis=claimed)])
+    assert r.phase == "Paused" and r.reason.startswith(INCONCLUSIVE)
+
+
+@pytest.mark.parametrize(
+    "covered",
+    [
+        replace(BLIND, canary_requests=100, load_reports=True),  # proxies count 5xx
+        replace(BLIND, canary_requests=100, canary_uncounted=()),  # TGI / Triton count failures
+    ],
+)
+def test_a_canary_with_an_error_signal_and_enough_requests_passes(covered: Analysis) -> None:
+    r, _ = run(SPEC, [Tick(0.0), Tick(10.0, analysis=covered)])
+    assert (r.phase, r.weight) == ("Progressing", 25)
+
+
+def test_a_failing_canary_still_aborts_at_once_even_while_inconclusive() -> None:
+    r, _ = run(SPEC, [Tick(0.0), Tick(10.0, analysis=BLIND)])
+    assert r.phase == "Paused"
+    bad = replace(BLIND, canary_requests=40, canary_error_rate=0.5, canary_uncounted=())
+    r, _ = apply(r, Tick(11.0, analysis=bad))
+    assert r.phase == "Aborted" and "50.00%" in r.reason
+
+
+def test_a_short_window_holds_the_step_rather_than_pass_or_pause() -> None:
+    # Right after a start or a failover, a window without load reports proves nothing yet;
+    # nor may the step pass on it.
+    short = replace(BLIND, canary_requests=100, window_s=INCONCLUSIVE_AFTER_S - 0.5)
+    r, eff = apply(run(SPEC, [Tick(0.0)])[0], Tick(30.0, analysis=short))
+    assert (r.phase, r.weight, eff) == ("Progressing", 5, [])
+    r, _ = apply(r, Tick(31.0, analysis=replace(short, window_s=INCONCLUSIVE_AFTER_S)))
+    assert r.phase == "Paused"
+
+
+def test_no_traffic_at_all_is_not_inconclusive() -> None:
+    idle = replace(BLIND, stable_requests=0)
+    r, _ = run(SPEC, [Tick(0.0), Tick(100.0, analysis=idle)])
+    assert (r.phase, r.weight) == ("Progressing", 5)  # holds for min_requests, as before
+    r, _ = run(replace(SPEC, min_requests=0), [Tick(0.0), Tick(10.0, analysis=idle)])
+    assert r.weight == 25  # --min-requests 0: nothing asked, nothing at risk
+
+
+@pytest.mark.parametrize(
+    ("weight_step", "stable", "canary", "paused"),
+    [
+        (0, 1900, 24, True),  # 5%: ~100 expected, 24 < 25
+        (0, 1900, 25, False),  # a quarter of the share is enough
+        (1, 300, 20, True),  # 25%: ~100 expected
+        (0, 300, 0, False),  # 5%: ~16 expected, under SHARE_MIN_EXPECTED: too few to tell
+    ],
+)
+def test_a_canary_far_below_its_share_is_inconclusive(
+    weight_step: int, stable: int, canary: int, paused: bool
+) -> None:
+    covered = Analysis(canary_requests=canary, canary_error_rate=0.0, stable_requests=stable, window_s=10.0)
+    spec = replace(SPEC, steps=(5, 25, 100) if weight_step == 0 else (25, 50, 100))
+    r, _ = run(spec, [Tick(0.0), Tick(10.0, analysis=covered)])
+    assert (r.phase == "Paused") is paused, r.reason
+    if paused:
+        assert r.reason.startswith(INCONCLUSIVE) and f"served {canary} requests" in r.reason
+        assert "about 100" in r.reason and f"v1 served {stable}" in r.reason
+
+
+def test_the_share_rule_waits_for_min_requests_worth_of_expectation() -> None:
+    covered = Analysis(canary_requests=0, canary_error_rate=0.0, stable_requests=1900, window_s=10.0)
+    assert inconclusive(replace(SPEC, min_requests=150), 5, covered) is None  # ~100 expected
+    assert inconclusive(replace(SPEC, min_requests=50), 5, covered) is not None
+    assert inconclusive(SPEC, 100, replace(covered, stable_requests=0, canary_requests=0)) is None
+
+
+def test_manual_gates_never_pause_for_it_but_say_so() -> None:
+    manual = replace(SPEC, interval_s=None)
+    r, _ = run(manual, [Tick(0.0), Tick(1000.0, analysis=BLIND)])
+    assert (r.phase, r.weight) == ("Progressing", 5)
+    assert (inconclusive(manual, r.weight, BLIND) or "").startswith(INCONCLUSIVE)
+
+
+def test_resume_starts_an_inconclusive_step_over_and_promote_goes_on() -> None:
+    r, _ = run(SPEC, [Tick(0.0), Tick(10.0, analysis=BLIND)])
+    assert r.phase == "Paused"
+    on, _ = apply(r, Promote())
+    assert (on.phase, on.weight) == ("Progressing", 25)
+    r, _ = apply(r, Resume())
+    assert r.phase == "Progressing" and "starts over" in r.reason
+    r, _ = apply(r, Tick(50.0, analysis=BLIND))  # the step restarts here ...
+    assert (r.phase, r.step_started_at) == ("Progressing", 50.0)
+    r, _ = apply(r, Tick(59.0, analysis=BLIND))  # ... and gets a whole interval again
+    assert r.phase == "Progressing"
+    fixed = replace(BLIND, canary_requests=100, load_reports=True)
+    r, _ = apply(r, Tick(60.0, analysis=fixed))
+    assert (r.phase, r.weight) == ("Progressing", 25)
+
+
+def test_resume_after_an_operator_pause_keeps_the_step_start() -> None:
+    r, _ = run(SPEC, [Tick(0.0), Pause(), Resume()])
+    r, _ = apply(r, Tick(10.0, analysis=GOOD))
+    assert r.weight == 25  # the interval counted from the step's start, as before
+
+
+analyses = st.builds(
+    Analysis,
+    canary_requests=st.integers(0, 500),
+    canary_error_rate=st.sampled_from([0.0, 0.005]),
+    stable_requests=st.integers(0, 5000),
+    load_reports=st.booleans(),
+    canary_uncounted=st.sampled_from([(), ("vllm",), ("unscraped",)]),
+    window_s=st.sampled_from([1.0, 10.0]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.floats(0.5, 8.0), analyses), st.just(Resume())), max_size=25))
+def test_no_step_passes_on_an_analysis_that_could_not_see_a_failure(
+    moves: list[tuple[float, Analysis] | Resume],
+) -> None:
+    r, _ = run(SPEC, [Tick(0.0)])
+    t = 0.0
+    for m in moves:
+        if isinstance(m, Resume):
+            r = apply(r, m)[0] if r.phase == "Paused" else r
+            continue
+        t += m[0]
+        before = r
+        r, _ = apply(r, Tick(t, analysis=m[1]))
+        if r.weight > before.weight:  # a step passed on this analysis
+            assert inconclusive(SPEC, before.weight, m[1]) is None
+            blind = not m[1].load_reports and m[1].canary_uncounted
+            assert not blind or m[1].canary_requests + m[1].stable_requests == 0
+        if r.phase == "Paused" and before.phase != "Paused":
+            assert r.reason.startswith(INCONCLUSIVE)
+            assert t - before.step_started_at >= SPEC.interval_s  # type: ignore[operator]
