@@ -219,10 +219,15 @@ class WeightController:
         """Tick every `signals.interval` until cancelled; a failed round is logged and skipped."""
         while True:
             started = time.monotonic()
-            fleet = self.reconciler.fleet
-            interval = fleet.signals.interval_s if fleet is not None else 1.0
             try:
                 await self.tick()
             except Exception:
                 log.exception("weight update failed; the weights in force stay")
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+            # The interval is read again every quarter second: a reloaded fleet file with a
+            # shorter one takes effect at once, not after the old interval ran out.
+            while (left := self._interval() - (time.monotonic() - started)) > 0:
+                await asyncio.sleep(min(left, 0.25))
+
+    def _interval(self) -> float:
+        fleet = self.reconciler.fleet
+        return fleet.signals.interval_s if fleet is not None else 1.0

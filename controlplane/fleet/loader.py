@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from controlplane import limits
 from controlplane.fleet.model import (
     DTYPE_BYTES,
     MEMORY_OVERHEAD,
@@ -38,10 +39,19 @@ from controlplane.fleet.model import (
 )
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
+GATEWAY_LISTENER = "inference"  # routing.names.GATEWAY_LISTENER: a model may not take its name
+
+
+def stat_name(name: str) -> str:
+    """routing.names.stat_name (the fleet room must not import routing)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)
+
+
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 PROTOCOLS = ("http1", "http2")
+_YAML11_FLOAT_LIKE = re.compile(r"^[-+]?\d+(\.\d*)?[eE][-+]?\d+$")
 
 
 @dataclass(frozen=True)
@@ -80,21 +90,53 @@ def load_fleet(path: str | Path) -> Fleet:
     """Read and validate a fleet YAML file; raise FleetConfigInvalid listing every error."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with p.open("rb") as f:
+            data = f.read(limits.FLEET_FILE_MAX_BYTES + 1)
     except OSError as e:
         raise FleetConfigInvalid([ConfigError(str(p), "", f"cannot read file: {e}")]) from e
-    return parse_fleet(text, str(p))
+    return parse_fleet(decode_fleet(data, str(p)), str(p))
+
+
+def decode_fleet(data: bytes, file: str) -> str:
+    """The file's text: UTF-8 (a UTF-8 BOM is allowed), at most FLEET_FILE_MAX_BYTES."""
+    if len(data) > limits.FLEET_FILE_MAX_BYTES:
+        raise FleetConfigInvalid(
+            [
+                ConfigError(
+                    file, "", f"file is over the {limits.FLEET_FILE_MAX_BYTES} byte limit (docs/limits.md)"
+                )
+            ]
+        )
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        why = f"not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} (save the file as UTF-8)"
+        raise FleetConfigInvalid([ConfigError(file, "", why, line)]) from None
 
 
 def parse_fleet(text: str, file: str = "<fleet>") -> Fleet:
     """Validate fleet YAML text; raise FleetConfigInvalid listing every error."""
+    if len(text) > limits.FLEET_FILE_MAX_BYTES:
+        raise FleetConfigInvalid(
+            [
+                ConfigError(
+                    file, "", f"file is over the {limits.FLEET_FILE_MAX_BYTES} byte limit (docs/limits.md)"
+                )
+            ]
+        )
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None:
+            _check_size(node, file)  # before anything expands aliases
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
         raise FleetConfigInvalid([ConfigError(file, "", f"not valid YAML: {e}", line)]) from e
+    except RecursionError:
+        why = f"nested deeper than {limits.FLEET_MAX_DEPTH} levels (docs/limits.md)"
+        raise FleetConfigInvalid([ConfigError(file, "", why)]) from None
     lines: dict[str, int] = {}
     dupes: list[tuple[str, int]] = []
     if node is not None:
@@ -106,6 +148,32 @@ def parse_fleet(text: str, file: str = "<fleet>") -> Fleet:
     if errs.items or fleet is None:
         raise FleetConfigInvalid(errs.items)
     return fleet
+
+
+def _check_size(root: yaml.Node, file: str) -> None:
+    """Refuse a document whose nodes, counting every expansion of every alias, exceed
+    FLEET_MAX_NODES, or that nests deeper than FLEET_MAX_DEPTH: an alias bomb of a few
+    hundred bytes would otherwise expand to billions of nodes in whatever walks it."""
+    count = 0
+    stack: list[tuple[yaml.Node, int]] = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > limits.FLEET_MAX_NODES:
+            why = (
+                f"more than {limits.FLEET_MAX_NODES} YAML nodes once aliases are expanded "
+                "(an alias bomb, or a file far larger than a fleet needs; docs/limits.md)"
+            )
+            raise FleetConfigInvalid([ConfigError(file, "", why, node.start_mark.line + 1)])
+        if depth > limits.FLEET_MAX_DEPTH:
+            why = f"nested deeper than {limits.FLEET_MAX_DEPTH} levels (docs/limits.md)"
+            raise FleetConfigInvalid([ConfigError(file, "", why, node.start_mark.line + 1)])
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                stack.append((k, depth + 1))
+                stack.append((v, depth + 1))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, depth + 1) for v in node.value)
 
 
 def _index_lines(node: yaml.Node, path: str, out: dict[str, int], dupes: list[tuple[str, int]]) -> None:
@@ -151,12 +219,24 @@ def _kind(value: Any) -> str:
     )
 
 
-def _number(value: Any, path: str, errs: _Errors, *, positive: bool = True) -> float | None:
+def _number(
+    value: Any, path: str, errs: _Errors, *, positive: bool = True, maximum: float | None = None
+) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        errs.add(path, f"expected a number, got {_kind(value)}")
+        if isinstance(value, str) and _YAML11_FLOAT_LIKE.match(value.strip()):
+            errs.add(path, f"expected a number, got the text {value!r}: YAML reads an exponent without a dot "
+                     "as text; write it as 1.0e+3")  # fmt: skip
+        else:
+            errs.add(path, f"expected a number, got {_kind(value)}")
+        return None
+    if not math.isfinite(value):
+        errs.add(path, f"expected a finite number, got {value}")
         return None
     if positive and value <= 0:
         errs.add(path, f"must be greater than 0, got {value}")
+        return None
+    if maximum is not None and value > maximum:
+        errs.add(path, f"must be at most {maximum:g}, got {value:g}")
         return None
     return float(value)
 
@@ -171,8 +251,16 @@ def parse_duration(value: Any) -> float:
         seconds = float(m.group(1)) * _UNIT_S[m.group(2)]
     else:
         raise ValueError(f"expected a duration such as 60s, 500ms, 3m; got {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"expected a finite duration, got {value!r}")
     if seconds <= 0:
         raise ValueError(f"must be greater than 0, got {value!r}")
+    if seconds < limits.DURATION_MIN_S:
+        raise ValueError(
+            f"must be at least 1ms, got {value!r} (shorter rounds to 0, which Envoy reads as none)"
+        )
+    if seconds > limits.DURATION_MAX_S:
+        raise ValueError(f"must be at most 30 days (720h), got {value!r}")
     return seconds
 
 
@@ -202,7 +290,7 @@ def parse_address(value: Any) -> tuple[str, int]:
             f"bad address {value!r}: {host!r} is not an IP address "
             "(EDS endpoints must be IP literals; Envoy does not resolve names in EDS)"
         ) from None
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         raise ValueError(f"bad address {value!r}: port must be 1-65535")
     return host, int(port_text)
 
@@ -357,8 +445,12 @@ def _gpu_classes(value: Any, errs: _Errors) -> list[GpuClass] | None:
         g = _mapping(spec, path, errs, {"capacity", "memory_gb"})
         if g is None:
             continue
-        capacity = _number(g.get("capacity", 1.0), f"{path}.capacity", errs)
-        memory = _number(g["memory_gb"], f"{path}.memory_gb", errs) if "memory_gb" in g else None
+        capacity = _number(g.get("capacity", 1.0), f"{path}.capacity", errs, maximum=limits.CAPACITY_MAX)
+        memory = (
+            _number(g["memory_gb"], f"{path}.memory_gb", errs, maximum=limits.MEMORY_GB_MAX)
+            if "memory_gb" in g
+            else None
+        )
         if capacity is not None and (memory is not None or "memory_gb" not in g):
             out.append(GpuClass(name=str(name), capacity=capacity, memory_gb=memory))
     return out
@@ -392,6 +484,23 @@ def _signals(value: Any, errs: _Errors) -> SignalsSpec | None:
     for key, field_name in _SIGNAL_DURATIONS.items():
         if key in m:
             kwargs[field_name] = _duration(m[key], f"signals.{key}", errs)
+    interval, timeout = kwargs.get("interval_s"), kwargs.get("timeout_s")
+    if (
+        interval is not None
+        and not limits.SIGNALS_INTERVAL_MIN_S <= interval <= limits.SIGNALS_INTERVAL_MAX_S
+    ):
+        errs.add(
+            "signals.interval",
+            f"must be between {limits.SIGNALS_INTERVAL_MIN_S * 1000:g}ms and "
+            f"{limits.SIGNALS_INTERVAL_MAX_S:g}s, got {m['interval']!r} (shorter burns a core; "
+            "longer delays every weight and readiness change)",
+        )
+    if timeout is not None and timeout < limits.SIGNALS_TIMEOUT_MIN_S:
+        errs.add(
+            "signals.timeout",
+            f"must be at least {limits.SIGNALS_TIMEOUT_MIN_S * 1000:g}ms, got {m['timeout']!r} "
+            "(no server answers sooner: every scrape would fail)",
+        )
     if "source" in m:
         if m["source"] not in SIGNAL_SOURCES:
             errs.add(
@@ -509,7 +618,7 @@ def _tiers(value: Any, errs: _Errors) -> list[Tier] | None:
             continue
         max_b: float | None = None
         if "max_params_b" in m:
-            max_b = _number(m["max_params_b"], f"{path}.max_params_b", errs)
+            max_b = _number(m["max_params_b"], f"{path}.max_params_b", errs, maximum=limits.PARAMS_B_MAX)
             if max_b is not None and max_b <= last_max:
                 errs.add(f"{path}.max_params_b", "tiers must be listed smallest first")
             if max_b is not None:
@@ -714,8 +823,23 @@ def _models(value: Any, tiers: list[Tier] | None, errs: _Errors) -> list[Model] 
         errs.add("models", f"expected a mapping of model name to model, got {_kind(value)}")
         return None
     out: list[Model] = []
+    stats: dict[str, str] = {}
     for name, spec in value.items():
-        model = _model(str(name), spec, tiers, errs)
+        if not isinstance(name, str):
+            # `yes:`, `~:` or `1:` are a boolean, null or number in YAML, not a name.
+            errs.add("models", f"model names must be strings, got {name!r} (quote it in YAML)")
+            continue
+        if name == GATEWAY_LISTENER:
+            errs.add(f"models.{name}", f"{name!r} is reserved: the gateway listener has that name")
+            continue
+        other = stats.setdefault(stat_name(name), name)
+        if other != name:
+            errs.add(
+                f"models.{name}",
+                f"its Envoy stat name {stat_name(name)!r} is the same as model {other!r}'s; rename one",
+            )
+            continue
+        model = _model(name, spec, tiers, errs)
         if model is not None:
             out.append(model)
     return out
@@ -730,7 +854,11 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
     if m is None:
         return None
     before = len(errs.items)
-    params_b = _number(m["params_b"], f"{path}.params_b", errs) if "params_b" in m else None
+    params_b = (
+        _number(m["params_b"], f"{path}.params_b", errs, maximum=limits.PARAMS_B_MAX)
+        if "params_b" in m
+        else None
+    )
     tier = _model_tier(path, m, params_b, tiers, errs)
     protocol = m.get("protocol", "http1")
     if protocol not in PROTOCOLS:
@@ -746,7 +874,11 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
     dtype = m.get("dtype", "fp16")
     if dtype not in DTYPE_BYTES:
         errs.add(f"{path}.dtype", f"expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    memory = _number(m["memory_gb"], f"{path}.memory_gb", errs) if "memory_gb" in m else None
+    memory = (
+        _number(m["memory_gb"], f"{path}.memory_gb", errs, maximum=limits.MEMORY_GB_MAX)
+        if "memory_gb" in m
+        else None
+    )
     affinity = _affinity(m["affinity"], f"{path}.affinity", errs) if "affinity" in m else None
     zones = m.get("zones", [])
     if (
@@ -794,8 +926,8 @@ def _model_tier(
     tiers: list[Tier] | None,
     errs: _Errors,
 ) -> str | None:
-    if tiers is None:
-        return None
+    if not tiers:
+        return None  # no valid tier: their errors are reported already
     if "tier" in m:
         tier = m["tier"]
         if tier not in {t.name for t in tiers}:
@@ -874,7 +1006,10 @@ def _endpoints(
         except ValueError as e:
             errs.add(f"{p}.address", str(e))
             continue
-        key = (str(ipaddress.ip_address(host)), port)
+        ip = ipaddress.ip_address(host)
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped  # [::ffff:127.0.0.1]:P is 127.0.0.1:P on the wire
+        key = (str(ip), port)
         if key in seen:
             errs.add(f"{p}.address", f"duplicate endpoint {m['address']}, already at {seen[key]}")
             continue
@@ -885,12 +1020,12 @@ def _endpoints(
             continue
         mem = None
         if "gpu_memory_gb" in m:
-            mem = _number(m["gpu_memory_gb"], f"{p}.gpu_memory_gb", errs)
+            mem = _number(m["gpu_memory_gb"], f"{p}.gpu_memory_gb", errs, maximum=limits.MEMORY_GB_MAX)
             if mem is None:
                 continue
         capacity = None
         if "capacity" in m:
-            capacity = _number(m["capacity"], f"{p}.capacity", errs)
+            capacity = _number(m["capacity"], f"{p}.capacity", errs, maximum=limits.CAPACITY_MAX)
             if capacity is None:
                 continue
         where = {k: m.get(k) for k in ("zone", "region")}

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import structlog
 
-from controlplane.fleet.loader import FleetConfigInvalid, load_fleet
+from controlplane import limits
+from controlplane.fleet.loader import ConfigError, FleetConfigInvalid, decode_fleet, load_fleet, parse_fleet
 from controlplane.fleet.model import Fleet
 
 log = structlog.get_logger("controlplane.fleet")
+_UNREADABLE = b"\0unreadable"  # a marker (compared by identity), never file content
 
 
 class FleetFileWatcher:
@@ -36,29 +38,68 @@ class FleetFileWatcher:
         self._digest: bytes | None = None
 
     def check(self) -> bool:
-        """Load the file if its content changed. Returns True if it changed."""
-        try:
-            data = self.path.read_bytes()
-        except OSError as e:
-            digest = f"unreadable:{e}".encode()
-        else:
-            digest = hashlib.blake2b(data).digest()
-        if digest == self._digest:
+        """Load the file if its content changed (here, on the caller's thread). Returns True
+        if it changed."""
+        data = self._changed()
+        if data is None:
             return False
-        self._digest = digest
-        try:
-            fleet = load_fleet(self.path)
-        except FleetConfigInvalid as e:
-            self.on_invalid(e)
-        else:
-            self.on_fleet(fleet)
+        self._deliver(self._parse(data))
         return True
+
+    async def check_async(self) -> bool:
+        """As `check`, with the parsing in a worker thread: a large or hostile file never
+        blocks the event loop that serves xDS. The callbacks run on the loop."""
+        data = self._changed()
+        if data is None:
+            return False
+        self._deliver(await asyncio.to_thread(self._parse, data))
+        return True
+
+    def _changed(self) -> bytes | None:
+        """The file's bytes if its content changed since the last look (_UNREADABLE if it
+        cannot be read now), else None."""
+        try:
+            with self.path.open("rb") as f:  # a file over the limit is refused, not read whole
+                data = f.read(limits.FLEET_FILE_MAX_BYTES + 1)
+            digest = hashlib.blake2b(data).digest()
+        except OSError as e:
+            data, digest = _UNREADABLE, f"unreadable:{e}".encode()
+        if digest == self._digest:
+            return None
+        self._digest = digest
+        return data
+
+    def _parse(self, data: bytes) -> Fleet | FleetConfigInvalid:
+        if data is _UNREADABLE:
+            try:
+                return load_fleet(self.path)  # says why it cannot be read
+            except FleetConfigInvalid as e:
+                return e
+        return parse_file_bytes(data, str(self.path))
+
+    def _deliver(self, result: Fleet | FleetConfigInvalid) -> None:
+        if isinstance(result, FleetConfigInvalid):
+            self.on_invalid(result)
+        else:
+            self.on_fleet(result)
 
     async def run(self) -> None:
         """Poll until cancelled."""
         while True:
             try:
-                self.check()
+                await self.check_async()
             except Exception:  # a bug here must not stop serving the last good config
                 log.exception("fleet watcher failed; will retry")
             await asyncio.sleep(self.interval_s)
+
+
+def parse_file_bytes(data: bytes, file: str) -> Fleet | FleetConfigInvalid:
+    """The fleet in a file's bytes, or why not. A loader bug on some input is reported as an
+    invalid file (counted, alerted on), never as a crash that leaves the status saying valid."""
+    try:
+        return parse_fleet(decode_fleet(data, file), file)
+    except FleetConfigInvalid as e:
+        return e
+    except Exception as e:  # any input must end in a verdict
+        log.exception("fleet loader failed on this input; refusing it", file=file)
+        return FleetConfigInvalid([ConfigError(file, "", f"could not be loaded: {type(e).__name__}: {e}")])

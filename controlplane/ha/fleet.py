@@ -14,8 +14,9 @@ from collections.abc import Callable
 
 import structlog
 
-from controlplane.fleet.loader import FleetConfigInvalid, parse_fleet
+from controlplane.fleet.loader import FleetConfigInvalid
 from controlplane.fleet.model import Fleet
+from controlplane.fleet.watch import parse_file_bytes
 from controlplane.ha.etcd import Etcd
 from controlplane.rollout.store import StoreUnavailable
 
@@ -66,12 +67,13 @@ class EtcdFleetSource:
         if digest == self._digest:
             return False
         self._digest = digest
-        try:
-            fleet = parse_fleet(text, self.name)
-        except FleetConfigInvalid as e:
-            self.on_invalid(e)
+        # Parsed in a worker thread (never on the loop that serves xDS); any input ends in a
+        # verdict, a loader bug included.
+        result = await asyncio.to_thread(parse_file_bytes, text.encode(), self.name)
+        if isinstance(result, FleetConfigInvalid):
+            self.on_invalid(result)
         else:
-            self.on_fleet(fleet)
+            self.on_fleet(result)
         return True
 
     async def run(self) -> None:

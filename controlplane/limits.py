@@ -1,0 +1,30 @@
+"""Bounds on what the control plane accepts, in one place (docs/limits.md lists them).
+
+Every input class takes its bounds from here: the fleet file (loader), and, as they are
+hardened, the metrics reader, the operator API and the xDS server. A value outside a bound
+gets a precise error naming the field and the bound; nothing is silently clamped here.
+"""
+
+from __future__ import annotations
+
+# ---- the fleet file ------------------------------------------------------------------------
+
+FLEET_FILE_MAX_BYTES = 4 << 20  # a fleet of thousands of endpoints is a few hundred KB
+FLEET_MAX_NODES = 200_000  # YAML nodes, counting every expansion of an alias
+FLEET_MAX_DEPTH = 64  # nesting of mappings and lists
+
+# Durations anywhere in the fleet file: at least a millisecond (Envoy reads 0 as "none"),
+# at most 30 days (Envoy's Duration and every timer here stay far from overflow).
+DURATION_MIN_S = 0.001
+DURATION_MAX_S = 30 * 86400.0
+
+# The signals loop: an interval short enough to burn a core, or so long that a fixed file
+# waits for it, is refused; a timeout must leave a scrape time to answer.
+SIGNALS_INTERVAL_MIN_S = 0.05
+SIGNALS_INTERVAL_MAX_S = 300.0
+SIGNALS_TIMEOUT_MIN_S = 0.01
+
+# Numbers: finite, and within a range that means something for the key.
+PARAMS_B_MAX = 1_000_000.0  # billions of parameters
+MEMORY_GB_MAX = 1_000_000.0
+CAPACITY_MAX = 1_000.0  # relative throughput
