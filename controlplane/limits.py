@@ -28,3 +28,8 @@ SIGNALS_TIMEOUT_MIN_S = 0.01
 PARAMS_B_MAX = 1_000_000.0  # billions of parameters
 MEMORY_GB_MAX = 1_000_000.0
 CAPACITY_MAX = 1_000.0  # relative throughput
+
+# ---- the operator API ----------------------------------------------------------------------
+
+API_NAME_MAX_CHARS = 256  # a model, version or endpoint address in a request
+API_REASON_MAX_CHARS = 1024  # an operator's reason, stored in the history

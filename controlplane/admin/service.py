@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from controlplane import limits
 from controlplane.admin.auth import USER_METADATA, Tokens
 from controlplane.obs.metrics import Metrics, type_label
 from controlplane.rollout import machine
@@ -51,9 +52,18 @@ class _Base:
         user = str(md.get(USER_METADATA) or "operator")[:64]
         return f"{user} ({role} token, {context.peer()})"
 
-    async def call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run `fn`, answering a rejected command with its status and message."""
+    async def call(
+        self,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        fn: Callable[[], Awaitable[T]],
+        request: Any = None,
+    ) -> T:
+        """Check the request's names and reasons against their bounds, then run `fn`,
+        answering a rejected command with its status and message."""
         try:
+            if request is not None:
+                check_request(request)
             out = await fn()
         except CommandRejected as e:
             self.metrics.rollouts.admin_requests.labels(method, e.code).inc()
@@ -61,6 +71,32 @@ class _Base:
             raise  # unreachable: abort raises
         self.metrics.rollouts.admin_requests.labels(method, "OK").inc()
         return out
+
+
+# Fields of operator requests that name something (echoed in errors and stored in history)
+# or explain something (stored in history): bounded, so no request can grow the history or
+# an error beyond what every client can read.
+_NAME_FIELDS = ("model", "to_version", "address")
+
+
+def check_request(request: Any) -> None:
+    """Raise CommandRejected(INVALID_ARGUMENT) for a name or reason over its bound, or a
+    number that is not finite; the message never echoes the oversized value."""
+    for name in _NAME_FIELDS:
+        value = getattr(request, name, None)
+        if isinstance(value, str) and len(value) > limits.API_NAME_MAX_CHARS:
+            raise CommandRejected(
+                "INVALID_ARGUMENT",
+                f"{name}: at most {limits.API_NAME_MAX_CHARS} characters, got {len(value)}",
+            )
+    reason = getattr(request, "reason", None)
+    if isinstance(reason, str) and len(reason) > limits.API_REASON_MAX_CHARS:
+        raise CommandRejected(
+            "INVALID_ARGUMENT", f"reason: at most {limits.API_REASON_MAX_CHARS} characters, got {len(reason)}"
+        )
+    for field, value in request.ListFields() if hasattr(request, "ListFields") else ():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise CommandRejected("INVALID_ARGUMENT", f"{field.name}: expected a finite number, got {value}")
 
 
 async def _ready(value: T) -> T:
@@ -140,11 +176,13 @@ class RolloutService(_Base, rollout_pb2_grpc.RolloutServiceServicer):
 
     async def Start(self, request: rollout_pb2.StartRolloutRequest, context: Any) -> rollout_pb2.Rollout:
         who = self.who(context)
-        r = await self.call(context, "Start", lambda: self.controller.start(_start_request(request), who))
+        r = await self.call(
+            context, "Start", lambda: self.controller.start(_start_request(request), who), request=request
+        )
         return rollout_message(self.controller, r)
 
     async def Get(self, request: rollout_pb2.GetRolloutRequest, context: Any) -> rollout_pb2.Rollout:
-        r = await self.call(context, "Get", lambda: _ready(self._get(request.model)))
+        r = await self.call(context, "Get", lambda: _ready(self._get(request.model)), request=request)
         return rollout_message(self.controller, r)
 
     async def List(
@@ -160,7 +198,7 @@ class RolloutService(_Base, rollout_pb2_grpc.RolloutServiceServicer):
     async def Watch(
         self, request: rollout_pb2.GetRolloutRequest, context: Any
     ) -> AsyncIterator[rollout_pb2.Rollout]:
-        r = await self.call(context, "Watch", lambda: _ready(self._get(request.model)))
+        r = await self.call(context, "Watch", lambda: _ready(self._get(request.model)), request=request)
         while True:
             yield rollout_message(self.controller, r)
             if not active(r):
@@ -172,7 +210,9 @@ class RolloutService(_Base, rollout_pb2_grpc.RolloutServiceServicer):
         self, context: Any, method: str, request: rollout_pb2.RolloutCommand, cmd: machine.Command
     ) -> rollout_pb2.Rollout:
         who = self.who(context)
-        r = await self.call(context, method, lambda: self.controller.command(request.model, cmd, who))
+        r = await self.call(
+            context, method, lambda: self.controller.command(request.model, cmd, who), request=request
+        )
         return rollout_message(self.controller, r)
 
     async def Pause(self, request: rollout_pb2.RolloutCommand, context: Any) -> rollout_pb2.Rollout:
@@ -193,13 +233,17 @@ class RolloutService(_Base, rollout_pb2_grpc.RolloutServiceServicer):
 
     async def Undo(self, request: rollout_pb2.RolloutCommand, context: Any) -> rollout_pb2.Rollout:
         who = self.who(context)
-        r = await self.call(context, "Undo", lambda: self.controller.undo(request.model, who))
+        r = await self.call(
+            context, "Undo", lambda: self.controller.undo(request.model, who), request=request
+        )
         return rollout_message(self.controller, r)
 
     async def History(
         self, request: rollout_pb2.GetRolloutRequest, context: Any
     ) -> rollout_pb2.HistoryResponse:
-        records = await self.call(context, "History", lambda: self.controller.history(request.model))
+        records = await self.call(
+            context, "History", lambda: self.controller.history(request.model), request=request
+        )
         return rollout_pb2.HistoryResponse(
             records=[
                 rollout_pb2.AuditRecord(
@@ -285,7 +329,9 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
     async def List(
         self, request: endpoint_pb2.ListEndpointsRequest, context: Any
     ) -> endpoint_pb2.ListEndpointsResponse:
-        eps = await self.call(context, "List", lambda: _ready(self._endpoints(request.model)))
+        eps = await self.call(
+            context, "List", lambda: _ready(self._endpoints(request.model)), request=request
+        )
         return endpoint_pb2.ListEndpointsResponse(endpoints=eps)
 
     def _one(self, address: str) -> endpoint_pb2.Endpoint:
@@ -301,7 +347,7 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
             await self.controller.drain(request.address, request.timeout_seconds or None, request.reason, who)
             return self._one(request.address)
 
-        return await self.call(context, "Drain", drain)
+        return await self.call(context, "Drain", drain, request=request)
 
     async def Undrain(self, request: endpoint_pb2.DrainRequest, context: Any) -> endpoint_pb2.Endpoint:
         who = self.who(context)
@@ -310,7 +356,7 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
             await self.controller.undrain(request.address, request.reason, who)
             return self._one(request.address)
 
-        return await self.call(context, "Undrain", undrain)
+        return await self.call(context, "Undrain", undrain, request=request)
 
 
 def _endpoint_note(sig: EndpointSignals | None, state: str, now: float) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -392,8 +393,10 @@ class RolloutController:
                 "NOT_FOUND",
                 f"no endpoint {address!r} in the fleet; `cpctl endpoints list` shows the addresses",
             )
-        if timeout_s is not None and timeout_s <= 0:
-            raise CommandRejected("INVALID_ARGUMENT", "timeout: must be greater than 0 seconds")
+        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise CommandRejected(
+                "INVALID_ARGUMENT", f"timeout: must be a finite number of seconds > 0, got {timeout_s}"
+            )
         current = self.drains.get(address)
         if current is not None:
             return current  # draining already: idempotent

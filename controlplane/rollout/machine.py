@@ -82,6 +82,22 @@ class RolloutSpec:
             )
         if s[-1] != 100:
             raise RolloutRejected("INVALID_ARGUMENT", f"--steps: the last step must be 100, got {s[-1]}")
+        for name, value in (
+            ("--interval", self.interval_s),
+            ("--max-error-rate", self.max_error_rate),
+            ("--max-latency-ratio", self.max_latency_ratio),
+            ("--ack-deadline", self.ack_deadline_s),
+        ):
+            if value is not None and not math.isfinite(value):
+                raise RolloutRejected("INVALID_ARGUMENT", f"{name}: expected a finite number, got {value}")
+        if not self.ack_deadline_s > 0:
+            raise RolloutRejected(
+                "INVALID_ARGUMENT", f"--ack-deadline: must be greater than 0, got {self.ack_deadline_s:g}"
+            )
+        if self.min_requests < 0:
+            raise RolloutRejected(
+                "INVALID_ARGUMENT", f"--min-requests: must be 0 or more, got {self.min_requests}"
+            )
         if self.interval_s is not None and self.interval_s <= 0:
             raise RolloutRejected("INVALID_ARGUMENT", "--interval: must be greater than 0 (or --manual)")
         if not 0 <= self.max_error_rate <= 1:
