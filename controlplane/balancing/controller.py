@@ -98,6 +98,11 @@ class WeightController:
             fleet,
             lambda m, ep: self.store.load((m.name, ep.address), capacity.get((m.name, ep.address), 1.0), now),
         )
+        for cname, why in self.weigher.errors.items():
+            log.error(
+                "weights not updated for a cluster; its weights in force stay", cluster=cname, error=why
+            )
+            self.metrics.balancing.weight_errors.labels(cname.rpartition("@")[0]).inc()
         for cname, weights in changed.items():
             self.reconciler.set_weights(cname, weights)
             self.metrics.balancing.weight_updates.labels(cname.rpartition("@")[0]).inc()

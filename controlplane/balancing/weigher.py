@@ -96,6 +96,9 @@ class Weigher:
         self.smoothing = smoothing or SmoothingConfig()
         self.current: dict[str, dict[str, int]] = {}
         self.views: dict[str, ClusterView] = {}
+        # Clusters whose weights could not be computed in the latest update, and why (their
+        # weights in force stay; the weight loop logs and counts them).
+        self.errors: dict[str, str] = {}
 
     @staticmethod
     def _load(fleet: Fleet, model: Model, ep: Endpoint, load_of: LoadOf) -> EndpointLoad:
@@ -111,6 +114,7 @@ class Weigher:
         cfg = policy_config(fleet)
         changed: dict[str, dict[str, int]] = {}
         views: dict[str, ClusterView] = {}
+        errors: dict[str, str] = {}
         for model in fleet.models:
             # Consistent hashing maps keys by weight: moving weights would move sessions. The
             # bounded load does the balancing; weights stay equal (0 still holds out).
@@ -118,9 +122,15 @@ class Weigher:
             policy = POLICIES[policy_name]
             for version in model.versions:
                 cname = cluster_name(model.name, version.name)
-                sight = judge_sight([self._load(fleet, model, ep, load_of) for ep in version.endpoints])
-                loads = sight.loads
-                target = policy(loads, cfg)
+                try:
+                    sight = judge_sight([self._load(fleet, model, ep, load_of) for ep in version.endpoints])
+                    loads = sight.loads
+                    target = policy(loads, cfg)
+                except Exception as e:  # one cluster's bad data never stops the others' updates
+                    errors[cname] = f"{type(e).__name__}: {e}"
+                    if cname in self.views:
+                        views[cname] = self.views[cname]  # its weights in force stay
+                    continue
                 previous = self.current.get(cname, {})
                 weights = smooth(previous, target, self.smoothing)
                 if weights != previous:
@@ -132,4 +142,5 @@ class Weigher:
         for gone in [c for c in self.current if c not in views]:
             del self.current[gone]
         self.views = views
+        self.errors = errors
         return changed

@@ -170,6 +170,13 @@ class BalancingMetrics:
             ["model"],
             registry=r,
         )
+        self.weight_errors = Counter(
+            "controlplane_weight_errors_total",
+            "Weight updates of a cluster that failed (its weights in force stay; the other "
+            "clusters update as usual), by model. The log line names the cause.",
+            ["model"],
+            registry=r,
+        )
         self.lrs_streams = Gauge(
             "controlplane_lrs_streams", "Connected Envoy load-reporting (LRS) streams.", registry=r
         )

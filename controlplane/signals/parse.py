@@ -271,6 +271,10 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
             continue
         if value != value or value in (float("inf"), float("-inf")):
             raise MetricsPageInvalid(f"{name}: value {value} is not a finite number")
+        if value < 0:
+            # Every family read is a count, a duration or a share: a negative one is a lie or
+            # a bug, and would steer the weights (a negative latency wins every comparison).
+            raise MetricsPageInvalid(f"{name}: value {value:g} is negative")
         if target is None:
             try:
                 le = float(labels["le"])
@@ -320,11 +324,27 @@ def derive(previous: ServerSample | None, current: ServerSample) -> LoadDelta:
             return None
         return b - a if b >= a else b  # a reset: the new value is all since the restart
 
-    d_sum = delta(previous.latency_sum_s, current.latency_sum_s)
-    d_count = delta(previous.latency_count, current.latency_count)
+    def pair(
+        a: tuple[float | None, float | None], b: tuple[float | None, float | None]
+    ) -> tuple[float | None, float | None]:
+        """A histogram's (sum, count) deltas, reset together: a sum that went down while its
+        count went up is a reset of both (or a lie), never a negative duration."""
+        if None in a or None in b:
+            return None, None
+        (s0, c0), (s1, c1) = a, b
+        assert s0 is not None and c0 is not None and s1 is not None and c1 is not None
+        if s1 < s0 or c1 < c0:
+            return s1, c1
+        return s1 - s0, c1 - c0
+
+    d_sum, d_count = pair(
+        (previous.latency_sum_s, previous.latency_count), (current.latency_sum_s, current.latency_count)
+    )
     mean = d_sum / d_count if d_sum is not None and d_count else None
-    t_sum = delta(previous.token_latency_sum_s, current.token_latency_sum_s)
-    t_count = delta(previous.token_latency_count, current.token_latency_count)
+    t_sum, t_count = pair(
+        (previous.token_latency_sum_s, previous.token_latency_count),
+        (current.token_latency_sum_s, current.token_latency_count),
+    )
     token_mean = t_sum / t_count if t_sum is not None and t_count else None
     d_ok = delta(previous.successes, current.successes) or 0.0
     d_fail = delta(previous.failures, current.failures) or 0.0

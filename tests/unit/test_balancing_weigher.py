@@ -121,3 +121,24 @@ def test_model_aware_gets_memory_fit_and_preferred_class_from_the_fleet() -> Non
     )
     w = Weigher().update(fleet, loads({}))["chat@v1"]
     assert w == {"10.0.0.1:80": 100, "10.0.0.2:80": 0, "10.0.0.3:80": 50}
+
+
+def test_one_clusters_bad_data_never_stops_the_others() -> None:
+    """Issue 16, F1: an exception while weighing one cluster (bad data, a policy bug) keeps
+    that cluster's weights in force and lets every other cluster update."""
+    w = Weigher()
+    w.update(FLEET, loads({}))
+    busy = {"10.0.1.1:80": EndpointLoad("10.0.1.1:80", ready=False)}
+
+    def load_of(model: Model, ep: Endpoint) -> EndpointLoad:
+        if model.name == "chat":
+            raise ValueError("cannot convert float NaN to integer")
+        return loads(busy)(model, ep)
+
+    changed = w.update(FLEET, load_of)
+    assert changed == {"embed@v1": {"10.0.1.1:80": 0}}
+    assert set(w.errors) == {"chat@v1", "chat@v2"} and "NaN" in w.errors["chat@v1"]
+    assert w.current["chat@v1"] == {"10.0.0.1:80": 100, "10.0.0.2:80": 100}  # in force still
+    assert "chat@v1" in w.views
+    w.update(FLEET, loads({}))
+    assert w.errors == {}

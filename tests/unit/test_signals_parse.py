@@ -252,3 +252,29 @@ def test_a_full_vllm_page_reads_the_same_both_ways() -> None:
 
     page = sample_full_page("m", seed=3)
     assert parse_metrics(page, "m") == parse_metrics(page, "m", select=False)
+
+
+def test_a_negative_value_makes_the_page_unreadable() -> None:
+    """Issue 16, F5: a negative latency would win every comparison and hold out honest peers."""
+    page = (
+        'vllm:num_requests_running{model_name="m"} 1\n'
+        'vllm:e2e_request_latency_seconds_sum{model_name="m"} -5\n'
+        'vllm:e2e_request_latency_seconds_count{model_name="m"} 3\n'
+    )
+    with pytest.raises(
+        MetricsPageInvalid, match="vllm:e2e_request_latency_seconds_sum: value -5 is negative"
+    ):
+        parse_metrics(page, "m")
+
+
+def test_a_histogram_sum_that_goes_down_resets_its_count_too() -> None:
+    """Issue 16, F1: a per-token sum that went down while its count rose was read as a reset of
+    the sum alone, and the mean as whatever that gave; both now reset together."""
+    before = ServerSample("vllm", token_latency_sum_s=10.0, token_latency_count=100.0,
+                          latency_sum_s=50.0, latency_count=10.0)  # fmt: skip
+    after = ServerSample("vllm", token_latency_sum_s=2.0, token_latency_count=120.0,
+                         latency_sum_s=55.0, latency_count=8.0)  # fmt: skip
+    d = derive(before, after)
+    assert d.mean_token_latency_s == pytest.approx(2.0 / 120.0)
+    assert d.mean_latency_s == pytest.approx(55.0 / 8.0)
+    assert d.mean_token_latency_s > 0 and d.mean_latency_s > 0
