@@ -33,3 +33,8 @@ CAPACITY_MAX = 1_000.0  # relative throughput
 
 API_NAME_MAX_CHARS = 256  # a model, version or endpoint address in a request
 API_REASON_MAX_CHARS = 1024  # an operator's reason, stored in the history
+
+# ---- the status HTTP port ------------------------------------------------------------------
+
+STATUS_HTTP_TIMEOUT_S = 10.0  # a request must arrive whole within this
+STATUS_HTTP_MAX_CONNECTIONS = 128  # served at once; more are closed at once

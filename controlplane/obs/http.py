@@ -10,6 +10,7 @@ from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from controlplane import limits
 from controlplane.obs.metrics import Metrics
 
 T = TypeVar("T")
@@ -67,30 +68,45 @@ class _SharedRendering:
 class StatusHTTPServer:
     """Serves metrics and status from a background thread."""
 
-    def __init__(self, listen: str, metrics: Metrics, proxies: ProxyDescriber) -> None:
+    def __init__(
+        self,
+        listen: str,
+        metrics: Metrics,
+        proxies: ProxyDescriber,
+        timeout_s: float = limits.STATUS_HTTP_TIMEOUT_S,
+    ) -> None:
         host, port = split_host_port(listen)
         registry = metrics.registry
         page = _SharedRendering(lambda: generate_latest(registry))
 
         class Handler(BaseHTTPRequestHandler):
+            # A client that sends half a request (or a TLS hello, or nothing) is cut off after
+            # this, so it cannot hold a thread for ever.
+            timeout = timeout_s
+
             def do_GET(self) -> None:
+                self._send(*self._route())
+
+            def do_HEAD(self) -> None:
+                self._send(*self._route(), head=True)
+
+            def _route(self) -> tuple[int, str, bytes]:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._send(200, CONTENT_TYPE_LATEST, page.get())
-                elif path == "/healthz":
-                    self._send(200, "text/plain", b"ok\n")
-                elif path == "/debug/proxies":
-                    body = json.dumps(_describe(proxies), indent=2).encode() + b"\n"
-                    self._send(200, "application/json", body)
-                else:
-                    self._send(404, "text/plain", b"not found: try /metrics, /healthz, /debug/proxies\n")
+                    return 200, CONTENT_TYPE_LATEST, page.get()
+                if path == "/healthz":
+                    return 200, "text/plain", b"ok\n"
+                if path == "/debug/proxies":
+                    return 200, "application/json", json.dumps(_describe(proxies), indent=2).encode() + b"\n"
+                return 404, "text/plain", b"not found: try /metrics, /healthz, /debug/proxies\n"
 
-            def _send(self, code: int, ctype: str, body: bytes) -> None:
+            def _send(self, code: int, ctype: str, body: bytes, head: bool = False) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                if not head:
+                    self.wfile.write(body)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -112,6 +128,28 @@ class _Server(ThreadingHTTPServer):
     # Prometheus servers, dashboards and people at once: a deep accept queue, so a burst of
     # scrapes waits its turn instead of being refused.
     request_queue_size = 1024
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._slots = threading.BoundedSemaphore(limits.STATUS_HTTP_MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # At most so many connections served at once: more are closed at once rather than
+        # each holding a thread (the status port is for a few scrapers and people).
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def _describe(proxies: ProxyDescriber) -> list[dict[str, Any]]:
