@@ -200,6 +200,26 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that has the kernel send the child SIGTERM when the demo dies, however it
+    dies (SIGKILL included), so no control plane or Envoy outlives it. Linux only (prctl
+    PR_SET_PDEATHSIG); elsewhere None, and the demo's own cleanup is all there is."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def set_pdeathsig() -> None:  # runs in the child between fork and exec: no Python locks
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the demo died before the line above: go now
+            os._exit(1)
+
+    return set_pdeathsig
+
+
 def _cpctl(admin: str, token_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "controlplane.cli.cpctl", "--server", admin, "--token-file", str(token_file)]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=30)
@@ -281,6 +301,7 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
                 ],
                 stdout=cp_log,
                 stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent(),
             )
         )
         _wait(lambda: _get(f"http://127.0.0.1:{metrics}/healthz") == 200, 15, "the control plane")
@@ -305,6 +326,7 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
                 ],
                 stdout=envoy_log,
                 stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent(),
             )
         )
         _wait(lambda: _get(f"http://127.0.0.1:{listener}/v1/models") == 200, 20, "Envoy to get its config")

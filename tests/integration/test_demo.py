@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from tests.integration.harness import BIN
@@ -74,3 +76,36 @@ def test_ctrl_c_stops_every_process_the_demo_started() -> None:
     assert "interrupted; stopping everything" in rest
     assert _processes_mentioning(work) == [], "a process the demo started outlived it"
     assert os.path.isdir(work)  # logs kept
+
+
+def test_a_demo_killed_outright_leaves_no_process_behind() -> None:
+    """Issue 16, F13: SIGKILL gives the demo no chance to clean up; the kernel stops its
+    control plane and Envoy (parent-death signal) instead of leaving them orphaned."""
+    p = subprocess.Popen(
+        [str(BIN / "controlplane"), "demo", "--duration", "60", "--no-live"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    work = ""
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:
+            if line.startswith("demo: fleet config "):
+                work = str(Path(line.split("demo: fleet config ", 1)[1].strip()).parent)
+            if "traffic for" in line:
+                break
+        assert work and len(_processes_mentioning(work)) >= 2, "the control plane and Envoy should be running"
+        p.kill()
+        p.wait(10)
+        deadline = time.monotonic() + 15
+        while _processes_mentioning(work) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _processes_mentioning(work) == [], "a process the demo started outlived it"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        for pid in _processes_mentioning(work) if work else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
