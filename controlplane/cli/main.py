@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane import __version__
+from controlplane import __version__, limits
 from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR
 
 
@@ -415,14 +415,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_config(path: Path) -> int:
-    from controlplane.fleet.loader import FleetConfigInvalid, load_fleet
+    from controlplane.fleet.loader import FleetConfigInvalid
+    from controlplane.fleet.watch import parse_file_bytes
 
     try:
-        fleet = load_fleet(path)
-    except FleetConfigInvalid as e:
-        for err in e.errors:
+        with path.open("rb") as f:  # read no further than the limit, as the server does
+            data = f.read(limits.FLEET_FILE_MAX_BYTES + 1)
+    except OSError as e:
+        print(f"{path}: cannot read file: {e}", file=sys.stderr)
+        return 1
+    # The same verdict as the server's watcher: a loader bug is an error line, not a traceback.
+    fleet = parse_file_bytes(data, str(path))
+    if isinstance(fleet, FleetConfigInvalid):
+        for err in fleet.errors:
             print(err, file=sys.stderr)
-        print(f"{path}: {len(e.errors)} error(s)", file=sys.stderr)
+        print(f"{path}: {len(fleet.errors)} error(s)", file=sys.stderr)
         return 1
     endpoints = sum(len(v.endpoints) for m in fleet.models for v in m.versions)
     print(f"{path}: ok: {len(fleet.tiers)} tiers, {len(fleet.models)} models, {endpoints} endpoints")

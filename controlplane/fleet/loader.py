@@ -867,12 +867,15 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
     stable = m.get("stable")
     if stable is None:
         errs.add(f"{path}.stable", "missing: name the version that takes traffic")
+    elif not isinstance(stable, str):
+        errs.add(f"{path}.stable", f"expected a version name, got {_kind(stable)}")
+        stable = None
     elif versions is not None and stable not in {v.name for v in versions}:
         errs.add(f"{path}.stable", f"names version {stable!r}, which is not under versions")
     base = next((t.policy for t in tiers or [] if t.name == tier), None)
     policy = _traffic(m, path, base, errs) if base is not None else None
     dtype = m.get("dtype", "fp16")
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         errs.add(f"{path}.dtype", f"expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     memory = (
         _number(m["memory_gb"], f"{path}.memory_gb", errs, maximum=limits.MEMORY_GB_MAX)
@@ -930,7 +933,7 @@ def _model_tier(
         return None  # no valid tier: their errors are reported already
     if "tier" in m:
         tier = m["tier"]
-        if tier not in {t.name for t in tiers}:
+        if not isinstance(tier, str) or tier not in {t.name for t in tiers}:
             names = ", ".join(t.name for t in tiers)
             errs.add(f"{path}.tier", f"unknown tier {tier!r} (tiers: {names})")
             return None
