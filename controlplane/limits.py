@@ -24,6 +24,10 @@ SIGNALS_INTERVAL_MIN_S = 0.05
 SIGNALS_INTERVAL_MAX_S = 300.0
 SIGNALS_TIMEOUT_MIN_S = 0.01
 
+# A fleet file must hold still this long before a destructive decision taken from it (a
+# rollout aborted because a version left the file, the API's layers dropped) is stored.
+FILE_SETTLE_S = 2.0
+
 # Numbers: finite, and within a range that means something for the key.
 PARAMS_B_MAX = 1_000_000.0  # billions of parameters
 MEMORY_GB_MAX = 1_000_000.0

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import structlog
 
+from controlplane import limits
 from controlplane.fleet.model import Fleet, Model
 from controlplane.obs.metrics import PHASES, Metrics
 from controlplane.rollout import machine
@@ -98,6 +99,7 @@ class RolloutController:
         self.registry = registry
         self.metrics = metrics
         self.clock = clock
+        self._file_read_at = -math.inf  # when the file last changed (set_file_fleet)
         self.tick_s = tick_s
         self.file_fleet: Fleet | None = None
         self.rollouts: dict[str, Rollout] = {}
@@ -157,6 +159,8 @@ class RolloutController:
         """A (re)loaded fleet: serve it at once. Layers it has moved past, and rollouts it
         broke, stop applying now (overlay.effective ignores them); `reconcile_file` records
         that in the store."""
+        if fleet != self.file_fleet:
+            self._file_read_at = self.clock()
         self.file_fleet = fleet
         self.publish()
 
@@ -164,6 +168,11 @@ class RolloutController:
         """Drop the layers the fleet has moved past and abort the rollouts it broke, durably."""
         fleet = self.file_fleet
         if fleet is None:
+            return
+        if self.clock() - self._file_read_at < limits.FILE_SETTLE_S:
+            # Never persist a destructive decision from one reading: a file caught half-written
+            # (then whole again a moment later) would abort a rollout for good. What is served
+            # follows the file at once; the store follows once the file has held still.
             return
         stale = stale_layers(fleet, self.layers.values())
         transitions: list[Transition] = []

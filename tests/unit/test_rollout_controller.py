@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
+from controlplane import limits
 from controlplane.fleet.loader import parse_fleet
 from controlplane.obs.metrics import Metrics
 from controlplane.rollout import machine
@@ -66,6 +67,7 @@ async def controller(state: Path, clock: Clock, signals: SignalStore | None = No
     )
     await c.restore()
     c.set_file_fleet(parse_fleet(FLEET))
+    clock.t += limits.FILE_SETTLE_S
     await c.reconcile_file()
     return c
 
@@ -203,6 +205,7 @@ async def test_restart_resumes_at_the_same_step_and_keeps_api_state_over_file_re
     assert again.reconciler.fleet is not None and again.reconciler.fleet.models[0].stable == "v2"
     # The operator writes the new stable into the file: the file wins, the layer is dropped.
     again.set_file_fleet(parse_fleet(FLEET.replace("stable: v1", "stable: v2")))
+    clock.t += limits.FILE_SETTLE_S
     await again.reconcile_file()
     assert again.layers == {}
     assert served_versions(again) == ["v1", "v2"]
@@ -210,13 +213,35 @@ async def test_restart_resumes_at_the_same_step_and_keeps_api_state_over_file_re
 
 @run_async
 async def test_a_file_that_drops_the_canary_aborts_the_rollout(tmp_path: Path) -> None:
-    c = await controller(tmp_path, Clock())
+    clock = Clock()
+    c = await controller(tmp_path, clock)
     await c.start(RolloutSpec("m", "", "v2"), "t")
     c.set_file_fleet(parse_fleet(FLEET.replace('      v2: {endpoints: [{address: "127.0.0.1:8002"}]}\n', "")))
     assert c.reconciler.overlay.splits == {}  # served without the split at once ...
-    await c.reconcile_file()  # ... and recorded as aborted
+    await c.reconcile_file()
+    assert c.rollouts["m"].phase == "Progressing"  # ... but not stored from one reading
+    clock.t += limits.FILE_SETTLE_S
+    await c.reconcile_file()  # ... and recorded as aborted once the file held still
     assert c.rollouts["m"].phase == "Aborted"
     assert "no longer has version v2" in c.rollouts["m"].reason
+
+
+@run_async
+async def test_a_file_caught_half_written_does_not_abort_a_rollout(tmp_path: Path) -> None:
+    """Issue 16, F7: the file read mid-write lacks the canary for a moment, then is whole
+    again: the rollout carries on, and nothing destructive was stored."""
+    clock = Clock()
+    c = await controller(tmp_path, clock)
+    await c.start(RolloutSpec("m", "", "v2"), "t")
+    whole = parse_fleet(FLEET)
+    c.set_file_fleet(parse_fleet(FLEET.replace('      v2: {endpoints: [{address: "127.0.0.1:8002"}]}\n', "")))
+    clock.t += 0.6
+    await c.reconcile_file()
+    c.set_file_fleet(whole)
+    clock.t += limits.FILE_SETTLE_S
+    await c.reconcile_file()
+    assert c.rollouts["m"].phase == "Progressing"
+    assert [h.phase for h in await c.history("m")] == ["Progressing"]
 
 
 @run_async
