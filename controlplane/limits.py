@@ -42,3 +42,8 @@ API_REASON_MAX_CHARS = 1024  # an operator's reason, stored in the history
 
 STATUS_HTTP_TIMEOUT_S = 10.0  # a request must arrive whole within this
 STATUS_HTTP_MAX_CONNECTIONS = 128  # served at once; more are closed at once
+
+# ---- metrics pages -------------------------------------------------------------------------
+
+METRICS_MAX_SERIES = 20_000  # series of the families read on one page (a real one has < 1,000)
+METRICS_MAX_QUEUE = 100_000  # requests running or waiting on one server

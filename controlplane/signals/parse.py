@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from controlplane import limits
+
 DIALECTS = ("vllm", "sglang", "tgi", "triton")
 
 
@@ -236,6 +238,11 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
     families read (`_select`, then `_selected_samples`); a page with none of them is
     parsed whole by prometheus_client, for the precise reason."""
     chosen, hint = _select(text) if select else ([], None)
+    if len(chosen) > limits.METRICS_MAX_SERIES:
+        raise MetricsPageInvalid(
+            f"{len(chosen)} series of the families read, over the {limits.METRICS_MAX_SERIES} limit "
+            "(docs/limits.md)"
+        )
     samples = _selected_samples(chosen) if chosen else _parsed(text)
     dialect = hint if chosen else _detect(name for name, _, _ in samples)
     if dialect is None:
@@ -271,6 +278,8 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
             continue
         if value != value or value in (float("inf"), float("-inf")):
             raise MetricsPageInvalid(f"{name}: value {value} is not a finite number")
+        if target is not None and target[0] in ("running", "waiting") and value > limits.METRICS_MAX_QUEUE:
+            raise MetricsPageInvalid(f"{name}: value {value:g} is over the {limits.METRICS_MAX_QUEUE} limit")
         if value < 0:
             # Every family read is a count, a duration or a share: a negative one is a lie or
             # a bug, and would steer the weights (a negative latency wins every comparison).

@@ -33,6 +33,8 @@ from controlplane.signals.parse import MetricsPageInvalid, ServerSample, derive,
 UNREACHABLE_AFTER = 3  # unanswered scrapes in a row before an endpoint is out of sight
 EWMA_ALPHA = 0.3  # weight of the newest interval in latency and error-rate averages
 LRS_MAX_AGE_S = 10.0  # a proxy's report older than this no longer counts
+PEAK_HALF_LIFE_S = 30.0  # the most requests seen running fades by half in this long
+PEAK_GROWTH_FLOOR = 8.0  # ...and grows per sample to at most twice itself, or this
 
 EndpointKey = tuple[str, str]  # (model, address)
 
@@ -165,8 +167,16 @@ class SignalStore:
         prev = sig.sample
         if prev is None or sig.sample_at is None or prev.running is None or sample.running is None:
             return
-        sig.peak_running = max(sig.peak_running, sample.running, prev.running)
         dt = now - sig.sample_at
+        # The peak fades (half-life PEAK_HALF_LIFE_S) unless seen again: a server's slots are
+        # seen again whenever it is full, and one spike (a bug, or a lie) must not scale its
+        # learnt throughput for ever.
+        # It also grows at most twofold per sample (or to PEAK_GROWTH_FLOOR), so a spike of a
+        # few samples moves it a few doublings, while a real server's slots are learnt within
+        # seconds.
+        faded = sig.peak_running * 0.5 ** (max(0.0, dt) / PEAK_HALF_LIFE_S)
+        seen = min(max(sample.running, prev.running), max(2.0 * sig.peak_running, PEAK_GROWTH_FLOOR))
+        sig.peak_running = max(faded, seen)
         busy = min(prev.running, sample.running)
         if dt <= 0 or busy < 1 or completed <= 0:
             return

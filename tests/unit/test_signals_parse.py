@@ -278,3 +278,19 @@ def test_a_histogram_sum_that_goes_down_resets_its_count_too() -> None:
     assert d.mean_token_latency_s == pytest.approx(2.0 / 120.0)
     assert d.mean_latency_s == pytest.approx(55.0 / 8.0)
     assert d.mean_token_latency_s > 0 and d.mean_latency_s > 0
+
+
+def test_a_page_with_too_many_series_or_an_absurd_queue_is_unreadable() -> None:
+    """Issue 16, F5: a huge valid page costs seconds to parse; a running count of a million
+    is a lie that would scale a learnt capacity."""
+    from controlplane import limits
+
+    many = "".join(
+        f'vllm:num_requests_running{{model_name="m",x="{i}"}} 1\n'
+        for i in range(limits.METRICS_MAX_SERIES + 1)
+    )
+    with pytest.raises(MetricsPageInvalid, match="over the 20000 limit"):
+        parse_metrics(many, "m")
+    with pytest.raises(MetricsPageInvalid, match="vllm:num_requests_running: value 1e\\+06 is over"):
+        parse_metrics('vllm:num_requests_running{model_name="m"} 1000000\n', "m")
+    assert parse_metrics('vllm:num_requests_running{model_name="m"} 100000\n', "m").running == 100000

@@ -194,3 +194,33 @@ def test_time_per_output_token_reaches_the_load() -> None:
     later = TPOT.replace("400.0", "500.0").replace("} 8.0", "} 10.0")
     store.record_scrape(KEY, ScrapeResult(200, metrics_text=VLLM + later), now=1.0)
     assert store.load(KEY, 1.0, 1.0).token_latency_s == 0.02
+
+
+def test_a_spike_of_running_requests_neither_jumps_the_peak_nor_stays() -> None:
+    """Issue 16, F5: a few samples claiming 100,000 requests running (a lie or a bug) moved
+    the learnt peak, and with it the learnt capacity, for good."""
+    from controlplane.signals.parse import ServerSample
+
+    store = SignalStore()
+
+    def at(t: float, running: float, done: float) -> None:
+        store.record_scrape(
+            KEY, ScrapeResult(sample=ServerSample("vllm", running=running, successes=done)), t
+        )
+
+    done = 0.0
+    for t in range(10):
+        done += 4
+        at(float(t), 4, done)
+    assert store.endpoints[KEY].peak_running == 4
+    for t in range(10, 13):
+        done += 4
+        at(float(t), 100_000, done)
+    assert store.endpoints[KEY].peak_running <= 8 * 2**2  # a few doublings at most, not 100,000
+    done += 4
+    at(13.0, 4, done)  # the sample after the spike still pairs with it: one more doubling
+    assert store.endpoints[KEY].peak_running <= 8 * 2**3
+    for t in range(14, 130):
+        done += 4
+        at(float(t), 4, done)
+    assert store.endpoints[KEY].peak_running < 6  # faded back towards what it really runs
