@@ -47,3 +47,8 @@ STATUS_HTTP_MAX_CONNECTIONS = 128  # served at once; more are closed at once
 
 METRICS_MAX_SERIES = 20_000  # series of the families read on one page (a real one has < 1,000)
 METRICS_MAX_QUEUE = 100_000  # requests running or waiting on one server
+
+# ---- the xDS and LRS port ------------------------------------------------------------------
+
+XDS_MAX_NODE_ID_CHARS = 1024  # a longer node id ends the stream (INVALID_ARGUMENT)
+XDS_MAX_NACK_MESSAGE_CHARS = 4096  # a NACK's message as stored, shown and logged (cut beyond)

@@ -38,6 +38,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.config.route.v3 import route_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
+from controlplane import limits
 from controlplane.routing.blend import blend_routes
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
 from controlplane.xds import capabilities, wire
@@ -50,6 +51,14 @@ WILDCARD = "*"
 # Bounds on what one client can make a stream hold.
 MAX_NAMES_PER_TYPE = 100_000
 MAX_UNKNOWN_TYPES_REPORTED = 8
+
+
+def bounded(text: str, limit: int) -> str:
+    """`text`, cut to `limit` characters with a note of how much was left out: what a proxy
+    sends is shown and logged, and must not grow every status page and log line."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 @dataclass(frozen=True)
@@ -378,6 +387,13 @@ class XdsStream:
     ) -> list[Event]:
         """One request from the proxy: subscription change, ACK or NACK."""
         events: list[Event] = []
+        if request.HasField("node") and len(request.node.id) > limits.XDS_MAX_NODE_ID_CHARS:
+            return [
+                Refused(
+                    "INVALID_ARGUMENT",
+                    f"node id of {len(request.node.id)} characters; at most {limits.XDS_MAX_NODE_ID_CHARS}",
+                )
+            ]
         if request.HasField("node") and request.node.id and not self.node_id:
             self.node_id = request.node.id
             self.node = request.node
@@ -394,7 +410,7 @@ class XdsStream:
                 and len(self._unknown_reported) < MAX_UNKNOWN_TYPES_REPORTED
             ):
                 self._unknown_reported.add(type_url)
-                events.append(UnknownType(type_url))
+                events.append(UnknownType(bounded(type_url, 200)))
             return events
         ts = self.types.get(type_url)
         if ts is None:
@@ -582,7 +598,7 @@ class XdsStream:
         """Blame the resources Envoy names; if it names none (a response refused whole, as
         Envoy does when a resource fails to decode), bisect the changes it carried. Apply
         what Envoy applies anyway (removals); valid changes are sent again."""
-        ts.last_error = message
+        ts.last_error = bounded(message, limits.XDS_MAX_NACK_MESSAGE_CHARS)
         ts.last_nacked = True
         known = self.memory.get if type_url == CLUSTER else (lambda n: None)
         changed = {
@@ -614,7 +630,8 @@ class XdsStream:
             ts.rejected_key = flight.version
         # Delta: removals are sent again (Envoy skips them when it refuses a response whole,
         # and removing what is gone is harmless).
-        return Nack(type_url, flight.nonce, flight.version, message, tuple(sorted(blamed)))
+        shown = bounded(message, limits.XDS_MAX_NACK_MESSAGE_CHARS)  # the whole one was read for blame
+        return Nack(type_url, flight.nonce, flight.version, shown, tuple(sorted(blamed)))
 
     def _interested(self, type_url: str, ts: TypeState, name: str) -> bool:
         return name in ts.names or (ts.wildcard and name in self.snapshot.wildcard_names(type_url))

@@ -716,3 +716,33 @@ def test_unknown_types_are_reported_a_bounded_number_of_times() -> None:
     reported = [e for i in range(50) for e in s.receive(req(f"type.googleapis.com/x.Unknown{i}"), 0)]
     assert len(reported) == MAX_UNKNOWN_TYPES_REPORTED
     assert all(isinstance(e, UnknownType) for e in reported)
+
+
+def test_a_huge_nack_message_is_kept_and_shown_cut_but_still_blames() -> None:
+    """Issue 16, F4(d): a 3.5 MB NACK message grew /debug/proxies past what clients read."""
+    from controlplane import limits
+
+    s = XdsStream(snap(ONE), delta=False)
+    [first] = sends(s.receive(req(CLUSTER), 0))
+    s.receive(req(CLUSTER, nonce=first.nonce), 0)
+    [bad] = sends(s.set_snapshot(snap(TWO, gen=2), 1))
+    huge = "x" * 3_500_000 + " b@v1"
+    ev = s.receive(req(CLUSTER, nonce=bad.nonce, error=huge), 2)
+    [nack] = [e for e in ev if isinstance(e, Nack)]
+    assert len(s.types[CLUSTER].last_error) < limits.XDS_MAX_NACK_MESSAGE_CHARS + 100
+    assert s.types[CLUSTER].last_error.endswith(
+        f"({len(huge) - limits.XDS_MAX_NACK_MESSAGE_CHARS} more characters)"
+    )
+    assert len(nack.message) < limits.XDS_MAX_NACK_MESSAGE_CHARS + 100
+    assert nack.rejected == ("b@v1",)
+
+
+def test_a_huge_node_id_ends_the_stream() -> None:
+    from controlplane import limits
+
+    s = XdsStream(snap(ONE), delta=False)
+    r = req(CLUSTER)
+    r.node.id = "n" * (limits.XDS_MAX_NODE_ID_CHARS + 1)
+    [refused] = s.receive(r, 0)
+    assert isinstance(refused, Refused) and refused.code == "INVALID_ARGUMENT"
+    assert s.node_id == "" and not s.types
