@@ -65,7 +65,15 @@ class ConfigError:
 
     def __str__(self) -> str:
         where = f"{self.file}:{self.line}" if self.line else self.file
-        return f"{where}: {self.path or '<top>'}: {self.reason}"
+        # Control characters from the file (a NUL, a newline in a key) are shown escaped:
+        # one error is one line, in a terminal and in a log.
+        return _printable(f"{where}: {self.path or '<top>'}: {self.reason}")
+
+
+def _printable(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class FleetConfigInvalid(Exception):

@@ -168,3 +168,9 @@ def test_ports_in_other_digits_and_mapped_ipv4_duplicates_are_refused() -> None:
     one_error(arabic, "models.llama.versions.v1.endpoints[0].address", "port must be 1-65535")
     mapped = fleet().replace("'127.0.0.1:8102'", "'[::ffff:127.0.0.1]:8101'")
     one_error(mapped, "models.llama.versions.v1.endpoints[1].address", "duplicate endpoint")
+
+
+def test_control_characters_in_names_are_escaped_in_errors() -> None:
+    errs = errors_of(fleet(name='"bad\\nname\\0"'))
+    assert errs and all("\n" not in e and "\0" not in e for e in errs), errs
+    assert any("bad\\nname\\x00" in e for e in errs), errs
