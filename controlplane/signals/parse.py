@@ -14,6 +14,7 @@ vLLM page that is about 20x cheaper than prometheus_client's parse of the whole 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -322,6 +323,10 @@ def _detect(names: Iterable[str]) -> str | None:
     return best if counts[best] else None
 
 
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # a count delta of almost nothing: no mean to take
+
+
 def derive(previous: ServerSample | None, current: ServerSample) -> LoadDelta:
     """Rates between two samples: mean latency of the requests completed in between, and
     their error rate. A counter that went backwards (a restarted server) starts afresh."""
@@ -349,12 +354,12 @@ def derive(previous: ServerSample | None, current: ServerSample) -> LoadDelta:
     d_sum, d_count = pair(
         (previous.latency_sum_s, previous.latency_count), (current.latency_sum_s, current.latency_count)
     )
-    mean = d_sum / d_count if d_sum is not None and d_count else None
+    mean = _finite(d_sum / d_count) if d_sum is not None and d_count else None
     t_sum, t_count = pair(
         (previous.token_latency_sum_s, previous.token_latency_count),
         (current.token_latency_sum_s, current.token_latency_count),
     )
-    token_mean = t_sum / t_count if t_sum is not None and t_count else None
+    token_mean = _finite(t_sum / t_count) if t_sum is not None and t_count else None
     d_ok = delta(previous.successes, current.successes) or 0.0
     d_fail = delta(previous.failures, current.failures) or 0.0
     done = d_ok + d_fail
