@@ -52,3 +52,4 @@ METRICS_MAX_QUEUE = 100_000  # requests running or waiting on one server
 
 XDS_MAX_NODE_ID_CHARS = 1024  # a longer node id ends the stream (INVALID_ARGUMENT)
 XDS_MAX_NACK_MESSAGE_CHARS = 4096  # a NACK's message as stored, shown and logged (cut beyond)
+XDS_SHARED_NAMES_MAX = 400_000  # names kept for sharing between streams, all subscriptions together

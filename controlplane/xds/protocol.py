@@ -233,19 +233,26 @@ class TypeState:
 
 
 _SHARED_NAMES: OrderedDict[frozenset[str], frozenset[str]] = OrderedDict()
+_SHARED_TOTAL = [0]  # names held in _SHARED_NAMES, all sets together
 
 
 def shared_names(names: Iterable[str]) -> frozenset[str]:
     """One frozenset per distinct subscription, of interned strings, shared by every stream:
-    a thousand proxies subscribed to the same thousand clusters hold one set, not a thousand."""
+    a thousand proxies subscribed to the same thousand clusters hold one set, not a thousand.
+    The cache holds at most 256 sets and XDS_SHARED_NAMES_MAX names in all (oldest out
+    first), so a client subscribing to many names it invents leaves nothing behind it."""
     key = frozenset(sys.intern(n) for n in names)
     found = _SHARED_NAMES.get(key)
     if found is not None:
         _SHARED_NAMES.move_to_end(key)
         return found
+    if len(key) > limits.XDS_SHARED_NAMES_MAX // 4:
+        return key  # too large to keep for sharing: only its own stream holds it
     _SHARED_NAMES[key] = key
-    if len(_SHARED_NAMES) > 256:
-        _SHARED_NAMES.popitem(last=False)
+    _SHARED_TOTAL[0] += len(key)
+    while len(_SHARED_NAMES) > 256 or _SHARED_TOTAL[0] > limits.XDS_SHARED_NAMES_MAX:
+        _, old = _SHARED_NAMES.popitem(last=False)
+        _SHARED_TOTAL[0] -= len(old)
     return key
 
 

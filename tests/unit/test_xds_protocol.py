@@ -746,3 +746,19 @@ def test_a_huge_node_id_ends_the_stream() -> None:
     [refused] = s.receive(r, 0)
     assert isinstance(refused, Refused) and refused.code == "INVALID_ARGUMENT"
     assert s.node_id == "" and not s.types
+
+
+def test_the_shared_names_cache_stays_bounded_whatever_clients_invent() -> None:
+    """Issue 16, F4(a): subscriptions to many invented names stayed in the shared cache after
+    their client left (850 MB)."""
+    from controlplane import limits
+    from controlplane.xds import protocol
+
+    for i in range(40):
+        protocol.shared_names(f"invented-{i}-{j}" for j in range(20_000))
+    assert protocol._SHARED_TOTAL[0] <= limits.XDS_SHARED_NAMES_MAX
+    assert sum(len(k) for k in protocol._SHARED_NAMES) == protocol._SHARED_TOTAL[0]
+    big = protocol.shared_names(f"huge-{j}" for j in range(limits.XDS_SHARED_NAMES_MAX // 4 + 1))
+    assert big not in protocol._SHARED_NAMES  # held by its own stream only
+    common = protocol.shared_names(["a@v1", "b@v1"])
+    assert protocol.shared_names(["b@v1", "a@v1"]) is common  # sharing still works
