@@ -39,6 +39,7 @@ from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_SERVICE, PER_TYPE_SERVICES, XdsServer
 from controlplane.xds.snapshot import Lingering
+from controlplane.xds.tls import XdsTls, server_credentials
 
 log = structlog.get_logger("controlplane")
 XDS_MEMORY_FILE = "xds-memory.bin"  # in the state directory
@@ -48,6 +49,7 @@ XDS_MEMORY_FILE = "xds-memory.bin"  # in the state directory
 class ServeOptions:
     config: Path | None  # the fleet file; None with an etcd store (the fleet is in etcd)
     xds_listen: str = "127.0.0.1:18000"
+    xds_tls: XdsTls | None = None  # TLS (and with a client CA, mutual TLS) on the xDS port
     metrics_listen: str = "127.0.0.1:9102"
     debounce_s: float = 0.1
     max_delay_s: float = 1.0
@@ -215,7 +217,12 @@ class ControlPlane:
         except OSError as e:
             raise OSError(f"--metrics-listen {self.options.metrics_listen}: {e.strerror or e}") from e
         try:
-            self.xds_port = server.add_insecure_port(self.options.xds_listen)
+            tls = self.options.xds_tls
+            self.xds_port = (
+                server.add_secure_port(self.options.xds_listen, server_credentials(tls))
+                if tls is not None
+                else server.add_insecure_port(self.options.xds_listen)
+            )
         except RuntimeError as e:
             self.http.server.server_close()
             raise OSError(f"--xds-listen {self.options.xds_listen}: cannot listen ({e})") from e

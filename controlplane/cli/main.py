@@ -72,6 +72,20 @@ def _parser() -> argparse.ArgumentParser:
         help="gRPC xDS address (default: %(default)s, loopback only)",
     )
     s.add_argument(
+        "--xds-tls-cert",
+        type=Path,
+        metavar="FILE",
+        help="PEM certificate (chain) for TLS on the xDS port; with --xds-tls-key (default: plaintext)",
+    )
+    s.add_argument("--xds-tls-key", type=Path, metavar="FILE", help="PEM private key for --xds-tls-cert")
+    s.add_argument(
+        "--xds-client-ca",
+        type=Path,
+        metavar="FILE",
+        help="PEM CA: require every xDS client (Envoy, proxyless gRPC) to present a certificate "
+        "it signed (mutual TLS); needs --xds-tls-cert and --xds-tls-key",
+    )
+    s.add_argument(
         "--metrics-listen",
         default="127.0.0.1:9102",
         metavar="HOST:PORT",
@@ -168,6 +182,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--node-cluster", default="inference-gateway", help="the proxy's node cluster")
     b.add_argument("--grpc", action="store_true", help="print a proxyless gRPC bootstrap (JSON)")
+    b.add_argument(
+        "--xds-tls-ca",
+        metavar="FILE",
+        help="connect to the control plane over TLS, verifying its certificate against this CA "
+        "(a path on the Envoy's filesystem)",
+    )
+    b.add_argument(
+        "--xds-tls-cert",
+        metavar="FILE",
+        help="the Envoy's own certificate, for a control plane that requires mutual TLS "
+        "(--xds-client-ca); with --xds-tls-key",
+    )
+    b.add_argument("--xds-tls-key", metavar="FILE", help="the private key of --xds-tls-cert")
     b.add_argument(
         "--no-load-reports",
         action="store_true",
@@ -455,6 +482,9 @@ def _bootstrap(args: argparse.Namespace) -> int:
                     admin_port=args.admin_port,
                     node_cluster=args.node_cluster,
                     load_reports=not args.no_load_reports,
+                    tls_ca=args.xds_tls_ca,
+                    tls_cert=args.xds_tls_cert,
+                    tls_key=args.xds_tls_key,
                 ),
                 end="",
             )
@@ -479,6 +509,19 @@ def _serve(args: argparse.Namespace) -> int:
             split_host_port(value)
         except ValueError as e:
             print(f"controlplane serve: {flag}: {e}", file=sys.stderr)
+            return 2
+    xds_tls = None
+    if args.xds_tls_cert or args.xds_tls_key or args.xds_client_ca:
+        from controlplane.xds.tls import TlsConfigInvalid, XdsTls, server_credentials
+
+        if not (args.xds_tls_cert and args.xds_tls_key):
+            print("controlplane serve: --xds-tls-cert and --xds-tls-key go together", file=sys.stderr)
+            return 2
+        xds_tls = XdsTls(args.xds_tls_cert, args.xds_tls_key, args.xds_client_ca)
+        try:
+            server_credentials(xds_tls)  # every file checked before anything starts
+        except TlsConfigInvalid as e:
+            print(f"controlplane serve: {e}", file=sys.stderr)
             return 2
     if args.store is None and args.config is None:
         print(
@@ -514,6 +557,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServeOptions(
         config=args.config,
         xds_listen=args.xds_listen,
+        xds_tls=xds_tls,
         metrics_listen=args.metrics_listen,
         debounce_s=args.debounce,
         max_delay_s=args.max_delay,

@@ -30,11 +30,20 @@ def envoy_bootstrap(
     admin_address: str = "127.0.0.1",
     node_cluster: str = "inference-gateway",
     load_reports: bool = True,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> str:
     """An Envoy bootstrap YAML that connects to the control plane over ADS and, unless
-    `load_reports` is off, sends it load reports (LRS) over the same connection."""
+    `load_reports` is off, sends it load reports (LRS) over the same connection. `tls_ca`:
+    over TLS, verifying the control plane against that CA; `tls_cert`/`tls_key`: presenting
+    that certificate (mutual TLS). Paths are the Envoy's."""
     if not node_id:
         raise ValueError("--node-id: must not be empty")
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("--xds-tls-cert and --xds-tls-key go together")
+    if tls_cert is not None and tls_ca is None:
+        raise ValueError("--xds-tls-cert: give --xds-tls-ca too (the CA that signed the control plane's)")
     endpoints = []
     for addr in xds:
         host, port = _split(addr)
@@ -51,7 +60,29 @@ def envoy_bootstrap(
         api_type="DELTA_GRPC" if delta else "GRPC",
         xds_endpoints="\n".join(endpoints),
         load_stats=_LOAD_STATS if load_reports else "",
+        transport_socket=_tls_socket(tls_ca, tls_cert, tls_key) if tls_ca else "",
     )
+
+
+def _tls_socket(ca: str, cert: str | None, key: str | None) -> str:
+    """The xds_cluster's TLS transport socket (ALPN h2: gRPC), with the Envoy's own
+    certificate when the control plane requires one."""
+    lines = [
+        "    transport_socket:",
+        "      name: envoy.transport_sockets.tls",
+        "      typed_config:",
+        '        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext',
+        "        common_tls_context:",
+        "          alpn_protocols: [h2]",
+        f"          validation_context: {{trusted_ca: {{filename: {_quote(ca)}}}}}",
+    ]
+    if cert is not None and key is not None:
+        lines += [
+            "          tls_certificates:",
+            f"          - certificate_chain: {{filename: {_quote(cert)}}}",
+            f"            private_key: {{filename: {_quote(key)}}}",
+        ]
+    return "\n".join(lines) + "\n"
 
 
 # Envoy reports per-endpoint request counts to the control plane (LRS) when asked.

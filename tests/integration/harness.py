@@ -195,6 +195,7 @@ class Envoy:
     # control plane sees it; the real binary then checks the config it gets is valid).
     claim_version: tuple[int, int, int] | None = None
     load_reports: bool = True  # False: a bootstrap without load_stats_config (no LRS)
+    bootstrap_args: list[str] = field(default_factory=list)  # more `controlplane bootstrap` flags
     proc: Proc | None = None
 
     def start(self) -> Envoy:
@@ -210,6 +211,7 @@ class Envoy:
                 "--admin-port",
                 str(self.admin_port),
                 *(["--delta"] if self.delta else []),
+                *self.bootstrap_args,
                 *([] if self.load_reports else ["--no-load-reports"]),
             ],
             check=True,

@@ -1,0 +1,48 @@
+"""TLS and mutual TLS on the xDS and LRS port (I/O shell).
+
+`--xds-tls-cert` and `--xds-tls-key` turn TLS on; `--xds-client-ca` also requires every
+client (Envoy, a proxyless gRPC client) to present a certificate signed by that CA, so
+that nobody who merely reaches the port can subscribe, report load or exhaust the server.
+`controlplane bootstrap --xds-tls-ca/--xds-tls-cert/--xds-tls-key` writes the matching
+Envoy configuration. docs/xds.md#tls-on-the-xds-port says how to run it on Kubernetes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+class TlsConfigInvalid(ValueError):
+    """A TLS flag whose file cannot be used; the message names the flag and the reason."""
+
+
+@dataclass(frozen=True)
+class XdsTls:
+    cert: Path
+    key: Path
+    client_ca: Path | None = None  # set: mutual TLS, a client certificate is required
+
+
+def _read(flag: str, path: Path) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise TlsConfigInvalid(f"{flag} {path}: cannot read ({e.strerror or e})") from None
+    if b"-----BEGIN " not in data:
+        raise TlsConfigInvalid(f"{flag} {path}: not a PEM file (no -----BEGIN line)")
+    return data
+
+
+def server_credentials(tls: XdsTls) -> grpc.ServerCredentials:
+    """The gRPC server credentials for the xDS port; raise TlsConfigInvalid naming the flag."""
+    cert = _read("--xds-tls-cert", tls.cert)
+    key = _read("--xds-tls-key", tls.key)
+    if b"PRIVATE KEY" not in key:
+        raise TlsConfigInvalid(f"--xds-tls-key {tls.key}: no PRIVATE KEY block")
+    ca = _read("--xds-client-ca", tls.client_ca) if tls.client_ca is not None else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
