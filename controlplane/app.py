@@ -218,6 +218,8 @@ class ControlPlane:
             raise OSError(f"--metrics-listen {self.options.metrics_listen}: {e.strerror or e}") from e
         try:
             tls = self.options.xds_tls
+            mutual = tls is not None and tls.client_ca is not None
+            self.xds.check_identity = self.lrs.check_identity = mutual
             self.xds_port = (
                 server.add_secure_port(self.options.xds_listen, server_credentials(tls))
                 if tls is not None

@@ -20,6 +20,7 @@ from prometheus_client import Gauge
 from controlplane.fleet.model import format_address
 from controlplane.routing.names import model_of_cluster
 from controlplane.signals.store import SignalStore
+from controlplane.xds.tls import identity_mismatch
 
 log = structlog.get_logger("controlplane.lrs")
 
@@ -37,6 +38,7 @@ class LoadReportingServer(lrs_pb2_grpc.LoadReportingServiceServicer):  # type: i
         self.streams_gauge = streams_gauge
         self.streams = 0
         self.reports = 0
+        self.check_identity = False  # mutual TLS: the node id must be the certificate's identity
 
     async def StreamLoadStats(
         self,
@@ -49,6 +51,10 @@ class LoadReportingServer(lrs_pb2_grpc.LoadReportingServiceServicer):  # type: i
             self.streams_gauge.inc()
         try:
             async for req in request_iterator:
+                if not node and self.check_identity and (why := identity_mismatch(context, req.node.id)):
+                    log.warning("load reporting stream refused", reason=why)
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+                    return
                 if not node:
                     node = req.node.id or context.peer()
                     log.info("load reporting stream opened", node=node)

@@ -42,6 +42,7 @@ from controlplane.xds.protocol import (
     XdsStream,
 )
 from controlplane.xds.snapshot import Snapshot
+from controlplane.xds.tls import identity_mismatch
 
 log = structlog.get_logger("controlplane.xds")
 
@@ -220,6 +221,8 @@ class XdsServer:
         self.clock = clock
         # What proxies of this process ACKed: reconnecting proxies are resolved against it.
         self.memory = ClusterMemory()
+        # Mutual TLS: a stream's node id must be one of its client certificate's identities.
+        self.check_identity = False
         self._write_lock = threading.Lock()  # the periodic write (a thread) and write_ahead
         self._written_names: Set[str] = frozenset()  # clusters the memory file names
         self._ids = itertools.count(1)
@@ -371,6 +374,11 @@ class XdsServer:
                         break
                     events.extend(proto.receive(request, self.clock()))
                 room.set()
+                if self.check_identity:
+                    for ev in events:
+                        if isinstance(ev, NodeIdentified) and (why := identity_mismatch(context, ev.node_id)):
+                            events.append(Refused("PERMISSION_DENIED", why))
+                            break
                 refused = next((e for e in events if isinstance(e, Refused)), None)
                 if refused is not None:
                     slog.warning("xds stream refused", node=proto.node_id, reason=refused.message)

@@ -46,3 +46,27 @@ def server_credentials(tls: XdsTls) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
     )
+
+
+def certificate_identities(context: grpc.aio.ServicerContext) -> set[str]:
+    """The names the client's certificate gives it (its subject CN and subjectAltNames), as
+    the TLS handshake verified them; empty without a client certificate."""
+    auth = context.auth_context() or {}
+    names: set[str] = set()
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        for value in auth.get(key, ()):
+            names.add(value.decode(errors="replace") if isinstance(value, bytes) else str(value))
+    return names
+
+
+def identity_mismatch(context: grpc.aio.ServicerContext, node_id: str) -> str | None:
+    """Why a client may not speak as `node_id` (mutual TLS: the node id must be one of its
+    certificate's names), or None."""
+    names = certificate_identities(context)
+    if node_id in names:
+        return None
+    shown = ", ".join(sorted(names)[:8]) or "none"
+    return (
+        f"node id {node_id[:200]!r} is not an identity of the client certificate ({shown}); "
+        "with --xds-client-ca a proxy's node id must be its certificate's CN or a subjectAltName"
+    )

@@ -122,3 +122,39 @@ def test_bad_tls_flags_are_refused_before_anything_starts(tmp_path: Path, certs:
         [cp, "serve", "--config", str(config), *tls], capture_output=True, text=True, timeout=30
     )
     assert out.returncode == 2 and "--xds-tls-key" in out.stderr and "no PRIVATE KEY block" in out.stderr
+
+
+def test_with_mutual_tls_a_node_id_must_be_the_certificates_identity(
+    certs: Path, served: tuple[ControlPlane, Emulator, int]
+) -> None:
+    """A proxy holding a valid certificate still cannot speak as another node: the node id
+    must be its certificate's CN or a subjectAltName (here DNS:envoy-tls), for xDS and LRS."""
+    from envoy.service.load_stats.v3 import lrs_pb2, lrs_pb2_grpc
+
+    cp, _, _ = served
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=(certs / "ca.pem").read_bytes(),
+        private_key=(certs / "client.key").read_bytes(),
+        certificate_chain=(certs / "client.pem").read_bytes(),
+    )
+    with grpc.secure_channel(cp.xds, creds) as channel:
+        ads = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+        impostor = discovery_pb2.DiscoveryRequest(type_url=CLUSTER)
+        impostor.node.id = "gateway-7"
+        with pytest.raises(grpc.RpcError) as e:
+            next(iter(ads.StreamAggregatedResources(iter([impostor]), timeout=5)))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "'gateway-7' is not an identity of the client certificate" in (e.value.details() or "")
+        report = lrs_pb2.LoadStatsRequest()
+        report.node.id = "gateway-7"
+        with pytest.raises(grpc.RpcError) as e:
+            next(
+                iter(
+                    lrs_pb2_grpc.LoadReportingServiceStub(channel).StreamLoadStats(iter([report]), timeout=5)
+                )
+            )
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        honest = discovery_pb2.DiscoveryRequest(type_url=CLUSTER)
+        honest.node.id = "envoy-tls"
+        reply = next(iter(ads.StreamAggregatedResources(iter([honest]), timeout=5)))
+        assert reply.type_url == CLUSTER and reply.resources
