@@ -80,7 +80,9 @@ class ControlPlane:
         self.reconciler.on_publish.append(self._on_publish)
         self.weights = WeightController(self.reconciler, self.metrics, collectors=options.signal_collectors)
         self.lrs = lrs.LoadReportingServer(
-            self.weights.store, streams_gauge=self.metrics.balancing.lrs_streams
+            self.weights.store,
+            streams_gauge=self.metrics.balancing.lrs_streams,
+            clamped_counter=self.metrics.balancing.lrs_clamped,
         )
         self.etcd: Etcd | None = None
         self.election: LeaderElection | None = None

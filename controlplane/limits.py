@@ -52,4 +52,5 @@ METRICS_MAX_QUEUE = 100_000  # requests running or waiting on one server
 
 XDS_MAX_NODE_ID_CHARS = 1024  # a longer node id ends the stream (INVALID_ARGUMENT)
 XDS_MAX_NACK_MESSAGE_CHARS = 4096  # a NACK's message as stored, shown and logged (cut beyond)
+LRS_MAX_COUNT = 1_000_000  # per endpoint and report (a second): requests issued, done, in flight
 XDS_SHARED_NAMES_MAX = 400_000  # names kept for sharing between streams, all subscriptions together

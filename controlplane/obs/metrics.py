@@ -180,6 +180,12 @@ class BalancingMetrics:
         self.lrs_streams = Gauge(
             "controlplane_lrs_streams", "Connected Envoy load-reporting (LRS) streams.", registry=r
         )
+        self.lrs_clamped = Counter(
+            "controlplane_lrs_reports_clamped_total",
+            "Per-endpoint load reports with a count over a million a second (a bug or a lie), "
+            "cut to that before use.",
+            registry=r,
+        )
         self.out_of_sight = Gauge(
             "controlplane_endpoints_out_of_sight",
             "Endpoints whose health and metrics probes go unanswered (refused or timing out), by "

@@ -15,8 +15,9 @@ import grpc
 import structlog
 from envoy.service.load_stats.v3 import lrs_pb2, lrs_pb2_grpc
 from google.protobuf import duration_pb2
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
+from controlplane import limits
 from controlplane.fleet.model import format_address
 from controlplane.routing.names import model_of_cluster
 from controlplane.signals.store import SignalStore
@@ -31,13 +32,19 @@ class LoadReportingServer(lrs_pb2_grpc.LoadReportingServiceServicer):  # type: i
     """Collects Envoy load reports into the store."""
 
     def __init__(
-        self, store: SignalStore, interval_s: float = 1.0, streams_gauge: Gauge | None = None
+        self,
+        store: SignalStore,
+        interval_s: float = 1.0,
+        streams_gauge: Gauge | None = None,
+        clamped_counter: Counter | None = None,
     ) -> None:
         self.store = store
         self.interval_s = interval_s
         self.streams_gauge = streams_gauge
         self.streams = 0
         self.reports = 0
+        self.clamped_counter = clamped_counter
+        self.clamped = 0  # endpoint reports with a count over limits.LRS_MAX_COUNT, cut to it
         self.check_identity = False  # mutual TLS: the node id must be the certificate's identity
 
     async def StreamLoadStats(
@@ -84,12 +91,26 @@ class LoadReportingServer(lrs_pb2_grpc.LoadReportingServiceServicer):  # type: i
             for loc in cs.upstream_locality_stats:
                 for es in loc.upstream_endpoint_stats:
                     sa = es.address.socket_address
+                    counts = (
+                        es.total_requests_in_progress,
+                        es.total_issued_requests,
+                        es.total_successful_requests,
+                        es.total_error_requests,
+                    )
+                    if max(counts) > limits.LRS_MAX_COUNT:
+                        # No endpoint serves a million requests a second: a bug or a lie,
+                        # which would otherwise set error rates and in-flight gauges at will.
+                        self.clamped += 1
+                        if self.clamped_counter is not None:
+                            self.clamped_counter.inc()
+                        counts = tuple(min(c, limits.LRS_MAX_COUNT) for c in counts)
+                    in_progress, issued, succeeded, failed = (float(c) for c in counts)
                     self.store.record_lrs(
                         (model, format_address(sa.address, sa.port_value)),
                         node,
-                        in_progress=float(es.total_requests_in_progress),
-                        issued=float(es.total_issued_requests),
-                        succeeded=float(es.total_successful_requests),
-                        failed=float(es.total_error_requests),
+                        in_progress=in_progress,
+                        issued=issued,
+                        succeeded=succeeded,
+                        failed=failed,
                         now=now,
                     )
