@@ -50,6 +50,18 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def _until_traffic(p: subprocess.Popen[str]) -> str:
+    """Read the demo's output until its traffic starts; return its work directory."""
+    work = ""
+    assert p.stdout is not None
+    for line in p.stdout:
+        if line.startswith("demo: fleet config "):
+            work = str(Path(line.split("demo: fleet config ", 1)[1].strip()).parent)
+        if "traffic for" in line:
+            break
+    return work
+
+
 def test_ctrl_c_stops_every_process_the_demo_started() -> None:
     p = subprocess.Popen(
         [str(BIN / "controlplane"), "demo", "--duration", "60", "--no-live"],
@@ -59,12 +71,7 @@ def test_ctrl_c_stops_every_process_the_demo_started() -> None:
     )
     work = ""
     try:
-        assert p.stdout is not None
-        for line in p.stdout:
-            if line.startswith("demo: fleet config "):
-                work = str(Path(line.split("demo: fleet config ", 1)[1].strip()).parent)
-            if "traffic for" in line:
-                break
+        work = _until_traffic(p)
         assert work and _processes_mentioning(work), "the control plane and Envoy should be running"
         p.send_signal(signal.SIGINT)
         rest = p.communicate(timeout=30)[0]
@@ -89,12 +96,7 @@ def test_a_demo_killed_outright_leaves_no_process_behind() -> None:
     )
     work = ""
     try:
-        assert p.stdout is not None
-        for line in p.stdout:
-            if line.startswith("demo: fleet config "):
-                work = str(Path(line.split("demo: fleet config ", 1)[1].strip()).parent)
-            if "traffic for" in line:
-                break
+        work = _until_traffic(p)
         assert work and len(_processes_mentioning(work)) >= 2, "the control plane and Envoy should be running"
         p.kill()
         p.wait(10)
