@@ -19,8 +19,8 @@ from tests.fleets import fleet_yaml
 FLEET = parse_fleet(
     fleet_yaml(
         {
-            "chat": {"v1": ["10.0.0.1:80", "10.0.0.2:80"], "v2": ["10.0.0.3:80"]},
-            "embed": {"v1": ["10.0.1.1:80"]},
+            "chat": {"v1": ["127.10.0.1:80", "127.10.0.2:80"], "v2": ["127.10.0.3:80"]},
+            "embed": {"v1": ["127.10.1.1:80"]},
         },
         extra_model_keys={"embed": "balancing: round_robin"},
     )
@@ -39,12 +39,12 @@ def test_only_changed_clusters_come_back() -> None:
     w = Weigher()
     first = w.update(FLEET, loads({}))
     assert set(first) == {"chat@v1", "chat@v2", "embed@v1"}
-    assert first["chat@v1"] == {"10.0.0.1:80": 100, "10.0.0.2:80": 100}
+    assert first["chat@v1"] == {"127.10.0.1:80": 100, "127.10.0.2:80": 100}
     assert w.update(FLEET, loads({})) == {}
-    busy = {"10.0.0.2:80": EndpointLoad("10.0.0.2:80", waiting=20.0)}
+    busy = {"127.10.0.2:80": EndpointLoad("127.10.0.2:80", waiting=20.0)}
     changed = w.update(FLEET, loads(busy))
     assert set(changed) == {"chat@v1"}
-    assert changed["chat@v1"]["10.0.0.2:80"] < 100
+    assert changed["chat@v1"]["127.10.0.2:80"] < 100
     assert w.views["chat@v1"].policy == "adaptive"
     assert w.views["embed@v1"].policy == "round_robin"
 
@@ -52,14 +52,14 @@ def test_only_changed_clusters_come_back() -> None:
 def test_not_ready_is_held_out_at_once() -> None:
     w = Weigher()
     w.update(FLEET, loads({}))
-    cold = {"10.0.0.1:80": EndpointLoad("10.0.0.1:80", ready=False)}
-    assert w.update(FLEET, loads(cold))["chat@v1"]["10.0.0.1:80"] == 0
+    cold = {"127.10.0.1:80": EndpointLoad("127.10.0.1:80", ready=False)}
+    assert w.update(FLEET, loads(cold))["chat@v1"]["127.10.0.1:80"] == 0
 
 
 def test_removed_clusters_are_forgotten() -> None:
     w = Weigher()
     w.update(FLEET, loads({}))
-    smaller = parse_fleet(fleet_yaml({"chat": {"v1": ["10.0.0.1:80"]}}))
+    smaller = parse_fleet(fleet_yaml({"chat": {"v1": ["127.10.0.1:80"]}}))
     w.update(smaller, loads({}))
     assert set(w.current) == {"chat@v1"} and set(w.views) == {"chat@v1"}
 
@@ -116,11 +116,11 @@ def test_model_aware_gets_memory_fit_and_preferred_class_from_the_fleet() -> Non
         "    params_b: 30\n"  # 30 x 2 bytes x 1.2 = 72 GB: not on an L4
         "    preferred_gpus: [H100]\n"
         "    stable: v1\n"
-        "    versions: {v1: {endpoints: [{address: '10.0.0.1:80', gpu: H100}, "
-        "{address: '10.0.0.2:80', gpu: L4}, {address: '10.0.0.3:80', gpu: A100}]}}\n"
+        "    versions: {v1: {endpoints: [{address: '127.10.0.1:80', gpu: H100}, "
+        "{address: '127.10.0.2:80', gpu: L4}, {address: '127.10.0.3:80', gpu: A100}]}}\n"
     )
     w = Weigher().update(fleet, loads({}))["chat@v1"]
-    assert w == {"10.0.0.1:80": 100, "10.0.0.2:80": 0, "10.0.0.3:80": 50}
+    assert w == {"127.10.0.1:80": 100, "127.10.0.2:80": 0, "127.10.0.3:80": 50}
 
 
 def test_one_clusters_bad_data_never_stops_the_others() -> None:
@@ -128,7 +128,7 @@ def test_one_clusters_bad_data_never_stops_the_others() -> None:
     that cluster's weights in force and lets every other cluster update."""
     w = Weigher()
     w.update(FLEET, loads({}))
-    busy = {"10.0.1.1:80": EndpointLoad("10.0.1.1:80", ready=False)}
+    busy = {"127.10.1.1:80": EndpointLoad("127.10.1.1:80", ready=False)}
 
     def load_of(model: Model, ep: Endpoint) -> EndpointLoad:
         if model.name == "chat":
@@ -136,9 +136,9 @@ def test_one_clusters_bad_data_never_stops_the_others() -> None:
         return loads(busy)(model, ep)
 
     changed = w.update(FLEET, load_of)
-    assert changed == {"embed@v1": {"10.0.1.1:80": 0}}
+    assert changed == {"embed@v1": {"127.10.1.1:80": 0}}
     assert set(w.errors) == {"chat@v1", "chat@v2"} and "NaN" in w.errors["chat@v1"]
-    assert w.current["chat@v1"] == {"10.0.0.1:80": 100, "10.0.0.2:80": 100}  # in force still
+    assert w.current["chat@v1"] == {"127.10.0.1:80": 100, "127.10.0.2:80": 100}  # in force still
     assert "chat@v1" in w.views
     w.update(FLEET, loads({}))
     assert w.errors == {}

@@ -34,8 +34,8 @@ from controlplane.xds.snapshot import Lingering, Snapshot, build_snapshot
 from tests.fleets import fleet_yaml
 from tests.unit.fake_envoy import FakeEnvoy
 
-ONE = {"a": {"v1": ["10.0.0.1:80", "10.0.0.2:80"]}}
-TWO = {"a": {"v1": ["10.0.0.1:80", "10.0.0.2:80"]}, "b": {"v1": ["10.0.1.1:80"]}}
+ONE = {"a": {"v1": ["127.10.0.1:80", "127.10.0.2:80"]}}
+TWO = {"a": {"v1": ["127.10.0.1:80", "127.10.0.2:80"]}, "b": {"v1": ["127.10.1.1:80"]}}
 
 
 def snap(
@@ -117,7 +117,7 @@ def test_nack_is_never_answered_with_the_same_config() -> None:
     assert sends(s.receive(req(CLUSTER, nonce=ev[1].nonce), 3)) == []  # type: ignore[union-attr]
     assert sends(s.set_snapshot(snap(TWO, gen=3), 4)) == []
     # Different content goes out, and once ACKed the status clears.
-    [fixed] = sends(s.set_snapshot(snap({"a": {"v1": ["10.0.0.1:80"]}, "c": {"v1": ["10.0.2.1:80"]}}, 5), 5))
+    [fixed] = sends(s.set_snapshot(snap({"a": {"v1": ["127.10.0.1:80"]}, "c": {"v1": ["127.10.2.1:80"]}}, 5), 5))
     assert cluster_names(fixed.payload) == {"a@v1", "c@v1"}
     s.receive(req(CLUSTER, nonce=fixed.nonce), 6)
     assert s.status(CLUSTER) == "SYNCED"
@@ -169,7 +169,7 @@ def test_one_response_in_flight_coalesces_to_the_latest_snapshot() -> None:
     s = XdsStream(snap(ONE), delta=False)
     [out] = sends(s.receive(req(CLUSTER), 0))
     assert sends(s.set_snapshot(snap(TWO, gen=2), 1)) == []  # waiting for the ACK
-    three = {**TWO, "c": {"v1": ["10.0.2.1:80"]}}
+    three = {**TWO, "c": {"v1": ["127.10.2.1:80"]}}
     assert sends(s.set_snapshot(snap(three, gen=3), 2)) == []
     [latest] = sends(s.receive(req(CLUSTER, nonce=out.nonce), 3))
     assert cluster_names(latest.payload) == {"a@v1", "b@v1", "c@v1"}
@@ -230,7 +230,7 @@ def test_eds_sends_only_changed_assignments() -> None:
     s = XdsStream(snap(TWO), delta=False)
     [out] = sends(s.receive(req(ENDPOINT, ["a@v1", "b@v1"]), 0))
     s.receive(req(ENDPOINT, ["a@v1", "b@v1"], nonce=out.nonce), 0)
-    changed = {"a": TWO["a"], "b": {"v1": ["10.0.1.1:80", "10.0.1.2:80"]}}
+    changed = {"a": TWO["a"], "b": {"v1": ["127.10.1.1:80", "127.10.1.2:80"]}}
     [upd] = sends(s.set_snapshot(snap(changed, gen=2), 1))
     assert upd.names == ("b@v1",)
 
@@ -312,11 +312,11 @@ def test_adding_and_removing_a_model_is_make_before_break(delta: bool) -> None:
 
 @pytest.mark.parametrize("delta", [False, True])
 def test_changing_stable_moves_routes_after_the_new_cluster_is_warm(delta: bool) -> None:
-    s = XdsStream(snap({"a": {"v1": ["10.0.0.1:80"]}}), delta=delta)
+    s = XdsStream(snap({"a": {"v1": ["127.10.0.1:80"]}}), delta=delta)
     envoy = FakeEnvoy(delta=delta)
     envoy.start()
     run(s, envoy)
-    both = {"a": {"v1": ["10.0.0.1:80"], "v2": ["10.0.0.2:80"]}}
+    both = {"a": {"v1": ["127.10.0.1:80"], "v2": ["127.10.0.2:80"]}}
     publish(s, envoy, snap(both, gen=2, stable={"a": "v2"}))
     run(s, envoy)
     assert envoy.violations == []
@@ -403,9 +403,9 @@ MODEL_SETS = [
     {},
     ONE,
     TWO,
-    {"b": {"v1": ["10.0.1.1:80"]}},
-    {"a": {"v1": ["10.0.0.1:80"], "v2": ["10.0.0.3:80"]}},
-    {"c": {"v1": ["10.0.2.1:80"]}, "a": {"v2": ["10.0.0.3:80"]}},
+    {"b": {"v1": ["127.10.1.1:80"]}},
+    {"a": {"v1": ["127.10.0.1:80"], "v2": ["127.10.0.3:80"]}},
+    {"c": {"v1": ["127.10.2.1:80"]}, "a": {"v2": ["127.10.0.3:80"]}},
 ]
 STABLES = [{}, {"a": "v2"}]
 
@@ -512,7 +512,7 @@ def test_one_clusters_weight_change_sends_just_that_assignment(delta: bool) -> N
     envoy.start()
     run(s, envoy)
     assert all(ts.settled == 1 for ts in s.types.values())
-    second = snap(TWO, gen=2, previous=first, weights={"b@v1": {"10.0.1.1:80": 5}})
+    second = snap(TWO, gen=2, previous=first, weights={"b@v1": {"127.10.1.1:80": 5}})
     [out] = sends(s.set_snapshot(second, 2))
     assert out.type_url == ENDPOINT and out.names == ("b@v1",)
     envoy.receive(out.payload)
