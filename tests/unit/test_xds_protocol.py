@@ -117,7 +117,9 @@ def test_nack_is_never_answered_with_the_same_config() -> None:
     assert sends(s.receive(req(CLUSTER, nonce=ev[1].nonce), 3)) == []  # type: ignore[union-attr]
     assert sends(s.set_snapshot(snap(TWO, gen=3), 4)) == []
     # Different content goes out, and once ACKed the status clears.
-    [fixed] = sends(s.set_snapshot(snap({"a": {"v1": ["127.10.0.1:80"]}, "c": {"v1": ["127.10.2.1:80"]}}, 5), 5))
+    [fixed] = sends(
+        s.set_snapshot(snap({"a": {"v1": ["127.10.0.1:80"]}, "c": {"v1": ["127.10.2.1:80"]}}, 5), 5)
+    )
     assert cluster_names(fixed.payload) == {"a@v1", "c@v1"}
     s.receive(req(CLUSTER, nonce=fixed.nonce), 6)
     assert s.status(CLUSTER) == "SYNCED"
