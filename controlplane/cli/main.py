@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane import __version__, limits
+from controlplane import __version__
 from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR
 
 
@@ -442,17 +442,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_config(path: Path) -> int:
-    from controlplane.fleet.loader import FleetConfigInvalid
+    from controlplane.fleet.loader import FleetConfigInvalid, read_fleet_bytes
     from controlplane.fleet.watch import parse_file_bytes
 
+    # The same reading and verdict as the server's watcher: a loader bug is an error line,
+    # never a traceback.
     try:
-        with path.open("rb") as f:  # read no further than the limit, as the server does
-            data = f.read(limits.FLEET_FILE_MAX_BYTES + 1)
-    except OSError as e:
-        print(f"{path}: cannot read file: {e}", file=sys.stderr)
-        return 1
-    # The same verdict as the server's watcher: a loader bug is an error line, not a traceback.
-    fleet = parse_file_bytes(data, str(path))
+        fleet = parse_file_bytes(read_fleet_bytes(path), str(path))
+    except FleetConfigInvalid as e:
+        fleet = e
     if isinstance(fleet, FleetConfigInvalid):
         for err in fleet.errors:
             print(err, file=sys.stderr)

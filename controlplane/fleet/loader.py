@@ -38,13 +38,10 @@ from controlplane.fleet.model import (
     Version,
 )
 
+# A leaf module (no imports of its own): the names a model must not clash with in Envoy.
+from controlplane.routing.names import GATEWAY_LISTENER, stat_name
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
-GATEWAY_LISTENER = "inference"  # routing.names.GATEWAY_LISTENER: a model may not take its name
-
-
-def stat_name(name: str) -> str:
-    """routing.names.stat_name (the fleet room must not import routing)."""
-    return re.sub(r"[^A-Za-z0-9_-]", "_", name)
 
 
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -96,25 +93,28 @@ class _Errors:
 
 def load_fleet(path: str | Path) -> Fleet:
     """Read and validate a fleet YAML file; raise FleetConfigInvalid listing every error."""
-    p = Path(path)
+    return parse_fleet(decode_fleet(read_fleet_bytes(path), str(path)), str(path))
+
+
+def read_fleet_bytes(path: str | Path) -> bytes:
+    """A fleet file's bytes, read no further than one byte past the size limit (so that
+    decode_fleet can refuse it); raise FleetConfigInvalid if it cannot be read."""
     try:
-        with p.open("rb") as f:
-            data = f.read(limits.FLEET_FILE_MAX_BYTES + 1)
+        with Path(path).open("rb") as f:
+            return f.read(limits.FLEET_FILE_MAX_BYTES + 1)
     except OSError as e:
-        raise FleetConfigInvalid([ConfigError(str(p), "", f"cannot read file: {e}")]) from e
-    return parse_fleet(decode_fleet(data, str(p)), str(p))
+        raise FleetConfigInvalid([ConfigError(str(path), "", f"cannot read file: {e}")]) from e
+
+
+def _too_large(file: str) -> FleetConfigInvalid:
+    why = f"file is over the {limits.FLEET_FILE_MAX_BYTES} byte limit (docs/limits.md)"
+    return FleetConfigInvalid([ConfigError(file, "", why)])
 
 
 def decode_fleet(data: bytes, file: str) -> str:
     """The file's text: UTF-8 (a UTF-8 BOM is allowed), at most FLEET_FILE_MAX_BYTES."""
     if len(data) > limits.FLEET_FILE_MAX_BYTES:
-        raise FleetConfigInvalid(
-            [
-                ConfigError(
-                    file, "", f"file is over the {limits.FLEET_FILE_MAX_BYTES} byte limit (docs/limits.md)"
-                )
-            ]
-        )
+        raise _too_large(file)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -126,13 +126,7 @@ def decode_fleet(data: bytes, file: str) -> str:
 def parse_fleet(text: str, file: str = "<fleet>") -> Fleet:
     """Validate fleet YAML text; raise FleetConfigInvalid listing every error."""
     if len(text) > limits.FLEET_FILE_MAX_BYTES:
-        raise FleetConfigInvalid(
-            [
-                ConfigError(
-                    file, "", f"file is over the {limits.FLEET_FILE_MAX_BYTES} byte limit (docs/limits.md)"
-                )
-            ]
-        )
+        raise _too_large(file)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         if node is not None:

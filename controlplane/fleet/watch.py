@@ -9,12 +9,16 @@ from pathlib import Path
 
 import structlog
 
-from controlplane import limits
-from controlplane.fleet.loader import ConfigError, FleetConfigInvalid, decode_fleet, load_fleet, parse_fleet
+from controlplane.fleet.loader import (
+    ConfigError,
+    FleetConfigInvalid,
+    decode_fleet,
+    parse_fleet,
+    read_fleet_bytes,
+)
 from controlplane.fleet.model import Fleet
 
 log = structlog.get_logger("controlplane.fleet")
-_UNREADABLE = b"\0unreadable"  # a marker (compared by identity), never file content
 
 
 class FleetFileWatcher:
@@ -43,7 +47,7 @@ class FleetFileWatcher:
         data = self._changed()
         if data is None:
             return False
-        self._deliver(self._parse(data))
+        self._deliver(data if isinstance(data, FleetConfigInvalid) else self._parse(data))
         return True
 
     async def check_async(self) -> bool:
@@ -52,29 +56,26 @@ class FleetFileWatcher:
         data = self._changed()
         if data is None:
             return False
-        self._deliver(await asyncio.to_thread(self._parse, data))
+        if isinstance(data, FleetConfigInvalid):
+            self._deliver(data)
+        else:
+            self._deliver(await asyncio.to_thread(self._parse, data))
         return True
 
-    def _changed(self) -> bytes | None:
-        """The file's bytes if its content changed since the last look (_UNREADABLE if it
-        cannot be read now), else None."""
+    def _changed(self) -> bytes | FleetConfigInvalid | None:
+        """The file's bytes (or why it cannot be read) if that changed since the last look."""
+        data: bytes | FleetConfigInvalid
         try:
-            with self.path.open("rb") as f:  # a file over the limit is refused, not read whole
-                data = f.read(limits.FLEET_FILE_MAX_BYTES + 1)
+            data = read_fleet_bytes(self.path)
             digest = hashlib.blake2b(data).digest()
-        except OSError as e:
-            data, digest = _UNREADABLE, f"unreadable:{e}".encode()
+        except FleetConfigInvalid as e:
+            data, digest = e, f"unreadable:{e}".encode()
         if digest == self._digest:
             return None
         self._digest = digest
         return data
 
     def _parse(self, data: bytes) -> Fleet | FleetConfigInvalid:
-        if data is _UNREADABLE:
-            try:
-                return load_fleet(self.path)  # says why it cannot be read
-            except FleetConfigInvalid as e:
-                return e
         return parse_file_bytes(data, str(self.path))
 
     def _deliver(self, result: Fleet | FleetConfigInvalid) -> None:
