@@ -95,6 +95,7 @@ class _Worker:
         self.failing_sem = asyncio.Semaphore(self.settings.concurrency)
         self.prober: Prober | None = None
         self.probes: dict[EndpointKey, Probe] = {}  # targets probed otherwise than by default
+        self.default_probe = Probe()  # the fleet's signals paths on the serving port
         self.tasks: set[asyncio.Task[None]] = set()
 
     # -- messages from the control plane (a reader thread hands them to the loop)
@@ -118,6 +119,7 @@ class _Worker:
                 self.sem = asyncio.Semaphore(settings.concurrency)
                 self.failing_sem = asyncio.Semaphore(settings.concurrency)
             self.settings = settings
+            self.default_probe = Probe(health_path=settings.health_path, metrics_path=settings.metrics_path)
             self.schedule.set_interval(settings.interval_s, now)
             self.schedule.set_targets(targets, now, first=first)
             if self.prober is not None:  # close gRPC channels to servers no longer probed
@@ -159,14 +161,10 @@ class _Worker:
             await self.prober.close()
             await session.close()
 
-    def _probe_of(self, key: EndpointKey) -> Probe:
-        s = self.settings
-        return self.probes.get(key) or Probe(health_path=s.health_path, metrics_path=s.metrics_path)
-
     async def _one(self, key: EndpointKey, due: float) -> None:
         s = self.settings
         assert self.prober is not None
-        probe = self._probe_of(key)
+        probe = self.probes.get(key) or self.default_probe
         # Two lanes: endpoints whose last scrape failed wait for their own slots, so a fleet
         # of hung servers (each holding a slot for the whole timeout) never delays the
         # scrapes of the ones that answer.

@@ -50,6 +50,15 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def _demo() -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(BIN / "controlplane"), "demo", "--duration", "60", "--no-live"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 def _until_traffic(p: subprocess.Popen[str]) -> str:
     """Read the demo's output until its traffic starts; return its work directory."""
     work = ""
@@ -63,12 +72,7 @@ def _until_traffic(p: subprocess.Popen[str]) -> str:
 
 
 def test_ctrl_c_stops_every_process_the_demo_started() -> None:
-    p = subprocess.Popen(
-        [str(BIN / "controlplane"), "demo", "--duration", "60", "--no-live"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    p = _demo()
     work = ""
     try:
         work = _until_traffic(p)
@@ -88,12 +92,7 @@ def test_ctrl_c_stops_every_process_the_demo_started() -> None:
 def test_a_demo_killed_outright_leaves_no_process_behind() -> None:
     """Issue 16, F13: SIGKILL gives the demo no chance to clean up; the kernel stops its
     control plane and Envoy (parent-death signal) instead of leaving them orphaned."""
-    p = subprocess.Popen(
-        [str(BIN / "controlplane"), "demo", "--duration", "60", "--no-live"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    p = _demo()
     work = ""
     try:
         work = _until_traffic(p)
