@@ -15,6 +15,7 @@ from envoy.service.status.v3 import csds_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from controlplane import limits
 from controlplane.admin import auth
 from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR
 from controlplane.admin.service import SERVICE_NAMES, EndpointService, ProxyService, RolloutService
@@ -25,6 +26,7 @@ from controlplane.fleet.watch import FleetFileWatcher
 from controlplane.ha.election import LeaderElection
 from controlplane.ha.etcd import Etcd, parse_store_url
 from controlplane.ha.fleet import EtcdFleetSource
+from controlplane.ha.nodes import SharedNodes
 from controlplane.ha.reports import SharedReports
 from controlplane.ha.state import EtcdStateStore, new_replica_id
 from controlplane.obs.http import StatusHTTPServer
@@ -83,6 +85,8 @@ class ControlPlane:
             self.weights.store,
             streams_gauge=self.metrics.balancing.lrs_streams,
             clamped_counter=self.metrics.balancing.lrs_clamped,
+            holds_stream=self._holds_xds_stream,
+            refused_counter=self.metrics.balancing.lrs_refused,
         )
         self.etcd: Etcd | None = None
         self.election: LeaderElection | None = None
@@ -111,6 +115,7 @@ class ControlPlane:
             tick_s=options.rollout_tick_s,
         )
         self.reports: SharedReports | None = None
+        self.nodes: SharedNodes | None = None
         if self.etcd is not None:
             self.rollouts.leader = False  # until this replica wins the election
             # An Envoy's load reports may go to another replica than the leader: share them.
@@ -118,6 +123,8 @@ class ControlPlane:
                 self.etcd, replica, self.weights.store, self.rollouts.analysed_endpoints
             )
             self.rollouts.peer_reports = self.reports.counters
+            # ... and so may its xDS stream: a node served by any replica may report.
+            self.nodes = SharedNodes(self.etcd, replica, self.xds.registry.nodes.keys)
             self.election = LeaderElection(
                 self.etcd,
                 replica,
@@ -134,6 +141,12 @@ class ControlPlane:
         self.xds_port = 0
         self._tasks: list[asyncio.Future[None]] = []
         self._serving = False
+
+    def _holds_xds_stream(self, node_id: str) -> bool:
+        """Whether a node may report load: it holds an xDS stream here, or on another replica."""
+        return self.xds.registry.holds_stream(node_id) or (
+            self.nodes is not None and self.nodes.holds(node_id)
+        )
 
     def _on_leadership(self, leads: bool) -> None:
         self.rollouts.leader = leads
@@ -192,7 +205,7 @@ class ControlPlane:
         server = grpc.aio.server(
             options=[
                 ("grpc.so_reuseport", 0),
-                ("grpc.max_concurrent_streams", 1 << 20),
+                ("grpc.max_concurrent_streams", limits.XDS_MAX_STREAMS_PER_CONNECTION),
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ]
@@ -245,6 +258,7 @@ class ControlPlane:
             asyncio.create_task(self.rollouts.run()),
             *([asyncio.create_task(self.election.run())] if self.election is not None else []),
             *([asyncio.create_task(self.reports.run())] if self.reports is not None else []),
+            *([asyncio.create_task(self.nodes.run())] if self.nodes is not None else []),
             asyncio.create_task(self.reconciler.run()),
             asyncio.create_task(self.source.run()),
             asyncio.create_task(self.weights.run()),

@@ -54,3 +54,13 @@ XDS_MAX_NODE_ID_CHARS = 1024  # a longer node id ends the stream (INVALID_ARGUME
 XDS_MAX_NACK_MESSAGE_CHARS = 4096  # a NACK's message as stored, shown and logged (cut beyond)
 LRS_MAX_COUNT = 1_000_000  # per endpoint and report (a second): requests issued, done, in flight
 XDS_SHARED_NAMES_MAX = 400_000  # names kept for sharing between streams, all subscriptions together
+XDS_MAX_NAMES_PER_TYPE = 100_000  # names one stream subscribes to, per resource type
+XDS_MAX_NAME_CHARS = 1024  # a subscribed resource name (ours are under 300 characters)
+# Subscribed names the snapshot does not have, per stream and type: a proxyless client asking
+# for a model not yet in the fleet holds a few; more costs every response for nothing.
+XDS_MAX_UNKNOWN_NAMES = 1_000
+# Requests read ahead of the protocol on one stream: a client that sends faster than the
+# server answers is pushed back by HTTP/2 flow control instead of growing the server.
+XDS_INBOX_MAX_REQUESTS = 64
+XDS_INBOX_MAX_BYTES = 1 << 20  # one request is always taken, however large (up to 4 MiB)
+XDS_MAX_STREAMS_PER_CONNECTION = 16  # an Envoy opens 1-6 (ADS or one per type, and LRS)

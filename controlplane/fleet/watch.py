@@ -1,14 +1,24 @@
-"""Watch the fleet file and hand every valid edit on; refuse invalid ones loudly."""
+"""Watch the fleet file and hand every valid edit on; refuse invalid ones loudly.
+
+A file being rewritten in place can be read half-written: a truncated fleet is valid YAML
+with models missing, and serving it answers 404 for them. So an edit that removes
+something (a model, a version, an endpoint) is acted on only once the file has held still
+for `settle_s` (limits.FILE_SETTLE_S); an edit that only adds or changes goes out at once,
+and so does a file that does not load (refusing it changes nothing served). The first load
+is never held.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
+from controlplane import limits
 from controlplane.fleet.loader import (
     ConfigError,
     FleetConfigInvalid,
@@ -34,36 +44,44 @@ class FleetFileWatcher:
         on_fleet: Callable[[Fleet], None],
         on_invalid: Callable[[FleetConfigInvalid], None],
         interval_s: float = 0.25,
+        settle_s: float = limits.FILE_SETTLE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = path
         self.on_fleet = on_fleet
         self.on_invalid = on_invalid
         self.interval_s = interval_s
-        self._digest: bytes | None = None
+        self.settle_s = settle_s
+        self.clock = clock
+        self._digest: bytes | None = None  # of the content last acted on
+        self._served: Fleet | None = None  # the last fleet handed on
+        # Content seen but not yet acted on: its digest, since when, and its verdict.
+        self._pending: tuple[bytes, float, Fleet | FleetConfigInvalid] | None = None
+        self.held: str = ""  # why the file's current content waits, for logs and tests
 
     def check(self) -> bool:
-        """Load the file if its content changed (here, on the caller's thread). Returns True
-        if it changed."""
-        data = self._changed()
-        if data is None:
-            return False
-        self._deliver(data if isinstance(data, FleetConfigInvalid) else self._parse(data))
-        return True
+        """Act on the file if its content changed (here, on the caller's thread). Returns
+        True if something was handed on."""
+        seen = self._changed()
+        if seen is None:
+            return self._settled()
+        digest, data = seen
+        return self._consider(digest, data if isinstance(data, FleetConfigInvalid) else self._parse(data))
 
     async def check_async(self) -> bool:
         """As `check`, with the parsing in a worker thread: a large or hostile file never
         blocks the event loop that serves xDS. The callbacks run on the loop."""
-        data = self._changed()
-        if data is None:
-            return False
+        seen = self._changed()
+        if seen is None:
+            return self._settled()
+        digest, data = seen
         if isinstance(data, FleetConfigInvalid):
-            self._deliver(data)
-        else:
-            self._deliver(await asyncio.to_thread(self._parse, data))
-        return True
+            return self._consider(digest, data)
+        return self._consider(digest, await asyncio.to_thread(self._parse, data))
 
-    def _changed(self) -> bytes | FleetConfigInvalid | None:
-        """The file's bytes (or why it cannot be read) if that changed since the last look."""
+    def _changed(self) -> tuple[bytes, bytes | FleetConfigInvalid] | None:
+        """The file's content (or why it cannot be read) if it differs from both what was
+        acted on and what waits to be."""
         data: bytes | FleetConfigInvalid
         try:
             data = read_fleet_bytes(self.path)
@@ -71,9 +89,42 @@ class FleetFileWatcher:
         except FleetConfigInvalid as e:
             data, digest = e, f"unreadable:{e}".encode()
         if digest == self._digest:
+            if self._pending is not None:
+                log.info("fleet file back to what is served; the held edit is dropped", held=self.held)
+            self._pending, self.held = None, ""
             return None
-        self._digest = digest
-        return data
+        if self._pending is not None and digest == self._pending[0]:
+            return None
+        return digest, data
+
+    def _consider(self, digest: bytes, result: Fleet | FleetConfigInvalid) -> bool:
+        """New content: act on it now, or hold it until the file has held still."""
+        why = self._why_hold(result)
+        if not why:
+            self._act(digest, result)
+            return True
+        self._pending, self.held = (digest, self.clock(), result), why
+        log.info("fleet file changed; held until it holds still", reason=why, settle_s=self.settle_s)
+        return self._settled()
+
+    def _settled(self) -> bool:
+        """Act on held content once the file has not changed for settle_s."""
+        if self._pending is None or self.clock() - self._pending[1] < self.settle_s:
+            return False
+        digest, _, result = self._pending
+        self._act(digest, result)
+        return True
+
+    def _why_hold(self, result: Fleet | FleetConfigInvalid) -> str:
+        if self._served is None or self.settle_s <= 0 or isinstance(result, FleetConfigInvalid):
+            return ""  # a refused file changes nothing served: reported at once
+        return removals(self._served, result)
+
+    def _act(self, digest: bytes, result: Fleet | FleetConfigInvalid) -> None:
+        self._digest, self._pending, self.held = digest, None, ""
+        if isinstance(result, Fleet):
+            self._served = result
+        self._deliver(result)
 
     def _parse(self, data: bytes) -> Fleet | FleetConfigInvalid:
         return parse_file_bytes(data, str(self.path))
@@ -104,3 +155,27 @@ def parse_file_bytes(data: bytes, file: str) -> Fleet | FleetConfigInvalid:
     except Exception as e:  # any input must end in a verdict
         log.exception("fleet loader failed on this input; refusing it", file=file)
         return FleetConfigInvalid([ConfigError(file, "", f"could not be loaded: {type(e).__name__}: {e}")])
+
+
+def removals(old: Fleet, new: Fleet) -> str:
+    """What `new` takes away from `old` (models, versions, endpoints), as a short phrase;
+    "" when it only adds or changes (pure)."""
+    gone: list[str] = []
+    versions = {m.name: {v.name: v for v in m.versions} for m in new.models}
+    for m in old.models:
+        if m.name not in versions:
+            gone.append(f"model {m.name}")
+            continue
+        for v in m.versions:
+            now = versions[m.name].get(v.name)
+            if now is None:
+                gone.append(f"version {m.name}@{v.name}")
+                continue
+            left = {(e.host, e.port) for e in now.endpoints}
+            lost = sum(1 for e in v.endpoints if (e.host, e.port) not in left)
+            if lost:
+                gone.append(f"{lost} endpoint(s) of {m.name}@{v.name}")
+    if not gone:
+        return ""
+    shown = ", ".join(gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+    return f"it removes {shown}"

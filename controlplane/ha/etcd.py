@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions
@@ -136,3 +136,36 @@ async def _close_quietly(client: aetcd.Client) -> None:
     # Closing a dead channel may fail too; it is gone either way.
     with contextlib.suppress(Exception):
         await asyncio.wait_for(client.close(), 1)
+
+
+class LeasedKey:
+    """One key this replica publishes, bound to a lease so that it goes when the replica does
+    (or is away longer than the lease): written only when its value changes, the lease kept
+    alive on every `put`."""
+
+    def __init__(self, etcd: Etcd, key: bytes, ttl_s: int) -> None:
+        self.etcd = etcd
+        self.key = key
+        self.ttl_s = ttl_s
+        self._lease: Any = None
+        self.published: bytes | None = None
+
+    async def put(self, value: bytes) -> None:
+        lease = self._lease
+        if lease is not None:
+            reply = await self.etcd.call(lambda c: c.refresh_lease(lease.id))
+            if reply is None or reply.TTL <= 0:  # expired (etcd was away): the key went with it
+                self._lease = self.published = None
+        if self._lease is None:
+            self._lease = await self.etcd.call(lambda c: c.lease(self.ttl_s))
+        if value != self.published:
+            lease = self._lease
+            await self.etcd.call(lambda c: c.put(self.key, value, lease=lease))
+            self.published = value
+
+    async def close(self) -> None:
+        """Remove the key now (its lease revoked), quietly: the replica is going away."""
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            with contextlib.suppress(Exception):
+                await self.etcd.call(lambda c: c.revoke_lease(lease.id))

@@ -18,7 +18,6 @@ Merging (PeerReports, pure):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -28,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from controlplane.ha.etcd import Etcd
+from controlplane.ha.etcd import Etcd, LeasedKey
 from controlplane.rollout.store import StoreUnavailable
 from controlplane.signals.store import EndpointCounters, EndpointKey, SignalStore
 
@@ -130,25 +129,13 @@ class SharedReports:
         self.prefix = etcd.url.key("reports") + b"/"
         self.key = self.prefix + f"{replica}-{uuid.uuid4().hex[:6]}".encode()
         self.peers = PeerReports()
-        self._lease: Any = None
-        self._published: bytes | None = None
+        self._mine = LeasedKey(etcd, self.key, LEASE_TTL_S)
 
     def counters(self, key: EndpointKey) -> EndpointCounters:
         return self.peers.counters(key)
 
     async def _publish(self, keys: set[EndpointKey]) -> None:
-        doc = encode(self.signals, keys)
-        lease = self._lease
-        if lease is not None:
-            reply = await self.etcd.call(lambda c: c.refresh_lease(lease.id))
-            if reply is None or reply.TTL <= 0:  # expired (etcd was away): the key went with it
-                self._lease = self._published = None
-        if self._lease is None:
-            self._lease = await self.etcd.call(lambda c: c.lease(LEASE_TTL_S))
-        if doc != self._published:
-            lease = self._lease
-            await self.etcd.call(lambda c: c.put(self.key, doc, lease=lease))
-            self._published = doc
+        await self._mine.put(encode(self.signals, keys))
 
     async def _read(self) -> None:
         result = await self.etcd.call(lambda c: c.get_prefix(self.prefix))
@@ -162,7 +149,7 @@ class SharedReports:
             while True:
                 await asyncio.sleep(PUBLISH_S)
                 keys = self.wanted()
-                if not keys and self._published in (None, encode(self.signals, set())):
+                if not keys and self._mine.published in (None, encode(self.signals, set())):
                     continue  # no rollout running: nothing to share
                 try:
                     await self._publish(keys)
@@ -174,7 +161,4 @@ class SharedReports:
                         log.warning("cannot share load reports: etcd unreachable", error=str(e))
                     unreachable = True
         finally:
-            lease, self._lease = self._lease, None
-            if lease is not None:
-                with contextlib.suppress(Exception):
-                    await self.etcd.call(lambda c: c.revoke_lease(lease.id))
+            await self._mine.close()

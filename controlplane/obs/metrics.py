@@ -89,6 +89,14 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
             registry=r,
         )
+        self.model_build_errors = Counter(
+            "controlplane_snapshot_model_errors_total",
+            "Snapshot builds in which a model's resources failed to build, by model ('(gateway)' "
+            "for the shared gateway listener and routes): its last good resources stay in force "
+            "(a model never built is left out), every other model updates as usual.",
+            ["model"],
+            registry=r,
+        )
         self.serialisations = Counter(
             "controlplane_snapshot_resources_serialised_total",
             "Resources serialised into snapshots: once per resource version, whatever the streams.",
@@ -184,6 +192,13 @@ class BalancingMetrics:
             "controlplane_lrs_reports_clamped_total",
             "Per-endpoint load reports with a count over a million a second (a bug or a lie), "
             "cut to that before use.",
+            registry=r,
+        )
+        self.lrs_refused = Counter(
+            "controlplane_lrs_reports_refused_total",
+            "Load reports not used, by reason: no_xds_stream (the reporting node holds no xDS "
+            "stream on this replica: anyone can open an LRS stream, only proxies we serve report).",
+            ["reason"],
             registry=r,
         )
         self.out_of_sight = Gauge(

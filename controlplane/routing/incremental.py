@@ -4,13 +4,19 @@
 test checks it), but memoises each piece by its inputs, so one cluster's weight change
 builds one ClusterLoadAssignment and reuses every other message object. Reused objects
 let the snapshot skip re-serialising them too. Pure: no I/O, only memory.
+
+Isolation: a model whose resources fail to build (bad data, a bug) keeps its last good
+ones and every other model's go out as usual (`failed` says which and why); a model that
+never built is left out until it does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import Message
@@ -65,6 +71,17 @@ _RouteKey = tuple[
 ]
 
 
+GATEWAY = "(gateway)"  # IncrementalTranslator.failed's key for the shared gateway resources
+
+
+@dataclass(frozen=True)
+class _ModelResources:
+    clusters: dict[str, Message]
+    assignments: dict[str, Message]
+    listener: Message
+    route: Message
+
+
 def _cluster_key(fleet: Fleet, model: Model) -> _ClusterKey:
     overrides = json.dumps(model.cluster_overrides, sort_keys=True) if model.cluster_overrides else ""
     return model.protocol, overrides, fleet.traffic_of(model), model.affinity
@@ -81,6 +98,10 @@ class IncrementalTranslator:
         self._api: dict[str, tuple[tuple[str, str, TrafficPolicy, Affinity | None], Message, Message]] = {}
         self._gateway: tuple[_RouteKey, Message, Message] | None = None
         self.built = 0  # messages built by the last translate() call, for tests and benchmarks
+        # Isolation: a model whose resources fail to build keeps its last good ones (or, new,
+        # is left out) while every other model's go out as usual. model -> why, last call.
+        self.failed: dict[str, str] = {}
+        self._good: dict[str, _ModelResources] = {}  # model -> its last good resources
 
     def translate(
         self,
@@ -93,26 +114,31 @@ class IncrementalTranslator:
         weights = weights or {}
         shed = shed or {}
         self.built = 0
+        self.failed = {}
         clusters: dict[str, Message] = {}
         assignments: dict[str, Message] = {}
         listeners: dict[str, Message] = {}
         routes: dict[str, Message] = {}
+        left_out: set[str] = set()
         for model in fleet.models:
-            ckey = _cluster_key(fleet, model)
-            for version in model.versions:
-                cname = names.cluster_name(model.name, version.name)
-                clusters[cname] = self._cluster(model, cname, ckey)
-                assignments[cname] = self._assignment(
-                    fleet, model, cname, version, weights.get(cname, {}), overlay.draining
-                )
-            akey = (model.stable, model.tier, fleet.traffic_of(model), model.affinity)
-            cached = self._api.get(model.name)
-            if cached is None or cached[0] != akey:
-                self.built += 2
-                cached = (akey, build_api_listener(model), build_api_routes(fleet, model))
-                self._api[model.name] = cached
-            listeners[names.api_listener_name(model.name)] = cached[1]
-            routes[names.api_route_name(model.name)] = cached[2]
+            try:
+                mine = self._model(fleet, model, weights, overlay)
+                self._good[model.name] = mine
+            except Exception as e:  # one model's bad data never stops the others' updates
+                self.failed[model.name] = f"{type(e).__name__}: {e}"
+                found = self._good.get(model.name)
+                if found is None:
+                    left_out.add(model.name)  # never built: it is not served yet
+                    continue
+                mine = found
+            clusters.update(mine.clusters)
+            assignments.update(mine.assignments)
+            listeners[names.api_listener_name(model.name)] = mine.listener
+            routes[names.api_route_name(model.name)] = mine.route
+        if left_out:
+            fleet = dataclasses.replace(
+                fleet, models=tuple(m for m in fleet.models if m.name not in left_out)
+            )
         rkey: _RouteKey = (
             fleet.listener,
             tuple(
@@ -134,15 +160,43 @@ class IncrementalTranslator:
             tuple(sorted((m, tuple(sorted(c))) for m, c in shed.items() if c)),
         )
         if self._gateway is None or self._gateway[0] != rkey:
-            self.built += 2
-            self._gateway = (rkey, build_gateway_listener(fleet), build_gateway_routes(fleet, shed, overlay))
+            try:
+                built = (rkey, build_gateway_listener(fleet), build_gateway_routes(fleet, shed, overlay))
+            except Exception as e:
+                if self._gateway is None:
+                    raise  # nothing good to keep: the snapshot build fails as a whole
+                self.failed[GATEWAY] = f"{type(e).__name__}: {e}"  # the last good one stays
+            else:
+                self.built += 2
+                self._gateway = built
         listeners[names.GATEWAY_LISTENER] = self._gateway[1]
         routes[names.GATEWAY_ROUTES] = self._gateway[2]
-        self._prune(clusters, {m.name for m in fleet.models})
+        self._prune(clusters, {m.name for m in fleet.models} | left_out)
         return DesiredResources(
             by_type={CLUSTER: clusters, ENDPOINT: assignments, LISTENER: listeners, ROUTE: routes},
             wildcard={LISTENER: frozenset({names.GATEWAY_LISTENER})},
         )
+
+    def _model(
+        self, fleet: Fleet, model: Model, weights: EndpointWeights, overlay: RoutingOverlay
+    ) -> _ModelResources:
+        """One model's clusters, assignments, API listener and routes."""
+        ckey = _cluster_key(fleet, model)
+        clusters: dict[str, Message] = {}
+        assignments: dict[str, Message] = {}
+        for version in model.versions:
+            cname = names.cluster_name(model.name, version.name)
+            clusters[cname] = self._cluster(model, cname, ckey)
+            assignments[cname] = self._assignment(
+                fleet, model, cname, version, weights.get(cname, {}), overlay.draining
+            )
+        akey = (model.stable, model.tier, fleet.traffic_of(model), model.affinity)
+        cached = self._api.get(model.name)
+        if cached is None or cached[0] != akey:
+            self.built += 2
+            cached = (akey, build_api_listener(model), build_api_routes(fleet, model))
+            self._api[model.name] = cached
+        return _ModelResources(clusters, assignments, cached[1], cached[2])
 
     def _cluster(self, model: Model, cname: str, key: _ClusterKey) -> Message:
         cached = self._clusters.get(cname)
@@ -196,3 +250,5 @@ class IncrementalTranslator:
                 del cache[name]
         for name in [n for n in self._api if n not in models]:
             del self._api[name]
+        for name in [n for n in self._good if n not in models]:
+            del self._good[name]

@@ -4,12 +4,13 @@ Each proxy opens one stream. We answer its first request by asking for every clu
 (`send_all_clusters`), at endpoint granularity, every `interval_s`. Each report's
 per-endpoint counts (in progress, issued, succeeded, failed) go into the SignalStore,
 keyed by the proxy's node id; when the stream ends, that proxy's contribution is dropped.
+Reports count only from a node that holds an xDS stream on this replica.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -37,6 +38,8 @@ class LoadReportingServer(lrs_pb2_grpc.LoadReportingServiceServicer):  # type: i
         interval_s: float = 1.0,
         streams_gauge: Gauge | None = None,
         clamped_counter: Counter | None = None,
+        holds_stream: Callable[[str], bool] | None = None,
+        refused_counter: Counter | None = None,
     ) -> None:
         self.store = store
         self.interval_s = interval_s
@@ -46,6 +49,12 @@ class LoadReportingServer(lrs_pb2_grpc.LoadReportingServiceServicer):  # type: i
         self.clamped_counter = clamped_counter
         self.clamped = 0  # endpoint reports with a count over limits.LRS_MAX_COUNT, cut to it
         self.check_identity = False  # mutual TLS: the node id must be the certificate's identity
+        # Reports count only from a node holding an xDS stream here: anyone can open an LRS
+        # stream, but only a proxy we serve routes the traffic it reports. An Envoy's ADS and
+        # LRS streams share one connection (one cluster), so they reach the same replica.
+        self.holds_stream = holds_stream
+        self.refused_counter = refused_counter
+        self.refused = 0  # reports not used: their node holds no xDS stream here
 
     async def StreamLoadStats(
         self,
@@ -72,7 +81,18 @@ class LoadReportingServer(lrs_pb2_grpc.LoadReportingServiceServicer):  # type: i
                         load_reporting_interval=interval,
                         report_endpoint_granularity=True,
                     )
-                self._record(node, req)
+                if self.holds_stream is None or self.holds_stream(node):
+                    self._record(node, req)
+                elif req.cluster_stats:
+                    self.refused += 1
+                    if self.refused_counter is not None:
+                        self.refused_counter.labels("no_xds_stream").inc()
+                    if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+                        log.warning(
+                            "load report from a node without an xDS stream not used",
+                            node=node,
+                            refused=self.refused,
+                        )
         finally:
             self.streams -= 1
             if self.streams_gauge is not None:

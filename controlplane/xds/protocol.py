@@ -48,8 +48,8 @@ from controlplane.xds.snapshot import Placeholder, Snapshot, SnapshotResource, e
 
 FULL_STATE_TYPES = frozenset({LISTENER, CLUSTER})
 WILDCARD = "*"
-# Bounds on what one client can make a stream hold.
-MAX_NAMES_PER_TYPE = 100_000
+# Bounds on what one client can make a stream hold (docs/limits.md).
+MAX_NAMES_PER_TYPE = limits.XDS_MAX_NAMES_PER_TYPE
 MAX_UNKNOWN_TYPES_REPORTED = 8
 
 
@@ -422,21 +422,45 @@ class XdsStream:
         ts = self.types.get(type_url)
         if ts is None:
             ts = self.types[type_url] = TypeState(keep_resources=type_url != ENDPOINT)
+        names_before = ts.names
         if isinstance(request, discovery_pb2.DeltaDiscoveryRequest):
             events.extend(self._receive_delta(type_url, ts, request, now))
         else:
             events.extend(self._receive_sotw(type_url, ts, request, now))
-        if len(ts.names) > MAX_NAMES_PER_TYPE:
-            events.append(
-                Refused(
-                    "RESOURCE_EXHAUSTED",
-                    f"subscribed to {len(ts.names)} names of {type_url}; a stream may hold at most "
-                    f"{MAX_NAMES_PER_TYPE}",
-                )
-            )
+        if ts.names is not names_before and (refused := self._check_subscription(type_url, ts)):
+            events.append(refused)
             return events
         events.extend(self._pump())
         return events
+
+    def _check_subscription(self, type_url: str, ts: TypeState) -> Refused | None:
+        """A changed subscription within the bounds of docs/limits.md, or why not. Names the
+        snapshot does not have cost every response their own work: a client inventing them
+        by the thousand would take the CPU every real proxy needs."""
+        if len(ts.names) > MAX_NAMES_PER_TYPE:
+            return Refused(
+                "RESOURCE_EXHAUSTED",
+                f"subscribed to {len(ts.names)} names of {type_url}; a stream may hold at most "
+                f"{MAX_NAMES_PER_TYPE}",
+            )
+        longest = max(map(len, ts.names), default=0)
+        if longest > limits.XDS_MAX_NAME_CHARS:
+            return Refused(
+                "INVALID_ARGUMENT",
+                f"a resource name of {longest} characters in {type_url}; at most {limits.XDS_MAX_NAME_CHARS}",
+            )
+        known = self.snapshot.resources.get(type_url, {})
+        lingering = self.snapshot.lingering if type_url in (CLUSTER, ENDPOINT) else {}
+        unknown = sum(1 for n in ts.names if n not in known and n not in lingering)
+        # As many as the fleet has, or the floor: never more than twice a real proxy's work.
+        allowed = max(limits.XDS_MAX_UNKNOWN_NAMES, len(known))
+        if unknown > allowed:
+            return Refused(
+                "RESOURCE_EXHAUSTED",
+                f"subscribed to {unknown} names of {type_url} that do not exist; a stream may hold "
+                f"at most {allowed} (XDS_MAX_UNKNOWN_NAMES, or as many as exist)",
+            )
+        return None
 
     # ---- request handling ---------------------------------------------------------------
 

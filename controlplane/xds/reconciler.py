@@ -51,6 +51,7 @@ class Reconciler:
         self._dirty = asyncio.Event()
         self._last_change = 0.0
         self._generation = 0
+        self._failed: dict[str, str] = {}  # model -> why its resources failed to build, last time
 
     def _changed(self) -> None:
         self._last_change = time.monotonic()
@@ -89,6 +90,7 @@ class Reconciler:
         started = time.perf_counter()
         serialised = SERIALISED.value
         desired = self.translator.translate(self.fleet, self.weights, self.shed, self.overlay)
+        self._report_failures(self.translator.failed)
         previous = self.cache.current
         snap = build_snapshot(
             desired,
@@ -118,6 +120,20 @@ class Reconciler:
             **{type_label(t): snap.count(t) for t in TYPE_URLS},
         )
         return snap
+
+    def _report_failures(self, failed: Mapping[str, str]) -> None:
+        """Count every failed model build; log when which models fail, or why, changes."""
+        for model in failed:
+            self.metrics.model_build_errors.labels(model).inc()
+        if dict(failed) != self._failed:
+            for model, why in failed.items():
+                if self._failed.get(model) != why:
+                    log.error(
+                        "a model's resources failed to build; its last good ones stay", model=model, error=why
+                    )
+            for model in self._failed.keys() - failed.keys():
+                log.info("a model's resources build again", model=model)
+            self._failed = dict(failed)
 
     async def run(self) -> None:
         """Debounce changes into snapshots until cancelled."""

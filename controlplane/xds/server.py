@@ -24,6 +24,7 @@ import structlog
 from envoy.service.discovery.v3 import discovery_pb2
 from prometheus_client.core import GaugeMetricFamily
 
+from controlplane import limits
 from controlplane.obs.metrics import Metrics, type_label
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
 from controlplane.xds import memory as xds_memory
@@ -67,9 +68,47 @@ PER_TYPE_SERVICES: dict[str, tuple[str, str, str]] = {
     "envoy.service.route.v3.RouteDiscoveryService": (ROUTE, "StreamRoutes", "DeltaRoutes"),
 }
 ADS_LABEL = "ads"  # ConnectedStream.service of an ADS stream
-# Requests read ahead of the protocol per stream; a client that sends faster waits (HTTP/2
-# flow control pushes back on it) instead of growing the server's memory.
-INBOX_LIMIT = 64
+
+
+class Inbox:
+    """Requests read ahead of the protocol on one stream, bounded in count and in bytes
+    (docs/limits.md): a client that sends faster than it is answered waits (HTTP/2 flow
+    control pushes back on it) instead of growing the server's memory."""
+
+    def __init__(
+        self, max_requests: int = limits.XDS_INBOX_MAX_REQUESTS, max_bytes: int = limits.XDS_INBOX_MAX_BYTES
+    ) -> None:
+        self.max_requests = max_requests
+        self.max_bytes = max_bytes
+        self._items: deque[tuple[Any, int]] = deque()
+        self.bytes = 0
+        self.room = asyncio.Event()  # set while another request may be read
+        self.room.set()
+
+    def put(self, request: Any) -> None:
+        size = request.ByteSize() if hasattr(request, "ByteSize") else 0
+        self._items.append((request, size))
+        self.bytes += size
+        if len(self._items) >= self.max_requests or self.bytes >= self.max_bytes:
+            self.room.clear()
+
+    def take(self) -> Any:
+        request, size = self._items.popleft()
+        self.bytes -= size
+        return request
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def drained(self) -> None:
+        """The protocol has taken what was read: reading goes on."""
+        if len(self._items) < self.max_requests and self.bytes < self.max_bytes:
+            self.room.set()
+
+
 T = TypeVar("T")
 _SERVICE_LABEL = {
     ADS_SERVICE: ADS_LABEL,
@@ -91,6 +130,7 @@ class ConnectedStream:
     user_agent: str = ""
     nacks: dict[str, str] = field(default_factory=dict)
     sent: dict[str, int] = field(default_factory=dict)
+    identified: bool = False  # counted in ProxyRegistry.nodes
 
     def describe(self) -> dict[str, Any]:
         """A JSON-ready view: node, peer, and per type the ACKed version and status."""
@@ -131,6 +171,7 @@ class ProxyRegistry:
 
     def __init__(self) -> None:
         self.streams: dict[int, ConnectedStream] = {}
+        self.nodes: dict[str, int] = {}  # node id -> its identified streams here
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stale: tuple[float, dict[str, int]] = (0.0, {})
         self._stale_lock = threading.Lock()
@@ -161,6 +202,20 @@ class ProxyRegistry:
 
     def describe(self) -> list[dict[str, Any]]:
         return [s.describe() for s in sorted(self.streams.values(), key=lambda s: s.stream_id)]
+
+    def holds_stream(self, node_id: str) -> bool:
+        """Whether a proxy with this node id holds an xDS stream here (on the loop)."""
+        return self.nodes.get(node_id, 0) > 0
+
+    def identified(self, node_id: str) -> None:
+        self.nodes[node_id] = self.nodes.get(node_id, 0) + 1
+
+    def closed(self, node_id: str) -> None:
+        left = self.nodes.get(node_id, 0) - 1
+        if left > 0:
+            self.nodes[node_id] = left
+        else:
+            self.nodes.pop(node_id, None)
 
     def stale_counts(self, max_age_s: float = 0.25) -> dict[str, int]:
         """Connected streams per type whose config is STALE, computed on the loop at most once
@@ -335,25 +390,21 @@ class XdsServer:
         gauge.inc()
         slog = log.bind(stream=conn.stream_id, peer=conn.peer, transport=transport)
         slog.info("xds stream opened", service=conn.service)
-        inbox: deque[Any] = deque()
+        inbox = Inbox()
         wake = asyncio.Event()
-        room = asyncio.Event()  # set while the inbox has room
-        room.set()
 
         async def read_requests() -> None:
             # One reader per stream; the main loop below wakes on a request or a snapshot.
             try:
                 while True:
-                    await room.wait()
+                    await inbox.room.wait()
                     request = await context.read()
-                    inbox.append(request)
-                    if len(inbox) >= INBOX_LIMIT:
-                        room.clear()
+                    inbox.put(request)
                     wake.set()
                     if request is grpc.aio.EOF:
                         return
             except (grpc.aio.AioRpcError, asyncio.CancelledError):
-                inbox.append(grpc.aio.EOF)
+                inbox.put(grpc.aio.EOF)
                 wake.set()
 
         reader = asyncio.create_task(read_requests())
@@ -368,12 +419,12 @@ class XdsServer:
                     events.extend(proto.set_snapshot(current, self.clock()))
                 closed = False
                 while inbox:
-                    request = inbox.popleft()
+                    request = inbox.take()
                     if request is grpc.aio.EOF:
                         closed = True
                         break
                     events.extend(proto.receive(request, self.clock()))
-                room.set()
+                inbox.drained()
                 if self.check_identity:
                     for ev in events:
                         if isinstance(ev, NodeIdentified) and (why := identity_mismatch(context, ev.node_id)):
@@ -395,6 +446,8 @@ class XdsServer:
             reader.cancel()
             gauge.dec()
             self.registry.streams.pop(conn.stream_id, None)
+            if conn.identified:
+                self.registry.closed(proto.node_id)
             if conn.nacks:  # only then can the count change; keeps mass disconnects O(N)
                 self._refresh_nacked()
             slog.info("xds stream closed", node=proto.node_id)
@@ -454,6 +507,9 @@ class XdsServer:
             elif isinstance(ev, StaleNonce):
                 self.metrics.stale_nonces.labels(type_label(ev.type_url)).inc()
             elif isinstance(ev, NodeIdentified):
+                if not conn.identified:
+                    conn.identified = True
+                    self.registry.identified(ev.node_id)
                 conn.cluster = ev.cluster
                 conn.user_agent = ev.user_agent
                 caps = conn.protocol.capabilities

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -99,6 +101,36 @@ def test_live_edits_apply_within_two_seconds_with_zero_failed_requests(stack: St
         assert probe.post("mistral").status == 200
     assert loop.failures == [], loop.failures[:5]
     assert loop.total() > 100
+
+
+def test_a_file_caught_half_written_is_not_served_and_a_real_removal_lands_once_it_holds_still(
+    stack: Stack,
+) -> None:
+    """Issue 16, F7: a writer that pauses mid-file (here 1.5 s, a valid 1-model prefix) took
+    the other models to 404. A removal is now served only once the file holds still."""
+    from controlplane import limits
+
+    stack.write(MODELS)
+    stack.start()
+    c = stack.client()
+    full = stack.config.read_text()
+    cut = full.index("  qwen:")
+    assert {c.post(m).status for m in ("llama", "qwen")} == {200}
+    stack.config.write_text(full[:cut])  # in place, not atomic: the writer pauses here
+    statuses = []
+    pause_ends = time.monotonic() + 1.5
+    while time.monotonic() < pause_ends:
+        statuses += [c.post(m).status for m in ("llama", "qwen")]
+        time.sleep(0.05)
+    stack.config.write_text(full)  # the writer finishes
+    assert set(statuses) == {200}, sorted(set(statuses))
+    # A real removal: served once the file has held still for the settle time.
+    stack.write({"qwen": MODELS["qwen"]})
+    removed_at = time.monotonic()
+    took = wait_until(lambda: c.post("llama").status == 404, limits.FILE_SETTLE_S + 3, "llama to be removed")
+    assert took >= limits.FILE_SETTLE_S - 0.3, f"removed {took:.2f}s after the edit"
+    assert c.post("qwen").status == 200
+    print(f"removal served {time.monotonic() - removed_at:.2f}s after the edit")
 
 
 def test_control_plane_restart_drops_no_request_and_envoy_resyncs(stack: Stack) -> None:
@@ -227,25 +259,45 @@ def test_a_proxy_that_stops_reading_does_not_delay_the_others(stack: Stack) -> N
         channel.close()
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def test_a_client_that_asks_for_too_much_is_refused_and_envoy_is_unaffected(stack: Stack) -> None:
-    """A delta client subscribing to more names than a stream may hold gets RESOURCE_EXHAUSTED;
-    one flooding requests is read at its own pace (bounded read-ahead); Envoy keeps serving."""
-    from controlplane.xds.protocol import MAX_NAMES_PER_TYPE
+    """Delta clients subscribing to 20 x 20,000 names that do not exist are refused at once,
+    at a bounded cost (this took 180 s of CPU and 700 MB before the bound); one flooding
+    requests is read at its own pace (bounded read-ahead); Envoy keeps serving."""
+    from controlplane import limits
 
     stack.write(MODELS)
     stack.start()
-    assert stack.cp is not None
+    assert stack.cp is not None and stack.cp.proc is not None
+    pid = stack.cp.proc.popen.pid
     channel = grpc.insecure_channel(stack.cp.xds, options=[("grpc.max_send_message_length", 16 << 20)])
     stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
     try:
-        names = [f"x{i}" for i in range(MAX_NAMES_PER_TYPE + 1)]
-        big = discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, resource_names_subscribe=names)
-        big.node.id = "greedy"
-        with pytest.raises(grpc.RpcError) as e:
-            for _ in stub.DeltaAggregatedResources(iter([big]), timeout=20):
-                pass
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert str(MAX_NAMES_PER_TYPE) in (e.value.details() or "")
+        cpu_before, rss_before = _cpu_seconds(pid), _rss_mb(pid)
+        for n in range(20):
+            names = [f"x{n}-{i}" for i in range(20_000)]
+            big = discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, resource_names_subscribe=names)
+            big.node.id = f"greedy-{n}"
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in stub.DeltaAggregatedResources(iter([big]), timeout=20):
+                    pass
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "do not exist" in (e.value.details() or "")
+            assert str(limits.XDS_MAX_UNKNOWN_NAMES) in (e.value.details() or "")
+        cpu, grown = _cpu_seconds(pid) - cpu_before, _rss_mb(pid) - rss_before
+        assert cpu < 15, f"refusing 20 greedy streams cost {cpu:.1f} s of CPU"
+        assert grown < 200, f"refusing 20 greedy streams grew the control plane by {grown:.0f} MB"
 
         def flood() -> Iterator[discovery_pb2.DiscoveryRequest]:
             first = discovery_pb2.DiscoveryRequest(type_url=CLUSTER)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,3 +87,55 @@ def test_snapshot_changes_list_removals() -> None:
     assert b.changes[CLUSTER] == {"b@v1"}
     assert "b@v1" not in b.resources[CLUSTER]
     assert b.parent == 1
+
+
+# ---- isolation: one model's failure never stops the others' updates (issue 16) ------------
+
+
+def test_a_model_that_fails_to_build_keeps_its_last_good_resources_and_others_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from controlplane.routing import incremental
+
+    fleet = parse_fleet(fleet_yaml({"a": {"v1": ["127.10.0.1:80"]}, "b": {"v1": ["127.10.1.1:80"]}}))
+    t = IncrementalTranslator()
+    first = t.translate(fleet, {"a@v1": {"127.10.0.1:80": 10}, "b@v1": {"127.10.1.1:80": 10}})
+    assert t.failed == {}
+    real = incremental.build_assignment
+
+    def broken_for_b(cname: str, *args: object, **kw: object) -> object:
+        if cname == "b@v1":
+            raise ValueError("cannot convert float NaN to integer")
+        return real(cname, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(incremental, "build_assignment", broken_for_b)
+    second = t.translate(fleet, {"a@v1": {"127.10.0.1:80": 70}, "b@v1": {"127.10.1.1:80": 70}})
+    assert t.failed == {"b": "ValueError: cannot convert float NaN to integer"}
+    a = second.by_type[ENDPOINT]["a@v1"]
+    assert a.endpoints[0].lb_endpoints[0].load_balancing_weight.value == 70  # a updated
+    assert second.by_type[ENDPOINT]["b@v1"] is first.by_type[ENDPOINT]["b@v1"]  # b kept its last
+    assert set(second.by_type[CLUSTER]) == {"a@v1", "b@v1"}
+
+
+def test_a_new_model_that_fails_to_build_is_left_out_until_it_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from controlplane.routing import incremental
+
+    t = IncrementalTranslator()
+    t.translate(parse_fleet(fleet_yaml({"a": {"v1": ["127.10.0.1:80"]}})))
+    real = incremental.build_cluster
+
+    def broken_for_c(model: object, cname: str, *args: object) -> object:
+        if cname.startswith("c@"):
+            raise TypeError("complex")
+        return real(model, cname, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(incremental, "build_cluster", broken_for_c)
+    both = parse_fleet(fleet_yaml({"a": {"v1": ["127.10.0.1:80"]}, "c": {"v1": ["127.10.2.1:80"]}}))
+    out = t.translate(both)
+    assert set(t.failed) == {"c"} and set(out.by_type[CLUSTER]) == {"a@v1"}
+    routes = out.by_type[ROUTE]
+    assert "c@v1" not in str(routes)  # no route names a cluster that is not there
+    monkeypatch.setattr(incremental, "build_cluster", real)
+    healed = t.translate(both)
+    assert t.failed == {} and set(healed.by_type[CLUSTER]) == {"a@v1", "c@v1"}
+    assert serialised(healed) == serialised(translate(both))

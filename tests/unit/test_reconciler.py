@@ -98,3 +98,25 @@ def test_serialisation_happens_once_per_version_whatever_the_number_of_streams()
     # Every stream was sent the very same encoded bytes object for it.
     field = second.resources[ENDPOINT]["m3@v1"].sotw_field
     assert all(len(out) == 1 and field in out[0].payload for out in sent)
+
+
+def test_a_model_that_fails_to_build_is_counted_and_the_others_still_publish(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from controlplane.routing import incremental
+
+    r, published = make()
+    real = incremental.build_assignment
+
+    def broken_for_m3(cname, *args, **kw):  # type: ignore[no-untyped-def]
+        if cname == "m3@v1":
+            raise ValueError("bad data")
+        return real(cname, *args, **kw)
+
+    monkeypatch.setattr(incremental, "build_assignment", broken_for_m3)
+    r.set_weights("m3@v1", {"10.0.3.1:80": 5})
+    r.set_weights("m4@v1", {"10.0.4.1:80": 5})
+    snap = r.rebuild_now()
+    assert snap is not None and published == [snap]
+    changed = snap.changes["type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"]
+    assert set(changed) == {"m4@v1"}  # m3 kept its last good assignment
+    errors = r.metrics.model_build_errors.labels("m3")._value.get()
+    assert errors == 1

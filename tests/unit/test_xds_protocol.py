@@ -11,6 +11,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from controlplane import limits
 from controlplane.fleet import parse_fleet
 from controlplane.routing.blend import entry_refs
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, translate
@@ -700,7 +701,8 @@ def _route_clusters(r: route_components_pb2.Route) -> set[str]:
 # ---- bounds on what a client can make a stream hold ----------------------------------------
 
 
-def test_a_subscription_past_the_bound_is_refused() -> None:
+def test_a_subscription_past_the_bound_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "XDS_MAX_UNKNOWN_NAMES", 10**6)  # this bound alone
     s = XdsStream(snap(ONE), delta=True)
     names = [f"n{i}" for i in range(MAX_NAMES_PER_TYPE)]
     ok = s.receive(discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, resource_names_subscribe=names), 0)
@@ -711,6 +713,63 @@ def test_a_subscription_past_the_bound_is_refused() -> None:
     [refused] = [e for e in more if isinstance(e, Refused)]
     assert refused.code == "RESOURCE_EXHAUSTED" and str(MAX_NAMES_PER_TYPE) in refused.message
     assert not sends(more)  # nothing more is sent to it
+
+
+@pytest.mark.parametrize("delta", [True, False])
+def test_names_that_do_not_exist_are_bounded_per_stream(delta: bool) -> None:
+    """A client inventing names costs every response their work: past the bound (or as
+    many as the fleet has) the stream is refused, naming the count and the bound."""
+    s = XdsStream(snap(ONE), delta=delta)
+    invented = [f"nope-{i}" for i in range(limits.XDS_MAX_UNKNOWN_NAMES)]
+
+    def ask(names: list[str]) -> list[Event]:
+        if delta:
+            return s.receive(
+                discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, resource_names_subscribe=names), 0
+            )
+        return s.receive(req(ENDPOINT, ["a@v1", *invented, *names]), 0)
+
+    first = ask(invented if delta else [])
+    assert not [e for e in first if isinstance(e, Refused)]  # at the bound: served
+    [refused] = [e for e in ask(["nope-more"]) if isinstance(e, Refused)]
+    assert refused.code == "RESOURCE_EXHAUSTED"
+    assert (
+        f"{limits.XDS_MAX_UNKNOWN_NAMES + 1} names" in refused.message and "do not exist" in refused.message
+    )
+
+
+def test_a_fleet_larger_than_the_floor_allows_as_many_unknown_names_as_it_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(limits, "XDS_MAX_UNKNOWN_NAMES", 1)
+    s = XdsStream(snap(TWO), delta=True)  # two clusters: two unknown names allowed
+    ok = s.receive(
+        discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, resource_names_subscribe=["x", "y"]), 0
+    )
+    assert not [e for e in ok if isinstance(e, Refused)]
+    more = s.receive(
+        discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT, resource_names_subscribe=["z"]), 0
+    )
+    assert [e.code for e in more if isinstance(e, Refused)] == ["RESOURCE_EXHAUSTED"]
+
+
+def test_lingering_clusters_are_not_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy still subscribed to clusters that just left the fleet is not refused."""
+    monkeypatch.setattr(limits, "XDS_MAX_UNKNOWN_NAMES", 0)
+    before = snap(TWO)
+    after = snap(ONE, gen=2, previous=before)
+    assert "b@v1" in after.lingering
+    s = XdsStream(after, delta=False)
+    events = s.receive(req(ENDPOINT, ["a@v1", "b@v1"]), 0)
+    assert not [e for e in events if isinstance(e, Refused)] and sends(events)
+
+
+def test_a_resource_name_longer_than_the_bound_is_refused() -> None:
+    s = XdsStream(snap(ONE), delta=False)
+    long_name = "x" * (limits.XDS_MAX_NAME_CHARS + 1)
+    [refused] = [e for e in s.receive(req(ENDPOINT, [long_name]), 0) if isinstance(e, Refused)]
+    assert refused.code == "INVALID_ARGUMENT" and str(limits.XDS_MAX_NAME_CHARS) in refused.message
+    assert long_name not in refused.message
 
 
 def test_unknown_types_are_reported_a_bounded_number_of_times() -> None:

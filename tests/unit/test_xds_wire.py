@@ -57,3 +57,39 @@ def test_delta_response_equals_protobuf_serialisation(
         r.resource.type_url = t
         r.resource.value = v
     assert discovery_pb2.DeltaDiscoveryResponse.FromString(ours) == msg
+
+
+# ---- the per-stream inbox ------------------------------------------------------------------
+
+
+def test_the_inbox_stops_reading_at_its_byte_bound_and_resumes_when_drained() -> None:
+    """Requests read ahead are bounded in bytes, not only in count: 64 requests of 4 MB each
+    would be 256 MB per stream (a client that does not read its responses grew us 220 MB)."""
+    from envoy.service.discovery.v3 import discovery_pb2
+
+    from controlplane.xds.server import Inbox
+
+    inbox = Inbox(max_requests=64, max_bytes=1 << 20)
+    big = discovery_pb2.DiscoveryRequest(type_url="t", resource_names=["x" * 1000] * 400)  # ~400 KB
+    inbox.put(big)
+    inbox.put(big)
+    assert inbox.room.is_set()
+    inbox.put(big)  # past 1 MiB: no more is read until the protocol takes these
+    assert not inbox.room.is_set() and inbox.bytes >= 1 << 20
+    inbox.drained()
+    assert not inbox.room.is_set()  # nothing taken yet
+    while inbox:
+        assert inbox.take() is big
+    inbox.drained()
+    assert inbox.room.is_set() and inbox.bytes == 0
+
+
+def test_the_inbox_still_bounds_the_count_of_small_requests() -> None:
+    from envoy.service.discovery.v3 import discovery_pb2
+
+    from controlplane.xds.server import Inbox
+
+    inbox = Inbox(max_requests=3, max_bytes=1 << 20)
+    for _ in range(3):
+        inbox.put(discovery_pb2.DiscoveryRequest(type_url="t"))
+    assert not inbox.room.is_set() and len(inbox) == 3
