@@ -14,9 +14,11 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import Callable, Mapping
 
 import structlog
 
+from controlplane.autoscaling.autoscaler import MODEL, Autoscaler, ClusterLoads
 from controlplane.balancing.shedding import saturation, shed_classes
 from controlplane.balancing.weigher import Weigher, load_balance_degree, relative_capacity
 from controlplane.fleet.model import Fleet
@@ -46,6 +48,10 @@ class WeightController:
         self.metrics = metrics
         self.store = store or SignalStore()
         self.weigher = Weigher()
+        self.autoscaler = Autoscaler()
+        self.held: Callable[[], Mapping[str, float]] | None = None  # requests held per model
+        self._scaling_exported: set[tuple[str, str]] = set()
+        self._desired: dict[str, int] = {}  # model -> desired replicas last exported
         self._source: SignalSource | None = None
         self._ready: dict[tuple[str, str], bool] = {}
         self._models_exported: set[str] = set()
@@ -107,10 +113,53 @@ class WeightController:
             self.reconciler.set_weights(cname, weights)
             self.metrics.balancing.weight_updates.labels(cname.rpartition("@")[0]).inc()
         self._shed(fleet)
+        self._autoscale(fleet, now)
         self._log_readiness()
         self._watch_sight()
         self._export(fleet, now)
         self.rounds += 1
+
+    def _autoscale(self, fleet: Fleet, now: float) -> None:
+        """Desired replicas per model and version from this round's loads (autoscaling/)."""
+        decisions = self.autoscaler.update(
+            fleet,
+            (ClusterLoads(v.model, v.version, v.loads, v.weights) for v in self.weigher.views.values()),
+            now,
+            slots=lambda model, address: self.store.slots((model, address)),
+            held=self.held() if self.held is not None else None,
+        )
+        a = self.metrics.autoscaling
+        exported: set[tuple[str, str]] = set()
+        for (model, version), d in decisions.items():
+            exported.add((model, version))
+            if version == MODEL:
+                before = self._desired.get(model)
+                if before is not None and before != d.desired:
+                    log.info(
+                        "desired replicas changed",
+                        model=model,
+                        desired=d.desired,
+                        was=before,
+                        ready=d.ready,
+                        demand=round(d.demand, 1),
+                        reason=d.reason,
+                    )
+                self._desired[model] = d.desired
+                a.desired.labels(model).set(d.desired)
+                a.demand.labels(model).set(d.demand)
+                a.ready.labels(model).set(d.ready)
+                a.target.labels(model).set(d.target)
+                a.panic.labels(model).set(1 if d.panicking else 0)
+            else:
+                a.version_desired.labels(model, version).set(d.desired)
+        for model, version in self._scaling_exported - exported:
+            if version == MODEL:
+                self._desired.pop(model, None)
+                for g in (a.desired, a.demand, a.ready, a.target, a.panic):
+                    g.remove(model)
+            else:
+                a.version_desired.remove(model, version)
+        self._scaling_exported = exported
 
     def _shed(self, fleet: Fleet) -> None:
         """Decide, per model, which priority classes its stable version's saturation sheds."""

@@ -15,12 +15,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from controlplane.fleet.loader import SCALING_KEYS
 from controlplane.fleet.model import (
+    DEFAULT_TARGET_PER_REPLICA,
     DTYPE_BYTES,
     MEMORY_OVERHEAD,
     Endpoint,
     Fleet,
     Model,
+    ScalingPolicy,
     Tier,
     TrafficPolicy,
 )
@@ -330,6 +333,40 @@ def _envoy(
 # memory and endpoints
 
 
+def _autoscaling(
+    fleet: Fleet,
+    model: Model,
+    raw_model: Mapping[str, Any] | None,
+    raw_tier: Mapping[str, Any] | None,
+    have_raw: bool,
+) -> dict[str, dict[str, Any]]:
+    """Each autoscaling key's effective value and where it comes from."""
+    policy = fleet.scaling_of(model)
+    tier_policy = fleet.tier(model.tier).scaling
+    out: dict[str, dict[str, Any]] = {}
+    for key, (attr, kind, _, _) in SCALING_KEYS.items():
+        value = getattr(policy, attr)
+        path = ("autoscaling", key)
+        if have_raw:
+            source = (
+                SOURCE_MODEL
+                if _has(raw_model, path)
+                else SOURCE_TIER
+                if _has(raw_tier, path)
+                else SOURCE_DEFAULT
+            )
+        elif value != getattr(tier_policy, attr):
+            source = SOURCE_MODEL
+        else:
+            source = SOURCE_TIER if value != getattr(ScalingPolicy(), attr) else SOURCE_DEFAULT
+        if value is None:
+            text = f"learnt (servers' slots x target_utilization, else {DEFAULT_TARGET_PER_REPLICA:g})"
+        else:
+            text = fmt_duration(value) if kind == "duration" else f"{value:g}"
+        out[key] = {"value": value, "text": text, "source": source}
+    return out
+
+
 def _memory(fleet: Fleet, model: Model) -> dict[str, Any]:
     need = fleet.memory_need_of(model)
     if model.memory_gb is not None:
@@ -541,6 +578,7 @@ def explain(fleet: Fleet, name: str, raw: Mapping[str, Any] | None = None) -> di
             "balance_factor": model.affinity.balance_factor,
         },
         "envoy": envoy,
+        "autoscaling": _autoscaling(fleet, model, raw_model, raw_tier, have_raw),
         "memory": _memory(fleet, model),
         "failover": {
             "has_fallback": has_fallback,
@@ -720,6 +758,9 @@ def render_text(e: Mapping[str, Any], config: str | None = None) -> str:
             rows.append([name, c["routing_priority"], shed])
         lines += ["", "priority classes", *_table(rows)]
     lines += ["", "in Envoy", *_table(_envoy_rows(e))]
+    rows = [["KEY", "VALUE", "SOURCE"]]
+    rows += [[key, entry["text"], entry["source"]] for key, entry in e["autoscaling"].items()]
+    lines += ["", "autoscaling  (desired replicas; see docs/autoscaling.md)", *_table(rows)]
     lines += ["", "memory and placement", *_table(_memory_rows(e))]
     for v in e["versions"]:
         status = "stable: takes the traffic" if v["stable"] else "not stable: no route sends it traffic"

@@ -32,6 +32,7 @@ from controlplane.fleet.model import (
     Model,
     PriorityClass,
     PrometheusSpec,
+    ScalingPolicy,
     SignalsSpec,
     Tier,
     TrafficPolicy,
@@ -615,7 +616,7 @@ def _tiers(value: Any, errs: _Errors) -> list[Tier] | None:
         if not isinstance(name, str) or not _VERSION.match(name):
             errs.add(path, "tier names use letters, digits, '.', '_' and '-'")
             continue
-        m = _mapping(spec, path, errs, {"max_params_b", *TRAFFIC_KEYS})
+        m = _mapping(spec, path, errs, {"max_params_b", "autoscaling", *TRAFFIC_KEYS})
         if m is None:
             continue
         max_b: float | None = None
@@ -630,8 +631,61 @@ def _tiers(value: Any, errs: _Errors) -> list[Tier] | None:
         if "max_params_b" not in m:
             unbounded = name
         policy = _traffic(m, path, TrafficPolicy(), errs)
-        if policy is not None:
-            out.append(Tier(name=name, max_params_b=max_b, policy=policy))
+        scaling = _scaling(m.get("autoscaling"), f"{path}.autoscaling", ScalingPolicy(), errs)
+        if policy is not None and scaling is not None:
+            out.append(Tier(name=name, max_params_b=max_b, policy=policy, scaling=scaling))
+    return out
+
+
+# autoscaling key -> (ScalingPolicy attribute, kind, lower bound, upper bound)
+SCALING_KEYS: dict[str, tuple[str, str, float, float]] = {
+    "min": ("min_replicas", "int", 0, 10_000),
+    "max": ("max_replicas", "int", 1, 10_000),
+    "target_per_replica": ("target_per_replica", "number", 0.01, 1_000_000),
+    "target_utilization": ("target_utilization", "number", 0.01, 1.0),
+    "stable_window": ("stable_window_s", "duration", 1.0, 3600.0),
+    "panic_window": ("panic_window_s", "duration", 1.0, 3600.0),
+    "panic_threshold": ("panic_threshold", "number", 1.0, 1000.0),
+    "scale_down_rate": ("scale_down_rate", "number", 1.0, 1000.0),
+    "scale_up_rate": ("scale_up_rate", "number", 1.0, 1_000_000.0),
+    "idle_grace": ("idle_grace_s", "duration", 1.0, 86400.0),
+}
+
+
+def _scaling(value: Any, path: str, base: ScalingPolicy, errs: _Errors) -> ScalingPolicy | None:
+    """`base` with the autoscaling keys in `value` applied; None (and errors) if any is bad."""
+    if value is None:
+        return base
+    m = _mapping(value, path, errs, set(SCALING_KEYS))
+    if m is None:
+        return None
+    before = len(errs.items)
+    kw: dict[str, Any] = {}
+    for key, raw in m.items():
+        if key not in SCALING_KEYS:
+            continue
+        attr, kind, lo, hi = SCALING_KEYS[key]
+        where = _join(path, key)
+        if kind == "int":
+            kw[attr] = _int(raw, where, errs, int(lo), int(hi))
+            continue
+        got = _duration(raw, where, errs) if kind == "duration" else _number(raw, where, errs)
+        if got is not None and not lo <= got <= hi:
+            unit = "s" if kind == "duration" else ""
+            errs.add(where, f"must be between {lo:g}{unit} and {hi:g}{unit}, got {got:g}{unit}")
+        kw[attr] = got
+    if len(errs.items) != before:
+        return None
+    out = dataclasses.replace(base, **kw)
+    if out.min_replicas > out.max_replicas:
+        errs.add(path, f"min ({out.min_replicas}) is above max ({out.max_replicas})")
+        return None
+    if out.panic_window_s > out.stable_window_s:
+        errs.add(
+            _join(path, "panic_window"),
+            f"must not be longer than the stable window ({out.panic_window_s:g}s > {out.stable_window_s:g}s)",
+        )
+        return None
     return out
 
 
@@ -726,6 +780,7 @@ _MODEL_KEYS = {
     "zones",
     "health",
     "metrics",
+    "autoscaling",
     *TRAFFIC_KEYS,
 }
 AFFINITY_BODY_FIELDS = ("prompt_cache_key", "user")
@@ -903,6 +958,10 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
     if overrides is not None:
         _check_cluster_overrides(overrides, f"{path}.cluster_overrides", errs)
     health, metrics = _probes(m, path, errs)
+    tier_scaling = next((t.scaling for t in tiers or [] if t.name == tier), ScalingPolicy())
+    scaling = (
+        _scaling(m["autoscaling"], f"{path}.autoscaling", tier_scaling, errs) if "autoscaling" in m else None
+    )
     if len(errs.items) != before or tier is None or versions is None:
         return None
     return Model(
@@ -921,6 +980,7 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         cluster_overrides=overrides,
         health=health,
         metrics=metrics,
+        scaling=scaling,
     )
 
 

@@ -97,12 +97,35 @@ class TrafficPolicy:
 
 
 @dataclass(frozen=True)
+class ScalingPolicy:
+    """How many replicas a model wants, in the style of Knative's KPA (controlplane/autoscaling/,
+    docs/autoscaling.md). Set per tier and per model (`autoscaling:`); the model's keys win."""
+
+    min_replicas: int = 1  # 0 lets the model scale to zero once idle for idle_grace_s
+    max_replicas: int = 100
+    # Requests in flight or waiting per replica. None: its servers' slots (seen when they
+    # queue) x target_utilization, else DEFAULT_TARGET_PER_REPLICA.
+    target_per_replica: float | None = None
+    target_utilization: float = 0.7
+    stable_window_s: float = 60.0
+    panic_window_s: float = 6.0
+    panic_threshold: float = 2.0  # panic when the panic window wants this many times the ready replicas
+    scale_down_rate: float = 2.0  # one decision keeps at least 1/rate of the ready replicas
+    scale_up_rate: float = 1000.0  # one decision adds at most (rate - 1) x the ready replicas
+    idle_grace_s: float = 60.0  # no demand at all for this long before scaling to zero (min 0)
+
+
+DEFAULT_TARGET_PER_REPLICA = 8.0
+
+
+@dataclass(frozen=True)
 class Tier:
     """A model-size tier. Models up to `max_params_b` billion parameters belong to it."""
 
     name: str
     max_params_b: float | None
     policy: TrafficPolicy = field(default_factory=TrafficPolicy)
+    scaling: ScalingPolicy = field(default_factory=ScalingPolicy)
 
     @property
     def timeout_s(self) -> float:
@@ -144,6 +167,7 @@ class Model:
     cluster_overrides: Mapping[str, Any] | None = field(default=None, compare=True)
     health: HealthProbe | None = None  # None: gRPC health for protocol http2, else HTTP
     metrics: MetricsProbe | None = None  # None: the fleet's metrics_path on the serving port
+    scaling: ScalingPolicy | None = None  # the tier's, with this model's overrides; None: the tier's
 
     def version(self, name: str) -> Version:
         for v in self.versions:
@@ -249,6 +273,10 @@ class Fleet:
     def traffic_of(self, model: Model) -> TrafficPolicy:
         """The traffic policy a model is served with: its tier's, with the model's overrides."""
         return model.policy or self.tier(model.tier).policy
+
+    def scaling_of(self, model: Model) -> ScalingPolicy:
+        """How a model scales: its tier's autoscaling, with the model's overrides."""
+        return model.scaling or self.tier(model.tier).scaling
 
     def policy_of(self, model: Model) -> str:
         """The balancing policy a model uses: its own, else its tier's."""

@@ -122,6 +122,7 @@ class Metrics:
         self.collectors = CollectorMetrics(r)
         self.prometheus_source = PrometheusSourceMetrics(r)
         self.rollouts = RolloutMetrics(r)
+        self.autoscaling = AutoscalingMetrics(r)
         self.proxies_nacked = Gauge(
             "controlplane_xds_proxies_nacked",
             "Connected proxies whose latest response of a type was rejected (NACKed).",
@@ -278,6 +279,53 @@ class RolloutMetrics:
             "controlplane_admin_requests_total",
             "Operator API calls, by method and gRPC status code.",
             ["method", "code"],
+            registry=r,
+        )
+
+
+class AutoscalingMetrics:
+    """Desired replicas per model and version (controlplane/autoscaling/, docs/autoscaling.md)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.desired = Gauge(
+            "controlplane_model_desired_replicas",
+            "Replicas the model wants (KPA windows over its demand, bounded by min and max); what "
+            "KEDA's external scaler and an HPA on a Prometheus adapter read.",
+            ["model"],
+            registry=r,
+        )
+        self.version_desired = Gauge(
+            "controlplane_version_desired_replicas",
+            "Replicas one version of the model wants, from its own servers' demand (a rollout's "
+            "canary and stable scale apart).",
+            ["model", "version"],
+            registry=r,
+        )
+        self.demand = Gauge(
+            "controlplane_model_demand",
+            "Requests running or waiting on the model's servers, plus requests held for it, at the "
+            "last round.",
+            ["model"],
+            registry=r,
+        )
+        self.ready = Gauge(
+            "controlplane_model_ready_replicas",
+            "The model's servers that are ready and have weight (serving), at the last round.",
+            ["model"],
+            registry=r,
+        )
+        self.target = Gauge(
+            "controlplane_model_target_per_replica",
+            "The demand one replica is meant to carry: autoscaling.target_per_replica, else the "
+            "servers' slots x target_utilization, else 8.",
+            ["model"],
+            registry=r,
+        )
+        self.panic = Gauge(
+            "controlplane_model_autoscaler_panic",
+            "1 while the model's autoscaler is in panic mode (following the short window, never "
+            "scaling down).",
+            ["model"],
             registry=r,
         )
 

@@ -97,6 +97,7 @@ class EndpointSignals:
     error_rate: float = 0.0
     throughput: float | None = None  # learnt: completions/s per running request x peak running
     peak_running: float = 0.0
+    slots: float | None = None  # the most seen running while requests also waited (autoscaling)
     ready: bool | None = None  # the server's last verdict; None: none yet
     ready_since: float | None = None  # when it was seen turning ready
     unreachable: int = 0  # scrapes in a row that got no answer from any probe
@@ -154,6 +155,9 @@ class SignalStore:
             sig.token_latency_s = _ewma(sig.token_latency_s, delta.mean_token_latency_s)
         if delta.error_rate is not None:
             sig.error_rate = _ewma(sig.error_rate, delta.error_rate) or 0.0
+        if sample.waiting and sample.running:
+            # Requests wait only when every slot is taken: what runs then is its slot count.
+            sig.slots = max(sig.slots or 0.0, sample.running)
         sig.sample = sample
         sig.sample_at = now
         sig.last_error = None
@@ -182,6 +186,11 @@ class SignalStore:
             return
         rate = completed / (dt * (prev.running + sample.running) / 2)
         sig.throughput = _ewma(sig.throughput, rate * sig.peak_running, alpha=0.2)
+
+    def slots(self, key: EndpointKey) -> float | None:
+        """How many requests the endpoint runs at once, once seen full (requests waiting)."""
+        sig = self.endpoints.get(key)
+        return sig.slots if sig is not None else None
 
     def learnt_throughput(self, key: EndpointKey) -> float | None:
         """Requests/s the endpoint has shown it can complete at its peak concurrency, if learnt."""

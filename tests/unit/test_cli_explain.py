@@ -12,7 +12,7 @@ import yaml
 
 from controlplane.cli.explain import UnknownModel, explain, render_text
 from controlplane.cli.main import main
-from controlplane.fleet import FleetConfigInvalid, parse_fleet
+from controlplane.fleet import FleetConfigInvalid, load_fleet, parse_fleet
 
 FLEET = """\
 listener: {port: 10000}
@@ -345,6 +345,7 @@ def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "priority_classes",
         "affinity",
         "envoy",
+        "autoscaling",
         "memory",
         "failover",
         "versions",
@@ -374,3 +375,30 @@ def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Stable: the same input gives the same bytes.
     assert main(["explain", "big", "--config", str(path), "--format", "json"]) == 0
     assert capsys.readouterr().out == out
+
+
+def test_autoscaling_shows_each_effective_value_and_its_source(tmp_path: Path) -> None:
+    text = FLEET_AUTOSCALING
+    path = write(tmp_path, text)
+    fleet = load_fleet(path)
+    raw = yaml.safe_load(text)
+    a = explain(fleet, "m", raw)["autoscaling"]
+    assert a["min"] == {"value": 0, "text": "0", "source": "tier"}
+    assert a["max"] == {"value": 3, "text": "3", "source": "model"}
+    assert a["stable_window"]["text"] == "30s" and a["stable_window"]["source"] == "tier"
+    assert a["panic_threshold"]["source"] == "default"
+    assert a["target_per_replica"]["value"] is None and "learnt" in a["target_per_replica"]["text"]
+    assert "autoscaling" in render_text(explain(fleet, "m", raw))
+
+
+FLEET_AUTOSCALING = """\
+listener: {port: 10000}
+tiers:
+  small: {autoscaling: {min: 0, stable_window: 30s}}
+models:
+  m:
+    params_b: 1
+    stable: v1
+    autoscaling: {max: 3}
+    versions: {v1: {endpoints: ["127.0.0.1:8000"]}}
+"""
