@@ -16,8 +16,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from controlplane import limits
-from controlplane.admin import auth
+from controlplane.admin import auth, keda
 from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR
+from controlplane.admin.keda import ExternalScaler
 from controlplane.admin.service import SERVICE_NAMES, EndpointService, ProxyService, RolloutService
 from controlplane.balancing.controller import WeightController
 from controlplane.fleet.loader import FleetConfigInvalid
@@ -29,6 +30,7 @@ from controlplane.ha.fleet import EtcdFleetSource
 from controlplane.ha.nodes import SharedNodes
 from controlplane.ha.reports import SharedReports
 from controlplane.ha.state import EtcdStateStore, new_replica_id
+from controlplane.keda import externalscaler_pb2_grpc
 from controlplane.obs.http import StatusHTTPServer
 from controlplane.obs.metrics import Metrics
 from controlplane.rollout.controller import RolloutController
@@ -65,6 +67,7 @@ class ServeOptions:
     replica_id: str = ""
     leader_ttl_s: int = 5
     signal_collectors: int | None = None  # collector processes; None: sized to the cores
+    scaler_listen: str | None = None  # KEDA's external scaler (gRPC); None: not served
 
 
 class ControlPlane:
@@ -136,6 +139,8 @@ class ControlPlane:
         self.admin_health = health.aio.HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None
         self.admin_server: grpc.aio.Server | None = None
+        self.scaler_server: grpc.aio.Server | None = None
+        self.scaler_port = 0
         self.admin_port = 0
         self.http: StatusHTTPServer | None = None
         self.xds_port = 0
@@ -248,10 +253,14 @@ class ControlPlane:
         except (OSError, auth.TokenFileError):
             self.http.server.server_close()
             raise
+        scaler = self._scaler_server() if self.options.scaler_listen else None
         await server.start()
         await admin.start()
+        if scaler is not None:
+            await scaler.start()
         self.grpc_server = server
         self.admin_server = admin
+        self.scaler_server = scaler
         self.http.start()
         await self._set_health()
         self._tasks += [
@@ -269,6 +278,7 @@ class ControlPlane:
             xds=self.options.xds_listen,
             metrics=self.options.metrics_listen,
             admin=self.options.admin_listen,
+            scaler=self.options.scaler_listen,
             state_dir=str(self.options.state_dir),
             fleet=self.fleet_name,
             store=self.store.where,
@@ -323,6 +333,24 @@ class ControlPlane:
             raise OSError(f"--admin-listen {o.admin_listen}: cannot listen ({e})") from e
         return server
 
+    def _scaler_server(self) -> grpc.aio.Server:
+        """KEDA's external scaler: read-only desired replicas and activity per model."""
+        listen = self.options.scaler_listen
+        assert listen is not None
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        externalscaler_pb2_grpc.add_ExternalScalerServicer_to_server(
+            ExternalScaler(self.weights.autoscaler, lambda: self.reconciler.fleet), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.admin_health, server)
+        reflection.enable_server_reflection(
+            (keda.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        try:
+            self.scaler_port = server.add_insecure_port(listen)
+        except RuntimeError as e:
+            raise OSError(f"--scaler-listen {listen}: cannot listen ({e})") from e
+        return server
+
     def _on_publish(self, snapshot: object) -> None:
         if self.grpc_server is not None and not self._serving:
             self._serving = True
@@ -341,6 +369,8 @@ class ControlPlane:
             await self.admin_health.set(name, status)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.scaler_server is not None:
+            await self.scaler_server.stop(grace_s)
         if self.admin_server is not None:
             await self.admin_server.stop(grace_s)
         if self.grpc_server is not None:

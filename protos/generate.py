@@ -1,6 +1,7 @@
-"""Generate the operator API's Python code from protos/controlplane/v1/*.proto.
+"""Generate the Python code of the gRPC APIs we serve from protos/controlplane/*/*.proto:
+the operator API (controlplane/v1) and KEDA's external scaler contract (controlplane/keda).
 
-    python protos/generate.py          # write controlplane/v1/*_pb2*.py(i)
+    python protos/generate.py          # write controlplane/{v1,keda}/*_pb2*.py(i)
     python protos/generate.py --check  # exit 1 if the checked-in code is not current (CI)
 
 Uses the grpcio-tools version pinned in pyproject's dev extra, so output is reproducible.
@@ -18,12 +19,13 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTOS = ROOT / "protos"
-OUT = ROOT / "controlplane" / "v1"
+PACKAGES = ("controlplane/v1", "controlplane/keda")  # each: protos/<it>/*.proto -> <it>/*_pb2*
 
 
 def generate(out_root: Path) -> list[Path]:
-    """Run protoc into `out_root` (which gets controlplane/v1/...); return the files written."""
-    sources = sorted(str(p.relative_to(PROTOS)) for p in (PROTOS / "controlplane" / "v1").glob("*.proto"))
+    """Run protoc into `out_root` (which gets controlplane/...); return the files written,
+    relative to it."""
+    sources = sorted(str(p.relative_to(PROTOS)) for pkg in PACKAGES for p in (PROTOS / pkg).glob("*.proto"))
     args = [
         "protoc",
         f"-I{PROTOS}",
@@ -35,7 +37,7 @@ def generate(out_root: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    return sorted((out_root / "controlplane" / "v1").glob("*_pb2*.py*"))
+    return sorted(p.relative_to(out_root) for pkg in PACKAGES for p in (out_root / pkg).glob("*_pb2*.py*"))
 
 
 def main() -> int:
@@ -43,30 +45,30 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 when stale")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = generate(Path(tmp))
-        names = {p.name for p in fresh}
-        current = {p.name for p in OUT.glob("*_pb2*.py*")}
+        fresh = set(generate(Path(tmp)))
+        current = {p.relative_to(ROOT) for pkg in PACKAGES for p in (ROOT / pkg).glob("*_pb2*.py*")}
         stale = sorted(
-            n for n in names | current
-            if n not in names or n not in current or not filecmp.cmp(OUT / n, Path(tmp) / "controlplane/v1" / n, shallow=False)
-        )
+            str(n) for n in fresh | current
+            if n not in fresh or n not in current or not filecmp.cmp(ROOT / n, Path(tmp) / n, shallow=False)
+        )  # fmt: skip
         if args.check:
             if stale:
                 print(
-                    f"controlplane/v1 is not current with protos/ ({', '.join(stale)}); "
+                    f"generated code is not current with protos/ ({', '.join(stale)}); "
                     "run: python protos/generate.py",
                     file=sys.stderr,
                 )
                 return 1
-            print("controlplane/v1 is current")
+            print("generated code is current")
             return 0
-        OUT.mkdir(parents=True, exist_ok=True)
-        for n in current - names:
-            (OUT / n).unlink()
-        for p in fresh:
-            (OUT / p.name).write_bytes(p.read_bytes())
-        (OUT / "__init__.py").touch()
-        print(f"wrote {len(fresh)} files to {OUT.relative_to(ROOT)}")
+        for n in current - fresh:
+            (ROOT / n).unlink()
+        for n in fresh:
+            (ROOT / n).parent.mkdir(parents=True, exist_ok=True)
+            (ROOT / n).write_bytes((Path(tmp) / n).read_bytes())
+        for pkg in PACKAGES:
+            (ROOT / pkg / "__init__.py").touch()
+        print(f"wrote {len(fresh)} files to {', '.join(PACKAGES)}")
     return 0
 
 

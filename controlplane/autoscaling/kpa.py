@@ -12,7 +12,8 @@ to the model's `Scaler`, which keeps two sliding windows of them:
 - one decision never goes below the ready replicas / `scale_down_rate`, nor above them x
   `scale_up_rate`;
 - `min` and `max` bound the result. With `min: 0` a model with no demand at all for
-  `idle_grace` scales to zero; a single request wakes it (desired 1 at once).
+  `idle_grace` scales to zero (a panic ends too: no work is no burst); a single request
+  wakes it (desired 1 at once).
 
 `Decision` says why, for `explain`, the metrics and the logs.
 """
@@ -36,6 +37,11 @@ class Decision:
     target: float  # demand one replica is meant to carry
     panicking: bool
     reason: str
+    idle_s: float = 0.0  # since demand was last above zero
+
+    def active(self, policy: ScalingPolicy) -> bool:
+        """Whether the model has had work within its idle grace: KEDA's IsActive."""
+        return self.demand > 0 or self.idle_s < policy.idle_grace_s
 
 
 class _Window:
@@ -102,21 +108,24 @@ class Scaler:
         ceiling = math.ceil(base * policy.scale_up_rate)
         want_stable = min(max(want_stable, floor), ceiling)
         want_panic = min(max(want_panic, floor), ceiling)
+        idle_for = now - self._last_demand_at
+        idle = demand == 0 and idle_for >= policy.idle_grace_s
         if want_panic / base >= policy.panic_threshold and want_panic > ready:
             self._panic_until = now + policy.stable_window_s
-        panicking = self._panic_until is not None and now < self._panic_until
+        panicking = self._panic_until is not None and now < self._panic_until and not idle
         if not panicking:
-            self._panic_until = None
+            self._panic_until = None  # no work at all for the idle grace ends a panic too
         if panicking:
             desired = max(want_panic, self._last_desired or 0)
             reason = f"panic: the last {policy.panic_window_s:g}s want {want_panic} (ready {ready})"
         else:
             desired = want_stable
             reason = f"stable: the last {policy.stable_window_s:g}s want {want_stable}"
-        idle_for = now - self._last_demand_at
         if demand > 0 and desired == 0:
             desired, reason = 1, "woken: demand arrived"
-        elif desired == 0 and policy.min_replicas == 0 and idle_for < policy.idle_grace_s:
+        elif idle and policy.min_replicas == 0 and (self._last_desired or 0) > 0:
+            desired, reason = 0, f"idle {idle_for:.0f}s (idle_grace {policy.idle_grace_s:g}s): scaled to zero"
+        elif desired == 0 and policy.min_replicas == 0 and not idle:
             desired = 1 if (self._last_desired or 0) > 0 else 0
             if desired:
                 reason = f"idle {idle_for:.0f}s of {policy.idle_grace_s:g}s before scaling to zero"
@@ -125,4 +134,4 @@ class Scaler:
         elif desired > policy.max_replicas:
             desired, reason = policy.max_replicas, f"{reason}; capped at max {policy.max_replicas}"
         self._last_desired = desired
-        return Decision(desired, ready, demand, stable, panic, target, panicking, reason)
+        return Decision(desired, ready, demand, stable, panic, target, panicking, reason, idle_for)

@@ -98,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
         help="gRPC address of the operator API used by cpctl and grpcurl (default: %(default)s)",
     )
     s.add_argument(
+        "--scaler-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve KEDA's external scaler (gRPC, read-only: desired replicas and activity per "
+        "model; docs/autoscaling.md) on this address (default: not served)",
+    )
+    s.add_argument(
         "--state-dir",
         type=Path,
         default=DEFAULT_STATE_DIR,
@@ -502,6 +509,7 @@ def _serve(args: argparse.Namespace) -> int:
         ("--xds-listen", args.xds_listen),
         ("--metrics-listen", args.metrics_listen),
         ("--admin-listen", args.admin_listen),
+        *((("--scaler-listen", args.scaler_listen),) if args.scaler_listen else ()),
     ):
         try:
             split_host_port(value)
@@ -567,6 +575,7 @@ def _serve(args: argparse.Namespace) -> int:
         replica_id=args.replica_id,
         leader_ttl_s=args.leader_ttl,
         signal_collectors=args.signal_collectors,
+        scaler_listen=args.scaler_listen,
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_run_until_signal(options))

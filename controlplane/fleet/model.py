@@ -112,7 +112,7 @@ class ScalingPolicy:
     panic_threshold: float = 2.0  # panic when the panic window wants this many times the ready replicas
     scale_down_rate: float = 2.0  # one decision keeps at least 1/rate of the ready replicas
     scale_up_rate: float = 1000.0  # one decision adds at most (rate - 1) x the ready replicas
-    idle_grace_s: float = 60.0  # no demand at all for this long before scaling to zero (min 0)
+    idle_grace_s: float = 20.0  # no demand at all for this long: inactive (KEDA), and zero wanted with min 0
 
 
 DEFAULT_TARGET_PER_REPLICA = 8.0

@@ -36,6 +36,8 @@ CONTROLPLANE_ARGS = [
     "0.0.0.0:9102",
     "--admin-listen",
     "0.0.0.0:18001",
+    "--scaler-listen",
+    "0.0.0.0:9090",
     "--state-dir",
     "/var/lib/controlplane",
     "--admin-token-file",
@@ -203,8 +205,13 @@ def test_the_control_plane_runs_one_replica_with_its_flags_ports_probes_state_an
     assert c["image"] == "ghcr.io/example/inference-controlplane:0.1.0"
     args = dict(zip(c["args"][1::2], c["args"][2::2], strict=False))
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"xds": 18000, "admin": 18001, "metrics": 9102}
-    for flag, port in (("--xds-listen", "xds"), ("--admin-listen", "admin"), ("--metrics-listen", "metrics")):
+    assert ports == {"xds": 18000, "admin": 18001, "metrics": 9102, "scaler": 9090}
+    for flag, port in (
+        ("--xds-listen", "xds"),
+        ("--admin-listen", "admin"),
+        ("--metrics-listen", "metrics"),
+        ("--scaler-listen", "scaler"),
+    ):
         assert args[flag] == f"0.0.0.0:{ports[port]}"
     assert c["readinessProbe"]["grpc"]["port"] == ports["xds"]  # NOT_SERVING until a valid fleet
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
@@ -227,7 +234,7 @@ def test_the_control_plane_runs_one_replica_with_its_flags_ports_probes_state_an
     assert "emptyDir" in (K8S / "controlplane.yaml").read_text()  # the alternative, commented
 
     svc = named("Service", "controlplane")
-    assert {p["port"] for p in svc["spec"]["ports"]} == {18000, 18001, 9102}
+    assert {p["port"] for p in svc["spec"]["ports"]} == {18000, 18001, 9102, 9090}
     named("ServiceAccount", spec["serviceAccountName"])
 
 
@@ -373,3 +380,19 @@ def test_the_dashboard_loads_and_every_panel_has_queries_on_the_datasource_varia
         "envoy_cluster_upstream_rq_time_bucket",
     ):
         assert wanted in exprs, wanted
+
+
+def test_the_keda_example_reaches_the_scaler_port_of_the_control_plane_service() -> None:
+    """deploy/kubernetes/examples/keda-scaledobject.yaml (not in the kustomization: it needs
+    KEDA's CRDs) scales a model server Deployment on the control plane's external scaler."""
+    (obj,) = load_docs(K8S / "examples" / "keda-scaledobject.yaml")
+    assert obj["apiVersion"] == "keda.sh/v1alpha1" and obj["kind"] == "ScaledObject"
+    (trigger,) = obj["spec"]["triggers"]
+    assert trigger["type"] == "external-push"
+    host, port = trigger["metadata"]["scalerAddress"].rsplit(":", 1)
+    svc = named("Service", "controlplane")
+    assert host == f"controlplane.{NAMESPACE}.svc.cluster.local"
+    assert int(port) in {p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc-scaler"}
+    fleet = parse_fleet(configmap_file("controlplane-fleet", "fleet.yaml"))
+    assert trigger["metadata"]["model"] in {m.name for m in fleet.models}
+    assert obj["spec"]["minReplicaCount"] == 0  # scale to zero: IsActive decides
