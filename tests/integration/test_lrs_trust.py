@@ -83,7 +83,9 @@ def test_load_reports_count_only_from_nodes_holding_an_xds_stream(tmp_path: Path
             try:
                 _send_reports(channel, "gw-1", server.address)
                 wait_until(
-                    lambda: cp.metric("controlplane_lrs_reports_clamped_total") >= 1, 5, "the report to be used"
+                    lambda: cp.metric("controlplane_lrs_reports_clamped_total") >= 1,
+                    5,
+                    "the report to be used",
                 )
                 assert cp.metric("controlplane_lrs_reports_refused_total", reason="no_xds_stream") == 1
             finally:

@@ -36,4 +36,3 @@ def test_absurd_counts_are_cut_and_counted() -> None:
     assert server.clamped == 1 and counter._value.get() == 1
     server._record("n1", report(failed=3, in_progress=2))
     assert server.clamped == 1  # honest reports pass untouched
-
