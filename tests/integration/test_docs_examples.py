@@ -53,6 +53,13 @@ NOT_RUN = {
         "needs an etcd cluster; tests/integration/test_ha.py runs import, serve --store and bootstrap "
         "against a real one"
     ),
+    ("docs/autoscaling.md", "controlplane serve --config fleet.yaml --scaler-listen"): (
+        "tests/integration/test_keda_scaler.py runs serve --scaler-listen and calls the scaler "
+        "with grpcurl through reflection, as the next block does"
+    ),
+    ("docs/autoscaling.md", 'grpcurl -plaintext -d \'{"scalerMetadata"'): (
+        "tests/integration/test_keda_scaler.py runs this call against a served model"
+    ),
     ("docs/deploy.md", "docker build"): K8S,
     ("docs/deploy.md", "kubectl create namespace"): K8S,
     ("docs/deploy.md", "python3 -c 'import sys, yaml;"): K8S,

@@ -7,9 +7,14 @@ within the idle grace."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -73,6 +78,27 @@ def test_keda_reads_desired_replicas_and_activity(tmp_path: Path) -> None:
             [spec] = stub.GetMetricSpec(ref, timeout=5).metricSpecs
             assert spec.metricName == "desired-replicas-llama" and spec.targetSizeFloat == 1.0
 
+            # As the docs show it: grpcurl, through reflection (no .proto given).
+            grpcurl_bin = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or "grpcurl"
+            at = f"127.0.0.1:{scaler_port}"
+            ref_json = '{"scalerMetadata": {"model": "llama"}}'
+
+            def grpcurl(method: str, data: str) -> dict[str, Any]:
+                out = subprocess.run(
+                    [grpcurl_bin, "-plaintext", "-d", data, at, f"externalscaler.ExternalScaler/{method}"],
+                    capture_output=True,
+                    text=True,
+                    timeout=20,
+                )
+                assert out.returncode == 0, out.stderr
+                return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+            def grpcurl_wants() -> float:
+                target = grpcurl("GetMetricSpec", ref_json)["metricSpecs"][0]["targetSizeFloat"]
+                data = f'{{"scaledObjectRef": {ref_json}, "metricName": "desired-replicas-llama"}}'
+                value = grpcurl("GetMetrics", data)["metricValues"][0]["metricValueFloat"]
+                return math.ceil(value / target)
+
             def wants() -> float:
                 [value] = stub.GetMetrics(
                     pb.GetMetricsRequest(scaledObjectRef=ref, metricName=spec.metricName), timeout=5
@@ -80,6 +106,7 @@ def test_keda_reads_desired_replicas_and_activity(tmp_path: Path) -> None:
                 return math.ceil(value.metricValueFloat / spec.targetSizeFloat)
 
             wait_until(lambda: wants() >= 2, 10, "40 waiting requests to want 2 replicas or more")
+            assert grpcurl_wants() >= 2
             assert stub.IsActive(ref, timeout=5).result
             assert cp.metric("controlplane_model_desired_replicas", model="llama") >= 2
 
