@@ -30,12 +30,14 @@ from controlplane.ha.fleet import EtcdFleetSource
 from controlplane.ha.nodes import SharedNodes
 from controlplane.ha.reports import SharedReports
 from controlplane.ha.state import EtcdStateStore, new_replica_id
+from controlplane.hold.service import HoldingService
 from controlplane.keda import externalscaler_pb2_grpc
-from controlplane.obs.http import StatusHTTPServer
+from controlplane.obs.http import StatusHTTPServer, split_host_port
 from controlplane.obs.metrics import Metrics
 from controlplane.rollout.controller import RolloutController
 from controlplane.rollout.store import RolloutStore, StateStore, StoreUnavailable
 from controlplane.signals import lrs
+from controlplane.sim.provider import EmulatorProvider
 from controlplane.v1 import endpoint_pb2_grpc, proxy_pb2_grpc, rollout_pb2_grpc
 from controlplane.xds import csds
 from controlplane.xds import memory as xds_memory
@@ -68,6 +70,10 @@ class ServeOptions:
     leader_ttl_s: int = 5
     signal_collectors: int | None = None  # collector processes; None: sized to the cores
     scaler_listen: str | None = None  # KEDA's external scaler (gRPC); None: not served
+    # The holding service (hold/): requests for a model with no ready server wait there.
+    # None: off (such requests get 503). Port 0: a free port, pushed to the proxies.
+    hold_listen: str | None = "127.0.0.1:0"
+    hold_address: str | None = None  # HOST:PORT proxies dial; None: the bound listen address
 
 
 class ControlPlane:
@@ -117,6 +123,13 @@ class ControlPlane:
             self.metrics,
             tick_s=options.rollout_tick_s,
         )
+        self.provider = EmulatorProvider(
+            self.rollouts,
+            self.weights.autoscaler,
+            self.weights.store,
+            self._provider_changed,
+            options.state_dir / "emulated",
+        )
         self.reports: SharedReports | None = None
         self.nodes: SharedNodes | None = None
         if self.etcd is not None:
@@ -140,12 +153,30 @@ class ControlPlane:
         self.grpc_server: grpc.aio.Server | None = None
         self.admin_server: grpc.aio.Server | None = None
         self.scaler_server: grpc.aio.Server | None = None
+        self.hold: HoldingService | None = None
         self.scaler_port = 0
         self.admin_port = 0
         self.http: StatusHTTPServer | None = None
         self.xds_port = 0
         self._tasks: list[asyncio.Future[None]] = []
         self._serving = False
+
+    def _provider_changed(self) -> None:
+        """The emulator provider started or stopped a server: serve the fleet with it."""
+        if self.provider.fleet is not None:
+            self.rollouts.set_file_fleet(self.provider.augment(self.provider.fleet))
+
+    async def _run_provider(self) -> None:
+        """The emulator provider's rounds, right after each signals round (its decisions are
+        fresh then), while the fleet asks for it (one replica only)."""
+        while True:
+            await self.weights.next_round()
+            if self.etcd is not None:
+                continue
+            try:
+                await self.provider.step()
+            except Exception:
+                log.exception("emulator provider round failed; will retry")
 
     def _holds_xds_stream(self, node_id: str) -> bool:
         """Whether a node may report load: it holds an xDS stream here, or on another replica."""
@@ -159,8 +190,11 @@ class ControlPlane:
 
     def _on_fleet(self, fleet: Fleet) -> None:
         first = self.reconciler.fleet is None
-        # The rollout controller layers API-made state (rollouts, drains) over the file.
-        self.rollouts.set_file_fleet(fleet)
+        # The rollout controller layers API-made state (rollouts, drains) over the file; the
+        # emulator provider (if the fleet asks for it) adds the servers it started.
+        self.rollouts.set_file_fleet(self.provider.augment(fleet))
+        if self.provider.active() and self.etcd is not None:
+            log.warning("autoscaling.provider emulator runs on a single replica only; not with --store")
         self.metrics.config_reloads.labels("success").inc()
         self.metrics.config_last_success.set(time.time())
         self.metrics.config_valid.set(1)
@@ -206,6 +240,7 @@ class ControlPlane:
                 await self.weights.tick(first=True)
             except Exception:
                 log.exception("first signal round failed; starting with capacity weights")
+        self._start_holding()
         self.reconciler.rebuild_now()
         server = grpc.aio.server(
             options=[
@@ -269,6 +304,7 @@ class ControlPlane:
             *([asyncio.create_task(self.reports.run())] if self.reports is not None else []),
             *([asyncio.create_task(self.nodes.run())] if self.nodes is not None else []),
             asyncio.create_task(self.reconciler.run()),
+            asyncio.create_task(self._run_provider()),
             asyncio.create_task(self.source.run()),
             asyncio.create_task(self.weights.run()),
             asyncio.create_task(self.xds.keep_memory(self.memory_path)),
@@ -333,6 +369,54 @@ class ControlPlane:
             raise OSError(f"--admin-listen {o.admin_listen}: cannot listen ({e})") from e
         return server
 
+    def _start_holding(self) -> None:
+        """The holding service on its own thread; proxies learn its address from the snapshot."""
+        if self.options.hold_listen is None:
+            return
+        host, port = split_host_port(self.options.hold_listen)
+
+        def hold_max(model: str) -> int | None:
+            fleet = self.reconciler.fleet
+            m = next((x for x in fleet.models if x.name == model), None) if fleet else None
+            return fleet.scaling_of(m).hold_max if fleet and m else None
+
+        def timeout_s(model: str) -> float:
+            fleet = self.reconciler.fleet
+            m = next((x for x in fleet.models if x.name == model), None) if fleet else None
+            return fleet.traffic_of(m).timeout_s if fleet and m else 60.0
+
+        def max_body(model: str) -> int:
+            fleet = self.reconciler.fleet
+            m = next((x for x in fleet.models if x.name == model), None) if fleet else None
+            return fleet.traffic_of(m).max_body_bytes if fleet and m else 8 << 20
+
+        loop = asyncio.get_running_loop()
+        self.hold = HoldingService(
+            lambda: self.reconciler.ready,
+            hold_max,
+            timeout_s,
+            self.metrics.hold,
+            candidates=lambda: self.reconciler.candidates,
+            # A model's first held request starts a signals round at once: it wakes the model.
+            on_held=lambda model: loop.call_soon_threadsafe(self.weights.wake),
+            max_body=max_body,
+        )
+        bound = self.hold.start(host, port)
+        if self.options.hold_address is not None:
+            address = self.options.hold_address
+        elif host in ("0.0.0.0", "::", ""):
+            raise OSError(
+                f"--hold-listen {self.options.hold_listen}: give --hold-address HOST:PORT, the "
+                "address proxies dial to reach it"
+            )
+        else:
+            address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        self.reconciler.hold_address = address
+        endpoints = self.weights.store.endpoints
+        self.reconciler.heard = lambda m, a: (sig := endpoints.get((m, a))) is not None and sig.ready is True
+        self.weights.held = self.hold.held
+        log.info("holding service listening", listen=f"{host}:{bound}", address=address)
+
     def _scaler_server(self) -> grpc.aio.Server:
         """KEDA's external scaler: read-only desired replicas and activity per model."""
         listen = self.options.scaler_listen
@@ -369,6 +453,9 @@ class ControlPlane:
             await self.admin_health.set(name, status)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        self.provider.close()
+        if self.hold is not None:
+            self.hold.stop()
         if self.scaler_server is not None:
             await self.scaler_server.stop(grace_s)
         if self.admin_server is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -21,10 +22,11 @@ import structlog
 from controlplane.autoscaling.autoscaler import MODEL, Autoscaler, ClusterLoads
 from controlplane.balancing.shedding import saturation, shed_classes
 from controlplane.balancing.weigher import Weigher, load_balance_degree, relative_capacity
-from controlplane.fleet.model import Fleet
+from controlplane.fleet.model import Endpoint, Fleet, Model
 from controlplane.obs.endpoint_metrics import EndpointRow
 from controlplane.obs.metrics import Metrics
 from controlplane.routing.names import cluster_name
+from controlplane.signals.load import EndpointLoad
 from controlplane.signals.scrape import scrape_targets
 from controlplane.signals.source import SignalSource, make_source
 from controlplane.signals.store import SignalStore
@@ -52,6 +54,8 @@ class WeightController:
         self.held: Callable[[], Mapping[str, float]] | None = None  # requests held per model
         self._scaling_exported: set[tuple[str, str]] = set()
         self._desired: dict[str, int] = {}  # model -> desired replicas last exported
+        self._wake = asyncio.Event()  # set: start the next round now
+        self._round = asyncio.Event()  # set (and replaced) when a round ends
         self._source: SignalSource | None = None
         self._ready: dict[tuple[str, str], bool] = {}
         self._models_exported: set[str] = set()
@@ -100,10 +104,22 @@ class WeightController:
                     {ep.address: self.store.learnt_throughput((m.name, ep.address)) for ep in v.endpoints},
                 )
                 capacity.update({(m.name, a): c for a, c in rel.items()})
-        changed = self.weigher.update(
-            fleet,
-            lambda m, ep: self.store.load((m.name, ep.address), capacity.get((m.name, ep.address), 1.0), now),
+        # A server that joined after the first round, and that the probes have not heard from
+        # yet (it may be loading; the collectors scrape it from this round on), is held out
+        # until they have: no request is sent to a server no one has seen ready. At start,
+        # and for servers without probes, the benefit of the doubt stands (fail static).
+        unheard = (
+            {k for k in scrape_targets(fleet) if not self.store.heard(k)}
+            if fleet.signals.enabled and self.rounds > 0
+            else set()
         )
+
+        def load_of(m: Model, ep: Endpoint) -> EndpointLoad:
+            key = (m.name, ep.address)
+            load = self.store.load(key, capacity.get(key, 1.0), now)
+            return dataclasses.replace(load, ready=False) if key in unheard else load
+
+        changed = self.weigher.update(fleet, load_of)
         for cname, why in self.weigher.errors.items():
             log.error(
                 "weights not updated for a cluster; its weights in force stay", cluster=cname, error=why
@@ -269,18 +285,30 @@ class WeightController:
             b.balance_degree.remove(gone)
         self._models_exported = models
 
+    def wake(self) -> None:
+        """Start the next round now (a request held for a model with no server: wake it)."""
+        self._wake.set()
+
+    async def next_round(self) -> None:
+        """Return once the next round has ended."""
+        await self._round.wait()
+
     async def run(self) -> None:
         """Tick every `signals.interval` until cancelled; a failed round is logged and skipped."""
         while True:
             started = time.monotonic()
+            self._wake.clear()
             try:
                 await self.tick()
             except Exception:
                 log.exception("weight update failed; the weights in force stay")
+            done, self._round = self._round, asyncio.Event()
+            done.set()
             # The interval is read again every quarter second: a reloaded fleet file with a
             # shorter one takes effect at once, not after the old interval ran out.
-            while (left := self._interval() - (time.monotonic() - started)) > 0:
-                await asyncio.sleep(min(left, 0.25))
+            while (left := self._interval() - (time.monotonic() - started)) > 0 and not self._wake.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), min(left, 0.25))
 
     def _interval(self) -> float:
         fleet = self.reconciler.fleet

@@ -98,6 +98,21 @@ def _parser() -> argparse.ArgumentParser:
         help="gRPC address of the operator API used by cpctl and grpcurl (default: %(default)s)",
     )
     s.add_argument(
+        "--hold-listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT|off",
+        help="the holding service: requests for a model with no ready server (loading, held out, "
+        "scaled to zero) wait here and go on to the first ready one, instead of getting 503 "
+        "(docs/autoscaling.md). Port 0 picks a free port; 'off' turns holding off (default: %(default)s)",
+    )
+    s.add_argument(
+        "--hold-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="the address proxies dial to reach the holding service, when it is not the listen "
+        "address (a Service name on Kubernetes; needed when listening on 0.0.0.0)",
+    )
+    s.add_argument(
         "--scaler-listen",
         default=None,
         metavar="HOST:PORT",
@@ -215,8 +230,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Start the control plane on an example fleet (3 models in 3 tiers, A100 and "
         "slower L4 servers, one server warming up), emulated inference servers and a real Envoy "
         "on loopback ports; send traffic, edit the fleet live, roll llama-3-8b to v2 with cpctl "
-        "midway, show it all live, print a summary by tier and stop everything. Exit 0 only if "
-        "no request failed and the rollout completed.",
+        "midway, surge a model the control plane scales itself from zero (emulated servers started "
+        "and drained away), show it all live, print a summary by tier and stop everything. Exit 0 "
+        "only if no request failed and the rollout completed.",
     )
     d.add_argument(
         "--duration", type=float, default=75.0, help="seconds of traffic, at least 10 (default: %(default)s)"
@@ -510,6 +526,8 @@ def _serve(args: argparse.Namespace) -> int:
         ("--metrics-listen", args.metrics_listen),
         ("--admin-listen", args.admin_listen),
         *((("--scaler-listen", args.scaler_listen),) if args.scaler_listen else ()),
+        *((("--hold-listen", args.hold_listen),) if args.hold_listen != "off" else ()),
+        *((("--hold-address", args.hold_address),) if args.hold_address else ()),
     ):
         try:
             split_host_port(value)
@@ -576,6 +594,8 @@ def _serve(args: argparse.Namespace) -> int:
         leader_ttl_s=args.leader_ttl,
         signal_collectors=args.signal_collectors,
         scaler_listen=args.scaler_listen,
+        hold_listen=None if args.hold_listen == "off" else args.hold_listen,
+        hold_address=args.hold_address,
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_run_until_signal(options))

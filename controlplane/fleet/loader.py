@@ -20,9 +20,11 @@ from controlplane.fleet.model import (
     MEMORY_OVERHEAD,
     METRICS_SCHEMES,
     POLICY_NAMES,
+    PROVIDERS,
     SIGNAL_SOURCES,
     Affinity,
     CircuitBreaker,
+    EmulatedServer,
     Endpoint,
     Fleet,
     GpuClass,
@@ -32,6 +34,7 @@ from controlplane.fleet.model import (
     Model,
     PriorityClass,
     PrometheusSpec,
+    ProviderSpec,
     ScalingPolicy,
     SignalsSpec,
     Tier,
@@ -311,10 +314,12 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
             "signals",
             "priority_classes",
             "default_priority_class",
+            "autoscaling",
         },
     )
     if top is None:
         return None
+    provider = _provider(top.get("autoscaling"), errs)
     listener = _listener(top.get("listener"), errs)
     tiers = _tiers(top.get("tiers"), errs)
     gpu_classes = _gpu_classes(top.get("gpu_classes"), errs)
@@ -323,7 +328,14 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
         top.get("priority_classes"), top.get("default_priority_class"), errs
     )
     models = _models(top.get("models"), tiers, errs)
-    if listener is None or tiers is None or models is None or gpu_classes is None or signals is None:
+    if (
+        listener is None
+        or tiers is None
+        or models is None
+        or gpu_classes is None
+        or signals is None
+        or provider is None
+    ):
         return None
     fleet = Fleet(
         listener=listener,
@@ -333,9 +345,38 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
         signals=signals,
         priority_classes=tuple(classes),
         default_priority_class=default_class,
+        autoscaling=provider,
     )
     _check_memory_fit(fleet, errs)
     return fleet
+
+
+_PROVIDER_KEYS = {"provider", "emulator"}
+_EMULATOR_KEYS = {"cold_start", "slots", "decode_ms_per_token", "speed"}
+
+
+def _provider(value: Any, errs: _Errors) -> ProviderSpec | None:
+    """The fleet-level `autoscaling:` (who starts and stops replicas)."""
+    m = _mapping(value, "autoscaling", errs, _PROVIDER_KEYS)
+    if m is None:
+        return None
+    before = len(errs.items)
+    provider = m.get("provider", "none")
+    if provider not in PROVIDERS:
+        errs.add("autoscaling.provider", f"expected one of {', '.join(PROVIDERS)}, got {provider!r}")
+    em = _mapping(m.get("emulator"), "autoscaling.emulator", errs, _EMULATOR_KEYS)
+    kw: dict[str, Any] = {}
+    if em is not None:
+        if "cold_start" in em:
+            kw["cold_start_s"] = _duration(em["cold_start"], "autoscaling.emulator.cold_start", errs)
+        if "slots" in em:
+            kw["slots"] = _int(em["slots"], "autoscaling.emulator.slots", errs, 1, 1024)
+        for key, top in (("decode_ms_per_token", 10_000.0), ("speed", 100.0)):
+            if key in em:
+                kw[key] = _number(em[key], f"autoscaling.emulator.{key}", errs, maximum=top)
+    if len(errs.items) != before or em is None:
+        return None
+    return ProviderSpec(provider=str(provider), emulator=EmulatedServer(**kw))
 
 
 def _priority_classes(value: Any, default: Any, errs: _Errors) -> tuple[list[PriorityClass], str | None]:
@@ -649,6 +690,7 @@ SCALING_KEYS: dict[str, tuple[str, str, float, float]] = {
     "scale_down_rate": ("scale_down_rate", "number", 1.0, 1000.0),
     "scale_up_rate": ("scale_up_rate", "number", 1.0, 1_000_000.0),
     "idle_grace": ("idle_grace_s", "duration", 1.0, 86400.0),
+    "hold_max": ("hold_max", "int", 0, 100_000),
 }
 
 

@@ -112,10 +112,32 @@ class ScalingPolicy:
     panic_threshold: float = 2.0  # panic when the panic window wants this many times the ready replicas
     scale_down_rate: float = 2.0  # one decision keeps at least 1/rate of the ready replicas
     scale_up_rate: float = 1000.0  # one decision adds at most (rate - 1) x the ready replicas
+    hold_max: int = 100  # requests held at once while no server is ready; 0: refused at once (503)
     idle_grace_s: float = 20.0  # no demand at all for this long: inactive (KEDA), and zero wanted with min 0
 
 
 DEFAULT_TARGET_PER_REPLICA = 8.0
+PROVIDERS = ("none", "emulator")
+
+
+@dataclass(frozen=True)
+class EmulatedServer:
+    """What the `emulator` provider starts for a replica (controlplane emulate's flags)."""
+
+    cold_start_s: float = 5.0
+    slots: int = 8
+    decode_ms_per_token: float = 20.0
+    speed: float = 1.0
+
+
+@dataclass(frozen=True)
+class ProviderSpec:
+    """Who starts and stops replicas (fleet-level `autoscaling:`). `none`: your own tools
+    (KEDA, the HPA) follow desired replicas; `emulator`: the control plane starts and stops
+    emulated servers for every model's stable version itself (the demo, tests)."""
+
+    provider: str = "none"
+    emulator: EmulatedServer = field(default_factory=EmulatedServer)
 
 
 @dataclass(frozen=True)
@@ -257,6 +279,7 @@ class Fleet:
     signals: SignalsSpec = field(default_factory=SignalsSpec)
     priority_classes: tuple[PriorityClass, ...] = ()  # highest first
     default_priority_class: str | None = None  # for requests without (or with an unknown) x-priority
+    autoscaling: ProviderSpec = field(default_factory=ProviderSpec)
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:

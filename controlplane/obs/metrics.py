@@ -123,6 +123,7 @@ class Metrics:
         self.prometheus_source = PrometheusSourceMetrics(r)
         self.rollouts = RolloutMetrics(r)
         self.autoscaling = AutoscalingMetrics(r)
+        self.hold = HoldMetrics(r)
         self.proxies_nacked = Gauge(
             "controlplane_xds_proxies_nacked",
             "Connected proxies whose latest response of a type was rejected (NACKed).",
@@ -326,6 +327,31 @@ class AutoscalingMetrics:
             "1 while the model's autoscaler is in panic mode (following the short window, never "
             "scaling down).",
             ["model"],
+            registry=r,
+        )
+
+
+class HoldMetrics:
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.held = Gauge(
+            "controlplane_held_requests",
+            "Requests waiting in the holding service for the model's first ready server.",
+            ["model"],
+            registry=r,
+        )
+        self.outcomes = Counter(
+            "controlplane_hold_requests_total",
+            "Requests the holding service took, by model and outcome: forwarded (to a server once "
+            "ready), full (429: hold_max reached), timeout (503: no server ready within the route "
+            "timeout), unknown_model, upstream_error (503: servers refused or answered 503 until the "
+            "timeout).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.wait = Histogram(
+            "controlplane_hold_wait_seconds",
+            "How long forwarded requests waited for a ready server.",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
             registry=r,
         )
 

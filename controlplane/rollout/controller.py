@@ -446,6 +446,19 @@ class RolloutController:
         log.info("endpoint undrained", address=address, who=who)
         self.publish()
 
+    async def forget_drain(self, address: str, why: str, who: str) -> None:
+        """The endpoint is gone for good (a provider stopped it): drop its drain record, so an
+        endpoint started later at the same address is not born drained."""
+        if address not in self.drains:
+            return
+        served = self.endpoint_models(address)
+        model = served[0][0] if served else ""
+        await self._write(
+            who, [Transition(model, "Removed", -1, 0, f"endpoint {address}: {why}")], drop_drains=[address]
+        )
+        del self.drains[address]
+        self.publish()
+
     # ---- ticks ------------------------------------------------------------------------------
 
     def proxies_routing_to(self, cname: str, envoys_only: bool = False) -> tuple[str, ...]:

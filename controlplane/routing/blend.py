@@ -16,15 +16,7 @@ from collections.abc import Set
 
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 
-
-def entry_refs(route: route_components_pb2.Route) -> frozenset[str]:
-    """The clusters one route entry sends traffic to."""
-    if not route.HasField("route"):
-        return frozenset()
-    out = {w.name for w in route.route.weighted_clusters.clusters}
-    if route.route.cluster:
-        out.add(route.route.cluster)
-    return frozenset(out)
+from controlplane.routing.translate import entry_refs
 
 
 def blend_routes(

@@ -49,6 +49,8 @@ from controlplane.routing.translate import (
     build_cluster,
     build_gateway_listener,
     build_gateway_routes,
+    build_hold_cluster,
+    holds,
 )
 
 _ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None]
@@ -61,6 +63,7 @@ _ModelRouteKey = tuple[
     tuple[tuple[str, bool], ...],
     tuple[tuple[str, int], ...],
     tuple[str, int] | None,
+    bool,
 ]
 _RouteKey = tuple[
     ListenerSpec,
@@ -97,6 +100,7 @@ class IncrementalTranslator:
         ] = {}
         self._api: dict[str, tuple[tuple[str, str, TrafficPolicy, Affinity | None], Message, Message]] = {}
         self._gateway: tuple[_RouteKey, Message, Message] | None = None
+        self._hold: tuple[str, Message] | None = None  # the holding service's cluster, by address
         self.built = 0  # messages built by the last translate() call, for tests and benchmarks
         # Isolation: a model whose resources fail to build keeps its last good ones (or, new,
         # is left out) while every other model's go out as usual. model -> why, last call.
@@ -135,6 +139,11 @@ class IncrementalTranslator:
             assignments.update(mine.assignments)
             listeners[names.api_listener_name(model.name)] = mine.listener
             routes[names.api_route_name(model.name)] = mine.route
+        if overlay.hold_address is not None:
+            if self._hold is None or self._hold[0] != overlay.hold_address:
+                self.built += 1
+                self._hold = (overlay.hold_address, build_hold_cluster(overlay.hold_address))
+            clusters[names.HOLD_CLUSTER] = self._hold[1]
         if left_out:
             fleet = dataclasses.replace(
                 fleet, models=tuple(m for m in fleet.models if m.name not in left_out)
@@ -152,6 +161,7 @@ class IncrementalTranslator:
                     ),
                     overlay.splits.get(m.name, ()),
                     overlay.shadow.get(m.name),
+                    holds(m, overlay),
                 )
                 for m in fleet.models
             ),

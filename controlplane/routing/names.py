@@ -6,6 +6,9 @@ import re
 
 GATEWAY_LISTENER = "inference"
 GATEWAY_ROUTES = "inference"
+# The control plane's holding service (hold/): a model with no ready server routes there.
+HOLD_CLUSTER = "controlplane-hold"
+HOLD_MODEL_HEADER = "x-controlplane-hold-model"  # which model a held request is for
 _STAT_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 

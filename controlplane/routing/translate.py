@@ -7,6 +7,7 @@ the xds room serialises them once into a snapshot.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -125,12 +126,17 @@ class RoutingOverlay:
     addresses sent with EDS health status DRAINING, so proxies send them no new requests.
     `shadow`: per model, (version, percent) of requests mirrored to it, responses discarded.
     `unrouted`: clusters (versions leaving or draining) that no route may name, not even the
-    x-model-version route to that version."""
+    x-model-version route to that version. `holding` and `hold_address`: see below."""
 
     splits: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     draining: frozenset[str] = frozenset()
     shadow: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     unrouted: frozenset[str] = frozenset()
+    # Holding (hold/): `hold_address` is where proxies reach the control plane's holding
+    # service (None: off); the models in `holding` have no ready server, and their routes
+    # go there instead, so their requests wait for a server rather than get 503.
+    holding: frozenset[str] = frozenset()
+    hold_address: str | None = None
 
 
 NO_OVERLAY = RoutingOverlay()
@@ -157,6 +163,8 @@ def translate(
                 functools.partial(fleet.endpoint_priority, model),
                 overlay.draining,
             )
+    if overlay.hold_address is not None:
+        clusters[names.HOLD_CLUSTER] = build_hold_cluster(overlay.hold_address)
     gateway_routes = build_gateway_routes(fleet, shed or {}, overlay)
     listeners: dict[str, Message] = {names.GATEWAY_LISTENER: build_gateway_listener(fleet)}
     routes: dict[str, Message] = {names.GATEWAY_ROUTES: gateway_routes}
@@ -240,6 +248,38 @@ def build_cluster(model: Model, cname: str, traffic: TrafficPolicy | None = None
         override = json_format.ParseDict(dict(model.cluster_overrides), cluster_pb2.Cluster())
         c.MergeFrom(override)
     return c
+
+
+def build_hold_cluster(address: str) -> cluster_pb2.Cluster:
+    """The control plane's holding service as proxies reach it: HOST:PORT, an IP (STATIC) or a
+    name (STRICT_DNS). Its own bound (autoscaling.hold_max per model) refuses what is too
+    much, so Envoy's circuit breakers stay out of the way."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        kind = cluster_pb2.Cluster.STATIC
+    except ValueError:
+        kind = cluster_pb2.Cluster.STRICT_DNS
+    c = cluster_pb2.Cluster(
+        name=names.HOLD_CLUSTER,
+        type=kind,
+        connect_timeout=_duration(1.0),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(cluster_name=names.HOLD_CLUSTER),
+    )
+    lb = c.load_assignment.endpoints.add().lb_endpoints.add()
+    lb.endpoint.address.socket_address.address = host
+    lb.endpoint.address.socket_address.port_value = int(port)
+    unbounded = CircuitBreaker(max_requests=1 << 20, max_pending=1 << 20)
+    c.circuit_breakers.thresholds.extend(
+        [_thresholds(base_pb2.DEFAULT, unbounded), _thresholds(base_pb2.HIGH, unbounded)]
+    )
+    return c
+
+
+def holds(model: Model, overlay: RoutingOverlay) -> bool:
+    """Whether the model's requests go to the holding service now (HTTP/1 models only)."""
+    return overlay.hold_address is not None and model.name in overlay.holding and model.protocol == "http1"
 
 
 def _thresholds(priority: int, b: CircuitBreaker) -> circuit_breaker_pb2.CircuitBreakers.Thresholds:
@@ -555,6 +595,12 @@ def _model_action(
         timeout=_duration(t.timeout_s),
         priority=base_pb2.HIGH if high else base_pb2.DEFAULT,
     )
+    if version is None and not proxyless and holds(model, overlay):
+        # No server of the model is ready: wait in the holding service, not 503. The same
+        # timeouts apply; the service sends the request on as soon as a server is ready.
+        action.cluster = names.HOLD_CLUSTER
+        action.idle_timeout.CopyFrom(_duration(t.stream_idle_timeout_s or t.timeout_s))
+        return action
     split = () if version is not None or proxyless else overlay.splits.get(model.name, ())
     if len(split) > 1:
         for v, percent in split:
@@ -618,6 +664,16 @@ def _model_route(
         match=match,
         route=_model_action(fleet, model, high=high, overlay=overlay, version=version),
     )
+    if route.route.cluster == names.HOLD_CLUSTER:
+        held = route.request_headers_to_add.add(
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+        )
+        held.header.key = names.HOLD_MODEL_HEADER
+        held.header.value = model.name
+        stands_for = [names.cluster_name(model.name, v) for v, _ in overlay.splits.get(model.name, ())] or [
+            names.cluster_name(model.name, model.stable)
+        ]
+        route.metadata.filter_metadata[HOLD_METADATA].update({"clusters": stands_for})
     body_limit = buffer_pb2.BufferPerRoute(
         buffer=buffer_pb2.Buffer(
             max_request_bytes=wrappers_pb2.UInt32Value(value=fleet.traffic_of(model).max_body_bytes)
@@ -798,17 +854,32 @@ def build_api_routes(fleet: Fleet, model: Model) -> route_pb2.RouteConfiguration
     )
 
 
+HOLD_METADATA = "controlplane.hold"  # a holding route's metadata: the clusters it stands for
+
+
+def entry_refs(route: route_components_pb2.Route) -> frozenset[str]:
+    """The clusters one route entry sends traffic to. A holding entry (to the holding
+    service) stands for the model's own clusters too: make-before-break holds it back, like
+    them, from a proxy that does not have them (a new model whose cluster it refused keeps
+    answering 404, never reaching its servers around the proxy)."""
+    if not route.HasField("route"):
+        return frozenset()
+    out = {w.name for w in route.route.weighted_clusters.clusters}
+    if route.route.cluster:
+        out.add(route.route.cluster)
+    held = route.metadata.filter_metadata.get(HOLD_METADATA)
+    if held is not None and "clusters" in held.fields:
+        out |= {v.string_value for v in held.fields["clusters"].list_value.values}
+    return frozenset(out)
+
+
 def cluster_refs(msg: Message) -> frozenset[str]:
     """The cluster names a RouteConfiguration (or a Listener) sends traffic to."""
     out: set[str] = set()
     if isinstance(msg, route_pb2.RouteConfiguration):
         for vh in msg.virtual_hosts:
             for r in vh.routes:
-                if r.HasField("route"):
-                    if r.route.cluster:
-                        out.add(r.route.cluster)
-                    for wc in r.route.weighted_clusters.clusters:
-                        out.add(wc.name)
+                out |= entry_refs(r)
     return frozenset(out)
 
 

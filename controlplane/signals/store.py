@@ -222,6 +222,12 @@ class SignalStore:
             sig.ready_since = None
             sig.last_error = f"health check answered {result.health_status}"
 
+    def heard(self, key: EndpointKey) -> bool:
+        """Whether the probes have had any answer from the endpoint (a health verdict or a
+        metrics page)."""
+        sig = self.endpoints.get(key)
+        return sig is not None and (sig.ready is not None or sig.sample_at is not None)
+
     def out_of_sight(self, key: EndpointKey) -> bool:
         """Whether the endpoint's probes have gone unanswered UNREACHABLE_AFTER times in a row."""
         sig = self.endpoints.get(key)

@@ -34,6 +34,7 @@ from typing import Any
 
 from controlplane.sim.demo_view import DemoState, EndpointRow, plain_lines, render, rollout_line, summary
 from controlplane.sim.emulator import SERVER_HEADER, EmulatorConfig, EmulatorsThread
+from controlplane.sim.procs import die_with_parent as _die_with_parent
 from controlplane.xds.bootstrap import envoy_bootstrap
 
 MODELS = {
@@ -49,6 +50,10 @@ MODELS = {
 GPU = {"llama-b": "L4", "qwen-b": "L4", "llama-v2b": "L4"}  # the rest are A100s
 GPU_CLASSES = "gpu_classes: {A100: {capacity: 1.0}, L4: {capacity: 0.35}}"
 ROLLOUT_MODEL, ROLLOUT_TO = "llama-3-8b", "v2"
+# A model the control plane scales itself (the `emulator` provider): no server at first, a
+# surge of clients, replicas up while it lasts, drained back to zero after it.
+SURGE_MODEL, SURGE_CLIENTS = "phi-3-mini", 6
+SURGE_FROM, SURGE_UNTIL = 0.35, 0.6  # shares of the run
 
 
 def _free_port() -> int:
@@ -66,7 +71,14 @@ def _fleet_yaml(port: int, addrs: dict[str, str], extra: dict[str, list[str]]) -
         "  large:  {timeout: 600s}",
         GPU_CLASSES,
         "signals: {slow_start: 5s}",
+        "autoscaling: {provider: emulator, emulator: {cold_start: 2s, slots: 2, decode_ms_per_token: 4}}",
         "models:",
+        f"  {SURGE_MODEL}:",
+        "    params_b: 4",
+        "    stable: v1",
+        "    autoscaling: {min: 0, max: 4, target_per_replica: 2, idle_grace: 5s, stable_window: 10s,",
+        "                  panic_window: 3s}",
+        "    versions: {v1: {endpoints: []}}",
     ]
     for model, (params, _, versions) in MODELS.items():
         lines += [f"  {model}:", f"    params_b: {params}", "    stable: v1", "    versions:"]
@@ -196,28 +208,43 @@ def _balance(metrics_port: int) -> dict[str, float]:
     return out
 
 
+def _scaling(metrics_port: int, model: str) -> tuple[int, int]:
+    """(desired, ready) replicas of a model, from the control plane's own /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    got = {"desired": 0, "ready": 0}
+    for line in text.splitlines():
+        for key, name in (
+            ("desired", "controlplane_model_desired_replicas"),
+            ("ready", "controlplane_model_ready_replicas"),
+        ):
+            if line.startswith(f'{name}{{model="{model}"}}'):
+                got[key] = int(float(line.rpartition(" ")[2]))
+    return got["desired"], got["ready"]
+
+
+def _surge(port: int, state: DemoState, stop: threading.Event, until: float) -> None:
+    """One closed-loop client of the surge on SURGE_MODEL, until `until` (monotonic)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = json.dumps({"model": SURGE_MODEL, "prompt": "hello", "max_tokens": 16}).encode()
+    while not stop.is_set() and time.monotonic() < until:
+        started = time.perf_counter()
+        error = ""
+        try:
+            conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            status, server = r.status, r.getheader(SERVER_HEADER) or "?"
+        except Exception as e:
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            status, server, error = 0, "", repr(e)
+        state.record(SURGE_MODEL, status, server, time.perf_counter() - started, error)
+    conn.close()
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that has the kernel send the child SIGTERM when the demo dies, however it
-    dies (SIGKILL included), so no control plane or Envoy outlives it. Linux only (prctl
-    PR_SET_PDEATHSIG); elsewhere None, and the demo's own cleanup is all there is."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-    import os
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = os.getpid()
-
-    def set_pdeathsig() -> None:  # runs in the child between fork and exec: no Python locks
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the demo died before the line above: go now
-            os._exit(1)
-
-    return set_pdeathsig
 
 
 def _cpctl(admin: str, token_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -245,7 +272,8 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
     stop = threading.Event()
     threads: list[threading.Thread] = []
     op: _Operator | None = None
-    state = DemoState(tiers={m: tier for m, (_, tier, _) in MODELS.items()}, duration_s=duration_s)
+    tiers = {m: tier for m, (_, tier, _) in MODELS.items()} | {SURGE_MODEL: "small"}
+    state = DemoState(tiers=tiers, duration_s=duration_s)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         names = [n for _, _, versions in MODELS.values() for ns in versions.values() for n in ns] + [
@@ -365,12 +393,29 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
             add_server()
             return "fleet edit: the broken edit mended"
 
+        def start_surge() -> str:
+            until = state.started + SURGE_UNTIL * duration_s
+            for _ in range(SURGE_CLIENTS):
+                t = threading.Thread(target=_surge, args=(listener, state, stop, until), daemon=True)
+                t.start()
+                threads.append(t)
+            return (
+                f"surge: {SURGE_CLIENTS} clients on {SURGE_MODEL} (no server yet: requests are held "
+                "while the control plane starts emulated servers)"
+            )
+
+        def end_surge() -> str:
+            return f"surge over: {SURGE_MODEL}'s servers drain and stop once it is idle"
+
         edits: list[tuple[float, Callable[[], str]]] = [
             (0.1, add_server),
             (0.2, break_file),
             (0.25, mend_file),
             (0.3, start_rollout),
+            (SURGE_FROM, start_surge),
+            (SURGE_UNTIL, end_surge),
         ]
+        scaling = (0, 0)
         state.event(f"traffic started: 4 clients over {len(MODELS)} models; llama-cold is warming up")
         last_plain = -10.0
 
@@ -387,6 +432,11 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
                     state.event(f"rollout: {rollout_line(now)}")
                 for model, value in _balance(metrics).items():
                     state.balance[model].append(value)
+                nonlocal scaling
+                now_scaling = _scaling(metrics, SURGE_MODEL)
+                if now_scaling != scaling:
+                    scaling = now_scaling
+                    state.event(f"autoscaling: {SURGE_MODEL} wants {scaling[0]} replicas, {scaling[1]} ready")
             except Exception as e:  # a slow poll must not stop the demo
                 state.event(f"(status poll failed: {e!r})")
 
@@ -397,6 +447,9 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
                 _, apply = edits.pop(0)
                 state.event(apply())
             refresh()
+            if not live:
+                for line in state.take_unprinted():  # the edits, the rollout, the surge: as they happen
+                    print(f"demo: {line}", flush=True)
             if not live and elapsed - last_plain >= 5:
                 last_plain = elapsed
                 for line in plain_lines(state):

@@ -50,6 +50,7 @@ class DemoState:
     balance: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # model -> L samples
     rollout: dict[str, Any] | None = None
     events: deque[str] = field(default_factory=lambda: deque(maxlen=8))
+    unprinted: list[str] = field(default_factory=list)
 
     def record(self, model: str, status: int, server: str, elapsed_s: float, error: str = "") -> None:
         with self.lock:
@@ -64,7 +65,15 @@ class DemoState:
 
     def event(self, text: str) -> None:
         with self.lock:
-            self.events.append(f"t={self.now - self.started:5.1f}s  {text}")
+            line = f"t={self.now - self.started:5.1f}s  {text}"
+            self.events.append(line)
+            self.unprinted.append(line)
+
+    def take_unprinted(self) -> list[str]:
+        """Events not yet printed (the plain, no-terminal output prints each once)."""
+        with self.lock:
+            out, self.unprinted = self.unprinted, []
+            return out
 
     def by_tier(self) -> dict[str, tuple[int, int, list[float]]]:
         """tier -> (requests, errors, latencies)."""

@@ -695,10 +695,14 @@ class XdsStream:
     def _ready_clusters(self) -> set[str]:
         """Clusters a route entry may newly name: ACKed, with endpoints sent after them."""
         cds = self.types.get(CLUSTER)
-        eds = self.types.get(ENDPOINT)
-        if cds is None or eds is None:
+        eds = self.types.get(ENDPOINT) or TypeState()
+        if cds is None:
             return set()
-        ready = {n for n in cds.acked if n in eds.acked}
+        ready = {
+            n
+            for n in cds.acked
+            if n in eds.acked or ((r := cds.acked_res.get(n)) is not None and r.self_contained)
+        }
         flight = cds.in_flight
         if flight is not None:
             # A cluster response on its way may remove clusters: they are not ready any more.

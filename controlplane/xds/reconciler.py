@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 
 import structlog
 
 from controlplane.fleet.model import Fleet
+from controlplane.hold.policy import can_hold, candidate_servers, ready_servers
 from controlplane.obs.metrics import Metrics, type_label
 from controlplane.routing.incremental import IncrementalTranslator
 from controlplane.routing.names import cluster_name
@@ -43,6 +45,14 @@ class Reconciler:
         self.shed: dict[str, frozenset[str]] = {}
         self.overlay: RoutingOverlay = NO_OVERLAY
         self.translator = IncrementalTranslator()
+        # Holding (hold/): where proxies reach the holding service (None: off), and per model
+        # the servers its requests may go to, as of the last snapshot built.
+        self.hold_address: str | None = None
+        self.ready: Mapping[str, tuple[tuple[str, int], ...]] = {}
+        self.candidates: Mapping[str, tuple[tuple[str, int], ...]] = {}  # of the holding models
+        # Whether the signals heard a server say it is ready (model, address): a holding model
+        # goes back to its servers only on that, not on a new server's benefit of the doubt.
+        self.heard: Callable[[str, str], bool] = lambda model, address: True
         # Clusters a restarted server remembers (xds/memory.py): the first snapshot lingers them.
         self.lingering_seed: Mapping[str, Lingering] = {}
         # Called with a new snapshot before any stream sees it, then after.
@@ -89,7 +99,18 @@ class Reconciler:
             return None
         started = time.perf_counter()
         serialised = SERIALISED.value
-        desired = self.translator.translate(self.fleet, self.weights, self.shed, self.overlay)
+        overlay = self.overlay
+        if self.hold_address is not None:
+            fleet = self.fleet
+            ready = {m.name: ready_servers(fleet, m, overlay, self.weights, self.heard) for m in fleet.models}
+            holding = frozenset(m.name for m in fleet.models if can_hold(fleet, m) and not ready[m.name])
+            overlay = dataclasses.replace(overlay, holding=holding, hold_address=self.hold_address)
+            # Each replaced whole, never mutated: the holding service reads them from its thread.
+            self.ready = ready
+            self.candidates = {
+                m.name: candidate_servers(m, overlay) for m in fleet.models if m.name in holding
+            }
+        desired = self.translator.translate(self.fleet, self.weights, self.shed, overlay)
         self._report_failures(self.translator.failed)
         previous = self.cache.current
         snap = build_snapshot(

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from envoy.config.cluster.v3 import cluster_pb2
 from google.protobuf.message import Message
 
 from controlplane.routing.translate import (
@@ -38,6 +39,8 @@ class SnapshotResource:
     routes: frozenset[str] = frozenset()
     # Features some Envoy versions lack (capabilities.Feature.key): adapted for those proxies.
     needs: frozenset[str] = frozenset()
+    # A cluster whose endpoints come with it (STATIC, DNS), not over EDS: ready once ACKed.
+    self_contained: bool = False
     # The message it was built from: the same object next time means the same bytes.
     message: Message | None = field(default=None, compare=False, repr=False)
 
@@ -88,8 +91,15 @@ def encode_resource(type_url: str, name: str, msg: Message) -> SnapshotResource:
         refs=cluster_refs(msg) if type_url == ROUTE else frozenset(),
         routes=rds_names(msg) if type_url == LISTENER else frozenset(),
         needs=capabilities.needs(type_url, msg) if type_url in (CLUSTER, LISTENER) else frozenset(),
+        self_contained=type_url == CLUSTER and _self_contained(msg),
         message=msg,
     )
+
+
+def _self_contained(msg: Message) -> bool:
+    """A Cluster that is not fed by EDS."""
+    assert isinstance(msg, cluster_pb2.Cluster)
+    return msg.type != cluster_pb2.Cluster.EDS and not msg.HasField("cluster_type")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -34,6 +34,13 @@ def test_demo_runs_to_the_end_with_no_failed_request_and_a_completed_rollout() -
     assert weights[-1]["llama-b"] < weights[-1]["llama-a"] / 2  # the 3x slower L4 gets less
     assert weights[-1]["llama-cold"] > 0  # warm by the end, let in
     assert any("step 2/3, v1 50%, v2 50%" in line for line in out.stdout.splitlines())
+    # Without a terminal the events print as they happen: the edits, the rollout, the surge.
+    assert "fleet edit refused" in out.stdout and "$ cpctl rollout start" in out.stdout
+    assert "surge: 6 clients on phi-3-mini" in out.stdout
+    wanted = [
+        int(line.split(" wants ", 1)[1].split()[0]) for line in out.stdout.splitlines() if " wants " in line
+    ]
+    assert wanted and max(wanted) >= 2, wanted  # the surge scaled phi-3-mini up from zero
 
 
 def _processes_mentioning(text: str) -> list[int]:

@@ -53,7 +53,7 @@ def test_an_older_envoy_gets_fallbacks_it_applies(
         assert all(f in notes for f in lacks), notes
         # Its own config, as it holds it: the fallbacks, accepted.
         _, dump = http_get(f"http://127.0.0.1:{old.admin_port}/config_dump?resource=dynamic_active_clusters")
-        cluster = json.loads(dump)["configs"][0]["cluster"]
+        [cluster] = [c["cluster"] for c in json.loads(dump)["configs"] if c["cluster"]["name"] == "llama@v1"]
         if claim < (1, 26, 0):
             assert cluster["lb_policy"] == "LEAST_REQUEST" and "load_balancing_policy" not in cluster
         else:

@@ -38,6 +38,10 @@ CONTROLPLANE_ARGS = [
     "0.0.0.0:18001",
     "--scaler-listen",
     "0.0.0.0:9090",
+    "--hold-listen",
+    "0.0.0.0:18002",
+    "--hold-address",
+    "controlplane.inference-system.svc.cluster.local:18002",
     "--state-dir",
     "/var/lib/controlplane",
     "--admin-token-file",
@@ -205,12 +209,13 @@ def test_the_control_plane_runs_one_replica_with_its_flags_ports_probes_state_an
     assert c["image"] == "ghcr.io/example/inference-controlplane:0.1.0"
     args = dict(zip(c["args"][1::2], c["args"][2::2], strict=False))
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"xds": 18000, "admin": 18001, "metrics": 9102, "scaler": 9090}
+    assert ports == {"xds": 18000, "admin": 18001, "metrics": 9102, "scaler": 9090, "hold": 18002}
     for flag, port in (
         ("--xds-listen", "xds"),
         ("--admin-listen", "admin"),
         ("--metrics-listen", "metrics"),
         ("--scaler-listen", "scaler"),
+        ("--hold-listen", "hold"),
     ):
         assert args[flag] == f"0.0.0.0:{ports[port]}"
     assert c["readinessProbe"]["grpc"]["port"] == ports["xds"]  # NOT_SERVING until a valid fleet
@@ -234,7 +239,10 @@ def test_the_control_plane_runs_one_replica_with_its_flags_ports_probes_state_an
     assert "emptyDir" in (K8S / "controlplane.yaml").read_text()  # the alternative, commented
 
     svc = named("Service", "controlplane")
-    assert {p["port"] for p in svc["spec"]["ports"]} == {18000, 18001, 9102, 9090}
+    assert {p["port"] for p in svc["spec"]["ports"]} == {18000, 18001, 9102, 9090, 18002}
+    # Proxies reach the holding service through the Service, on the port it listens on.
+    host, port = args["--hold-address"].rsplit(":", 1)
+    assert host == f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local" and int(port) == ports["hold"]
     named("ServiceAccount", spec["serviceAccountName"])
 
 

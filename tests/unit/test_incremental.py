@@ -39,16 +39,20 @@ def serialised(d: object) -> dict[str, dict[str, bytes]]:
             ),
             st.sampled_from([None, 0, 5, 50]),  # a rollout of a to v2: the canary's percent
             st.frozensets(st.sampled_from(ADDRS), max_size=2),  # draining endpoints
+            st.sampled_from([None, "127.0.0.1:18002", "controlplane.svc:18002"]),  # holding service
+            st.frozensets(st.sampled_from(["a", "b"])),  # models with no ready server
         ),
         min_size=1,
         max_size=8,
     )
 )
 def test_incremental_equals_full_translation(
-    steps: list[tuple[int, str, dict[str, dict[str, int]], int | None, frozenset[str]]],
+    steps: list[
+        tuple[int, str, dict[str, dict[str, int]], int | None, frozenset[str], str | None, frozenset[str]]
+    ],
 ) -> None:
     inc = IncrementalTranslator()
-    for fleet_i, stable_a, weights, canary, draining in steps:
+    for fleet_i, stable_a, weights, canary, draining, hold_address, holding in steps:
         models = FLEETS[fleet_i]
         stable = {"a": stable_a} if "a" in models and stable_a in models["a"] else {}
         fleet = parse_fleet(fleet_yaml(models, stable=stable))
@@ -56,7 +60,11 @@ def test_incremental_equals_full_translation(
         if canary is not None and "v2" in models.get("a", {}):
             splits = {"a": (("v1", 100 - canary), ("v2", canary)) if canary else (("v1", 100),)}
         overlay = RoutingOverlay(
-            splits=splits, draining=draining, shadow={"a": ("v2", 10)} if canary == 50 and splits else {}
+            splits=splits,
+            draining=draining,
+            shadow={"a": ("v2", 10)} if canary == 50 and splits else {},
+            holding=holding,
+            hold_address=hold_address,
         )
         assert serialised(inc.translate(fleet, weights, None, overlay)) == serialised(
             translate(fleet, weights, None, overlay)

@@ -415,3 +415,40 @@ def test_zones_rank_before_gpu_classes_and_become_localities() -> None:
         (1, "eu", "core", ["10.0.0.2"]),
         (2, "", "other", ["10.0.0.3"]),
     ]
+
+
+# ---- holding: a model with no ready server waits in the control plane -------------------
+
+
+def test_a_holding_model_routes_to_the_holding_service_with_its_name() -> None:
+    from controlplane.routing import names
+    from controlplane.routing.translate import RoutingOverlay
+
+    fleet = parse_fleet(BASIC)
+    overlay = RoutingOverlay(holding=frozenset({"llama-3-8b"}), hold_address="127.0.0.1:18002")
+    d = translate(fleet, overlay=overlay)
+    hold = d.by_type[CLUSTER][names.HOLD_CLUSTER]
+    assert hold.type == cluster_pb2.Cluster.STATIC
+    sa = hold.load_assignment.endpoints[0].lb_endpoints[0].endpoint.address.socket_address
+    assert (sa.address, sa.port_value) == ("127.0.0.1", 18002)
+    routes = _routes(d.by_type[ROUTE]["inference"])
+    held = routes["header/llama-3-8b"]
+    assert held.route.cluster == names.HOLD_CLUSTER and not held.route.HasField("retry_policy")
+    [header] = held.request_headers_to_add
+    assert (header.header.key, header.header.value) == (names.HOLD_MODEL_HEADER, "llama-3-8b")
+    assert held.route.timeout.seconds == 60  # the model's own timeout still bounds the wait
+    # A request naming a version goes to that version's cluster, held or not.
+    assert routes["header/llama-3-8b@v2"].route.cluster == "llama-3-8b@v2"
+    # Without an address (holding off), nothing changes.
+    off = translate(fleet, overlay=RoutingOverlay(holding=frozenset({"llama-3-8b"})))
+    assert names.HOLD_CLUSTER not in off.by_type[CLUSTER]
+    assert _routes(off.by_type[ROUTE]["inference"])["header/llama-3-8b"].route.cluster == "llama-3-8b@v1"
+
+
+def test_the_holding_service_by_name_is_resolved_by_dns() -> None:
+    from controlplane.routing.translate import build_hold_cluster
+
+    assert (
+        build_hold_cluster("controlplane.inference-system.svc:18002").type == cluster_pb2.Cluster.STRICT_DNS
+    )
+    assert build_hold_cluster("[::1]:18002").type == cluster_pb2.Cluster.STATIC
