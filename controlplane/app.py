@@ -49,6 +49,7 @@ from controlplane.xds.tls import XdsTls, server_credentials
 
 log = structlog.get_logger("controlplane")
 XDS_MEMORY_FILE = "xds-memory.bin"  # in the state directory
+HOLD_PORT_FILE = "hold-port"  # in the state directory: the holding service's last free port
 
 
 @dataclass(frozen=True)
@@ -401,7 +402,19 @@ class ControlPlane:
             on_held=lambda model: loop.call_soon_threadsafe(self.weights.wake),
             max_body=max_body,
         )
-        bound = self.hold.start(host, port)
+        remembered = self.options.state_dir / HOLD_PORT_FILE
+        bound = 0
+        if port == 0 and remembered.is_file():
+            # The port of the last run, if free: the proxies' holding cluster stays as it was
+            # across a restart instead of changing address every time.
+            with contextlib.suppress(OSError, ValueError):
+                bound = self.hold.start(host, int(remembered.read_text().strip()))
+        if not bound:
+            bound = self.hold.start(host, port)
+        if port == 0:
+            with contextlib.suppress(OSError):
+                remembered.parent.mkdir(parents=True, exist_ok=True)
+                remembered.write_text(f"{bound}\n")
         if self.options.hold_address is not None:
             address = self.options.hold_address
         elif host in ("0.0.0.0", "::", ""):
@@ -412,8 +425,6 @@ class ControlPlane:
         else:
             address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         self.reconciler.hold_address = address
-        endpoints = self.weights.store.endpoints
-        self.reconciler.heard = lambda m, a: (sig := endpoints.get((m, a))) is not None and sig.ready is True
         self.weights.held = self.hold.held
         log.info("holding service listening", listen=f"{host}:{bound}", address=address)
 

@@ -55,6 +55,7 @@ class WeightController:
         self._scaling_exported: set[tuple[str, str]] = set()
         self._desired: dict[str, int] = {}  # model -> desired replicas last exported
         self._wake = asyncio.Event()  # set: start the next round now
+        self._first_round: dict[tuple[str, str], int] = {}  # endpoint -> the round it joined in
         self._round = asyncio.Event()  # set (and replaced) when a round ends
         self._source: SignalSource | None = None
         self._ready: dict[tuple[str, str], bool] = {}
@@ -106,13 +107,15 @@ class WeightController:
                 capacity.update({(m.name, a): c for a, c in rel.items()})
         # A server that joined after the first round, and that the probes have not heard from
         # yet (it may be loading; the collectors scrape it from this round on), is held out
-        # until they have: no request is sent to a server no one has seen ready. At start,
-        # and for servers without probes, the benefit of the doubt stands (fail static).
-        unheard = (
-            {k for k in scrape_targets(fleet) if not self.store.heard(k)}
-            if fleet.signals.enabled and self.rounds > 0
-            else set()
-        )
+        # until they have: no request is sent to a server no one has seen ready. Servers there
+        # from the first round, and servers without probes, keep the benefit of the doubt
+        # (fail static: at start, the control plane may be the one that cannot see).
+        targets_now = set(scrape_targets(fleet)) if fleet.signals.enabled else set()
+        for key in targets_now:
+            self._first_round.setdefault(key, self.rounds)
+        for key in [k for k in self._first_round if k not in targets_now]:
+            del self._first_round[key]
+        unheard = {k for k in targets_now if self._first_round[k] > 0 and not self.store.heard(k)}
 
         def load_of(m: Model, ep: Endpoint) -> EndpointLoad:
             key = (m.name, ep.address)

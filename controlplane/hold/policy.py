@@ -10,7 +10,7 @@ ready server as soon as there is one. Models served over HTTP/2 (gRPC) and model
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from controlplane.fleet.model import Fleet, Model
 from controlplane.routing.names import cluster_name
@@ -28,16 +28,11 @@ def routed(model: Model, overlay: RoutingOverlay) -> list[tuple[str, int]]:
 
 
 def ready_servers(
-    fleet: Fleet,
-    model: Model,
-    overlay: RoutingOverlay,
-    weights: Weights,
-    heard: Callable[[str, str], bool] = lambda model, address: True,
+    fleet: Fleet, model: Model, overlay: RoutingOverlay, weights: Weights
 ) -> tuple[tuple[str, int], ...]:
     """(address, weight x percent) of the servers the model's requests may go to now: those
-    the signals have weighed and given weight. A server not weighed yet (just added, its first
-    round to come within a second) is not counted, nor one the signals have not heard say it
-    is ready (`heard`): it may well be still loading."""
+    the signals have weighed and given weight, as Envoy sees them. (A server that joined a
+    running control plane has weight only once the probes heard it say it is ready.)"""
     out: list[tuple[str, int]] = []
     for cname, percent in routed(model, overlay):
         version = next((v for v in model.versions if cluster_name(model.name, v.name) == cname), None)
@@ -48,7 +43,7 @@ def ready_servers(
             if ep.address in overlay.draining:
                 continue  # takes no new requests
             w = known.get(ep.address, 0) if known is not None else 0
-            if w > 0 and heard(model.name, ep.address):
+            if w > 0:
                 out.append((ep.address, w * percent))
     return tuple(out)
 

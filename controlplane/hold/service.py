@@ -157,9 +157,11 @@ class HoldingService:
             return _error(413, message, "invalid_request_error", "request_too_large", retry=False)
         backoff: dict[str, float] = {}  # a server that refused the connection: not before then
         last_error = ""
+        had_ready = False  # a server the signals call ready was there (and failed us)
         while True:
             now = time.monotonic()
             servers = [(a, w) for a, w in self.ready().get(model, ()) if backoff.get(a, 0.0) <= now]
+            had_ready = had_ready or bool(servers)
             if not servers and not self.ready().get(model):
                 servers = [(a, w) for a, w in self.candidates().get(model, ()) if backoff.get(a, 0.0) <= now]
             if servers:
@@ -182,7 +184,7 @@ class HoldingService:
                 self.metrics.outcomes.labels(model, "forwarded").inc()
                 return await self._relay(request, upstream)
             if time.monotonic() >= deadline:
-                outcome = "upstream_error" if last_error else "timeout"
+                outcome = "upstream_error" if had_ready and last_error else "timeout"
                 self.metrics.outcomes.labels(model, outcome).inc()
                 message = (
                     f"No server of model {model} became ready within {time.monotonic() - started:.0f}s"
@@ -239,6 +241,10 @@ class HoldingService:
                 loop.run_until_complete(self._serve(host, port))
             except BaseException as e:
                 failed.append(e)
+                with contextlib.suppress(Exception):
+                    loop.run_until_complete(self._close())
+                loop.close()
+                self._session = self._runner = None
                 started.set()
                 return
             started.set()

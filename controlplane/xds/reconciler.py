@@ -50,9 +50,6 @@ class Reconciler:
         self.hold_address: str | None = None
         self.ready: Mapping[str, tuple[tuple[str, int], ...]] = {}
         self.candidates: Mapping[str, tuple[tuple[str, int], ...]] = {}  # of the holding models
-        # Whether the signals heard a server say it is ready (model, address): a holding model
-        # goes back to its servers only on that, not on a new server's benefit of the doubt.
-        self.heard: Callable[[str, str], bool] = lambda model, address: True
         # Clusters a restarted server remembers (xds/memory.py): the first snapshot lingers them.
         self.lingering_seed: Mapping[str, Lingering] = {}
         # Called with a new snapshot before any stream sees it, then after.
@@ -102,7 +99,7 @@ class Reconciler:
         overlay = self.overlay
         if self.hold_address is not None:
             fleet = self.fleet
-            ready = {m.name: ready_servers(fleet, m, overlay, self.weights, self.heard) for m in fleet.models}
+            ready = {m.name: ready_servers(fleet, m, overlay, self.weights) for m in fleet.models}
             holding = frozenset(m.name for m in fleet.models if can_hold(fleet, m) and not ready[m.name])
             overlay = dataclasses.replace(overlay, holding=holding, hold_address=self.hold_address)
             # Each replaced whole, never mutated: the holding service reads them from its thread.

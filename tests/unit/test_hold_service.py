@@ -152,3 +152,6 @@ def test_the_bounds_answer_in_openai_shape_and_unknown_models_mint_no_series(rig
     assert statuses == [429, 503, 503]  # hold_max 2; the two held time out (no server, 3 s)
     for _, headers, body in results:
         assert headers["retry-after"] == "1" and json.loads(body)["error"]["code"] == "model_warming"
+    sample = registry.get_sample_value
+    assert sample("controlplane_hold_requests_total", {"model": "m", "outcome": "timeout"}) == 2
+    assert sample("controlplane_hold_requests_total", {"model": "m", "outcome": "full"}) == 1
