@@ -107,15 +107,28 @@ class WeightController:
                 capacity.update({(m.name, a): c for a, c in rel.items()})
         # A server that joined after the first round, and that the probes have not heard from
         # yet (it may be loading; the collectors scrape it from this round on), is held out
-        # until they have: no request is sent to a server no one has seen ready. Servers there
-        # from the first round, and servers without probes, keep the benefit of the doubt
-        # (fail static: at start, the control plane may be the one that cannot see).
+        # until they have, while its cluster has other servers ready: no request is sent to a
+        # server no one has seen ready. Servers there from the first round, and servers without
+        # probes, keep the benefit of the doubt (fail static: at start, the control plane may be
+        # the one that cannot see).
         targets_now = set(scrape_targets(fleet)) if fleet.signals.enabled else set()
         for key in targets_now:
             self._first_round.setdefault(key, self.rounds)
         for key in [k for k in self._first_round if k not in targets_now]:
             del self._first_round[key]
         unheard = {k for k in targets_now if self._first_round[k] > 0 and not self.store.heard(k)}
+        if unheard:
+            # ...unless that would leave its cluster with no server to send to (a version
+            # replaced in one edit, old removed: its new servers are all unheard). Then the
+            # benefit of the doubt stands, as at start: holding the model's requests on an
+            # unknown would tie the data plane to the control plane being there.
+            for m in fleet.models:
+                for v in m.versions:
+                    keys = [(m.name, ep.address) for ep in v.endpoints]
+                    if any(k in unheard for k in keys) and not any(
+                        k not in unheard and self.store.load(k, 1.0, now).ready for k in keys
+                    ):
+                        unheard.difference_update(keys)
 
         def load_of(m: Model, ep: Endpoint) -> EndpointLoad:
             key = (m.name, ep.address)

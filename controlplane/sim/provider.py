@@ -5,10 +5,11 @@ For the demo and the tests: autoscaling seen end to end on one machine. Every mo
 stable version gets `controlplane emulate` processes (with the configured cold start) on
 top of the endpoints the file lists, which count as fixed capacity and are never stopped.
 Each round (1 s) `autoscaling/scale_down.plan` says what to do: a new server starts cold and
-is held out until its /health says ready; one to remove is drained first through the drain
-machinery (EDS DRAINING, in-flight requests finish) and stopped only once drained, so a
-scale-down drops no request. Single replica only: with several replicas every one would
-start its own servers, so the provider does not run under --store.
+joins the fleet once its /health says ready (as a readiness probe gates a pod); one to
+remove is drained first through the drain machinery (EDS DRAINING, in-flight requests
+finish) and stopped only once drained, so a scale-down drops no request. Single replica
+only: with several replicas every one would start its own servers, so the provider does not
+run under --store.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class _Server:
     address: str
     proc: subprocess.Popen[bytes]
     started_at: float
-    listening: bool = False  # in the fleet only once it accepts connections (then /health says)
+    listening: bool = False  # in the fleet only once its /health says it is ready
 
 
 class EmulatorProvider:
@@ -161,12 +162,12 @@ class EmulatorProvider:
         log.info("emulated server started", model=model, address=address, cold_start_s=e.cold_start_s)
 
     async def _join_when_listening(self, server: _Server) -> None:
-        """Add the server to the fleet as soon as it accepts connections (its probes then say
-        whether it is ready): a server not listening yet would be probed "unreachable", and a
-        cluster of only those kept in service (fail static)."""
+        """Add the server to the fleet once its /health says it is ready, as a Kubernetes
+        readiness probe gates a pod's endpoint: a server added while loading would get the
+        benefit of the doubt where it is its model's only one."""
         try:
             while self.servers.get(server.address) is server and server.proc.poll() is None:
-                if await _listens(server.address):
+                if await _ready(server.address):
                     server.listening = True
                     self.on_change()
                     return
@@ -198,14 +199,21 @@ class EmulatorProvider:
         self.servers.clear()
 
 
-async def _listens(address: str) -> bool:
+async def _ready(address: str) -> bool:
+    """Whether GET /health answers 200."""
     host, _, port = address.rpartition(":")
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 0.2)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 0.2)
     except (OSError, TimeoutError):
         return False
-    writer.close()
-    return True
+    try:
+        writer.write(f"GET /health HTTP/1.0\r\nHost: {address}\r\n\r\n".encode())
+        status = await asyncio.wait_for(reader.readline(), 0.5)
+        return status.split()[1:2] == [b"200"]
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        writer.close()
 
 
 def _endpoint(address: str) -> Endpoint:
