@@ -241,8 +241,6 @@ class ControlPlane:
                 await self.weights.tick(first=True)
             except Exception:
                 log.exception("first signal round failed; starting with capacity weights")
-        self._start_holding()
-        self.reconciler.rebuild_now()
         server = grpc.aio.server(
             options=[
                 ("grpc.so_reuseport", 0),
@@ -290,6 +288,14 @@ class ControlPlane:
             self.http.server.server_close()
             raise
         scaler = self._scaler_server() if self.options.scaler_listen else None
+        # The holding service's port last, once every port given on the command line is
+        # bound: a free port picked now can never be one of those.
+        try:
+            self._start_holding()
+        except OSError:
+            self.http.server.server_close()
+            raise
+        self.reconciler.rebuild_now()
         await server.start()
         await admin.start()
         if scaler is not None:
