@@ -31,13 +31,15 @@ def test_scale_from_zero_up_a_surge_and_back_to_zero_without_a_failed_request(tm
         "                              target_per_replica: 2}}}\n"
         "models: {llama: {params_b: 8, stable: v1, versions: {v1: {endpoints: []}}}}\n"
     )
-    cp = ControlPlane(config, tmp_path).start()
-    envoy = Envoy("envoy-1", cp.xds, tmp_path, listener).start()
+    cp = ControlPlane(config, tmp_path)
+    envoy = Envoy("envoy-1", cp.xds, tmp_path, listener)
 
     def servers() -> int:
         return len(envoy.endpoints("llama@v1"))
 
-    try:
+    try:  # everything started inside: a failed start stops the rest
+        cp.start()
+        envoy.start()
         assert servers() == 0 and cp.metric("controlplane_model_desired_replicas", model="llama") == 0
         replies = _concurrently(listener, "llama", 4)
         assert [r.status for _, r in replies] == [200] * 4, [(r.status, r.body[:200]) for _, r in replies]

@@ -61,9 +61,11 @@ def test_requests_for_a_loading_model_wait_and_are_answered_once_it_is_warm(tmp_
         "  qwen: {params_b: 8, stable: v1, timeout: 3s, autoscaling: {hold_max: 2},\n"
         f"         versions: {{v1: {{endpoints: ['{never.address}']}}}}}}\n"
     )
-    cp = ControlPlane(config, tmp_path).start()
-    envoy = Envoy("envoy-1", cp.xds, tmp_path, listener).start()
-    try:
+    cp = ControlPlane(config, tmp_path)
+    envoy = Envoy("envoy-1", cp.xds, tmp_path, listener)
+    try:  # everything started inside: a failed start stops the rest
+        cp.start()
+        envoy.start()
         assert time.monotonic() - started < COLD_START_S - 1, "too slow to start: the test proves nothing"
         held: list[float] = []
         watcher = threading.Thread(
