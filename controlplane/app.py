@@ -22,7 +22,7 @@ from controlplane.admin.keda import ExternalScaler
 from controlplane.admin.service import SERVICE_NAMES, EndpointService, ProxyService, RolloutService
 from controlplane.balancing.controller import WeightController
 from controlplane.fleet.loader import FleetConfigInvalid
-from controlplane.fleet.model import Fleet
+from controlplane.fleet.model import Fleet, Model
 from controlplane.fleet.watch import FleetFileWatcher
 from controlplane.ha.election import LeaderElection
 from controlplane.ha.etcd import Etcd, parse_store_url
@@ -382,20 +382,22 @@ class ControlPlane:
             return
         host, port = split_host_port(self.options.hold_listen)
 
-        def hold_max(model: str) -> int | None:
-            fleet = self.reconciler.fleet
+        def named(model: str) -> tuple[Fleet, Model] | None:
+            fleet = self.reconciler.fleet  # read from the holding service's thread: replaced whole
             m = next((x for x in fleet.models if x.name == model), None) if fleet else None
-            return fleet.scaling_of(m).hold_max if fleet and m else None
+            return (fleet, m) if fleet is not None and m is not None else None
+
+        def hold_max(model: str) -> int | None:
+            found = named(model)
+            return found[0].scaling_of(found[1]).hold_max if found else None
 
         def timeout_s(model: str) -> float:
-            fleet = self.reconciler.fleet
-            m = next((x for x in fleet.models if x.name == model), None) if fleet else None
-            return fleet.traffic_of(m).timeout_s if fleet and m else 60.0
+            found = named(model)
+            return found[0].traffic_of(found[1]).timeout_s if found else 60.0
 
         def max_body(model: str) -> int:
-            fleet = self.reconciler.fleet
-            m = next((x for x in fleet.models if x.name == model), None) if fleet else None
-            return fleet.traffic_of(m).max_body_bytes if fleet and m else 8 << 20
+            found = named(model)
+            return found[0].traffic_of(found[1]).max_body_bytes if found else 8 << 20
 
         loop = asyncio.get_running_loop()
         self.hold = HoldingService(

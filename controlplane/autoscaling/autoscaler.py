@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from typing import Protocol
 
 from controlplane.autoscaling.kpa import Decision, Scaler
 from controlplane.fleet.model import Fleet
@@ -21,14 +21,17 @@ from controlplane.signals.load import EndpointLoad
 MODEL = ""  # the version key of a whole model's decision
 
 
-@dataclass(frozen=True)
-class ClusterLoads:
-    """What the autoscaler needs of one cluster's round (balancing.weigher.ClusterView fits)."""
+class ClusterLoads(Protocol):
+    """What the autoscaler needs of one cluster's round (balancing.weigher.ClusterView has it)."""
 
-    model: str
-    version: str
-    loads: tuple[EndpointLoad, ...]
-    weights: Mapping[str, int]
+    @property
+    def model(self) -> str: ...
+    @property
+    def version(self) -> str: ...
+    @property
+    def loads(self) -> tuple[EndpointLoad, ...]: ...
+    @property
+    def weights(self) -> Mapping[str, int]: ...
 
 
 class Autoscaler:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 
 import structlog
 
-from controlplane.autoscaling.autoscaler import MODEL, Autoscaler, ClusterLoads
+from controlplane.autoscaling.autoscaler import MODEL, Autoscaler
 from controlplane.balancing.shedding import saturation, shed_classes
 from controlplane.balancing.weigher import Weigher, load_balance_degree, relative_capacity
 from controlplane.fleet.model import Endpoint, Fleet, Model
@@ -155,7 +155,7 @@ class WeightController:
         """Desired replicas per model and version from this round's loads (autoscaling/)."""
         decisions = self.autoscaler.update(
             fleet,
-            (ClusterLoads(v.model, v.version, v.loads, v.weights) for v in self.weigher.views.values()),
+            self.weigher.views.values(),
             now,
             slots=lambda model, address: self.store.slots((model, address)),
             held=self.held() if self.held is not None else None,

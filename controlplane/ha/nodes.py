@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 import uuid
 from collections.abc import Callable, Iterable
 
@@ -57,15 +56,12 @@ class SharedNodes:
         etcd: Etcd,
         replica: str,
         local: Callable[[], Iterable[str]],
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.etcd = etcd
         self.local = local
-        self.clock = clock
         self.prefix = etcd.url.key("nodes") + b"/"
         self._mine = LeasedKey(etcd, self.prefix + f"{replica}-{uuid.uuid4().hex[:6]}".encode(), LEASE_TTL_S)
         self.peers: frozenset[bytes] = frozenset()
-        self.read_at: float | None = None  # when the others' sets were last read
 
     def holds(self, node_id: str) -> bool:
         """Whether another replica serves `node_id`, as last read."""
@@ -83,7 +79,6 @@ class SharedNodes:
             if bytes(kv.key) != self._mine.key:
                 peers |= decode(bytes(kv.value))
         self.peers = frozenset(peers)
-        self.read_at = self.clock()
 
     async def run(self) -> None:
         """Sync every PUBLISH_S until cancelled; the key goes with the replica."""

@@ -10,7 +10,7 @@ ready server as soon as there is one. Models served over HTTP/2 (gRPC) and model
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from controlplane.fleet.model import Fleet, Model
 from controlplane.routing.names import cluster_name
@@ -27,24 +27,30 @@ def routed(model: Model, overlay: RoutingOverlay) -> list[tuple[str, int]]:
     return [(cluster_name(model.name, model.stable), 100)]
 
 
+def _routed_endpoints(model: Model, overlay: RoutingOverlay) -> Iterator[tuple[str, str, int]]:
+    """(cluster, address, percent) of every server the model's requests may go to, draining
+    ones left out (they take no new requests)."""
+    versions = {cluster_name(model.name, v.name): v for v in model.versions}
+    for cname, percent in routed(model, overlay):
+        version = versions.get(cname)
+        if version is None or percent <= 0:
+            continue
+        for ep in version.endpoints:
+            if ep.address not in overlay.draining:
+                yield cname, ep.address, percent
+
+
 def ready_servers(
     fleet: Fleet, model: Model, overlay: RoutingOverlay, weights: Weights
 ) -> tuple[tuple[str, int], ...]:
     """(address, weight x percent) of the servers the model's requests may go to now: those
     the signals have weighed and given weight, as Envoy sees them. (A server that joined a
     running control plane has weight only once the probes heard it say it is ready.)"""
-    out: list[tuple[str, int]] = []
-    for cname, percent in routed(model, overlay):
-        version = next((v for v in model.versions if cluster_name(model.name, v.name) == cname), None)
-        if version is None or percent <= 0:
-            continue
-        known = weights.get(cname)
-        for ep in version.endpoints:
-            if ep.address in overlay.draining:
-                continue  # takes no new requests
-            w = known.get(ep.address, 0) if known is not None else 0
-            if w > 0:
-                out.append((ep.address, w * percent))
+    out = []
+    for cname, address, percent in _routed_endpoints(model, overlay):
+        w = weights.get(cname, {}).get(address, 0)
+        if w > 0:
+            out.append((address, w * percent))
     return tuple(out)
 
 
@@ -55,9 +61,4 @@ def can_hold(fleet: Fleet, model: Model) -> bool:
 def candidate_servers(model: Model, overlay: RoutingOverlay) -> tuple[tuple[str, int], ...]:
     """(address, percent) of every server the model's requests may go to, ready or not (the
     holding service tries them when none is known ready)."""
-    out: list[tuple[str, int]] = []
-    for cname, percent in routed(model, overlay):
-        for v in model.versions:
-            if cluster_name(model.name, v.name) == cname and percent > 0:
-                out += [(ep.address, percent) for ep in v.endpoints if ep.address not in overlay.draining]
-    return tuple(out)
+    return tuple((address, percent) for _, address, percent in _routed_endpoints(model, overlay))

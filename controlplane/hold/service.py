@@ -160,10 +160,11 @@ class HoldingService:
         had_ready = False  # a server the signals call ready was there (and failed us)
         while True:
             now = time.monotonic()
-            servers = [(a, w) for a, w in self.ready().get(model, ()) if backoff.get(a, 0.0) <= now]
-            had_ready = had_ready or bool(servers)
-            if not servers and not self.ready().get(model):
-                servers = [(a, w) for a, w in self.candidates().get(model, ()) if backoff.get(a, 0.0) <= now]
+            ready = self.ready().get(model, ())
+            # With none known ready, each of its servers in turn (a loading one answers 503).
+            pool = ready or self.candidates().get(model, ())
+            servers = [(a, w) for a, w in pool if backoff.get(a, 0.0) <= now]
+            had_ready = had_ready or bool(ready and servers)
             if servers:
                 address = random.choices([a for a, _ in servers], weights=[w for _, w in servers])[0]
                 try:

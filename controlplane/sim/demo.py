@@ -21,7 +21,6 @@ import http.client
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from typing import Any
 from controlplane.sim.demo_view import DemoState, EndpointRow, plain_lines, render, rollout_line, summary
 from controlplane.sim.emulator import SERVER_HEADER, EmulatorConfig, EmulatorsThread
 from controlplane.sim.procs import die_with_parent as _die_with_parent
+from controlplane.sim.procs import free_port
 from controlplane.xds.bootstrap import envoy_bootstrap
 
 MODELS = {
@@ -54,12 +54,6 @@ ROLLOUT_MODEL, ROLLOUT_TO = "llama-3-8b", "v2"
 # surge of clients, replicas up while it lasts, drained back to zero after it.
 SURGE_MODEL, SURGE_CLIENTS = "phi-3-mini", 6
 SURGE_FROM, SURGE_UNTIL = 0.35, 0.6  # shares of the run
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _fleet_yaml(port: int, addrs: dict[str, str], extra: dict[str, list[str]]) -> str:
@@ -299,7 +293,7 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
         emulators = EmulatorsThread(configs).start()
         addrs = dict(zip(names, emulators.addresses, strict=True))
         by_addr = {a: n for n, a in addrs.items()}
-        listener, xds, metrics, envoy_admin, admin_port = (_free_port() for _ in range(5))
+        listener, xds, metrics, envoy_admin, admin_port = (free_port() for _ in range(5))
         admin = f"127.0.0.1:{admin_port}"
         config = work / "fleet.yaml"
         config.write_text(_fleet_yaml(listener, addrs, {}))

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
-from controlplane.autoscaling.autoscaler import MODEL, Autoscaler, ClusterLoads
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from controlplane.autoscaling.autoscaler import MODEL, Autoscaler
 from controlplane.fleet import parse_fleet
 from controlplane.signals.load import EndpointLoad
+
+
+@dataclass(frozen=True)
+class ClusterLoads:
+    """One cluster's round as the weigher hands it on (autoscaler.ClusterLoads)."""
+
+    model: str
+    version: str
+    loads: tuple[EndpointLoad, ...]
+    weights: Mapping[str, int]
+
 
 FLEET = parse_fleet(
     """\

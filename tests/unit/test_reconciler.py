@@ -9,7 +9,7 @@ from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.snapshot import Snapshot
 from tests.fleets import fleet_yaml
 
-MODELS = {f"m{i}": {"v1": [f"10.0.{i}.1:80", f"10.0.{i}.2:80"]} for i in range(20)}
+MODELS = {f"m{i}": {"v1": [f"127.10.{i}.1:80", f"127.10.{i}.2:80"]} for i in range(20)}
 
 
 def make(debounce: float = 0.05, max_delay: float = 1.0) -> tuple[Reconciler, list[Snapshot]]:
@@ -27,7 +27,7 @@ def test_a_burst_of_100_weight_changes_in_100ms_gives_one_snapshot() -> None:
         r, published = make(debounce=0.1)
         task = asyncio.create_task(r.run())
         for i in range(100):
-            r.set_weights(f"m{i % 20}@v1", {f"10.0.{i % 20}.1:80": i + 2})
+            r.set_weights(f"m{i % 20}@v1", {f"127.10.{i % 20}.1:80": i + 2})
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.4)
         task.cancel()
@@ -45,7 +45,7 @@ def test_a_steady_stream_of_changes_still_publishes_by_the_max_delay() -> None:
         r, published = make(debounce=0.1, max_delay=0.3)
         task = asyncio.create_task(r.run())
         for i in range(40):  # a change every 25 ms for 1 s: never 100 ms of quiet
-            r.set_weights("m1@v1", {"10.0.1.1:80": i + 2})
+            r.set_weights("m1@v1", {"127.10.1.1:80": i + 2})
             await asyncio.sleep(0.025)
         await asyncio.sleep(0.3)
         task.cancel()
@@ -87,7 +87,7 @@ def test_serialisation_happens_once_per_version_whatever_the_number_of_streams()
     before = SERIALISED.value
     metric = "controlplane_snapshot_resources_serialised_total"
     counted = r.metrics.registry.get_sample_value(metric) or 0.0
-    r.set_weights("m3@v1", {"10.0.3.1:80": 7})
+    r.set_weights("m3@v1", {"127.10.3.1:80": 7})
     second = r.rebuild_now()
     assert second is not None and second is not first
     sent = [[e for e in s.set_snapshot(second, 1) if isinstance(e, Send)] for s in streams]
@@ -112,8 +112,8 @@ def test_a_model_that_fails_to_build_is_counted_and_the_others_still_publish(mon
         return real(cname, *args, **kw)
 
     monkeypatch.setattr(incremental, "build_assignment", broken_for_m3)
-    r.set_weights("m3@v1", {"10.0.3.1:80": 5})
-    r.set_weights("m4@v1", {"10.0.4.1:80": 5})
+    r.set_weights("m3@v1", {"127.10.3.1:80": 5})
+    r.set_weights("m4@v1", {"127.10.4.1:80": 5})
     snap = r.rebuild_now()
     assert snap is not None and published == [snap]
     changed = snap.changes["type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"]
