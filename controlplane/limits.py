@@ -27,6 +27,10 @@ SIGNALS_TIMEOUT_MIN_S = 0.01
 # A fleet file must hold still this long before a destructive decision taken from it (a
 # rollout aborted because a version left the file, the API's layers dropped) is stored.
 FILE_SETTLE_S = 2.0
+# ...but a file that keeps changing (a tool rewriting it every second) is not held forever:
+# held content that was read the same on two polls in a row goes out at most this long after
+# the first held change.
+FILE_SETTLE_MAX_S = 6.0
 
 # Numbers: finite, and within a range that means something for the key.
 PARAMS_B_MAX = 1_000_000.0  # billions of parameters

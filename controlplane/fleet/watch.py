@@ -5,7 +5,9 @@ with models missing, and serving it answers 404 for them. So an edit that remove
 something (a model, a version, an endpoint) is acted on only once the file has held still
 for `settle_s` (limits.FILE_SETTLE_S); an edit that only adds or changes goes out at once,
 and so does a file that does not load (refusing it changes nothing served). The first load
-is never held.
+is never held. A file that never holds still (edits every second) is not held forever: once
+the first held change is `settle_max_s` old (limits.FILE_SETTLE_MAX_S), content read the same
+on two polls in a row goes out.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class FleetFileWatcher:
         on_invalid: Callable[[FleetConfigInvalid], None],
         interval_s: float = 0.25,
         settle_s: float = limits.FILE_SETTLE_S,
+        settle_max_s: float = limits.FILE_SETTLE_MAX_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = path
@@ -52,11 +55,13 @@ class FleetFileWatcher:
         self.on_invalid = on_invalid
         self.interval_s = interval_s
         self.settle_s = settle_s
+        self.settle_max_s = max(settle_max_s, settle_s)
         self.clock = clock
         self._digest: bytes | None = None  # of the content last acted on
         self._served: Fleet | None = None  # the last fleet handed on
         # Content seen but not yet acted on: its digest, since when, and its verdict.
         self._pending: tuple[bytes, float, Fleet | FleetConfigInvalid] | None = None
+        self._held_since: float | None = None  # the first change held since the last one acted on
         self.held: str = ""  # why the file's current content waits, for logs and tests
 
     def check(self) -> bool:
@@ -91,7 +96,7 @@ class FleetFileWatcher:
         if digest == self._digest:
             if self._pending is not None:
                 log.info("fleet file back to what is served; the held edit is dropped", held=self.held)
-            self._pending, self.held = None, ""
+            self._pending, self.held, self._held_since = None, "", None
             return None
         if self._pending is not None and digest == self._pending[0]:
             return None
@@ -103,15 +108,31 @@ class FleetFileWatcher:
         if not why:
             self._act(digest, result)
             return True
-        self._pending, self.held = (digest, self.clock(), result), why
+        now = self.clock()
+        self._pending, self.held = (digest, now, result), why
+        if self._held_since is None:
+            self._held_since = now
         log.info("fleet file changed; held until it holds still", reason=why, settle_s=self.settle_s)
         return self._settled()
 
     def _settled(self) -> bool:
-        """Act on held content once the file has not changed for settle_s."""
-        if self._pending is None or self.clock() - self._pending[1] < self.settle_s:
+        """Act on held content once the file has not changed for settle_s, or once changes
+        have been held for settle_max_s and this content was read the same twice."""
+        if self._pending is None:
             return False
-        digest, _, result = self._pending
+        digest, seen_at, result = self._pending
+        now = self.clock()
+        still = now - seen_at
+        held = now - (self._held_since if self._held_since is not None else seen_at)
+        if still < self.settle_s and not (held >= self.settle_max_s and still > 0):
+            return False
+        if still < self.settle_s:
+            log.warning(
+                "fleet file keeps changing; the held edit goes out after the longest wait",
+                reason=self.held,
+                held_s=round(held, 2),
+                settle_max_s=self.settle_max_s,
+            )
         self._act(digest, result)
         return True
 
@@ -121,7 +142,7 @@ class FleetFileWatcher:
         return removals(self._served, result)
 
     def _act(self, digest: bytes, result: Fleet | FleetConfigInvalid) -> None:
-        self._digest, self._pending, self.held = digest, None, ""
+        self._digest, self._pending, self.held, self._held_since = digest, None, "", None
         if isinstance(result, Fleet):
             self._served = result
         self._deliver(result)

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 
 from controlplane.fleet.model import Fleet, Model
 from controlplane.routing.names import cluster_name
-from controlplane.routing.translate import RoutingOverlay
+from controlplane.routing.translate import DEFAULT_WEIGHT, RoutingOverlay
 
 Weights = Mapping[str, Mapping[str, int]]  # cluster -> address -> weight
 
@@ -45,10 +45,14 @@ def ready_servers(
 ) -> tuple[tuple[str, int], ...]:
     """(address, weight x percent) of the servers the model's requests may go to now: those
     the signals have weighed and given weight, as Envoy sees them. (A server that joined a
-    running control plane has weight only once the probes heard it say it is ready.)"""
+    running control plane has weight only once the probes heard it say it is ready.)
+
+    A server not weighed yet (a version that arrived with this edit, before the next signals
+    round) counts with the default weight, as build_assignment sends it: Envoy routes to it,
+    so the model must not hold on the control plane meanwhile."""
     out = []
     for cname, address, percent in _routed_endpoints(model, overlay):
-        w = weights.get(cname, {}).get(address, 0)
+        w = weights.get(cname, {}).get(address, DEFAULT_WEIGHT)
         if w > 0:
             out.append((address, w * percent))
     return tuple(out)

@@ -119,3 +119,35 @@ def test_removals_names_what_goes() -> None:
     fewer = parse_fleet(fleet_yaml({**THREE, "a": {"v1": ["127.0.0.1:8001"]}}))  # type: ignore[arg-type]
     assert removals(old, fewer) == "it removes 1 endpoint(s) of a@v1"
     assert removals(fewer, old) == ""
+
+
+def test_a_file_that_never_holds_still_is_served_after_the_longest_wait(rig: Rig) -> None:
+    """A tool rewriting the file every second (each edit keeping a removal) must not keep every
+    edit out forever: a churn run held 14 s of edits until a restart read them all at once."""
+    texts = [
+        fleet_yaml({"a": THREE["a"], "d": {"v1": [f"127.0.0.1:{9000 + i}"]}})  # type: ignore[arg-type]
+        for i in range(20)
+    ]
+    held_for = 0.0
+    for text in texts:
+        rig.write(text)
+        rig.poll()
+        rig.poll(0.75)
+        held_for += 1.0
+        if len(rig.served) > 1:
+            break
+    assert len(rig.served) == 2, "held past the longest wait"
+    assert limits.FILE_SETTLE_MAX_S <= held_for <= limits.FILE_SETTLE_MAX_S + 1.0
+    assert rig.models() == {"a", "d"}
+    assert rig.watcher.held == ""
+
+
+def test_after_the_longest_wait_content_read_once_still_waits_for_a_second_read(rig: Rig) -> None:
+    rig.write(fleet_yaml({"a": THREE["a"]}))  # type: ignore[arg-type]
+    rig.poll()
+    rig.poll(limits.FILE_SETTLE_S - 0.5)
+    rig.write(fleet_yaml({"a": THREE["a"], "b": THREE["b"]}))  # type: ignore[arg-type]
+    rig.poll(limits.FILE_SETTLE_MAX_S)  # first read of this content, long after the first hold
+    assert len(rig.served) == 1  # one read could be a torn write
+    rig.poll()
+    assert rig.models() == {"a", "b"}
