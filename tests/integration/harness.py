@@ -23,7 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 BIN = Path(sys.executable).parent
+
+# Outage tests run their outage for OUTAGE_S in the default suite (several times the detection
+# bounds: 1.5 s out of sight, a 5 s etcd lease), and for SOAK_OUTAGE_S under `-m soak`.
+OUTAGE_S = 12
+SOAK_OUTAGE_S = 30
+OUTAGES = [OUTAGE_S, pytest.param(SOAK_OUTAGE_S, marks=pytest.mark.soak)]
 
 
 _GIVEN_PORTS: set[int] = set()

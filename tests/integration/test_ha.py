@@ -3,7 +3,8 @@
 The issue's "done when":
 - two replicas, two Envoys, steady load through both; the leader is killed (-9) mid-rollout:
   the other replica takes over within the lease TTL, the rollout completes, zero failures;
-- etcd stopped for 30 s: traffic unaffected, writes fail clearly, afterwards a new rollout works;
+- etcd stopped for 12 s (30 s under -m soak): traffic unaffected, writes fail clearly,
+  afterwards a new rollout works;
 plus: a change through any replica is served by all within 1 s, and losing one member of a
 3-member etcd cluster loses nothing.
 """
@@ -22,6 +23,7 @@ import pytest
 from controlplane.v1 import endpoint_pb2, rollout_pb2
 from tests.integration.harness import (
     BIN,
+    OUTAGES,
     ControlPlane,
     Emulator,
     Envoy,
@@ -219,7 +221,8 @@ def test_leader_killed_mid_rollout_another_takes_over_and_nothing_fails(ha: HaRi
     assert phases.count("Completed") == 1
 
 
-def test_etcd_down_30s_traffic_flows_writes_fail_clearly_then_work_again(ha: HaRig) -> None:
+@pytest.mark.parametrize("outage_s", OUTAGES)
+def test_etcd_down_traffic_flows_writes_fail_clearly_then_work_again(ha: HaRig, outage_s: int) -> None:
     ha.start(envoys=1)
     ha.traffic.append(Traffic(ha.listener, MODEL, ha.tmp, rate=50))
     wait_until(lambda: len(ha.traffic[0].records()) > 50, 15, "traffic")
@@ -233,7 +236,7 @@ def test_etcd_down_30s_traffic_flows_writes_fail_clearly_then_work_again(ha: HaR
     assert "nothing was changed" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     reads = cpctl(ha, "r2", "endpoints", "list")  # reads are served from memory
     assert reads.returncode == 0, reads.stderr
-    time.sleep(28)
+    time.sleep(max(0.0, down_at + outage_s - time.time()))
     ha.etcd.start()
     up_at = time.time()
     # Once etcd is back (and a leader elected again), a new rollout works end to end.
@@ -251,7 +254,7 @@ def test_etcd_down_30s_traffic_flows_writes_fail_clearly_then_work_again(ha: HaR
     wait_until(lambda: ha.rollout("r1").phase == "Completed", 20, "the rollout to complete")
     records = ha.traffic[0].stop()
     during = [r for r in records if down_at <= r["t"] <= up_at]
-    assert len(during) > 1000  # 50 req/s for 30 s
+    assert len(during) > 33 * outage_s  # 50 req/s
     assert _failures(records) == []
     # The refused command was not half-applied: the only rollout is the one after.
     h = op.rollouts.History(rollout_pb2.GetRolloutRequest(model=MODEL), metadata=op.md, timeout=5)

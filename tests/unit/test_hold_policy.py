@@ -8,9 +8,7 @@ from controlplane.hold.policy import candidate_servers, ready_servers
 from controlplane.routing.translate import DEFAULT_WEIGHT, RoutingOverlay
 from tests.fleets import fleet_yaml
 
-FLEET = parse_fleet(
-    fleet_yaml({"m": {"v2": ["127.0.0.1:8001", "127.0.0.1:8002"], "v1": ["127.0.0.1:8003"]}})
-)
+FLEET = parse_fleet(fleet_yaml({"m": {"v2": ["127.0.0.1:8001", "127.0.0.1:8002"], "v1": ["127.0.0.1:8003"]}}))
 MODEL = FLEET.models[0]
 
 
@@ -22,7 +20,9 @@ def test_a_version_not_weighed_yet_counts_as_ready_with_the_default_weight() -> 
 
 def test_weight_zero_is_not_ready_and_a_new_server_beside_it_is() -> None:
     weights = {"m@v2": {"127.0.0.1:8001": 0}}
-    assert ready_servers(FLEET, MODEL, RoutingOverlay(), weights) == (("127.0.0.1:8002", DEFAULT_WEIGHT * 100),)
+    assert ready_servers(FLEET, MODEL, RoutingOverlay(), weights) == (
+        ("127.0.0.1:8002", DEFAULT_WEIGHT * 100),
+    )
     weights = {"m@v2": {"127.0.0.1:8001": 0, "127.0.0.1:8002": 0}}
     assert ready_servers(FLEET, MODEL, RoutingOverlay(), weights) == ()
 
