@@ -12,6 +12,8 @@ import grpc
 
 from controlplane import limits
 from controlplane.admin.auth import USER_METADATA, Tokens
+from controlplane.admin.scaling import scaling_messages
+from controlplane.balancing.controller import WeightController
 from controlplane.obs.metrics import Metrics, type_label
 from controlplane.rollout import machine
 from controlplane.rollout.controller import CommandRejected, RolloutController
@@ -20,6 +22,8 @@ from controlplane.routing.names import cluster_name
 from controlplane.routing.translate import TYPE_URLS
 from controlplane.signals.store import EndpointSignals
 from controlplane.v1 import (
+    autoscaling_pb2,
+    autoscaling_pb2_grpc,
     endpoint_pb2,
     endpoint_pb2_grpc,
     proxy_pb2,
@@ -29,7 +33,10 @@ from controlplane.v1 import (
 )
 from controlplane.xds.server import ProxyRegistry
 
-SERVICE_NAMES = tuple(f"controlplane.v1.{s}" for s in ("RolloutService", "EndpointService", "ProxyService"))
+SERVICE_NAMES = tuple(
+    f"controlplane.v1.{s}"
+    for s in ("RolloutService", "EndpointService", "ProxyService", "AutoscalingService")
+)
 T = TypeVar("T")
 _CODES = {
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
@@ -411,3 +418,36 @@ class ProxyService(_Base, proxy_pb2_grpc.ProxyServiceServicer):
                 )
             out.append(p)
         return proxy_pb2.ListProxiesResponse(proxies=out)
+
+
+class AutoscalingService(_Base, autoscaling_pb2_grpc.AutoscalingServiceServicer):
+    """The autoscaler's latest decisions, read from the weight loop (which takes them every
+    signals round), with the drains a scale-down would make and those under way."""
+
+    def __init__(
+        self, controller: RolloutController, tokens: Tokens, metrics: Metrics, weights: WeightController
+    ) -> None:
+        super().__init__(controller, tokens, metrics)
+        self.weights = weights
+
+    def _scaling(self, model: str) -> list[autoscaling_pb2.ModelScaling]:
+        if model:
+            self.controller._model(model)  # NOT_FOUND naming it, as the other services
+        fleet = self.controller.reconciler.fleet  # as served: the autoscaler decides on it
+        if fleet is None:
+            return []
+        return scaling_messages(
+            fleet,
+            self.weights.autoscaler.decisions,
+            self.weights.weigher.views,
+            self.controller.reconciler.overlay.draining,
+            model,
+        )
+
+    async def List(
+        self, request: autoscaling_pb2.ListAutoscalingRequest, context: Any
+    ) -> autoscaling_pb2.ListAutoscalingResponse:
+        rows = await self.call(
+            context, "ListAutoscaling", lambda: _ready(self._scaling(request.model)), request=request
+        )
+        return autoscaling_pb2.ListAutoscalingResponse(scaling=rows)

@@ -1,4 +1,5 @@
-"""`cpctl`: the operator CLI of the control plane's API (rollouts, endpoint drains, proxies).
+"""`cpctl`: the operator CLI of the control plane's API (rollouts, endpoint drains, autoscaling,
+proxies).
 
 A thin gRPC client of `controlplane.v1` on the control plane's --admin-listen address. Every
 call carries `authorization: Bearer <token>` and `x-cpctl-user` (recorded in the audit trail).
@@ -109,6 +110,7 @@ examples:
   cpctl rollout status llama -w
   cpctl rollout promote llama --full
   cpctl endpoints drain 10.0.0.7:8000 --wait
+  cpctl autoscaling list llama
   cpctl proxies
   source <(cpctl completion bash)
 
@@ -171,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="cpctl",
         description="Operate the inference control plane: roll model versions out in canary steps, "
-        "drain endpoints, and see which proxies are in sync.",
+        "drain endpoints, see what autoscaling wants and which proxies are in sync.",
         epilog=EPILOG,
         formatter_class=fmt,
         parents=[conn],
@@ -358,6 +360,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("address", metavar="ADDRESS")
     s.set_defaults(func=cmd_undrain)
 
+    # autoscaling ...
+    scaling = groups.add_parser(
+        "autoscaling",
+        help="what the autoscaler wants for each model, and why",
+        description="Autoscaling: desired replicas per model and version, and what a scale-down drains.",
+        epilog="example:\n  cpctl autoscaling list llama",
+        formatter_class=fmt,
+    )
+    ss = scaling.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = leaf(
+        ss,
+        "list",
+        "desired replicas of every model (or MODEL), and why",
+        "The autoscaler's latest decision for every model (version (all)) and each of its versions: "
+        "desired and ready replicas, demand, target per replica, forecast and reason; then the "
+        "endpoints a scale-down would drain next, and those draining now.",
+        "cpctl autoscaling list llama -o json",
+    )
+    s.add_argument("model", nargs="?", default="", metavar="MODEL", help="only this model")
+    _output_flag(s)
+    s.set_defaults(func=cmd_autoscaling)
+
     s = leaf(
         groups,
         "proxies",
@@ -418,7 +442,7 @@ class Client:
     def __init__(self, server: str, token: str, timeout: float) -> None:
         import grpc
 
-        from controlplane.v1 import endpoint_pb2_grpc, proxy_pb2_grpc, rollout_pb2_grpc
+        from controlplane.v1 import autoscaling_pb2_grpc, endpoint_pb2_grpc, proxy_pb2_grpc, rollout_pb2_grpc
 
         self.server = server
         self.timeout = timeout
@@ -427,6 +451,7 @@ class Client:
         self.rollouts = rollout_pb2_grpc.RolloutServiceStub(self.channel)
         self.endpoints = endpoint_pb2_grpc.EndpointServiceStub(self.channel)
         self.proxies = proxy_pb2_grpc.ProxyServiceStub(self.channel)
+        self.autoscaling = autoscaling_pb2_grpc.AutoscalingServiceStub(self.channel)
 
     def call(self, method: Callable[..., Any], request: Any) -> Any:
         return method(request, timeout=self.timeout, metadata=self.metadata)
@@ -602,6 +627,17 @@ def cmd_undrain(c: Client, args: argparse.Namespace) -> int:
 
     e = c.call(c.endpoints.Undrain, endpoint_pb2.DrainRequest(address=args.address))
     _emit(f"{e.address} ({e.model} {e.version}): {e.state}")
+    return EXIT_OK
+
+
+def cmd_autoscaling(c: Client, args: argparse.Namespace) -> int:
+    from controlplane.v1 import autoscaling_pb2
+
+    rows = list(c.call(c.autoscaling.List, autoscaling_pb2.ListAutoscalingRequest(model=args.model)).scaling)
+    if args.output == "table":
+        _emit(out.scaling_table(rows))
+    else:
+        _emit(out.dump({"scaling": [out.scaling_to_dict(s) for s in rows]}, args.output))
     return EXIT_OK
 
 

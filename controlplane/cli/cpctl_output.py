@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from controlplane.v1 import endpoint_pb2, proxy_pb2, rollout_pb2
+from controlplane.v1 import autoscaling_pb2, endpoint_pb2, proxy_pb2, rollout_pb2
 
 FORMATS = ("table", "json", "yaml")
 XDS_TYPES = ("cds", "eds", "lds", "rds")
@@ -252,6 +252,89 @@ def endpoints_table(endpoints: Sequence[endpoint_pb2.Endpoint]) -> str:
     out = table([*headers, "LATENCY", "ERRORS"], rows)
     notes = [f"{e.model}/{e.version} {e.address}: {e.note}" for e in endpoints if e.note]
     return out + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+# ---- autoscaling --------------------------------------------------------------------------
+
+WHOLE_MODEL = "(all)"  # the VERSION shown for a whole model's decision (version "")
+
+
+def scaling_to_dict(s: autoscaling_pb2.ModelScaling) -> dict[str, Any]:
+    return {
+        "model": s.model,
+        "version": s.version,
+        "desired": s.desired,
+        "ready": s.ready,
+        "demand": s.demand,
+        "stable_demand": s.stable_demand,
+        "panic_demand": s.panic_demand,
+        "target_per_replica": s.target_per_replica,
+        "panicking": s.panicking,
+        "active": s.active,
+        "reason": s.reason,
+        "idle_seconds": s.idle_seconds,
+        "predicted_demand": s.predicted_demand if s.HasField("predicted_demand") else None,
+        "forecast_method": s.forecast_method,
+        "lead_seconds": s.lead_seconds,
+        "min": s.min,
+        "max": s.max,
+        "remove": list(s.remove),
+        "draining": list(s.draining),
+    }
+
+
+def forecast_text(s: autoscaling_pb2.ModelScaling) -> str:
+    """- without a forecast; else `14 (holt, 30s ahead)`."""
+    if not s.HasField("predicted_demand"):
+        return "-"
+    details = [s.forecast_method] if s.forecast_method else []
+    if s.lead_seconds > 0:
+        details.append(f"{seconds_text(s.lead_seconds)} ahead")
+    return number_text(s.predicted_demand) + (f" ({', '.join(details)})" if details else "")
+
+
+def _address_lines(rows: Sequence[autoscaling_pb2.ModelScaling], field: str) -> list[str]:
+    """One line per row naming its addresses in `field`; a version's line only when it names
+    one its model's line does not (the stable version's usually repeats the model's)."""
+    whole = {s.model: set(getattr(s, field)) for s in rows if not s.version}
+    lines = []
+    for s in rows:
+        addresses = list(getattr(s, field))
+        if not addresses or (s.version and set(addresses) <= whole.get(s.model, set())):
+            continue
+        name = f"{s.model}/{s.version}" if s.version else s.model
+        lines.append(f"  {name}: {', '.join(addresses)}")
+    return lines
+
+
+def scaling_table(rows: Sequence[autoscaling_pb2.ModelScaling]) -> str:
+    """One row per decision (a whole model's VERSION is (all)), then the endpoints a
+    scale-down would drain next and those draining now."""
+    if not rows:
+        return "no autoscaling decisions yet (the autoscaler decides every signals round)"
+    out = table(
+        ["MODEL", "VERSION", "DESIRED", "READY", "DEMAND", "TARGET", "FORECAST", "REASON"],
+        [
+            [
+                s.model,
+                s.version or WHOLE_MODEL,
+                str(s.desired),
+                str(s.ready),
+                number_text(s.demand),
+                number_text(s.target_per_replica),
+                forecast_text(s),
+                s.reason,
+            ]
+            for s in rows
+        ],
+    )
+    remove = _address_lines(rows, "remove")
+    draining = _address_lines(rows, "draining")
+    if remove:
+        out += "\n\nScale-down would drain next:\n" + "\n".join(remove)
+    if draining:
+        out += "\n\nDraining now:\n" + "\n".join(draining)
+    return out
 
 
 # ---- proxies ------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The real `cpctl` console script against a real control plane (`controlplane serve`).
 
 One control plane serves the module: model llama with versions v1 and v2 (for rollouts) and
-model mistral (for drains), on addresses where nothing listens. No traffic is needed: with no
+model mistral (for drains and autoscaling), on addresses where nothing listens. No traffic is needed: with no
 Envoy connected, a rollout's first step goes live at the next tick. Every test runs `cpctl`
 as a subprocess and checks its exit code, stdout and the one line it prints to stderr on
 failure.
@@ -247,6 +247,50 @@ def test_endpoints(cpctl: Cpctl) -> None:
     cpctl.fails(1, "FAILED_PRECONDITION", "endpoints", "undrain", d)
     history = cpctl("rollout", "history", "mistral", "-o", "json").json()["records"]
     assert [x["phase"] for x in history] == ["Draining", "Drained", "Undrained"]
+
+
+def test_autoscaling_list_shows_desired_replicas_and_why(cpctl: Cpctl) -> None:
+    c, d = cpctl.addresses[2:]  # mistral's
+
+    def mistral() -> list[dict[str, Any]]:
+        r = cpctl("autoscaling", "list", "mistral", "-o", "json")
+        assert r.code == 0, r.err
+        return r.json()["scaling"]  # type: ignore[no-any-return]
+
+    wait_until(lambda: bool(mistral()), 10, "the autoscaler's first decision for mistral")
+    rows = mistral()
+    assert [(x["model"], x["version"]) for x in rows] == [("mistral", ""), ("mistral", "v1")]
+    whole = rows[0]
+    # No traffic: the stable window wants at most 1, and min (1) holds it there.
+    assert (whole["desired"], whole["min"], whole["max"]) == (1, 1, 100), whole
+    assert whole["reason"].startswith("stable: the last 60s want "), whole
+    assert whole["predicted_demand"] is None and whole["panicking"] is False
+    # Whatever serves beyond the one wanted is named, in scale-down's order.
+    assert set(whole["remove"]) <= {c, d}
+    if not whole["draining"]:
+        assert len(whole["remove"]) == max(0, whole["ready"] - whole["desired"]), whole
+
+    table = cpctl("autoscaling", "list").out.splitlines()
+    assert table[0].split() == [
+        "MODEL",
+        "VERSION",
+        "DESIRED",
+        "READY",
+        "DEMAND",
+        "TARGET",
+        "FORECAST",
+        "REASON",
+    ]
+    row = next(x for x in table if x.split()[:2] == ["mistral", "(all)"])
+    assert row.split()[2] == "1" and "stable: the last 60s want " in row
+    assert any(x.split()[:2] == ["llama", "(all)"] for x in table)
+    # Under it, mistral's lines (to drain next, draining now) name only its endpoints.
+    for x in table:
+        if x.startswith("  mistral: "):
+            assert set(x.split(": ", 1)[1].split(", ")) <= {c, d}, x
+
+    line = cpctl.fails(1, "NOT_FOUND", "autoscaling", "list", "gpt-9")
+    assert "gpt-9" in line
 
 
 class _NackingCds:

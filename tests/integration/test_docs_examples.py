@@ -77,6 +77,7 @@ SESSIONS = {
         "README.md",
         "docs/rollouts.md",
         "docs/operator-api.md",
+        "docs/autoscaling.md",
         "docs/xds.md",
         "protos/README.md",
     ],

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
-from controlplane.v1 import endpoint_pb2, rollout_pb2
+from controlplane.v1 import autoscaling_pb2, autoscaling_pb2_grpc, endpoint_pb2, rollout_pb2
 from tests.integration.harness import (
     BIN,
     ControlPlane,
@@ -275,6 +275,7 @@ def test_grpcurl_lists_the_services_and_auth_is_enforced(tmp_path: Path) -> None
             "controlplane.v1.RolloutService",
             "controlplane.v1.EndpointService",
             "controlplane.v1.ProxyService",
+            "controlplane.v1.AutoscalingService",
             "grpc.health.v1.Health",
         } <= set(out.stdout.split())
         call = [grpcurl, "-plaintext", "-d", '{"model": "m"}', cp.admin, "controlplane.v1.RolloutService/Get"]
@@ -297,6 +298,8 @@ def test_grpcurl_lists_the_services_and_auth_is_enforced(tmp_path: Path) -> None
         assert (
             len(reader.endpoints.List(endpoint_pb2.ListEndpointsRequest(), metadata=reader.md).endpoints) == 2
         )
+        scaling = autoscaling_pb2_grpc.AutoscalingServiceStub(reader.channel)
+        scaling.List(autoscaling_pb2.ListAutoscalingRequest(), metadata=reader.md)  # read-only: allowed
         with pytest.raises(grpc.RpcError) as e:
             reader.rollouts.Start(
                 rollout_pb2.StartRolloutRequest(model="m", to_version="v2"), metadata=reader.md

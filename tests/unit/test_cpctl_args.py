@@ -20,7 +20,7 @@ import yaml
 
 from controlplane.cli import cpctl
 from controlplane.cli import cpctl_output as out
-from controlplane.v1 import endpoint_pb2, proxy_pb2, rollout_pb2
+from controlplane.v1 import autoscaling_pb2, endpoint_pb2, proxy_pb2, rollout_pb2
 
 
 def free_port() -> int:
@@ -469,6 +469,83 @@ def test_proxies_table() -> None:
     assert out.proxy_to_dict(envoy)["types"]["lds"]["status"] == "NACKED"
 
 
+# ---- autoscaling --------------------------------------------------------------------------
+
+
+def _scaling() -> list[autoscaling_pb2.ModelScaling]:
+    whole = autoscaling_pb2.ModelScaling(
+        model="llama", desired=1, ready=3, demand=2.5, target_per_replica=8, active=True,
+        reason="stable: the last 60s want 1", min=1, max=4,
+        remove=["10.0.0.2:8000"], draining=["10.0.0.3:8000"],
+    )  # fmt: skip
+    stable = autoscaling_pb2.ModelScaling(
+        model="llama", version="v1", desired=1, ready=2, demand=2.5, target_per_replica=8,
+        reason="stable: the last 60s want 1", remove=["10.0.0.2:8000"],
+    )  # fmt: skip
+    canary = autoscaling_pb2.ModelScaling(
+        model="llama", version="v2", desired=1, ready=1, target_per_replica=8,
+        reason="stable: the last 60s want 0; raised to min 1", draining=["10.0.0.3:8000"],
+    )  # fmt: skip
+    warm = autoscaling_pb2.ModelScaling(
+        model="qwen", desired=3, ready=1, demand=4, target_per_replica=2, predicted_demand=5.2,
+        forecast_method="holt", lead_seconds=30, reason="pre-warm: holt forecasts demand 5.2",
+    )  # fmt: skip
+    return [whole, stable, canary, warm]
+
+
+def test_scaling_table_names_what_scale_down_drains_next_and_what_drains() -> None:
+    lines = out.scaling_table(_scaling()).splitlines()
+    head = ["MODEL", "VERSION", "DESIRED", "READY", "DEMAND", "TARGET", "FORECAST", "REASON"]
+    assert lines[0].split() == head
+    assert lines[1].split()[:7] == ["llama", "(all)", "1", "3", "2.5", "8", "-"]
+    assert lines[1].endswith("stable: the last 60s want 1")
+    assert lines[2].split()[:2] == ["llama", "v1"] and lines[3].split()[:2] == ["llama", "v2"]
+    assert "5.2 (holt, 30s ahead)" in lines[4]
+    # The stable version's list repeats the model's: shown once.
+    assert lines[5:] == [
+        "",
+        "Scale-down would drain next:",
+        "  llama: 10.0.0.2:8000",
+        "",
+        "Draining now:",
+        "  llama: 10.0.0.3:8000",
+    ]
+    assert out.scaling_table([]).startswith("no autoscaling decisions yet")
+
+
+def test_scaling_dict_keeps_no_forecast_apart_from_zero() -> None:
+    whole, _, _, warm = _scaling()
+    d = out.scaling_to_dict(whole)
+    assert d["version"] == "" and d["predicted_demand"] is None and d["min"] == 1 and d["max"] == 4
+    assert d["remove"] == ["10.0.0.2:8000"] and d["draining"] == ["10.0.0.3:8000"] and d["active"] is True
+    assert out.scaling_to_dict(warm)["predicted_demand"] == 5.2
+    zero = autoscaling_pb2.ModelScaling(model="m", predicted_demand=0.0)
+    assert out.scaling_to_dict(zero)["predicted_demand"] == 0.0 and out.forecast_text(zero) == "0"
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_autoscaling_list_asks_for_the_model_given(fmt: str, capsys: pytest.CaptureFixture[str]) -> None:
+    asked: list[str] = []
+
+    class Stub:
+        def List(
+            self, req: autoscaling_pb2.ListAutoscalingRequest
+        ) -> autoscaling_pb2.ListAutoscalingResponse:
+            asked.append(req.model)
+            return autoscaling_pb2.ListAutoscalingResponse(scaling=_scaling()[:1])
+
+    for argv in (["autoscaling", "list", "llama", "-o", fmt], ["autoscaling", "list", "-o", fmt]):
+        args = cpctl.build_parser().parse_args(argv)
+        assert cpctl.cmd_autoscaling(_FakeClient(autoscaling=Stub()), args) == 0  # type: ignore[arg-type]
+        text = capsys.readouterr().out
+        if fmt == "json":
+            rows = json.loads(text)["scaling"]
+            assert [(s["model"], s["version"], s["desired"]) for s in rows] == [("llama", "", 1)]
+        else:
+            assert text.splitlines()[1].split()[:3] == ["llama", "(all)", "1"]
+    assert asked == ["llama", ""]
+
+
 # ---- completion ---------------------------------------------------------------------------
 
 
@@ -477,7 +554,7 @@ def test_completion_script_mentions_every_command(capsys: pytest.CaptureFixture[
     script = capsys.readouterr().out
     assert "complete -F _cpctl cpctl" in script
     for words in (
-        "rollout endpoints proxies completion",
+        "rollout endpoints autoscaling proxies completion",
         "start status pause resume abort undo promote list history",
         "list drain undrain",
     ):
@@ -493,7 +570,8 @@ def test_completion_script_mentions_every_command(capsys: pytest.CaptureFixture[
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
-        ("cpctl ", "rollout endpoints proxies completion"),
+        ("cpctl ", "rollout endpoints autoscaling proxies completion"),
+        ("cpctl autoscaling list llama -o ", "table json yaml"),
         ("cpctl rollout st", "start status"),
         ("cpctl --server h:1 endpoints ", "list drain undrain"),
         ("cpctl rollout status llama -o ", "table json yaml"),
