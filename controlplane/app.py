@@ -7,6 +7,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -19,7 +20,14 @@ from controlplane import limits
 from controlplane.admin import auth, keda
 from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR
 from controlplane.admin.keda import ExternalScaler
-from controlplane.admin.service import SERVICE_NAMES, EndpointService, ProxyService, RolloutService
+from controlplane.admin.service import (
+    SERVICE_NAMES,
+    AutoscalingService,
+    EndpointService,
+    ProxyService,
+    RolloutService,
+)
+from controlplane.autoscaling.persist import HistoryFile
 from controlplane.balancing.controller import WeightController
 from controlplane.fleet.loader import FleetConfigInvalid
 from controlplane.fleet.model import Fleet, Model
@@ -38,7 +46,7 @@ from controlplane.rollout.controller import RolloutController
 from controlplane.rollout.store import RolloutStore, StateStore, StoreUnavailable
 from controlplane.signals import lrs
 from controlplane.sim.provider import EmulatorProvider
-from controlplane.v1 import endpoint_pb2_grpc, proxy_pb2_grpc, rollout_pb2_grpc
+from controlplane.v1 import autoscaling_pb2_grpc, endpoint_pb2_grpc, proxy_pb2_grpc, rollout_pb2_grpc
 from controlplane.xds import csds
 from controlplane.xds import memory as xds_memory
 from controlplane.xds.cache import SnapshotCache
@@ -50,6 +58,7 @@ from controlplane.xds.tls import XdsTls, server_credentials
 log = structlog.get_logger("controlplane")
 XDS_MEMORY_FILE = "xds-memory.bin"  # in the state directory
 HOLD_PORT_FILE = "hold-port"  # in the state directory: the holding service's last free port
+HISTORY_SAVE_S = 30.0  # how often the forecasts' history is saved (and at stop)
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,10 @@ class ControlPlane:
             self.metrics,
             tick_s=options.rollout_tick_s,
         )
+        self.history = HistoryFile(options.state_dir)
+        restored = self.weights.autoscaler.forecaster.restore(self.history.read())
+        if restored:
+            log.info("autoscaling history restored", models=restored, path=str(self.history.path))
         self.provider = EmulatorProvider(
             self.rollouts,
             self.weights.autoscaler,
@@ -178,6 +191,28 @@ class ControlPlane:
                 await self.provider.step()
             except Exception:
                 log.exception("emulator provider round failed; will retry")
+
+    async def _keep_history(self, every_s: float = HISTORY_SAVE_S) -> None:
+        """Save the forecasts' history (predictive pre-warm) every `every_s`, and at stop,
+        in a worker thread: a restart loses at most that much of what was learnt."""
+        forecaster = self.weights.autoscaler.forecaster
+        try:
+            while True:
+                await asyncio.sleep(every_s)
+                if forecaster.histories:
+                    # Copied on the loop (the loop mutates it), written in a thread.
+                    await asyncio.to_thread(self._save_history, forecaster.dump())
+        finally:
+            if forecaster.histories:
+                self._save_history(forecaster.dump())
+
+    def _save_history(self, data: dict[str, Any]) -> None:
+        try:
+            self.history.write(data)
+        except OSError as e:
+            log.warning(
+                "autoscaling history not saved; will retry", path=str(self.history.path), error=str(e)
+            )
 
     def _holds_xds_stream(self, node_id: str) -> bool:
         """Whether a node may report load: it holds an xDS stream here, or on another replica."""
@@ -312,6 +347,7 @@ class ControlPlane:
             *([asyncio.create_task(self.nodes.run())] if self.nodes is not None else []),
             asyncio.create_task(self.reconciler.run()),
             asyncio.create_task(self._run_provider()),
+            asyncio.create_task(self._keep_history()),
             asyncio.create_task(self.source.run()),
             asyncio.create_task(self.weights.run()),
             asyncio.create_task(self.xds.keep_memory(self.memory_path)),
@@ -365,6 +401,9 @@ class ControlPlane:
         )
         proxy_pb2_grpc.add_ProxyServiceServicer_to_server(
             ProxyService(self.rollouts, tokens, self.metrics, self.xds.registry), server
+        )
+        autoscaling_pb2_grpc.add_AutoscalingServiceServicer_to_server(
+            AutoscalingService(self.rollouts, tokens, self.metrics, self.weights), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.admin_health, server)
         reflection.enable_server_reflection(

@@ -11,6 +11,8 @@ to the model's `Scaler`, which keeps two sliding windows of them:
   follows the panic window and never scales down (Knative's panic mode);
 - one decision never goes below the ready replicas / `scale_down_rate`, nor above them x
   `scale_up_rate`;
+- a forecast (predictive pre-warm, forecast.py) of the demand up to a cold start ahead is a
+  floor under the answer, so replicas are warm when a predicted rise comes;
 - `min` and `max` bound the result. With `min: 0` a model with no demand at all for
   `idle_grace` scales to zero (a panic ends too: no work is no burst); a single request
   wakes it (desired 1 at once).
@@ -24,6 +26,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from controlplane.autoscaling.forecast import Prediction
 from controlplane.fleet.model import DEFAULT_TARGET_PER_REPLICA, ScalingPolicy
 
 
@@ -38,6 +41,12 @@ class Decision:
     panicking: bool
     reason: str
     idle_s: float = 0.0  # since demand was last above zero
+    # Predictive pre-warm (autoscaling/forecast.py): the demand forecast `lead_s` ahead (the
+    # model's observed cold start) and the method chosen by backtest; None/"" when off or
+    # not trusted yet. `desired` already includes it.
+    predicted_demand: float | None = None
+    forecast_method: str = ""
+    lead_s: float = 0.0
 
     def active(self, policy: ScalingPolicy) -> bool:
         """Whether the model has had work within its idle grace: KEDA's IsActive."""
@@ -91,9 +100,17 @@ class Scaler:
         self._last_demand_at: float | None = None  # when demand was last above zero
 
     def decide(
-        self, policy: ScalingPolicy, now: float, demand: float, ready: int, slots: float | None = None
+        self,
+        policy: ScalingPolicy,
+        now: float,
+        demand: float,
+        ready: int,
+        slots: float | None = None,
+        predicted: Prediction | None = None,
     ) -> Decision:
-        """Fold in a demand sample taken at `now` with `ready` replicas serving; decide."""
+        """Fold in a demand sample taken at `now` with `ready` replicas serving; decide.
+        `predicted`: the demand forecast up to a cold start ahead (predictive pre-warm); the
+        replicas it needs are a floor under the reactive answer."""
         demand = max(0.0, demand) if math.isfinite(demand) else 0.0
         self._window.add(now, demand, policy.stable_window_s)
         if demand > 0 or self._last_demand_at is None:
@@ -129,9 +146,30 @@ class Scaler:
             desired = 1 if (self._last_desired or 0) > 0 else 0
             if desired:
                 reason = f"idle {idle_for:.0f}s of {policy.idle_grace_s:g}s before scaling to zero"
+        if predicted is not None:
+            ahead = math.ceil(predicted.demand / target - 1e-9)
+            if ahead > desired:
+                desired = ahead
+                reason = (
+                    f"pre-warm: {predicted.method} forecasts demand {predicted.demand:.1f} within "
+                    f"{predicted.lead_s:.0f}s (the cold start); reactive: {reason}"
+                )
         if desired < policy.min_replicas:
             desired, reason = policy.min_replicas, f"{reason}; raised to min {policy.min_replicas}"
         elif desired > policy.max_replicas:
             desired, reason = policy.max_replicas, f"{reason}; capped at max {policy.max_replicas}"
         self._last_desired = desired
-        return Decision(desired, ready, demand, stable, panic, target, panicking, reason, idle_for)
+        return Decision(
+            desired,
+            ready,
+            demand,
+            stable,
+            panic,
+            target,
+            panicking,
+            reason,
+            idle_for,
+            predicted.demand if predicted is not None else None,
+            predicted.method if predicted is not None else "",
+            predicted.lead_s if predicted is not None else 0.0,
+        )

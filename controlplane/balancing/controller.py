@@ -20,9 +20,10 @@ from collections.abc import Callable, Mapping
 import structlog
 
 from controlplane.autoscaling.autoscaler import MODEL, Autoscaler
+from controlplane.autoscaling.kpa import Decision
 from controlplane.balancing.shedding import saturation, shed_classes
 from controlplane.balancing.weigher import Weigher, load_balance_degree, relative_capacity
-from controlplane.fleet.model import Endpoint, Fleet, Model
+from controlplane.fleet.model import Endpoint, Fleet, Model, ScalingPolicy
 from controlplane.obs.endpoint_metrics import EndpointRow
 from controlplane.obs.metrics import Metrics
 from controlplane.routing.names import cluster_name
@@ -56,6 +57,11 @@ class WeightController:
         self._desired: dict[str, int] = {}  # model -> desired replicas last exported
         self._wake = asyncio.Event()  # set: start the next round now
         self._first_round: dict[tuple[str, str], int] = {}  # endpoint -> the round it joined in
+        # Servers that joined a running control plane, until first ready: when they joined, and
+        # whether they were seen not ready (then join-to-ready is a cold start, for pre-warm).
+        self._warming: dict[tuple[str, str], tuple[float, bool]] = {}
+        self._completed_seen: dict[tuple[str, str], float] = {}  # endpoint -> completed, last round
+        self._forecast_methods: dict[str, set[str]] = {}  # model -> forecast_error series exported
         self._round = asyncio.Event()  # set (and replaced) when a round ends
         self._source: SignalSource | None = None
         self._ready: dict[tuple[str, str], bool] = {}
@@ -113,9 +119,13 @@ class WeightController:
         # the one that cannot see).
         targets_now = set(scrape_targets(fleet)) if fleet.signals.enabled else set()
         for key in targets_now:
-            self._first_round.setdefault(key, self.rounds)
+            if key not in self._first_round:
+                self._first_round[key] = self.rounds
+                if self.rounds > 0:
+                    self._warming[key] = (now, False)
         for key in [k for k in self._first_round if k not in targets_now]:
             del self._first_round[key]
+        self._observe_cold_starts(targets_now, now)
         unheard = {k for k in targets_now if self._first_round[k] > 0 and not self.store.heard(k)}
         if unheard:
             # ...unless that would leave its cluster with no server to send to (a version
@@ -151,6 +161,65 @@ class WeightController:
         self._export(fleet, now)
         self.rounds += 1
 
+    def _observe_cold_starts(self, targets: set[tuple[str, str]], now: float) -> None:
+        """A joined server seen not ready, then ready: its model's cold start (the lead of
+        predictive pre-warm). One ready at its first answer tells nothing and is dropped."""
+        for key, (joined, seen_loading) in list(self._warming.items()):
+            if key not in targets:
+                del self._warming[key]
+            elif self.store.heard(key):
+                if not self.store.load(key, 1.0, now).ready:
+                    self._warming[key] = (joined, True)
+                    continue
+                if seen_loading:
+                    self.autoscaler.forecaster.cold_starts.observe(key[0], now - joined)
+                del self._warming[key]
+
+    def _export_forecast(self, policy: ScalingPolicy | None, model: str, d: Decision) -> None:
+        """Predictive pre-warm's gauges for one model: present only while it is on."""
+        a = self.metrics.autoscaling
+        f = self.autoscaler.forecaster
+        if policy is None or not policy.predictive:
+            self._forget_forecast(model)
+            return
+        a.cold_start.labels(model).set(f.cold_starts.lead(model, policy.cold_start_s)[0])
+        if d.predicted_demand is not None:
+            a.forecast.labels(model).set(d.predicted_demand)
+        else:
+            with contextlib.suppress(KeyError):
+                a.forecast.remove(model)
+        fit = f.fits.get(model)
+        errors = dict(fit.errors) if fit is not None else {}
+        for method, err in errors.items():
+            a.forecast_error.labels(model, method).set(err)
+        for method in self._forecast_methods.get(model, set()) - errors.keys():
+            a.forecast_error.remove(model, method)
+        self._forecast_methods[model] = set(errors)
+
+    def _forget_forecast(self, model: str) -> None:
+        a = self.metrics.autoscaling
+        for g in (a.cold_start, a.forecast):
+            with contextlib.suppress(KeyError):
+                g.remove(model)
+        for method in self._forecast_methods.pop(model, set()):
+            a.forecast_error.remove(model, method)
+
+    def _completed_since_last_round(self, fleet: Fleet) -> dict[str, float]:
+        """Requests each model's servers finished since the last round (its arrivals, for
+        predictive pre-warm); a server's first round counts nothing."""
+        out: dict[str, float] = {}
+        seen: dict[tuple[str, str], float] = {}
+        for m in fleet.models:
+            for v in m.versions:
+                for ep in v.endpoints:
+                    key = (m.name, ep.address)
+                    total = seen[key] = self.store.completed(key)
+                    prev = self._completed_seen.get(key)
+                    if prev is not None and total >= prev:
+                        out[m.name] = out.get(m.name, 0.0) + total - prev
+        self._completed_seen = seen
+        return out
+
     def _autoscale(self, fleet: Fleet, now: float) -> None:
         """Desired replicas per model and version from this round's loads (autoscaling/)."""
         decisions = self.autoscaler.update(
@@ -159,9 +228,12 @@ class WeightController:
             now,
             slots=lambda model, address: self.store.slots((model, address)),
             held=self.held() if self.held is not None else None,
+            wall=time.time(),
+            completed=self._completed_since_last_round(fleet),
         )
         a = self.metrics.autoscaling
         exported: set[tuple[str, str]] = set()
+        models = {m.name: m for m in fleet.models}
         for (model, version), d in decisions.items():
             exported.add((model, version))
             if version == MODEL:
@@ -182,6 +254,8 @@ class WeightController:
                 a.ready.labels(model).set(d.ready)
                 a.target.labels(model).set(d.target)
                 a.panic.labels(model).set(1 if d.panicking else 0)
+                m = models.get(model)
+                self._export_forecast(fleet.scaling_of(m) if m is not None else None, model, d)
             else:
                 a.version_desired.labels(model, version).set(d.desired)
         for model, version in self._scaling_exported - exported:
@@ -189,6 +263,7 @@ class WeightController:
                 self._desired.pop(model, None)
                 for g in (a.desired, a.demand, a.ready, a.target, a.panic):
                     g.remove(model)
+                self._forget_forecast(model)
             else:
                 a.version_desired.remove(model, version)
         self._scaling_exported = exported

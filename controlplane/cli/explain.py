@@ -362,7 +362,13 @@ def _autoscaling(
         if value is None:
             text = f"learnt (servers' slots x target_utilization, else {DEFAULT_TARGET_PER_REPLICA:g})"
         else:
-            text = fmt_duration(value) if kind == "duration" else f"{value:g}"
+            text = (
+                fmt_duration(value)
+                if kind == "duration"
+                else str(value).lower()
+                if kind in ("bool", "choice")
+                else f"{value:g}"
+            )
         out[key] = {"value": value, "text": text, "source": source}
     return out
 

@@ -17,6 +17,7 @@ import yaml
 from controlplane import limits
 from controlplane.fleet.model import (
     DTYPE_BYTES,
+    FORECAST_METHODS,
     MEMORY_OVERHEAD,
     METRICS_SCHEMES,
     POLICY_NAMES,
@@ -691,7 +692,13 @@ SCALING_KEYS: dict[str, tuple[str, str, float, float]] = {
     "scale_up_rate": ("scale_up_rate", "number", 1.0, 1_000_000.0),
     "idle_grace": ("idle_grace_s", "duration", 1.0, 86400.0),
     "hold_max": ("hold_max", "int", 0, 100_000),
+    "predictive": ("predictive", "bool", 0, 1),
+    "season": ("season_s", "duration", 60.0, 7 * 86400.0),
+    "forecast_bucket": ("forecast_bucket_s", "duration", 1.0, 3600.0),
+    "forecast": ("forecast_method", "choice", 0, 0),
+    "cold_start": ("cold_start_s", "duration", 0.0, 3600.0),
 }
+SEASON_BUCKETS_MIN, SEASON_BUCKETS_MAX = 4, 10_080  # a season of 4 to 10,080 buckets
 
 
 def _scaling(value: Any, path: str, base: ScalingPolicy, errs: _Errors) -> ScalingPolicy | None:
@@ -711,6 +718,16 @@ def _scaling(value: Any, path: str, base: ScalingPolicy, errs: _Errors) -> Scali
         if kind == "int":
             kw[attr] = _int(raw, where, errs, int(lo), int(hi))
             continue
+        if kind == "bool":
+            if not isinstance(raw, bool):
+                errs.add(where, f"expected true or false, got {raw!r}")
+            kw[attr] = raw
+            continue
+        if kind == "choice":
+            if raw not in FORECAST_METHODS:
+                errs.add(where, f"expected one of {', '.join(FORECAST_METHODS)}, got {raw!r}")
+            kw[attr] = raw
+            continue
         got = _duration(raw, where, errs) if kind == "duration" else _number(raw, where, errs)
         if got is not None and not lo <= got <= hi:
             unit = "s" if kind == "duration" else ""
@@ -721,6 +738,14 @@ def _scaling(value: Any, path: str, base: ScalingPolicy, errs: _Errors) -> Scali
     out = dataclasses.replace(base, **kw)
     if out.min_replicas > out.max_replicas:
         errs.add(path, f"min ({out.min_replicas}) is above max ({out.max_replicas})")
+        return None
+    buckets = out.season_s / out.forecast_bucket_s
+    if not SEASON_BUCKETS_MIN <= buckets <= SEASON_BUCKETS_MAX:
+        errs.add(
+            _join(path, "forecast_bucket"),
+            f"the season ({out.season_s:g}s) must hold {SEASON_BUCKETS_MIN} to {SEASON_BUCKETS_MAX} "
+            f"buckets of {out.forecast_bucket_s:g}s, got {buckets:g}",
+        )
         return None
     if out.panic_window_s > out.stable_window_s:
         errs.add(

@@ -114,9 +114,17 @@ class ScalingPolicy:
     scale_up_rate: float = 1000.0  # one decision adds at most (rate - 1) x the ready replicas
     hold_max: int = 100  # requests held at once while no server is ready; 0: refused at once (503)
     idle_grace_s: float = 20.0  # no demand at all for this long: inactive (KEDA), and zero wanted with min 0
+    # Predictive pre-warm (autoscaling/forecast.py): learn demand by time of season and ask for
+    # replicas a cold start ahead of a forecast rise. Off by default: it costs GPU-seconds.
+    predictive: bool = False
+    season_s: float = 86400.0  # the period demand repeats over
+    forecast_bucket_s: float = 60.0  # history resolution
+    forecast_method: str = "auto"  # auto (chosen by backtest), seasonal, holt_winters
+    cold_start_s: float = 30.0  # the lead until a cold start has been observed
 
 
 DEFAULT_TARGET_PER_REPLICA = 8.0
+FORECAST_METHODS = ("auto", "seasonal", "holt_winters")
 PROVIDERS = ("none", "emulator")
 
 

@@ -329,6 +329,28 @@ class AutoscalingMetrics:
             ["model"],
             registry=r,
         )
+        self.forecast = Gauge(
+            "controlplane_model_forecast_demand",
+            "Predictive pre-warm: the highest demand forecast for the model from now to its cold "
+            "start ahead (arrival-rate forecast x observed time per request); absent while no "
+            "forecast is trusted or predictive is off.",
+            ["model"],
+            registry=r,
+        )
+        self.forecast_error = Gauge(
+            "controlplane_model_forecast_error",
+            "Predictive pre-warm: each method's mean absolute backtest error (requests/s) at the "
+            "last refit; the chosen method beat `naive` (the last value) by 10%.",
+            ["model", "method"],
+            registry=r,
+        )
+        self.cold_start = Gauge(
+            "controlplane_model_cold_start_seconds",
+            "Predictive pre-warm's lead: the 90th percentile of the model's observed cold starts "
+            "(a server joined or started until first ready), else its configured cold_start.",
+            ["model"],
+            registry=r,
+        )
 
 
 class HoldMetrics:

@@ -107,6 +107,7 @@ class EndpointSignals:
     lrs: dict[str, _LrsEntry] = field(default_factory=dict)  # by proxy node id
     lrs_ok_total: float = 0.0  # summed over every report of every proxy
     lrs_failed_total: float = 0.0
+    completed_total: float = 0.0  # requests the server's own counters say it finished
 
 
 class SignalStore:
@@ -148,6 +149,7 @@ class SignalStore:
         if sig.sample_at is not None and now <= sig.sample_at:
             return  # not newer than what is held (a source that answers with the same sample)
         delta = derive(sig.sample, sample)
+        sig.completed_total += max(0.0, delta.completed)
         self._learn_throughput(sig, sample, delta.completed, now)
         if delta.mean_latency_s is not None:
             sig.latency_s = _ewma(sig.latency_s, delta.mean_latency_s)
@@ -186,6 +188,16 @@ class SignalStore:
             return
         rate = completed / (dt * (prev.running + sample.running) / 2)
         sig.throughput = _ewma(sig.throughput, rate * sig.peak_running, alpha=0.2)
+
+    def completed(self, key: EndpointKey) -> float:
+        """Requests the endpoint has finished since the control plane started: by its own
+        counters once scraped, else by the proxies' load reports (never both: no double count)."""
+        sig = self.endpoints.get(key)
+        if sig is None:
+            return 0.0
+        if sig.sample is not None:
+            return sig.completed_total
+        return sig.lrs_ok_total + sig.lrs_failed_total
 
     def slots(self, key: EndpointKey) -> float | None:
         """How many requests the endpoint runs at once, once seen full (requests waiting)."""

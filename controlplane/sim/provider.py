@@ -169,6 +169,9 @@ class EmulatorProvider:
             while self.servers.get(server.address) is server and server.proc.poll() is None:
                 if await _ready(server.address):
                     server.listening = True
+                    self.autoscaler.forecaster.cold_starts.observe(
+                        server.model, self.clock() - server.started_at
+                    )
                     self.on_change()
                     return
                 await asyncio.sleep(0.1)
