@@ -29,6 +29,7 @@ from controlplane.admin.service import (
 )
 from controlplane.autoscaling.persist import HistoryFile
 from controlplane.balancing.controller import WeightController
+from controlplane.discovery.manager import Discovery
 from controlplane.fleet.loader import FleetConfigInvalid
 from controlplane.fleet.model import Fleet, Model
 from controlplane.fleet.watch import FleetFileWatcher
@@ -133,6 +134,8 @@ class ControlPlane:
             self.metrics,
             tick_s=options.rollout_tick_s,
         )
+        self._file_fleet: Fleet | None = None
+        self.discovery = Discovery(self.rollouts, self.metrics, self._discovered)
         self.history = HistoryFile(options.state_dir)
         restored = self.weights.autoscaler.forecaster.restore(self.history.read())
         if restored:
@@ -141,7 +144,7 @@ class ControlPlane:
             self.rollouts,
             self.weights.autoscaler,
             self.weights.store,
-            self._provider_changed,
+            self._serve_fleet,
             options.state_dir / "emulated",
         )
         self.reports: SharedReports | None = None
@@ -175,16 +178,28 @@ class ControlPlane:
         self._tasks: list[asyncio.Future[None]] = []
         self._serving = False
 
-    def _provider_changed(self) -> None:
-        """The emulator provider started or stopped a server: serve the fleet with it."""
-        if self.provider.fleet is not None:
-            self.rollouts.set_file_fleet(self.provider.augment(self.provider.fleet))
+    def _serve_fleet(self) -> None:
+        """Serve the file's fleet with what discovery found and the servers the emulator
+        provider started (either changed, or the file did)."""
+        if self._file_fleet is not None:
+            self.rollouts.set_file_fleet(self.provider.augment(self.discovery.augment(self._file_fleet)))
+
+    def _discovered(self) -> None:
+        """Discovery's set changed: serve it, and probe now (a new server is held out until
+        the probes have heard from it; no reason to wait for the next round)."""
+        self._serve_fleet()
+        self.weights.wake()
 
     async def _run_provider(self) -> None:
-        """The emulator provider's rounds, right after each signals round (its decisions are
-        fresh then), while the fleet asks for it (one replica only)."""
+        """Right after each signals round: discovery's drains of servers that left their
+        source, and the emulator provider's round (its decisions are fresh then), while the
+        fleet asks for it (one replica only)."""
         while True:
             await self.weights.next_round()
+            try:
+                await self.discovery.step()
+            except Exception:
+                log.exception("discovery round failed; will retry")
             if self.etcd is not None:
                 continue
             try:
@@ -228,7 +243,8 @@ class ControlPlane:
         first = self.reconciler.fleet is None
         # The rollout controller layers API-made state (rollouts, drains) over the file; the
         # emulator provider (if the fleet asks for it) adds the servers it started.
-        self.rollouts.set_file_fleet(self.provider.augment(fleet))
+        self._file_fleet = fleet
+        self._serve_fleet()
         if self.provider.active() and self.etcd is not None:
             log.warning("autoscaling.provider emulator runs on a single replica only; not with --store")
         self.metrics.config_reloads.labels("success").inc()
@@ -397,7 +413,7 @@ class ControlPlane:
             RolloutService(self.rollouts, tokens, self.metrics), server
         )
         endpoint_pb2_grpc.add_EndpointServiceServicer_to_server(
-            EndpointService(self.rollouts, tokens, self.metrics), server
+            EndpointService(self.rollouts, tokens, self.metrics, self.discovery.source_of), server
         )
         proxy_pb2_grpc.add_ProxyServiceServicer_to_server(
             ProxyService(self.rollouts, tokens, self.metrics, self.xds.registry), server
@@ -512,6 +528,7 @@ class ControlPlane:
 
     async def stop(self, grace_s: float = 1.0) -> None:
         self.provider.close()
+        self.discovery.close()
         if self.hold is not None:
             self.hold.stop()
         if self.scaler_server is not None:

@@ -268,6 +268,16 @@ class RolloutService(_Base, rollout_pb2_grpc.RolloutServiceServicer):
 
 
 class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
+    def __init__(
+        self,
+        controller: RolloutController,
+        tokens: Tokens,
+        metrics: Metrics,
+        source_of: Callable[[str, str, str], tuple[str, float | None]] = lambda m, v, a: ("file", None),
+    ) -> None:
+        super().__init__(controller, tokens, metrics)
+        self.source_of = source_of  # discovery: where an endpoint comes from, when last seen
+
     def _endpoints(self, model_filter: str) -> list[endpoint_pb2.Endpoint]:
         c = self.controller
         fleet = c.file_fleet
@@ -330,6 +340,9 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
                     )
                     if load.latency_s is not None:
                         msg.latency_seconds = load.latency_s
+                    msg.source, seen = self.source_of(m.name, v.name, ep.address)
+                    if seen is not None:
+                        msg.last_seen_seconds = seen
                     out.append(msg)
         return out
 

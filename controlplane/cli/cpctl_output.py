@@ -226,6 +226,8 @@ def endpoint_to_dict(e: endpoint_pb2.Endpoint) -> dict[str, Any]:
         "drain_started_at": e.drain_started_at or None,
         "sight": e.sight,
         "note": e.note,
+        "source": e.source or "file",
+        "last_seen_seconds": e.last_seen_seconds if e.HasField("last_seen_seconds") else None,
     }
 
 
@@ -251,7 +253,14 @@ def endpoints_table(endpoints: Sequence[endpoint_pb2.Endpoint]) -> str:
     headers = ["MODEL", "VERSION", "ADDRESS", "GPU", "STATE", "WEIGHT", "RUNNING", "WAITING", "IN-FLIGHT"]
     out = table([*headers, "LATENCY", "ERRORS"], rows)
     notes = [f"{e.model}/{e.version} {e.address}: {e.note}" for e in endpoints if e.note]
-    return out + ("\n\n" + "\n".join(notes) if notes else "")
+    out += "\n\n" + "\n".join(notes) if notes else ""
+    found = [
+        f"{e.model}/{e.version} {e.address}: {e.source}"
+        + (f", last seen {seconds_text(e.last_seen_seconds)} ago" if e.HasField("last_seen_seconds") else "")
+        for e in endpoints
+        if e.source and e.source != "file"
+    ]
+    return out + ("\n\nDiscovered:\n  " + "\n  ".join(found) if found else "")
 
 
 # ---- autoscaling --------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import yaml
 
 from controlplane import limits
 from controlplane.fleet.model import (
+    DISCOVERY_KINDS,
     DTYPE_BYTES,
     FORECAST_METHODS,
     MEMORY_OVERHEAD,
@@ -25,6 +26,8 @@ from controlplane.fleet.model import (
     SIGNAL_SOURCES,
     Affinity,
     CircuitBreaker,
+    Discover,
+    DiscoverySettings,
     EmulatedServer,
     Endpoint,
     Fleet,
@@ -231,8 +234,11 @@ def _number(
 ) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         if isinstance(value, str) and _YAML11_FLOAT_LIKE.match(value.strip()):
-            errs.add(path, f"expected a number, got the text {value!r}: YAML reads an exponent without a dot "
-                     "as text; write it as 1.0e+3")  # fmt: skip
+            errs.add(
+                path,
+                f"expected a number, got the text {value!r}: YAML reads an exponent without a dot "
+                "as text; write it as 1.0e+3",
+            )
         else:
             errs.add(path, f"expected a number, got {_kind(value)}")
         return None
@@ -316,11 +322,13 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
             "priority_classes",
             "default_priority_class",
             "autoscaling",
+            "discovery",
         },
     )
     if top is None:
         return None
     provider = _provider(top.get("autoscaling"), errs)
+    discovery = _discovery(top.get("discovery"), errs)
     listener = _listener(top.get("listener"), errs)
     tiers = _tiers(top.get("tiers"), errs)
     gpu_classes = _gpu_classes(top.get("gpu_classes"), errs)
@@ -336,6 +344,7 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
         or gpu_classes is None
         or signals is None
         or provider is None
+        or discovery is None
     ):
         return None
     fleet = Fleet(
@@ -347,9 +356,72 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
         priority_classes=tuple(classes),
         default_priority_class=default_class,
         autoscaling=provider,
+        discovery=discovery,
     )
     _check_memory_fit(fleet, errs)
     return fleet
+
+
+def _discovery(value: Any, errs: _Errors) -> DiscoverySettings | None:
+    """The fleet-level `discovery:` (docs/discovery.md): how names are resolved and where
+    Kubernetes is."""
+    m = _mapping(value, "discovery", errs, {"dns", "kubernetes"})
+    if m is None:
+        return None
+    before = len(errs.items)
+    kw: dict[str, Any] = {}
+    dns = _mapping(m.get("dns"), "discovery.dns", errs, {"nameservers", "min_interval", "max_interval"})
+    if dns is not None:
+        servers = dns.get("nameservers", [])
+        if not isinstance(servers, list):
+            errs.add("discovery.dns.nameservers", f"expected a list of HOST:PORT, got {_kind(servers)}")
+        else:
+            parsed = []
+            for i, ns in enumerate(servers):
+                try:
+                    parsed.append(parse_address(ns))
+                except ValueError as e:
+                    errs.add(f"discovery.dns.nameservers[{i}]", str(e))
+            kw["nameservers"] = tuple(parsed)
+        for key, attr in (("min_interval", "dns_min_interval_s"), ("max_interval", "dns_max_interval_s")):
+            if key in dns:
+                got = _duration(dns[key], f"discovery.dns.{key}", errs)
+                if got is not None and not 0.1 <= got <= 86400:
+                    errs.add(f"discovery.dns.{key}", f"must be between 0.1s and 24h, got {got:g}s")
+                kw[attr] = got
+    k8s = _mapping(m.get("kubernetes"), "discovery.kubernetes", errs, {"kubeconfig", "labels"})
+    if k8s is not None:
+        if "kubeconfig" in k8s:
+            if not isinstance(k8s["kubeconfig"], str) or not k8s["kubeconfig"]:
+                errs.add(
+                    "discovery.kubernetes.kubeconfig", f"expected a file path, got {k8s['kubeconfig']!r}"
+                )
+            kw["kubeconfig"] = k8s["kubeconfig"]
+        labels = _mapping(
+            k8s.get("labels"), "discovery.kubernetes.labels", errs, {"gpu", "gpu_memory_gb", "capacity"}
+        )
+        for key, attr in (
+            ("gpu", "gpu_label"),
+            ("gpu_memory_gb", "gpu_memory_label"),
+            ("capacity", "capacity_label"),
+        ):
+            if labels is not None and key in labels:
+                v = labels[key]
+                if not isinstance(v, str) or not v or len(v) > 253:
+                    errs.add(
+                        f"discovery.kubernetes.labels.{key}", f"expected a label or annotation key, got {v!r}"
+                    )
+                kw[attr] = v
+    if len(errs.items) != before:
+        return None
+    out = DiscoverySettings(**kw)
+    if out.dns_min_interval_s > out.dns_max_interval_s:
+        errs.add(
+            "discovery.dns.min_interval",
+            f"is above max_interval ({out.dns_min_interval_s:g}s > {out.dns_max_interval_s:g}s)",
+        )
+        return None
+    return out
 
 
 _PROVIDER_KEYS = {"provider", "emulator"}
@@ -1106,13 +1178,25 @@ def _versions(path: str, value: Any, errs: _Errors) -> list[Version] | None:
         if not isinstance(vname, str) or not _VERSION.match(vname):
             errs.add(p, "version names use letters, digits, '.', '_' and '-' (at most 63)")
             continue
-        vm = _mapping(vspec, p, errs, {"endpoints", "health", "metrics"})
+        vm = _mapping(vspec, p, errs, {"endpoints", "health", "metrics", "discover"})
         if vm is None:
             continue
+        discover = None
+        if "discover" in vm:
+            if vm.get("endpoints"):
+                errs.add(p, "has both endpoints and discover: a version's endpoints come from one of them")
+                continue
+            discover = _discover(p, vm["discover"], errs)
+            if discover is None:
+                continue
         endpoints = _endpoints(p, vm.get("endpoints"), seen, errs)
         health, metrics = _probes(vm, p, errs)
         if endpoints is not None:
-            out.append(Version(name=vname, endpoints=tuple(endpoints), health=health, metrics=metrics))
+            out.append(
+                Version(
+                    name=vname, endpoints=tuple(endpoints), health=health, metrics=metrics, discover=discover
+                )
+            )
     return out
 
 
@@ -1146,40 +1230,115 @@ def _endpoints(
             errs.add(f"{p}.address", f"duplicate endpoint {m['address']}, already at {seen[key]}")
             continue
         seen[key] = p
-        gpu = m.get("gpu")
-        if gpu is not None and not isinstance(gpu, str):
-            errs.add(f"{p}.gpu", f"expected a GPU class name such as A100, got {_kind(gpu)}")
-            continue
-        mem = None
-        if "gpu_memory_gb" in m:
-            mem = _number(m["gpu_memory_gb"], f"{p}.gpu_memory_gb", errs, maximum=limits.MEMORY_GB_MAX)
-            if mem is None:
-                continue
-        capacity = None
-        if "capacity" in m:
-            capacity = _number(m["capacity"], f"{p}.capacity", errs, maximum=limits.CAPACITY_MAX)
-            if capacity is None:
-                continue
-        where = {k: m.get(k) for k in ("zone", "region")}
-        bad = [
-            k for k, v in where.items() if v is not None and (not isinstance(v, str) or not _VERSION.match(v))
-        ]
-        for k in bad:
-            errs.add(f"{p}.{k}", f"expected a name (letters, digits, '.', '_', '-'), got {where[k]!r}")
-        if bad:
-            continue
-        out.append(
-            Endpoint(
-                host=host,
-                port=port,
-                gpu=gpu,
-                gpu_memory_gb=mem,
-                capacity=capacity,
-                zone=where["zone"],
-                region=where["region"],
-            )
-        )
+        facts = _endpoint_facts(m, p, errs)
+        if facts is not None:
+            out.append(Endpoint(host=host, port=port, **facts))
     return out
+
+
+def _endpoint_facts(m: dict[str, Any], p: str, errs: _Errors) -> dict[str, Any] | None:
+    """An endpoint's GPU, memory, capacity and place (listed, or a discovered version's
+    defaults); None (and errors) if any is bad."""
+    gpu = m.get("gpu")
+    if gpu is not None and not isinstance(gpu, str):
+        errs.add(f"{p}.gpu", f"expected a GPU class name such as A100, got {_kind(gpu)}")
+        return None
+    mem = None
+    if "gpu_memory_gb" in m:
+        mem = _number(m["gpu_memory_gb"], f"{p}.gpu_memory_gb", errs, maximum=limits.MEMORY_GB_MAX)
+        if mem is None:
+            return None
+    capacity = None
+    if "capacity" in m:
+        capacity = _number(m["capacity"], f"{p}.capacity", errs, maximum=limits.CAPACITY_MAX)
+        if capacity is None:
+            return None
+    where = {k: m.get(k) for k in ("zone", "region")}
+    bad = [k for k, v in where.items() if v is not None and (not isinstance(v, str) or not _VERSION.match(v))]
+    for k in bad:
+        errs.add(f"{p}.{k}", f"expected a name (letters, digits, '.', '_', '-'), got {where[k]!r}")
+    if bad:
+        return None
+    return {
+        "gpu": gpu,
+        "gpu_memory_gb": mem,
+        "capacity": capacity,
+        "zone": where["zone"],
+        "region": where["region"],
+    }
+
+
+_ENDPOINT_FACTS = {"gpu", "gpu_memory_gb", "capacity", "zone", "region"}
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}\.?$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\.)*[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\.?$"
+)
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_PORT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?$")
+
+
+def _discover(path: str, value: Any, errs: _Errors) -> Discover | None:
+    """A version's `discover:` (docs/discovery.md): one of dns, srv, kubernetes."""
+    p = f"{path}.discover"
+    m = _mapping(value, p, errs, {"dns", "srv", "kubernetes", "port", *_ENDPOINT_FACTS})
+    if m is None:
+        return None
+    kinds = [k for k in DISCOVERY_KINDS if k in m]
+    if len(kinds) != 1:
+        errs.add(p, f"expected exactly one of {', '.join(DISCOVERY_KINDS)}, got {', '.join(kinds) or 'none'}")
+        return None
+    kind = kinds[0]
+    before = len(errs.items)
+    facts = _endpoint_facts(m, p, errs)
+    template = Endpoint(host="", port=0, **facts) if facts is not None else None
+    if kind in ("dns", "srv"):
+        name = m[kind]
+        if not isinstance(name, str) or not _HOSTNAME.match(name):
+            errs.add(f"{p}.{kind}", f"expected a DNS name, got {name!r}")
+        port = None
+        if kind == "dns":
+            if "port" not in m:
+                errs.add(f"{p}.port", "missing: the servers' port (A/AAAA records carry no port)")
+            else:
+                port = _int(m["port"], f"{p}.port", errs, 1, 65535)
+        elif "port" in m:
+            errs.add(f"{p}.port", "not allowed with srv: the SRV records give each server's port")
+        if len(errs.items) != before:
+            return None
+        return Discover(kind=kind, name=str(name).rstrip("."), port=port, template=template)
+    if "port" in m:
+        errs.add(f"{p}.port", "goes inside kubernetes: {namespace, selector, port}")
+    k = _mapping(m["kubernetes"], f"{p}.kubernetes", errs, {"namespace", "selector", "port"})
+    if k is None:
+        return None
+    kp = f"{p}.kubernetes"
+    ns = k.get("namespace")
+    if not isinstance(ns, str) or not _K8S_NAME.match(ns):
+        errs.add(f"{kp}.namespace", f"expected a namespace name (lowercase letters, digits, '-'), got {ns!r}")
+    selector = k.get("selector")
+    if not isinstance(selector, str) or not selector.strip() or len(selector) > 1024:
+        errs.add(
+            f"{kp}.selector", f'expected a label selector such as "app=vllm,model=llama", got {selector!r}'
+        )
+    port_value = k.get("port")
+    port_num, port_name = None, None
+    if isinstance(port_value, bool) or port_value is None:
+        errs.add(f"{kp}.port", "missing: the pods' serving port, a number or the EndpointSlice port's name")
+    elif isinstance(port_value, int):
+        port_num = _int(port_value, f"{kp}.port", errs, 1, 65535)
+    elif isinstance(port_value, str) and _PORT_NAME.match(port_value):
+        port_name = port_value
+    else:
+        errs.add(f"{kp}.port", f"expected a port number or name, got {port_value!r}")
+    if len(errs.items) != before:
+        return None
+    return Discover(
+        kind="kubernetes",
+        namespace=str(ns),
+        selector=str(selector).strip(),
+        port=port_num,
+        port_name=port_name,
+        template=template,
+    )
 
 
 def _check_cluster_overrides(value: Any, path: str, errs: _Errors) -> None:

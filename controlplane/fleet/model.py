@@ -59,14 +59,40 @@ class MetricsProbe:
     scheme: str = "http"
 
 
+DISCOVERY_KINDS = ("dns", "srv", "kubernetes")
+
+
+@dataclass(frozen=True)
+class Discover:
+    """Where a version's endpoints come from instead of a list (controlplane/discovery/,
+    docs/discovery.md). The endpoints found get `template`'s GPU, memory, capacity and place
+    unless their source says otherwise (a pod's labels, a slice's zone)."""
+
+    kind: str  # dns (A/AAAA records), srv (SRV records), kubernetes (EndpointSlices of selected pods)
+    name: str = ""  # dns, srv: the name to resolve
+    port: int | None = None  # dns: the servers' port; kubernetes: the port number (or port_name)
+    port_name: str | None = None  # kubernetes: the EndpointSlice port's name
+    namespace: str = ""  # kubernetes
+    selector: str = ""  # kubernetes: a label selector of the model's pods
+    template: Endpoint | None = None  # host/port unused
+
+    def source(self) -> str:
+        """How status and explain name it: dns:NAME, srv:NAME, kubernetes:NS/SELECTOR."""
+        if self.kind == "kubernetes":
+            return f"kubernetes:{self.namespace}/{self.selector}"
+        return f"{self.kind}:{self.name}"
+
+
 @dataclass(frozen=True)
 class Version:
-    """A model version and the endpoints that serve it (probes: the model's unless set)."""
+    """A model version and the endpoints that serve it (probes: the model's unless set).
+    With `discover`, `endpoints` are what discovery found last (empty in the file's fleet)."""
 
     name: str
     endpoints: tuple[Endpoint, ...]
     health: HealthProbe | None = None
     metrics: MetricsProbe | None = None
+    discover: Discover | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +147,19 @@ class ScalingPolicy:
     forecast_bucket_s: float = 60.0  # history resolution
     forecast_method: str = "auto"  # auto (chosen by backtest), seasonal, holt_winters
     cold_start_s: float = 30.0  # the lead until a cold start has been observed
+
+
+@dataclass(frozen=True)
+class DiscoverySettings:
+    """The fleet's `discovery:` keys (docs/discovery.md)."""
+
+    nameservers: tuple[tuple[str, int], ...] = ()  # empty: the system resolver's
+    dns_min_interval_s: float = 5.0  # re-resolve at the record's TTL, within these bounds
+    dns_max_interval_s: float = 300.0
+    kubeconfig: str | None = None  # None: in-cluster config, else $KUBECONFIG or ~/.kube/config
+    gpu_label: str = "gpu"  # pod label or annotation keys carrying an endpoint's GPU facts
+    gpu_memory_label: str = "gpu-memory-gb"
+    capacity_label: str = "capacity"
 
 
 DEFAULT_TARGET_PER_REPLICA = 8.0
@@ -288,6 +327,7 @@ class Fleet:
     priority_classes: tuple[PriorityClass, ...] = ()  # highest first
     default_priority_class: str | None = None  # for requests without (or with an unknown) x-priority
     autoscaling: ProviderSpec = field(default_factory=ProviderSpec)
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:

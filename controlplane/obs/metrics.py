@@ -123,6 +123,7 @@ class Metrics:
         self.prometheus_source = PrometheusSourceMetrics(r)
         self.rollouts = RolloutMetrics(r)
         self.autoscaling = AutoscalingMetrics(r)
+        self.discovery = DiscoveryMetrics(r)
         self.hold = HoldMetrics(r)
         self.proxies_nacked = Gauge(
             "controlplane_xds_proxies_nacked",
@@ -280,6 +281,34 @@ class RolloutMetrics:
             "controlplane_admin_requests_total",
             "Operator API calls, by method and gRPC status code.",
             ["method", "code"],
+            registry=r,
+        )
+
+
+class DiscoveryMetrics:
+    """Endpoint sources (controlplane/discovery/, docs/discovery.md)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.endpoints = Gauge(
+            "controlplane_discovery_endpoints",
+            "Endpoints the version's discovery source gave at its last answer taken (what is "
+            "served, draining ones that left aside).",
+            ["model", "version"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "controlplane_discovery_source_healthy",
+            "1 when the version's discovery source's latest answer was taken; 0 while it fails "
+            "(errors, an unreachable API server) or answers empty within its hold: the last known "
+            "endpoints are served meanwhile.",
+            ["model", "version"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "controlplane_discovery_failures_total",
+            "Answers of the version's discovery source that could not be trusted (timeouts, "
+            "SERVFAIL, no nameserver answering, API errors).",
+            ["model", "version"],
             registry=r,
         )
 

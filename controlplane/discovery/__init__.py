@@ -1,0 +1,1 @@
+"""Endpoint sources (DNS, Kubernetes) -> the same Endpoint values the fleet file gives."""

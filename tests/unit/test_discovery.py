@@ -1,0 +1,133 @@
+"""Discovery's pure parts: a failing source never empties a version (state.py), and a
+discovered version's endpoints are filled in like listed ones (manager.augment)."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.discovery.manager import Discovery
+from controlplane.discovery.state import Found, SourceState
+from controlplane.fleet import parse_fleet
+from controlplane.fleet.loader import FleetConfigInvalid
+from controlplane.obs.metrics import Metrics
+
+A, B, C = Found("127.0.0.11", 8000), Found("127.0.0.12", 8000), Found("127.0.0.13", 8000)
+
+
+def test_an_answer_with_servers_replaces_the_known_set() -> None:
+    s = SourceState("dns:x")
+    assert s.known is None and not s.healthy
+    assert s.answer((A, B), 0.0, 5.0) and s.known == (A, B) and s.healthy
+    assert not s.answer((B, A), 1.0, 5.0)  # the same set in another order: no change
+    assert s.answer((B, C), 2.0, 5.0) and s.known == (B, C)
+    assert set(s.seen_at) == {B.address, C.address}
+
+
+def test_an_error_keeps_the_last_known_set() -> None:
+    s = SourceState("dns:x")
+    s.answer((A, B), 0.0, 5.0)
+    s.failed("SERVFAIL")
+    s.failed("SERVFAIL")
+    assert s.known == (A, B) and s.error == "SERVFAIL" and s.failures == 2 and not s.healthy
+    s.answer((A, B), 3.0, 5.0)
+    assert s.healthy and s.failures == 2
+
+
+def test_an_empty_answer_empties_only_after_a_whole_hold() -> None:
+    s = SourceState("dns:x")
+    s.answer((A,), 0.0, 5.0)
+    assert not s.answer((), 10.0, 5.0) and s.known == (A,) and "answered empty" in (s.error or "")
+    assert not s.answer((), 14.9, 5.0) and s.known == (A,)
+    assert s.answer((), 15.0, 5.0) and s.known == () and s.healthy
+    # A server between two empty answers starts the hold again.
+    s.answer((B,), 16.0, 5.0)
+    s.answer((), 17.0, 5.0)
+    s.answer((B,), 18.0, 5.0)
+    assert not s.answer((), 19.0, 5.0) and s.known == (B,)
+
+
+def test_a_source_that_never_had_servers_is_empty_at_once() -> None:
+    s = SourceState("dns:x")
+    assert s.answer((), 0.0, 5.0) and s.known == () and s.healthy
+
+
+FLEET = """
+listener: {port: 10000}
+tiers: {small: {max_params_b: 15}}
+models:
+  m:
+    params_b: 8
+    stable: v2
+    versions:
+      v1: {endpoints: ["127.0.0.11:8000"]}
+      v2: {discover: {dns: m.models.test, port: 8000, gpu: A100, zone: z1}}
+"""
+
+
+def test_a_discovered_version_gets_what_its_source_found_with_its_defaults() -> None:
+    fleet = parse_fleet(FLEET)
+    d = Discovery(None, Metrics(), lambda: None)  # type: ignore[arg-type]
+    assert d.augment(fleet).models[0].version("v2").endpoints == ()  # nothing found yet
+    changes = []
+    d.on_change = lambda: changes.append(1)
+    d.answered(("m", "v2"), (A, B, Found("127.0.0.14", 8000, zone="z2", gpu="H100")), 5.0)
+    assert changes == [1]
+    eps = d.augment(fleet).models[0].version("v2").endpoints
+    # 127.0.0.11:8000 is the file's (v1): the first one wins, it is not served twice.
+    assert [(e.address, e.gpu, e.zone) for e in eps] == [
+        ("127.0.0.12:8000", "A100", "z1"),
+        ("127.0.0.14:8000", "H100", "z2"),
+    ]
+    assert d.source_of("m", "v2", "127.0.0.12:8000")[0] == "dns:m.models.test"
+    assert d.source_of("m", "v1", "127.0.0.11:8000") == ("file", None)
+
+
+def test_a_server_that_leaves_its_source_stays_until_drained() -> None:
+    fleet = parse_fleet(FLEET)
+    d = Discovery(None, Metrics(), lambda: None)  # type: ignore[arg-type]
+    d.augment(fleet)
+    d.answered(("m", "v2"), (B, C), 5.0)
+    d.answered(("m", "v2"), (C,), 5.0)
+    eps = {e.address for e in d.augment(fleet).models[0].version("v2").endpoints}
+    assert eps == {B.address, C.address} and B.address in d.leaving
+    assert "gone" in d.source_of("m", "v2", B.address)[0]
+    d.answered(("m", "v2"), (B, C), 5.0)  # back before it was drained
+    assert B.address not in d.leaving
+
+
+def test_a_failing_source_is_said_and_counted_and_keeps_serving() -> None:
+    fleet = parse_fleet(FLEET)
+    m = Metrics()
+    d = Discovery(None, m, lambda: None)  # type: ignore[arg-type]
+    d.augment(fleet)
+    d.answered(("m", "v2"), (B,), 5.0)
+    d.failed(("m", "v2"), "timeout")
+    assert [e.address for e in d.augment(fleet).models[0].version("v2").endpoints] == [B.address]
+    assert (
+        m.registry.get_sample_value("controlplane_discovery_source_healthy", {"model": "m", "version": "v2"})
+        == 0
+    )
+    assert (
+        m.registry.get_sample_value("controlplane_discovery_failures_total", {"model": "m", "version": "v2"})
+        == 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("discover", "error"),
+    [
+        ("{dns: m.test}", "discover.port: missing"),
+        ("{srv: _http._tcp.m.test, port: 80}", "not allowed with srv"),
+        ("{dns: 'bad name!', port: 80}", "expected a DNS name"),
+        ("{dns: a.test, srv: b.test, port: 1}", "expected exactly one of dns, srv, kubernetes"),
+        ("{kubernetes: {namespace: models, selector: 'app=x'}}", "kubernetes.port: missing"),
+        ("{kubernetes: {namespace: models, selector: '', port: 80}}", "kubernetes.selector"),
+        ("{kubernetes: {namespace: models, selector: 'app=x', port: 'Not_A_Name'}}", "kubernetes.port"),
+        ("{dns: a.test, port: 70000}", "discover.port"),
+    ],
+)
+def test_a_bad_discover_names_the_field(discover: str, error: str) -> None:
+    text = FLEET.replace("{dns: m.models.test, port: 8000, gpu: A100, zone: z1}", discover)
+    with pytest.raises(FleetConfigInvalid) as e:
+        parse_fleet(text)
+    assert error in str(e.value), str(e.value)
