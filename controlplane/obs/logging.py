@@ -47,3 +47,5 @@ def configure_logging(fmt: LogFormat = "console", level: str = "info") -> None:
         stream=_CurrentStderr(),
         format="%(levelname)s %(name)s: %(message)s",
     )
+    # The Kubernetes client's HTTP library logs every request (each watch reconnect) at info.
+    logging.getLogger("httpx2").setLevel(max(lvl, logging.WARNING))

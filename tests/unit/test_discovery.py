@@ -131,3 +131,53 @@ def test_a_bad_discover_names_the_field(discover: str, error: str) -> None:
     with pytest.raises(FleetConfigInvalid) as e:
         parse_fleet(text)
     assert error in str(e.value), str(e.value)
+
+
+# ---- Kubernetes: the selected pods' endpoints in the namespace's slices
+
+
+def _k8s_inputs() -> tuple[dict[str, object], dict[str, object]]:
+    from tests.integration.fake_kube import pod, slice_of
+
+    pods = {
+        "p1": pod("p1", {"app": "vllm"}, {"gpu": "A100", "gpu-memory-gb": "80", "capacity": "2"}),
+        "p2": pod("p2", {"app": "vllm", "gpu": "L4"}),
+        "p3": pod("p3", {"app": "vllm"}),
+        "p4": pod("p4", {"app": "vllm"}),
+    }
+    eps = [
+        {"ip": "127.0.50.1", "pod": "p1", "zone": "z1"},
+        {"ip": "127.0.50.2", "pod": "p2", "ready": False, "serving": True, "terminating": True},
+        {"ip": "127.0.50.3", "pod": "p3", "ready": False, "serving": False},  # starting: left out
+        {"ip": "127.0.50.9", "pod": "not-selected"},
+    ]
+    slices = {"s": slice_of("s", "svc", 8000, eps), "other": slice_of("other", "svc", 9000, [])}
+    return pods, slices
+
+
+def test_kubernetes_servers_are_the_selected_pods_ready_or_terminating() -> None:
+    from controlplane.discovery.kubernetes import servers
+    from controlplane.fleet.model import Discover, DiscoverySettings
+
+    pods, slices = _k8s_inputs()
+    d = Discover("kubernetes", namespace="models", selector="app=vllm", port_name="http")
+    found = {f.address: f for f in servers(d, DiscoverySettings(), pods, slices)}
+    assert set(found) == {"127.0.50.1:8000", "127.0.50.2:8000"}
+    p1, p2 = found["127.0.50.1:8000"], found["127.0.50.2:8000"]
+    assert (p1.gpu, p1.gpu_memory_gb, p1.capacity, p1.zone, p1.terminating) == (
+        "A100",
+        80.0,
+        2.0,
+        "z1",
+        False,
+    )
+    assert (p2.gpu, p2.terminating) == ("L4", True)
+    # A port by number instead of name; a port name no slice has gives nothing.
+    assert {
+        f.port for f in servers(Discover("kubernetes", port=8443), DiscoverySettings(), pods, slices)
+    } == {8443}
+    assert servers(Discover("kubernetes", port_name="grpc"), DiscoverySettings(), pods, slices) == ()
+    # Label keys are configurable.
+    keyed = DiscoverySettings(gpu_label="nvidia.com/gpu.product")
+    pods["p1"]["metadata"]["labels"]["nvidia.com/gpu.product"] = "H100"  # type: ignore[index]
+    assert {f.gpu for f in servers(d, keyed, pods, slices) if f.host == "127.0.50.1"} == {"H100"}
