@@ -491,10 +491,11 @@ def explain(fleet: Fleet, name: str, raw: Mapping[str, Any] | None = None) -> di
                 "stable": version.name == model.stable,
                 "cluster": names.cluster_name(model.name, version.name),
                 "endpoints": eps,
+                "source": version.discover.source() if version.discover is not None else "file",
             }
         )
         placed = [e for e in eps if e["eds_priority"] is not None]
-        if not placed:
+        if not placed and version.discover is None:
             why = "it has no endpoints" if not eps else "no endpoint fits the model's memory need"
             if version.name == model.stable:
                 warnings.append(
@@ -771,6 +772,11 @@ def render_text(e: Mapping[str, Any], config: str | None = None) -> str:
     for v in e["versions"]:
         status = "stable: takes the traffic" if v["stable"] else "not stable: no route sends it traffic"
         lines += ["", f"version {v['name']}  cluster {v['cluster']}  ({status})"]
+        if v["source"] != "file":
+            lines.append(
+                f"  endpoints discovered from {v['source']} at run time: `cpctl endpoints list` shows them"
+            )
+            continue
         if not v["endpoints"]:
             lines.append("  no endpoints")
             continue

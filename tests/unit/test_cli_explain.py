@@ -402,3 +402,17 @@ models:
     autoscaling: {max: 3}
     versions: {v1: {endpoints: ["127.0.0.1:8000"]}}
 """
+
+
+def test_a_discovered_version_says_where_its_endpoints_come_from(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from controlplane.cli.explain import explain, render_text
+    from controlplane.fleet import parse_fleet
+
+    text = (
+        "listener: {port: 10000}\ntiers: {small: {max_params_b: 15}}\nmodels:\n  m:\n    params_b: 8\n"
+        "    stable: v1\n    versions:\n      v1: {discover: {srv: _http._tcp.m.models.test}}\n"
+    )
+    e = explain(parse_fleet(text), "m")
+    assert e["versions"][0]["source"] == "srv:_http._tcp.m.models.test"
+    assert "discovered from srv:_http._tcp.m.models.test" in render_text(e)
+    assert not any("no endpoints" in w for w in e["warnings"])
