@@ -318,7 +318,12 @@ class ControlPlane:
             server,
         )
         try:
-            self.http = StatusHTTPServer(self.options.metrics_listen, self.metrics, self.xds.registry)
+            self.http = StatusHTTPServer(
+                self.options.metrics_listen,
+                self.metrics,
+                self.xds.registry,
+                discovery=lambda: self.discovery.status,
+            )
         except OSError as e:
             raise OSError(f"--metrics-listen {self.options.metrics_listen}: {e.strerror or e}") from e
         try:

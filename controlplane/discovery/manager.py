@@ -64,6 +64,7 @@ class Discovery:
         self.leaving: dict[str, _Leaving] = {}  # address -> gone from its source, draining
         self._drained_by_us: set[str] = set()
         self._exported: set[SourceKey] = set()
+        self.status: tuple[dict[str, object], ...] = ()  # for /debug/discovery
 
     # ---- the fleet
 
@@ -215,7 +216,31 @@ class Discovery:
             return
         self.leaving[f.address] = _Leaving(key[0], key[1], _endpoint(d, f), why)
 
+    def _publish_status(self) -> None:
+        """`status` for /debug/discovery, replaced whole (the status server reads it from its
+        own thread)."""
+        now = self.clock()
+        self.status = tuple(
+            {
+                "model": model,
+                "version": version,
+                "source": st.source,
+                "healthy": st.healthy,
+                "error": st.error,
+                "failures": st.failures,
+                "last_answer_age_s": round(now - st.last_ok, 3) if st.last_ok is not None else None,
+                "endpoints": [
+                    f.address + (" (terminating)" if f.terminating else "") for f in st.known or ()
+                ],
+                "leaving": sorted(
+                    a for a, lv in self.leaving.items() if (lv.model, lv.version) == (model, version)
+                ),
+            }
+            for (model, version), st in sorted(self.states.items())
+        )
+
     def _export(self, key: SourceKey) -> None:
+        self._publish_status()
         state = self.states.get(key)
         if state is None:
             return

@@ -1,4 +1,5 @@
-"""A small HTTP server for /metrics (Prometheus), /healthz and /debug/proxies (JSON)."""
+"""A small HTTP server for /metrics (Prometheus), /healthz, /debug/proxies and
+/debug/discovery (JSON)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ class StatusHTTPServer:
         metrics: Metrics,
         proxies: ProxyDescriber,
         timeout_s: float = limits.STATUS_HTTP_TIMEOUT_S,
+        discovery: Callable[[], Any] = lambda: (),
     ) -> None:
         host, port = split_host_port(listen)
         registry = metrics.registry
@@ -98,7 +100,14 @@ class StatusHTTPServer:
                     return 200, "text/plain", b"ok\n"
                 if path == "/debug/proxies":
                     return 200, "application/json", json.dumps(_describe(proxies), indent=2).encode() + b"\n"
-                return 404, "text/plain", b"not found: try /metrics, /healthz, /debug/proxies\n"
+                if path == "/debug/discovery":
+                    body = json.dumps({"sources": list(discovery())}, indent=2).encode() + b"\n"
+                    return 200, "application/json", body
+                return (
+                    404,
+                    "text/plain",
+                    b"not found: try /metrics, /healthz, /debug/proxies, /debug/discovery\n",
+                )
 
             def _send(self, code: int, ctype: str, body: bytes, head: bool = False) -> None:
                 self.send_response(code)

@@ -11,6 +11,7 @@ addresses, all on one port (as pods behind a headless Service); a real Envoy wit
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
@@ -24,7 +25,15 @@ import pytest
 import yaml
 
 from controlplane.v1 import endpoint_pb2
-from tests.integration.harness import EmulatedFleet, Emulator, Operator, Traffic, free_port, wait_until
+from tests.integration.harness import (
+    EmulatedFleet,
+    Emulator,
+    Operator,
+    Traffic,
+    free_port,
+    http_get,
+    wait_until,
+)
 
 pytestmark = pytest.mark.envoy
 
@@ -177,6 +186,10 @@ def test_dns_discovered_servers_come_and_go_without_a_failed_request(
         during = [r for r in traffic.records() if r["t"] >= stopped]
         assert {r["server"] for r in during if r["status"] == 200} == {a2, a3}
         assert (fleet.cp.metric("controlplane_discovery_failures_total", model=MODEL, version="v1") or 0) >= 1
+        status, body = http_get(f"http://127.0.0.1:{fleet.cp.metrics_port}/debug/discovery")
+        (source,) = json.loads(body)["sources"]
+        assert status == 200 and source["source"] == f"dns:{NAME}" and not source["healthy"], source
+        assert source["error"] and sorted(source["endpoints"]) == sorted([a2, a3])
         eps = op.endpoints.List(
             endpoint_pb2.ListEndpointsRequest(model=MODEL), metadata=op.md, timeout=5
         ).endpoints
