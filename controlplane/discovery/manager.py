@@ -107,7 +107,9 @@ class Discovery:
         state = self.states.get((model, version))
         seen = state.seen_at.get(address) if state is not None else None
         if seen is not None and any(f.address == address for f in state.known or ()):  # type: ignore[union-attr]
-            return d.source(), self.clock() - seen
+            failing = state.error if state is not None else None
+            source = d.source() + (f" (kept: the source fails: {failing})" if failing else "")
+            return source, self.clock() - seen
         lv = self.leaving.get(address)
         if lv is not None and (lv.model, lv.version) == (model, version):
             return f"{d.source()} (gone: {lv.why})", None

@@ -103,6 +103,9 @@ def test_a_failing_source_is_said_and_counted_and_keeps_serving() -> None:
     d.answered(("m", "v2"), (B,), 5.0)
     d.failed(("m", "v2"), "timeout")
     assert [e.address for e in d.augment(fleet).models[0].version("v2").endpoints] == [B.address]
+    assert d.source_of("m", "v2", B.address)[0] == "dns:m.models.test (kept: the source fails: timeout)"
+    assert d.status[0]["healthy"] is False and d.status[0]["error"] == "timeout"
+    assert d.status[0]["endpoints"] == [B.address]
     assert (
         m.registry.get_sample_value("controlplane_discovery_source_healthy", {"model": "m", "version": "v2"})
         == 0
