@@ -126,6 +126,8 @@ def run_policy(policy: str, trace: Trace, args: argparse.Namespace, fixed: int) 
                 f"127.0.0.1:{admin}",
                 "--state-dir",
                 str(workdir / "state"),
+                "--log-format",
+                "json",
             ],
         )
         wait_http(f"http://127.0.0.1:{metrics}/healthz", 30, "the control plane", stack.procs)
