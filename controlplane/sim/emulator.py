@@ -45,6 +45,7 @@ from controlplane.sim.emulator_protocol import (
     sse,
     stream_chunk,
 )
+from controlplane.sim.prefix_cache import BLOCK_TOKENS, PrefixCache
 from controlplane.sim.service import ServerSpec
 
 __all__ = [
@@ -135,6 +136,7 @@ class _Life:
     engine: LiveBatchingServer
     metrics: VllmMetrics
     started_at: float  # event-loop time
+    cache: PrefixCache  # a restart empties it, as a restarted vLLM's
 
 
 class EmulatedServer:
@@ -242,7 +244,8 @@ class EmulatedServer:
             mapp.router.add_get("/health", self._health)
             self._metrics_runner = web.AppRunner(mapp, access_log=None, handler_cancellation=True)
             await self._metrics_runner.setup()
-        self._life = _Life(runner, engine, metrics, engine.now())
+        cache = PrefixCache(self.config.kv_capacity_tokens // BLOCK_TOKENS)
+        self._life = _Life(runner, engine, metrics, engine.now(), cache)
         self.faults = replace(self.faults, crash=False)
         await self._apply(self.faults)
         return self
@@ -452,7 +455,9 @@ class EmulatedServer:
             await stream.prepare(request)
         self.responses_by_status[200] += 1
         try:
-            async with engine.admit(req.prompt_tokens, req.output_tokens) as seq:
+            cached = life.cache.admit(req.prompt)
+            life.metrics.observe_prefix(len(req.prompt), cached)
+            async with engine.admit(req.prompt_tokens, req.output_tokens, cached_tokens=cached) as seq:
                 if stream is not None:
                     for k in range(req.output_tokens):
                         await engine.wait_until(seq.token_time(k))

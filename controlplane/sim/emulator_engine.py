@@ -33,6 +33,7 @@ class Sequence:
     output_tokens: int
     submitted: float
     phantom: bool = False
+    cached_tokens: int = 0  # of the prompt, found in the prefix cache: no prefill for them
     started: float = math.nan
     first_token: float = math.nan
     finished: float = math.nan
@@ -103,11 +104,13 @@ class LiveBatchingServer:
 
     @contextlib.asynccontextmanager
     async def admit(
-        self, prompt_tokens: int, output_tokens: int, *, phantom: bool = False
+        self, prompt_tokens: int, output_tokens: int, *, phantom: bool = False, cached_tokens: int = 0
     ) -> AsyncIterator[Sequence]:
         """Wait (FIFO) for a slot; yield the started sequence, whose timing is then fixed;
-        free the slot on exit (early if the caller is cancelled: an aborted request)."""
-        seq = Sequence(max(0, prompt_tokens), max(1, output_tokens), self.now(), phantom)
+        free the slot on exit (early if the caller is cancelled: an aborted request).
+        `cached_tokens` of the prompt were found in the prefix cache: they skip prefill."""
+        prompt = max(0, prompt_tokens)
+        seq = Sequence(prompt, max(1, output_tokens), self.now(), phantom, min(prompt, max(0, cached_tokens)))
         if len(self.running) < self.spec.slots and not self.num_waiting:
             self._start(seq, seq.submitted)
         else:
@@ -136,7 +139,7 @@ class LiveBatchingServer:
         s = self.spec
         factor = self.slow / s.speed
         seq.started = at
-        seq.first_token = at + seq.prompt_tokens * s.prefill_s_per_token * factor
+        seq.first_token = at + (seq.prompt_tokens - seq.cached_tokens) * s.prefill_s_per_token * factor
         seq.decode_s_per_token = s.decode_s_per_token * factor
         seq.finished = seq.first_token + seq.output_tokens * seq.decode_s_per_token
         self.running.append(seq)

@@ -145,6 +145,8 @@ class VllmMetrics(Collector):
         self._tpot = _Histogram(TPOT_BUCKETS)
         self._queue = _Histogram(LATENCY_BUCKETS)
         self._success = dict.fromkeys(FINISH_REASONS, 0)
+        self._prefix_queries = 0.0  # prompt tokens looked up in the prefix cache
+        self._prefix_hits = 0.0  # of those, found cached
         self._prompt = 0
         self._generation = 0
         # The full page's.
@@ -184,6 +186,11 @@ class VllmMetrics(Collector):
         self._max_tokens.observe(out if max_tokens is None else max_tokens)
         self._n.observe(1)  # the emulator answers n=1 only
         self._observe_steps(seq.prompt_tokens, out, max(1, batch_size))
+
+    def observe_prefix(self, queries: int, hits: int) -> None:
+        """A prompt looked up in the prefix cache: its tokens, and how many were cached."""
+        self._prefix_queries += queries
+        self._prefix_hits += hits
 
     def observe_failed(self) -> None:
         """A request answered with an error. vLLM counts only successes: nothing to do."""
@@ -285,25 +292,25 @@ class VllmMetrics(Collector):
             [(e, 0.0)],
             at,
         )
-        # No prefix cache here: every prompt token is a query, none a hit.
+        # The prefix cache (sim/prefix_cache.py): prompt tokens looked up, and found.
         for prefix, note in (("", ""), ("gpu_", " Deprecated: use vllm:prefix_cache_*.")):
             yield _counter(
                 f"vllm:{prefix}prefix_cache_queries",
                 f"Prompt tokens looked up in the prefix cache.{note}",
-                [(e, self._prompt)],
+                [(e, self._prefix_queries)],
                 at,
             )
             yield _counter(
                 f"vllm:{prefix}prefix_cache_hits",
                 f"Prompt tokens found in the prefix cache.{note}",
-                [(e, 0.0)],
+                [(e, self._prefix_hits)],
                 at,
             )
         config = {
             "engine": ENGINE,
             "block_size": str(BLOCK_SIZE),
             "cache_dtype": "auto",
-            "enable_prefix_caching": "False",
+            "enable_prefix_caching": "True",
             "num_gpu_blocks": str(math.ceil(self.kv_capacity_tokens / BLOCK_SIZE)),
         }
         yield _gauge("vllm:cache_config_info", "The engine's KV-cache configuration (always 1).", config, 1.0)

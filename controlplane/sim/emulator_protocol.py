@@ -80,6 +80,7 @@ class CompletionRequest:
     max_tokens_given: bool  # the client set the length: the answer stops at it ("length")
     stream: bool
     include_usage: bool
+    prompt: tuple[str, ...] = ()  # the prompt's tokens (the emulator's tokenizer), for the prefix cache
 
     @property
     def finish_reason(self) -> str:
@@ -89,6 +90,10 @@ class CompletionRequest:
 def count_tokens(text: str) -> int:
     """The emulator's tokenizer: one token per whitespace-separated word."""
     return len(text.split())
+
+
+def tokens_of(text: str) -> list[str]:
+    return text.split()
 
 
 def parse_completion_request(
@@ -118,7 +123,8 @@ def parse_completion_request(
             param="model",
             code="model_not_found",
         )
-    prompt_tokens = _chat_tokens(body) if kind == "chat" else _prompt_tokens(body)
+    prompt = _chat_tokens(body) if kind == "chat" else _prompt_tokens(body)
+    prompt_tokens = len(prompt)
     output_tokens, given = _max_tokens(body, default_max_tokens, max_tokens_limit)
     stream = _optional_bool(body, "stream")
     include_usage = False
@@ -134,20 +140,22 @@ def parse_completion_request(
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise _invalid("n", f"'n' must be 1 (the emulator generates one choice), got {n!r}")
-    return CompletionRequest(kind, model, prompt_tokens, output_tokens, given, stream, include_usage)
+    return CompletionRequest(
+        kind, model, prompt_tokens, output_tokens, given, stream, include_usage, tuple(prompt)
+    )
 
 
-def _prompt_tokens(body: dict[str, Any]) -> int:
+def _prompt_tokens(body: dict[str, Any]) -> list[str]:
     prompt = body.get("prompt")
     if prompt is None:
         raise _invalid("prompt", "missing required field 'prompt'", "missing_required_parameter")
     if isinstance(prompt, str):
-        return count_tokens(prompt)
+        return tokens_of(prompt)
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return len(prompt)  # token ids
+            return [str(t) for t in prompt]  # token ids
         if len(prompt) == 1 and isinstance(prompt[0], str):
-            return count_tokens(prompt[0])
+            return tokens_of(prompt[0])
         if all(isinstance(t, str) for t in prompt):
             raise _invalid("prompt", f"'prompt' must be one prompt, got a batch of {len(prompt)}")
     raise _invalid(
@@ -157,13 +165,13 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
     )
 
 
-def _chat_tokens(body: dict[str, Any]) -> int:
+def _chat_tokens(body: dict[str, Any]) -> list[str]:
     messages = body.get("messages")
     if messages is None:
         raise _invalid("messages", "missing required field 'messages'", "missing_required_parameter")
     if not isinstance(messages, list) or not messages:
         raise _invalid("messages", "'messages' must be a non-empty list of message objects", "invalid_type")
-    tokens = 0
+    tokens: list[str] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -173,7 +181,7 @@ def _chat_tokens(body: dict[str, Any]) -> int:
             raise _invalid(f"{where}.role", f"'{where}.role' must be a non-empty string", "invalid_type")
         content = message.get("content")
         if content is None or isinstance(content, str):
-            tokens += count_tokens(content or "")
+            tokens += tokens_of(content or "")
         elif isinstance(content, list):
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
@@ -190,7 +198,7 @@ def _chat_tokens(body: dict[str, Any]) -> int:
                             f"'{where}.content[{j}].text' must be a string",
                             "invalid_type",
                         )
-                    tokens += count_tokens(text)
+                    tokens += tokens_of(text)
         else:
             raise _invalid(
                 f"{where}.content",

@@ -127,6 +127,7 @@ def test_the_histograms_observe_what_the_request_did() -> None:
     # Queued 0.5 s, 100 prompt tokens prefilled in 0.1 s, 20 tokens at 0.05 s: 1.0 s decode.
     seq = finished(100, 20, submitted=0.0, started=0.5, decode=0.05)
     metrics.observe_finished(seq, "stop", batch_size=4, max_tokens=64)
+    metrics.observe_prefix(100, 32)  # 2 blocks of its prompt were cached
     page = metrics.render(0, 0, 0.0).decode()
     e = {"engine": "0"}
     for sample, want in [
@@ -141,7 +142,7 @@ def test_the_histograms_observe_what_the_request_did() -> None:
         ("vllm:request_params_max_tokens_sum", 64),
         ("vllm:request_params_n_sum", 1),
         ("vllm:prefix_cache_queries_total", 100),
-        ("vllm:prefix_cache_hits_total", 0),
+        ("vllm:prefix_cache_hits_total", 32),
         ("vllm:num_preemptions_total", 0),
     ]:
         assert value(page, sample) == pytest.approx(want), sample
