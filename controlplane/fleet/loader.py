@@ -36,6 +36,7 @@ from controlplane.fleet.model import (
     ListenerSpec,
     MetricsProbe,
     Model,
+    PrefixKey,
     PriorityClass,
     PrometheusSpec,
     ProviderSpec,
@@ -927,13 +928,18 @@ _HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,99}$")
 
 
 def _affinity(value: Any, path: str, errs: _Errors) -> Affinity | None:
-    m = _mapping(value, path, errs, {"header", "body", "algorithm", "hash_balance_factor"})
+    m = _mapping(value, path, errs, {"header", "body", "prefix", "algorithm", "hash_balance_factor"})
     if m is None:
         return None
     before = len(errs.items)
     header, body = m.get("header"), m.get("body")
-    if (header is None) == (body is None):
-        errs.add(path, "give exactly one of header (e.g. x-session-id) or body (prompt_cache_key or user)")
+    prefix = _prefix_key(m["prefix"], f"{path}.prefix", errs) if "prefix" in m else None
+    if sum(x is not None for x in (header, body, m.get("prefix"))) != 1:
+        errs.add(
+            path,
+            "give exactly one of header (e.g. x-session-id), body (prompt_cache_key or user) "
+            "or prefix (the prompt's leading part)",
+        )
     if header is not None and (not isinstance(header, str) or not _HEADER_NAME.match(header)):
         errs.add(f"{path}.header", f"expected a lower-case header name such as x-session-id, got {header!r}")
     if body is not None and body not in AFFINITY_BODY_FIELDS:
@@ -944,7 +950,28 @@ def _affinity(value: Any, path: str, errs: _Errors) -> Affinity | None:
     factor = _int(m.get("hash_balance_factor", 150), f"{path}.hash_balance_factor", errs, 100, 100_000)
     if len(errs.items) != before or factor is None:
         return None
-    return Affinity(header=header, body_field=body, algorithm=str(algorithm), balance_factor=factor)
+    return Affinity(
+        header=header, body_field=body, algorithm=str(algorithm), balance_factor=factor, prefix=prefix
+    )
+
+
+_PREFIX_KEYS = {"messages", "prompt_bytes", "max_bytes"}
+
+
+def _prefix_key(value: Any, path: str, errs: _Errors) -> PrefixKey | None:
+    """`prefix: true` (the defaults) or `prefix: {messages, prompt_bytes, max_bytes}`."""
+    if value is True:
+        return PrefixKey()
+    m = _mapping(value, path, errs, _PREFIX_KEYS)
+    if m is None:
+        return None
+    kw: dict[str, Any] = {}
+    for key, lo, hi in (("messages", 1, 64), ("prompt_bytes", 16, 1_048_576), ("max_bytes", 64, 1_048_576)):
+        if key in m:
+            kw[key] = _int(m[key], f"{path}.{key}", errs, lo, hi)
+    if any(v is None for v in kw.values()):
+        return None
+    return PrefixKey(**kw)
 
 
 def _port(value: Any, path: str, errs: _Errors) -> int | None:

@@ -214,6 +214,18 @@ class Affinity:
     body_field: str | None = None  # e.g. prompt_cache_key or user, from the JSON body
     algorithm: str = "maglev"  # or ring_hash
     balance_factor: int = 150  # percent of the mean requests in flight per endpoint (>= 100)
+    prefix: PrefixKey | None = None  # the key is the prompt's leading part (prefix affinity)
+
+
+@dataclass(frozen=True)
+class PrefixKey:
+    """How Envoy derives a prefix-affinity key from a request body (routing/prefix_key.lua):
+    for chat, the raw text of the first `messages` messages (the system prompt, then early
+    turns), at most `max_bytes`; for completions, the first `prompt_bytes` of `prompt`."""
+
+    messages: int = 1
+    prompt_bytes: int = 1024
+    max_bytes: int = 16384
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import ipaddress
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
@@ -29,6 +30,7 @@ from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.common.set_filter_state.v3 import value_pb2 as value_pb2_fs
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.http.set_filter_state.v3 import set_filter_state_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -455,6 +457,23 @@ def _affinity_body_fields(fleet: Fleet) -> list[str]:
     return sorted({m.affinity.body_field for m in fleet.models if m.affinity and m.affinity.body_field})
 
 
+PREFIX_FIELD = "prefix"  # affinity_prefix in metadata; never a body field name (AFFINITY_BODY_FIELDS)
+LUA_FILTER = "envoy.filters.http.lua"
+PREFIX_KEY_LUA = (Path(__file__).with_name("prefix_key.lua")).read_text()
+
+
+def _prefix_affinity(fleet: Fleet) -> bool:
+    return any(m.affinity is not None and m.affinity.prefix is not None for m in fleet.models)
+
+
+def _prefix_key_filter() -> hcm_pb2.HttpFilter:
+    """Envoy's Lua filter with prefix_key.lua: the key of a prefix-affinity model's request
+    (its route's metadata says how to take it), into dynamic metadata. It runs once the
+    buffer filter holds the whole body."""
+    cfg = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=PREFIX_KEY_LUA))
+    return hcm_pb2.HttpFilter(name=LUA_FILTER, typed_config=_any(cfg))
+
+
 def _affinity_filter_state(fields: list[str]) -> hcm_pb2.HttpFilter:
     """Body fields copied to metadata become hashable filter state (`envoy.hashable_string`;
     the plain string factory does not hash, and requests would spread at random). It runs
@@ -467,7 +486,11 @@ def _affinity_filter_state(fields: list[str]) -> hcm_pb2.HttpFilter:
                 format_string=substitution_format_string_pb2.SubstitutionFormatString(
                     text_format_source=base_pb2.DataSource(
                         inline_string=f"%DYNAMIC_METADATA({METADATA_NS}:affinity_{f})%"
-                    )
+                    ),
+                    # A request without the key formats as "" (not "-"), so it is skipped and
+                    # the route's fallback hash applies: keyless requests must not all hash
+                    # alike onto one server.
+                    omit_empty_values=True,
                 ),
                 skip_if_empty=True,
             )
@@ -522,7 +545,12 @@ def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
         http_filters=[
             _buffer(fleet),
             _json_to_metadata(body_fields := _affinity_body_fields(fleet)),
-            *([_affinity_filter_state(body_fields)] if body_fields else []),
+            *([_prefix_key_filter()] if _prefix_affinity(fleet) else []),
+            *(
+                [_affinity_filter_state(state_fields)]
+                if (state_fields := body_fields + ([PREFIX_FIELD] if _prefix_affinity(fleet) else []))
+                else []
+            ),
             _router(),
         ],
         local_reply_config=_overflow_is_429(),
@@ -615,10 +643,21 @@ def _model_action(
         mirror = action.request_mirror_policies.add(cluster=names.cluster_name(model.name, shadow[0]))
         mirror.runtime_fraction.default_value.numerator = shadow[1]
     a = model.affinity
+    keyed = None
     if a is not None and a.header is not None:
-        action.hash_policy.add().header.header_name = a.header
+        keyed = action.hash_policy.add()
+        keyed.header.header_name = a.header
     elif a is not None and a.body_field is not None and not proxyless:
-        action.hash_policy.add().filter_state.key = affinity_state_key(a.body_field)
+        keyed = action.hash_policy.add()
+        keyed.filter_state.key = affinity_state_key(a.body_field)
+    elif a is not None and a.prefix is not None and not proxyless:
+        keyed = action.hash_policy.add()
+        keyed.filter_state.key = affinity_state_key(PREFIX_FIELD)
+    if keyed is not None and not proxyless:
+        # A request without a key hashes on its request id: spread as at random, within the
+        # bounded load, instead of every keyless request on one server.
+        keyed.terminal = True
+        action.hash_policy.add().header.header_name = "x-request-id"
     if proxyless:
         return action  # gRPC's xDS client takes gRPC status codes only; it keeps its own retries
     # Always set: Envoy's own default (5 min, from the listener) would cut a long generation.
@@ -680,6 +719,15 @@ def _model_route(
         )
     )
     route.typed_per_filter_config[BUFFER_FILTER].CopyFrom(_any(body_limit))
+    prefix = model.affinity.prefix if model.affinity is not None else None
+    if prefix is not None:
+        route.metadata.filter_metadata[LUA_FILTER].update(
+            {
+                "prefix_messages": prefix.messages,
+                "prefix_prompt_bytes": prefix.prompt_bytes,
+                "prefix_max_bytes": prefix.max_bytes,
+            }
+        )
     return route
 
 

@@ -1,9 +1,11 @@
-"""Session and prompt-cache affinity with bounded load, through a real Envoy.
+"""Session, prompt-cache and prefix affinity with bounded load, through a real Envoy.
 
 `chat` hashes on the x-session-id header, `code` on the JSON body's prompt_cache_key (no
-extra hop: json_to_metadata -> set_filter_state as envoy.hashable_string -> hash policy).
-A session sticks to one server while that server is under its bound; a burst of one
-session's requests above the bound spreads to other servers.
+extra hop: json_to_metadata -> set_filter_state as envoy.hashable_string -> hash policy),
+`pfx` on the prompt's leading part (the first message: Envoy's Lua filter takes it from the
+body, prefix_key.lua). A session (a system prompt, for `pfx`) sticks to one server while
+that server is under its bound; a burst of one session's requests above the bound spreads
+to other servers; the emulated servers' prefix caches show the hits.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import ControlPlane, Emulator, Envoy, free_port
+from tests.integration.harness import ControlPlane, Emulator, Envoy, free_port, http_get
 
 FLAGS = {"slots": 8, "decode_ms_per_token": 10, "prefill_ms_per_token": 0.1}
 
@@ -41,7 +43,9 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     tmp = tmp_path_factory.mktemp("affinity")
     r = Rig(tmp)
     try:
-        r.servers = {m: [Emulator(f"{m}{i}", tmp, m, **FLAGS) for i in range(3)] for m in ("chat", "code")}
+        r.servers = {
+            m: [Emulator(f"{m}{i}", tmp, m, **FLAGS) for i in range(3)] for m in ("chat", "code", "pfx")
+        }
 
         def eps(m: str) -> str:
             return ", ".join(f"'{s.address}'" for s in r.servers[m])
@@ -55,6 +59,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
             "  code: {params_b: 8, stable: v1,\n"
             "         affinity: {body: prompt_cache_key, hash_balance_factor: 125},\n"
             f"         versions: {{v1: {{endpoints: [{eps('code')}]}}}}}}\n"
+            "  pfx: {params_b: 8, stable: v1, affinity: {prefix: {messages: 1}},\n"
+            f"         versions: {{v1: {{endpoints: [{eps('pfx')}]}}}}}}\n"
         )
         r.cp = ControlPlane(tmp / "fleet.yaml", tmp).start()
         r.envoy = Envoy("envoy-1", r.cp.xds, tmp, r.listener).start()
@@ -63,17 +69,30 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         r.close()
 
 
-def send(port: int, model: str, session: str, tokens: int = 2) -> str:
+def system_prompt(session: str) -> str:
+    """A long system prompt (200 words), one per session."""
+    return " ".join(f"{session}-rule-{i}" for i in range(200))
+
+
+def send(port: int, model: str, session: str, tokens: int = 2, turn: str = "hi") -> str:
     """One request of a session; returns the server that answered."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=15)
     body: dict[str, object] = {"model": model, "prompt": "hi", "max_tokens": tokens}
     headers = {"content-type": "application/json"}
+    path = "/v1/completions"
     if model == "chat":
         headers["x-session-id"] = session
+    elif model == "pfx":
+        path = "/v1/chat/completions"
+        del body["prompt"]
+        body["messages"] = [
+            {"role": "system", "content": system_prompt(session)},
+            {"role": "user", "content": turn},
+        ]
     else:
         body["prompt_cache_key"] = session
     try:
-        conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+        conn.request("POST", path, body=json.dumps(body), headers=headers)
         r = conn.getresponse()
         r.read()
         assert r.status == 200, r.status
@@ -82,20 +101,22 @@ def send(port: int, model: str, session: str, tokens: int = 2) -> str:
         conn.close()
 
 
-@pytest.mark.parametrize("model", ["chat", "code"])
+@pytest.mark.parametrize("model", ["chat", "code", "pfx"])
 def test_a_session_sticks_to_one_server_under_its_bound(rig: Rig, model: str) -> None:
     homes: dict[str, Counter[str]] = {}
-    for _round in range(8):
+    for turn in range(8):
         for s in range(12):
             session = f"{model}-session-{s}"
-            homes.setdefault(session, Counter())[send(rig.listener, model, session)] += 1
+            homes.setdefault(session, Counter())[
+                send(rig.listener, model, session, turn=f"question {turn}")
+            ] += 1
     for session, seen in homes.items():
         assert seen.most_common(1)[0][1] / sum(seen.values()) >= 0.95, (session, seen)
     # ...and different sessions do not all share one server.
     assert len({seen.most_common(1)[0][0] for seen in homes.values()}) >= 2, homes
 
 
-@pytest.mark.parametrize("model", ["chat", "code"])
+@pytest.mark.parametrize("model", ["chat", "code", "pfx"])
 def test_a_burst_above_the_bound_spreads(rig: Rig, model: str) -> None:
     served: Counter[str] = Counter()
     lock = threading.Lock()
@@ -112,3 +133,50 @@ def test_a_burst_above_the_bound_spreads(rig: Rig, model: str) -> None:
         t.join(30)
     assert sum(served.values()) == 12
     assert len(served) >= 2, served  # over the bound: the next servers take the rest
+
+
+def prefix_counters(rig: Rig) -> tuple[float, float]:
+    """(queries, hits) summed over the `pfx` servers' own /metrics."""
+    queries = hits = 0.0
+    for server in rig.servers["pfx"]:
+        for line in http_get(f"http://{server.address}/metrics")[1].splitlines():
+            if line.startswith("vllm:prefix_cache_queries_total{"):
+                queries += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prefix_cache_hits_total{"):
+                hits += float(line.rsplit(" ", 1)[1])
+    return queries, hits
+
+
+def test_prefix_affinity_makes_the_servers_prefix_caches_hit(rig: Rig) -> None:
+    """12 new system prompts, 3 turns each: with each prompt at one home, turns 2 and 3 hit
+    its cache (2/3 of the prompt tokens, about); sent at random over the 3 servers, about
+    0.3 would. The emulators' own counters say which (vllm:prefix_cache_hits/queries)."""
+    q0, h0 = prefix_counters(rig)
+    for turn in range(3):
+        for s in range(12):
+            send(rig.listener, "pfx", f"pfx-cache-{s}", turn=f"another question {turn}")
+    q1, h1 = prefix_counters(rig)
+    ratio = (h1 - h0) / (q1 - q0)
+    print(f"prefix cache hit ratio with prefix affinity: {ratio:.2f}")
+    assert ratio >= 0.55, (h1 - h0, q1 - q0)
+
+
+def test_requests_without_a_key_spread_instead_of_all_hashing_alike(rig: Rig) -> None:
+    """Before: a request without prompt_cache_key hashed the formatter's "-", so every
+    keyless request went to one server. Now it hashes its request id (a random spread
+    within the bounded load)."""
+    served: Counter[str] = Counter()
+    for _ in range(30):
+        conn = http.client.HTTPConnection("127.0.0.1", rig.listener, timeout=15)
+        try:
+            body = {"model": "code", "prompt": "hi", "max_tokens": 2}
+            conn.request(
+                "POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"}
+            )
+            r = conn.getresponse()
+            r.read()
+            assert r.status == 200
+            served[r.getheader("x-emulator-server") or ""] += 1
+        finally:
+            conn.close()
+    assert len(served) == 3 and max(served.values()) <= 20, served

@@ -329,6 +329,17 @@ def test_affinity_errors() -> None:
         )
     )
     assert any("affinity.hash_balance_factor: expected a whole number 100-100000, got 90" in e for e in errs)
+    errs = errors_of(
+        BASIC.replace(
+            "    stable: v1\n", "    stable: v1\n    affinity: {prefix: {messages: 0, max_bytes: 10**9}}\n", 1
+        )
+    )
+    assert any("affinity.prefix.messages: expected a whole number 1-64, got 0" in e for e in errs)
+    assert any("affinity.prefix.max_bytes" in e for e in errs)
+    errs = errors_of(
+        BASIC.replace("    stable: v1\n", "    stable: v1\n    affinity: {prefix: true, header: x-s}\n", 1)
+    )
+    assert any("give exactly one of header (e.g. x-session-id), body" in e for e in errs)
 
 
 def test_the_example_fleet_in_deploy_loads() -> None:

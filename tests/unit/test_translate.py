@@ -6,6 +6,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.set_filter_state.v3 import set_filter_state_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
@@ -338,7 +339,10 @@ def test_header_affinity_hashes_with_bounded_load() -> None:
     first.typed_config.Unpack(maglev)
     assert maglev.consistent_hashing_lb_config.hash_balance_factor.value == 150
     routes = _routes(d.by_type[ROUTE]["inference"])
-    assert [h.header.header_name for h in routes["header/llama-3-8b"].route.hash_policy] == ["x-session-id"]
+    assert [h.header.header_name for h in routes["header/llama-3-8b"].route.hash_policy] == [
+        "x-session-id",
+        "x-request-id",
+    ]
     grpc = d.by_type[ROUTE]["grpc/llama-3-8b"]
     assert isinstance(grpc, route_pb2.RouteConfiguration)
     assert grpc.virtual_hosts[0].routes[0].route.hash_policy[0].header.header_name == "x-session-id"
@@ -371,11 +375,11 @@ def test_body_affinity_goes_through_hashable_filter_state() -> None:
         value.format_string.text_format_source.inline_string
         == "%DYNAMIC_METADATA(controlplane:affinity_prompt_cache_key)%"
     )
+    assert value.format_string.omit_empty_values  # a keyless request is skipped, not hashed as "-"
     routes = _routes(d.by_type[ROUTE]["inference"])
-    assert (
-        routes["body/llama-3-8b"].route.hash_policy[0].filter_state.key
-        == "controlplane.affinity.prompt_cache_key"
-    )
+    keyed, fallback = routes["body/llama-3-8b"].route.hash_policy
+    assert keyed.filter_state.key == "controlplane.affinity.prompt_cache_key" and keyed.terminal
+    assert fallback.header.header_name == "x-request-id"
     c = d.by_type[CLUSTER]["llama-3-8b@v1"]
     assert isinstance(c, cluster_pb2.Cluster)
     assert (
@@ -452,3 +456,43 @@ def test_the_holding_service_by_name_is_resolved_by_dns() -> None:
         build_hold_cluster("controlplane.inference-system.svc:18002").type == cluster_pb2.Cluster.STRICT_DNS
     )
     assert build_hold_cluster("[::1]:18002").type == cluster_pb2.Cluster.STATIC
+
+
+def test_prefix_affinity_takes_its_key_in_envoys_lua_filter() -> None:
+    fleet = parse_fleet(
+        BASIC.replace("    stable: v1\n", "    stable: v1\n    affinity: {prefix: {messages: 2}}\n", 1)
+    )
+    d = translate(fleet)
+    lst = d.by_type[LISTENER]["inference"]
+    assert isinstance(lst, listener_pb2.Listener)
+    hcm = hcm_pb2.HttpConnectionManager()
+    lst.filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    assert [f.name for f in hcm.http_filters] == [
+        "envoy.filters.http.buffer",
+        "envoy.filters.http.json_to_metadata",
+        "envoy.filters.http.lua",  # after the body is whole, before the key becomes filter state
+        "envoy.filters.http.set_filter_state",
+        "envoy.filters.http.router",
+    ]
+    lua = lua_pb2.Lua()
+    hcm.http_filters[2].typed_config.Unpack(lua)
+    assert "envoy_on_request" in lua.default_source_code.inline_string
+    fs = set_filter_state_pb2.Config()
+    hcm.http_filters[3].typed_config.Unpack(fs)
+    assert [v.object_key for v in fs.on_request_headers] == ["controlplane.affinity.prefix"]
+    routes = _routes(d.by_type[ROUTE]["inference"])
+    for name in ("header/llama-3-8b", "body/llama-3-8b", "header/llama-3-8b@v1"):
+        r = routes[name]
+        settings = r.metadata.filter_metadata["envoy.filters.http.lua"]
+        assert dict(settings) == {
+            "prefix_messages": 2,
+            "prefix_prompt_bytes": 1024,
+            "prefix_max_bytes": 16384,
+        }
+        assert r.route.hash_policy[0].filter_state.key == "controlplane.affinity.prefix"
+    # A fleet without prefix affinity has no Lua filter at all.
+    plain = translate(parse_fleet(BASIC)).by_type[LISTENER]["inference"]
+    assert isinstance(plain, listener_pb2.Listener)
+    hcm = hcm_pb2.HttpConnectionManager()
+    plain.filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    assert "envoy.filters.http.lua" not in [f.name for f in hcm.http_filters]
