@@ -43,6 +43,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def peek(self, tokens: Sequence[str]) -> int:
+        """The cached prefix in tokens, without touching or adding anything."""
+        cached = 0
+        for k in block_keys(tokens):
+            if k not in self._blocks:
+                break
+            cached += 1
+        return cached * BLOCK_TOKENS
+
     def admit(self, tokens: Sequence[str]) -> int:
         """Look the prompt up and cache its blocks; return the cached prefix in tokens."""
         keys = block_keys(tokens)

@@ -20,6 +20,8 @@ def test_a_shared_prefix_hits_in_whole_blocks() -> None:
     assert c.admit([*SYSTEM, "hello", "there"]) == 0
     assert c.admit([*SYSTEM, "another", "question"]) == 4 * BLOCK_TOKENS
     assert c.admit(SYSTEM[:40]) == 2 * BLOCK_TOKENS  # a partial block never hits
+    before = (c.queries, c.hits, len(c))
+    assert c.peek([*SYSTEM, "x"]) == 4 * BLOCK_TOKENS and (c.queries, c.hits, len(c)) == before
     assert c.queries == 66 + 66 + 40 and c.hits == 64 + 32
 
 

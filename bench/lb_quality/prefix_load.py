@@ -1,0 +1,212 @@
+"""A shared-prefix chat workload, open loop; prints one JSON summary line.
+
+In the style of the SGLang and llm-d prefix-caching benchmarks: `--systems` system prompts
+(long, `--system-words` words each) x `--sessions` conversations each. An arrival (Poisson,
+`--rate` per second) is the next turn of a random conversation: its messages are the system
+prompt, then every earlier turn (user and assistant), then a new user turn; after `--turns`
+turns a conversation starts over. A share `--unique-share` of requests have a system prompt
+of their own (no common prefix). Requests stream; TTFT is the time to the first chunk.
+
+Every request carries `x-session-id` (its conversation), so a session-hashing policy can
+use it. With `--oracle-servers N`, the summary also gives the hit ratio of an oracle that
+sends each request to the server whose prefix cache (the emulator's model: 16-token blocks,
+an LRU of `--oracle-kv-tokens / 16`) holds its longest prefix, ties to the server sent the
+fewest tokens: what a per-request cache-aware picker would get, load aside.
+Run as its own process, so the load and the system under test do not share a GIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from controlplane.sim.prefix_cache import PrefixCache
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def words(rng: random.Random, n: int, tag: str) -> str:
+    return " ".join(f"{tag}{rng.randrange(10_000)}" for _ in range(n))
+
+
+@dataclass
+class Conversation:
+    system: str
+    sid: str
+    turns: list[tuple[str, str]] = field(default_factory=list)
+
+
+class Workload:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.systems = [words(self.rng, args.system_words, f"sys{i}w") for i in range(args.systems)]
+        self.conversations = [
+            Conversation(self.systems[i], f"s{i}-c{j}-0")
+            for i in range(args.systems)
+            for j in range(args.sessions)
+        ]
+        self.unique = 0
+
+    def next_request(self) -> tuple[str, list[dict[str, str]]]:
+        """(session id, messages) of the next request."""
+        a = self.args
+        if self.rng.random() < a.unique_share:
+            self.unique += 1
+            sid = f"unique-{self.unique}"
+            system = words(self.rng, a.system_words, f"u{self.unique}w")
+            return sid, [
+                {"role": "system", "content": system},
+                {"role": "user", "content": words(self.rng, a.turn_words, "q")},
+            ]
+        c = self.rng.choice(self.conversations)
+        if len(c.turns) >= a.turns:
+            gen = int(c.sid.rsplit("-", 1)[1]) + 1
+            c.sid, c.turns = f"{c.sid.rsplit('-', 1)[0]}-{gen}", []
+        messages = [{"role": "system", "content": c.system}]
+        for user, assistant in c.turns:
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        user = words(self.rng, a.turn_words, "q")
+        messages.append({"role": "user", "content": user})
+        c.turns.append((user, words(self.rng, a.turn_words, "a")))
+        return c.sid, messages
+
+
+def tokens_of(messages: list[dict[str, str]]) -> list[str]:
+    """The emulator's tokenizer over a chat (sim/emulator_protocol.py): the words of every content."""
+    out: list[str] = []
+    for m in messages:
+        out += m["content"].split()
+    return out
+
+
+class Oracle:
+    """A cache-aware per-request picker over simulated caches, load aside."""
+
+    def __init__(self, servers: int, kv_tokens: int) -> None:
+        self.caches = [PrefixCache(kv_tokens // 16) for _ in range(servers)]
+        self.sent = [0] * servers
+
+    def pick(self, tokens: list[str]) -> None:
+        best = max(range(len(self.caches)), key=lambda i: (self.caches[i].peek(tokens), -self.sent[i]))
+        self.caches[best].admit(tokens)
+        self.sent[best] += len(tokens)
+
+    @property
+    def hit_ratio(self) -> float:
+        q = sum(c.queries for c in self.caches)
+        return sum(c.hits for c in self.caches) / q if q else float("nan")
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    wl = Workload(args)
+    oracle = Oracle(args.oracle_servers, args.oracle_kv_tokens) if args.oracle_servers else None
+    rng = random.Random(args.seed + 1)
+    url = f"http://{args.target}/v1/chat/completions"
+    ttfts: list[float] = []
+    latencies: list[float] = []
+    statuses: dict[str, int] = {}
+    by_server: dict[str, int] = {}
+
+    async def one(
+        session: aiohttp.ClientSession, sid: str, messages: list[dict[str, str]], measure: bool
+    ) -> None:
+        body = {"model": args.model, "messages": messages, "max_tokens": rng.randint(8, 40), "stream": True}
+        start = time.monotonic()
+        first = None
+        try:
+            async with session.post(url, json=body, headers={"x-session-id": sid}) as resp:
+                server = resp.headers.get("x-emulator-server", "")
+                async for _chunk in resp.content.iter_any():
+                    if first is None:
+                        first = time.monotonic() - start
+                status = str(resp.status)
+        except Exception as e:  # a failed request is a result
+            status, server = type(e).__name__, ""
+        if not measure:
+            return
+        statuses[status] = statuses.get(status, 0) + 1
+        if status == "200" and first is not None:
+            ttfts.append(first)
+            latencies.append(time.monotonic() - start)
+            by_server[server] = by_server.get(server, 0) + 1
+
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        tasks: set[asyncio.Task[None]] = set()
+        start = time.monotonic()
+        t = 0.0
+        end = args.warmup + args.duration
+        while True:
+            t += rng.expovariate(args.rate)
+            if t >= end:
+                break
+            delay = start + t - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sid, messages = wl.next_request()
+            if oracle is not None:
+                oracle.pick(tokens_of(messages))
+            task = asyncio.create_task(one(session, sid, messages, measure=t >= args.warmup))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.wait(tasks)
+    ok = statuses.get("200", 0)
+    counts = list(by_server.values())
+    return {
+        "requests": sum(statuses.values()),
+        "ok": ok,
+        "errors": sum(statuses.values()) - ok,
+        "statuses": statuses,
+        "throughput": ok / args.duration,
+        "ttft_p50": percentile(ttfts, 0.5),
+        "ttft_p90": percentile(ttfts, 0.9),
+        "latency_p90": percentile(latencies, 0.9),
+        "by_server": by_server,
+        "max_over_mean": max(counts) / (sum(counts) / len(counts)) if counts else float("nan"),
+        "oracle_hit_ratio": oracle.hit_ratio if oracle is not None else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="HOST:PORT of the Envoy listener")
+    p.add_argument("--model", required=True)
+    p.add_argument("--rate", type=float, required=True, help="mean arrivals per second")
+    p.add_argument("--duration", type=float, default=40.0, help="measured seconds")
+    p.add_argument("--warmup", type=float, default=10.0, help="seconds of load before measuring")
+    p.add_argument("--systems", type=int, default=8, help="shared system prompts")
+    p.add_argument("--sessions", type=int, default=4, help="conversations per system prompt")
+    p.add_argument("--turns", type=int, default=6, help="turns before a conversation starts over")
+    p.add_argument("--system-words", type=int, default=600, help="words (tokens) per system prompt")
+    p.add_argument("--turn-words", type=int, default=30, help="words per user or assistant turn")
+    p.add_argument("--unique-share", type=float, default=0.1, help="share of requests with no common prefix")
+    p.add_argument(
+        "--oracle-servers", type=int, default=0, help="simulate a cache-aware oracle over N servers"
+    )
+    p.add_argument(
+        "--oracle-kv-tokens", type=int, default=200_000, help="each oracle server's cache, in tokens"
+    )
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=120.0)
+    args = p.parse_args(argv)
+    print(json.dumps(asyncio.run(run(args))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
