@@ -44,6 +44,14 @@ def rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ChurnRig]:
     yield from _rig(request, tmp_path, relay=False)
 
 
+@pytest.fixture(params=["delta", pytest.param("sotw", marks=pytest.mark.soak)])
+def long_rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ChurnRig]:
+    """For the longest corners (20-26 s each): delta in the default suite, state of the world
+    under `-m soak`; the seeded churn runs replace versions and restart the control plane on
+    both transports in the default suite."""
+    yield from _rig(request, tmp_path, relay=False)
+
+
 def on_backends(rig: ChurnRig, model: str, backends: set[str], n: int = 10) -> bool:
     """The last `n` answers to `model` all came from `backends`."""
     assert rig.load is not None
@@ -51,7 +59,8 @@ def on_backends(rig: ChurnRig, model: str, backends: set[str], n: int = 10) -> b
     return len(last) == n and all(o.backend in backends and not o.failed for o in last)
 
 
-def test_version_replaced_in_one_edit_with_the_old_one_removed(rig: ChurnRig) -> None:
+def test_version_replaced_in_one_edit_with_the_old_one_removed(long_rig: ChurnRig) -> None:
+    rig = long_rig
     rig.add_model("m1", backends=2)
     rig.start(load_models=["m1"])
     assert rig.load is not None
@@ -272,9 +281,10 @@ def relayed_rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Chur
     yield from _rig(request, tmp_path, relay=True)
 
 
-def test_restart_with_the_version_replaced_while_the_control_plane_was_down(rig: ChurnRig) -> None:
+def test_restart_with_the_version_replaced_while_the_control_plane_was_down(long_rig: ChurnRig) -> None:
     """kill -9, replace m1's version in the file (old removed), start again: the proxy must get
     the new route before losing the old cluster."""
+    rig = long_rig
     rig.add_model("m1", backends=2)
     rig.add_model("m2", backends=2)
     rig.start(load_models=["m1", "m2"], rate=BURST)
