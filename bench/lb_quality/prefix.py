@@ -187,9 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-ms", type=float, default=10.0, help="per output token")
     p.add_argument("--prefill-ms", type=float, default=1.0, help="per prompt token not cached")
     p.add_argument("--system-words", type=int, default=600, help="tokens per system prompt")
-    p.add_argument(
-        "--kv-tokens", type=int, default=6000, help="each server's KV capacity (its prefix cache)"
-    )
+    p.add_argument("--kv-tokens", type=int, default=6000, help="each server's KV capacity (its prefix cache)")
     p.add_argument("--systems", type=int, default=16, help="shared system prompts")
     p.add_argument("--unique-share", type=float, default=0.1, help="share of requests with no common prefix")
     p.add_argument(
