@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(HERE.parent / "lb_quality"))
 
-from real import Stack, free_port, wait_http  # noqa: E402
+from real import Stack, free_port, start_proxied  # noqa: E402
 
 from controlplane.sim.scalesim import Trace  # noqa: E402
 
@@ -108,53 +108,11 @@ def run_policy(policy: str, trace: Trace, args: argparse.Namespace, fixed: int) 
     workdir = Path(tempfile.mkdtemp(prefix=f"autoscale-{policy}-"))
     stack = Stack(workdir)
     try:
-        listener, xds, metrics, admin, envoy_admin = (free_port() for _ in range(5))
+        listener, admin = free_port(), free_port()
         config = workdir / "fleet.yaml"
         config.write_text(fleet_yaml(listener, args, policy, fixed))
-        stack.spawn(
-            "controlplane",
-            [
-                str(BIN / "controlplane"),
-                "serve",
-                "--config",
-                str(config),
-                "--xds-listen",
-                f"127.0.0.1:{xds}",
-                "--metrics-listen",
-                f"127.0.0.1:{metrics}",
-                "--admin-listen",
-                f"127.0.0.1:{admin}",
-                "--state-dir",
-                str(workdir / "state"),
-                "--log-format",
-                "json",
-            ],
-        )
-        wait_http(f"http://127.0.0.1:{metrics}/healthz", 30, "the control plane", stack.procs)
-        bootstrap = workdir / "envoy.yaml"
-        bootstrap.write_text(
-            subprocess.run(
-                [
-                    str(BIN / "controlplane"),
-                    "bootstrap",
-                    "--node-id",
-                    f"bench-{policy}",
-                    "--xds",
-                    f"127.0.0.1:{xds}",
-                    "--admin-port",
-                    str(envoy_admin),
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-        )
-        envoy = shutil.which("envoy", path=str(BIN)) or "envoy"
-        stack.spawn(
-            "envoy",
-            [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning", "--concurrency", "1"],
-        )
-        wait_http(f"http://127.0.0.1:{listener}/v1/models", 30, "envoy", stack.procs)
+        serve_args = ["--admin-listen", f"127.0.0.1:{admin}", "--log-format", "json"]
+        metrics = start_proxied(stack, workdir, config, listener, f"bench-{policy}", serve_args)
         want = fixed if policy == "none" else 1
         deadline = time.monotonic() + 60
         while (metric(metrics, "controlplane_model_ready_replicas") or 0) < want:

@@ -18,7 +18,6 @@ import http.client
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(HERE))
 
-from real import Stack, free_port, wait_http  # noqa: E402
+from real import Stack, free_port, start_proxied  # noqa: E402
 
 from controlplane.sim.backend import EchoBackend  # noqa: E402
 
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     stack = Stack(workdir)
     backends = [EchoBackend(f"b{i}", "any").start() for i in range(2)]
     try:
-        listener, xds, metrics, envoy_admin = free_port(), free_port(), free_port(), free_port()
+        listener = free_port()
         eps = ", ".join(f"'{b.address}'" for b in backends)
         lines = [
             f"listener: {{port: {listener}}}",
@@ -57,46 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"  {m}: {{params_b: 8, stable: v1, {aff}versions: {{v1: {{endpoints: [{eps}]}}}}}}")
         config = workdir / "fleet.yaml"
         config.write_text("\n".join(lines) + "\n")
-        stack.spawn(
-            "controlplane",
-            [
-                str(BIN / "controlplane"),
-                "serve",
-                "--config",
-                str(config),
-                "--xds-listen",
-                f"127.0.0.1:{xds}",
-                "--metrics-listen",
-                f"127.0.0.1:{metrics}",
-                "--state-dir",
-                str(workdir / "state"),
-            ],
-        )
-        wait_http(f"http://127.0.0.1:{metrics}/healthz", 30, "the control plane", stack.procs)
-        bootstrap = workdir / "envoy.yaml"
-        bootstrap.write_text(
-            subprocess.run(
-                [
-                    str(BIN / "controlplane"),
-                    "bootstrap",
-                    "--node-id",
-                    "lua-cost",
-                    "--xds",
-                    f"127.0.0.1:{xds}",
-                    "--admin-port",
-                    str(envoy_admin),
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-        )
-        envoy = shutil.which("envoy", path=str(BIN)) or "envoy"
-        stack.spawn(
-            "envoy",
-            [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning", "--concurrency", "1"],
-        )
-        wait_http(f"http://127.0.0.1:{listener}/v1/models", 30, "envoy", stack.procs)
+        start_proxied(stack, workdir, config, listener, "lua-cost")
         system = ("You are a careful assistant. " * (args.system_bytes // 29 + 1))[: args.system_bytes]
         conns = {m: http.client.HTTPConnection("127.0.0.1", listener, timeout=10) for m in MODELS}
         times: dict[str, list[float]] = {m: [] for m in MODELS}

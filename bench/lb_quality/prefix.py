@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(HERE))
 
-from real import Stack, free_port, free_ports, wait_http  # noqa: E402
+from real import Stack, free_port, free_ports, start_proxied, wait_http  # noqa: E402
 
 MODEL = "bench-8b"
 
@@ -85,7 +85,7 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float) -> dict[str, 
         addresses = [f"127.0.0.1:{p}" for p in range(base, base + args.servers)]
         for a in addresses:
             wait_http(f"http://{a}/health", 20, "emulated servers", stack.procs)
-        listener, xds, metrics, envoy_admin = free_port(), free_port(), free_port(), free_port()
+        listener = free_port()
         eps = ", ".join(f"'{a}'" for a in addresses)
         config = workdir / "fleet.yaml"
         config.write_text(
@@ -94,46 +94,7 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float) -> dict[str, 
             f"models: {{{MODEL}: {{params_b: 8, stable: v1, {affinity(policy, args)}"
             f"versions: {{v1: {{endpoints: [{eps}]}}}}}}}}\n"
         )
-        stack.spawn(
-            "controlplane",
-            [
-                str(BIN / "controlplane"),
-                "serve",
-                "--config",
-                str(config),
-                "--xds-listen",
-                f"127.0.0.1:{xds}",
-                "--metrics-listen",
-                f"127.0.0.1:{metrics}",
-                "--state-dir",
-                str(workdir / "state"),
-            ],
-        )
-        wait_http(f"http://127.0.0.1:{metrics}/healthz", 30, "the control plane", stack.procs)
-        bootstrap = workdir / "envoy.yaml"
-        bootstrap.write_text(
-            subprocess.run(
-                [
-                    str(BIN / "controlplane"),
-                    "bootstrap",
-                    "--node-id",
-                    f"bench-{policy}",
-                    "--xds",
-                    f"127.0.0.1:{xds}",
-                    "--admin-port",
-                    str(envoy_admin),
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-        )
-        envoy = shutil.which("envoy", path=str(BIN)) or "envoy"
-        stack.spawn(
-            "envoy",
-            [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning", "--concurrency", "1"],
-        )
-        wait_http(f"http://127.0.0.1:{listener}/v1/models", 30, "envoy", stack.procs)
+        start_proxied(stack, workdir, config, listener, f"bench-{policy}")
         out = subprocess.run(
             [
                 sys.executable,

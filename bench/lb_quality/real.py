@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -101,6 +102,32 @@ class Stack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+
+
+def start_proxied(
+    stack: Stack, workdir: Path, config: Path, listener: int, node_id: str, serve_args: Sequence[str] = ()
+) -> int:
+    """Start `controlplane serve` on `config` (free ports, its state in workdir) and one real
+    Envoy bootstrapped from it; return once Envoy serves `listener`. Returns the control
+    plane's status (metrics) port."""
+    xds, metrics, envoy_admin = free_port(), free_port(), free_port()
+    serve = [str(BIN / "controlplane"), "serve", "--config", str(config), "--xds-listen", f"127.0.0.1:{xds}"]
+    serve += ["--metrics-listen", f"127.0.0.1:{metrics}", "--state-dir", str(workdir / "state"), *serve_args]
+    stack.spawn("controlplane", serve)
+    wait_http(f"http://127.0.0.1:{metrics}/healthz", 30, "the control plane", stack.procs)
+    boot = [str(BIN / "controlplane"), "bootstrap", "--node-id", node_id, "--xds", f"127.0.0.1:{xds}"]
+    bootstrap = workdir / "envoy.yaml"
+    bootstrap.write_text(
+        subprocess.run(
+            [*boot, "--admin-port", str(envoy_admin)], check=True, capture_output=True, text=True
+        ).stdout
+    )
+    envoy = shutil.which("envoy", path=str(BIN)) or "envoy"
+    stack.spawn(
+        "envoy", [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning", "--concurrency", "1"]
+    )
+    wait_http(f"http://127.0.0.1:{listener}/v1/models", 30, "envoy", stack.procs)
+    return metrics
 
 
 def fleet_yaml(policy: str, listener: int, classes: list[tuple[str, float, int, int]]) -> str:
