@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 
 from controlplane.fleet.model import Fleet, Model
 from controlplane.routing.names import cluster_name
-from controlplane.routing.translate import DEFAULT_WEIGHT, RoutingOverlay
+from controlplane.routing.translate import RoutingOverlay
 
 Weights = Mapping[str, Mapping[str, int]]  # cluster -> address -> weight
 
@@ -48,11 +48,12 @@ def ready_servers(
     running control plane has weight only once the probes heard it say it is ready.)
 
     A server not weighed yet (a version that arrived with this edit, before the next signals
-    round) counts with the default weight, as build_assignment sends it: Envoy routes to it,
-    so the model must not hold on the control plane meanwhile."""
+    round) does not count. (Counting it with the default weight, as build_assignment sends
+    it, sent a restarted control plane's first routes straight to a cluster the proxy was
+    still warming: 503s in the restart corner test. The holding cluster is always warm.)"""
     out = []
     for cname, address, percent in _routed_endpoints(model, overlay):
-        w = weights.get(cname, {}).get(address, DEFAULT_WEIGHT)
+        w = weights.get(cname, {}).get(address, 0)
         if w > 0:
             out.append((address, w * percent))
     return tuple(out)

@@ -1,28 +1,25 @@
-"""Which models hold (hold/policy.py): a model holds only when Envoy has no server with weight
-for it. A server not weighed yet is sent with the default weight, so it counts as ready."""
+"""Which models hold (hold/policy.py): a model holds only when it has no server with weight."""
 
 from __future__ import annotations
 
 from controlplane.fleet import parse_fleet
 from controlplane.hold.policy import candidate_servers, ready_servers
-from controlplane.routing.translate import DEFAULT_WEIGHT, RoutingOverlay
+from controlplane.routing.translate import RoutingOverlay
 from tests.fleets import fleet_yaml
 
 FLEET = parse_fleet(fleet_yaml({"m": {"v2": ["127.0.0.1:8001", "127.0.0.1:8002"], "v1": ["127.0.0.1:8003"]}}))
 MODEL = FLEET.models[0]
 
 
-def test_a_version_not_weighed_yet_counts_as_ready_with_the_default_weight() -> None:
-    # A version replaced in one edit: the snapshot goes out before the next signals round.
-    ready = ready_servers(FLEET, MODEL, RoutingOverlay(), {"m@v1": {"127.0.0.1:8003": 5}})
-    assert ready == (("127.0.0.1:8001", DEFAULT_WEIGHT * 100), ("127.0.0.1:8002", DEFAULT_WEIGHT * 100))
+def test_a_version_not_weighed_yet_is_not_ready() -> None:
+    # A version replaced in one edit, before the next signals round: the model holds (the
+    # holding cluster is always warm) until the round weighs it.
+    assert ready_servers(FLEET, MODEL, RoutingOverlay(), {"m@v1": {"127.0.0.1:8003": 5}}) == ()
 
 
-def test_weight_zero_is_not_ready_and_a_new_server_beside_it_is() -> None:
-    weights = {"m@v2": {"127.0.0.1:8001": 0}}
-    assert ready_servers(FLEET, MODEL, RoutingOverlay(), weights) == (
-        ("127.0.0.1:8002", DEFAULT_WEIGHT * 100),
-    )
+def test_weight_zero_is_not_ready() -> None:
+    weights = {"m@v2": {"127.0.0.1:8001": 0, "127.0.0.1:8002": 1}}
+    assert ready_servers(FLEET, MODEL, RoutingOverlay(), weights) == (("127.0.0.1:8002", 100),)
     weights = {"m@v2": {"127.0.0.1:8001": 0, "127.0.0.1:8002": 0}}
     assert ready_servers(FLEET, MODEL, RoutingOverlay(), weights) == ()
 
