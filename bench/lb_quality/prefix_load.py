@@ -20,22 +20,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import random
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
 from controlplane.sim.prefix_cache import PrefixCache
 
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loadgen import percentile
 
 
 def words(rng: random.Random, n: int, tag: str) -> str:

@@ -63,12 +63,7 @@ class Autoscaler:
         `wall`: the wall-clock time, for the forecasts' history (None: no predictive);
         `completed`: requests each model finished since the last round (its arrivals)."""
         held = held or {}
-        predictive = {
-            m.name: settings_of(p)
-            for m in fleet.models
-            if (p := fleet.scaling_of(m)).predictive and wall is not None
-        }
-        self.forecaster.retain(predictive)
+        predictive: dict[str, Settings] = {}
         by_model: dict[str, list[ClusterLoads]] = {}
         for c in clusters:
             by_model.setdefault(c.model, []).append(c)
@@ -90,8 +85,8 @@ class Autoscaler:
                 scaler = self._scalers.setdefault((model.name, c.version), Scaler())
                 decisions[(model.name, c.version)] = scaler.decide(policy, now, demand, ready, model_slots)
             prediction = None
-            settings = predictive.get(model.name)
-            if settings is not None and wall is not None:
+            if policy.predictive and wall is not None:
+                settings = predictive[model.name] = settings_of(policy)
                 done = (completed or {}).get(model.name, 0.0)
                 self.forecaster.record(model.name, settings, wall, total_demand, total_running, done)
                 prediction = self.forecaster.predict(model.name, settings, wall)
@@ -99,6 +94,7 @@ class Autoscaler:
             decisions[(model.name, MODEL)] = scaler.decide(
                 policy, now, total_demand, total_ready, model_slots, prediction
             )
+        self.forecaster.retain(predictive)
         self.forecaster.refit(predictive)
         for gone in self._scalers.keys() - decisions.keys():
             del self._scalers[gone]

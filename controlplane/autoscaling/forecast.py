@@ -285,7 +285,7 @@ class Forecaster:
         self.histories: dict[str, History] = {}
         self.cold_starts = ColdStarts()
         self.fits: dict[str, Fit] = {}
-        self._due: dict[str, bool] = {}
+        self._due: set[str] = set()  # models whose history gained a bucket since their fit
         self.refits_per_round = refits_per_round
         self._flows: dict[str, _Flow] = {}
         self._saved: dict[str, Mapping[str, Any]] = {}  # restored histories not claimed yet
@@ -325,14 +325,14 @@ class Forecaster:
             service = busy / (completed / dt)
             flow.service_s = service if prev.service_s is None else 0.8 * prev.service_s + 0.2 * service
         if h.add(wall, rate) or model not in self.fits:
-            self._due[model] = True
+            self._due.add(model)
 
     def refit(self, settings_of: Mapping[str, Settings]) -> list[str]:
         """Refit up to `refits_per_round` models whose history gained a bucket (bounded work
         per round: one refit is a pass over up to SEASONS_KEPT seasons of buckets)."""
         done = []
-        for model in [m for m, due in self._due.items() if due][: self.refits_per_round]:
-            self._due[model] = False
+        for model in sorted(self._due)[: self.refits_per_round]:
+            self._due.discard(model)
             s = settings_of.get(model)
             h = self.histories.get(model)
             if s is None or h is None:
@@ -365,7 +365,8 @@ class Forecaster:
 
     def retain(self, models: Iterable[str]) -> None:
         keep = set(models)
-        for d in (self.histories, self.fits, self._due, self._flows, self.cold_starts.seen):
+        self._due &= keep
+        for d in (self.histories, self.fits, self._flows, self.cold_starts.seen):
             for gone in [k for k in d if k not in keep]:
                 del d[gone]
 

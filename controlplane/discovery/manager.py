@@ -105,11 +105,10 @@ class Discovery:
         if d is None:
             return "file", None
         state = self.states.get((model, version))
-        seen = state.seen_at.get(address) if state is not None else None
-        if seen is not None and any(f.address == address for f in state.known or ()):  # type: ignore[union-attr]
-            failing = state.error if state is not None else None
-            source = d.source() + (f" (kept: the source fails: {failing})" if failing else "")
-            return source, self.clock() - seen
+        seen = state.seen_at.get(address) if state is not None else None  # only known addresses
+        if state is not None and seen is not None:
+            kept = f" (kept: the source fails: {state.error})" if state.error else ""
+            return d.source() + kept, self.clock() - seen
         lv = self.leaving.get(address)
         if lv is not None and (lv.model, lv.version) == (model, version):
             return f"{d.source()} (gone: {lv.why})", None

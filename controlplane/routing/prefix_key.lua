@@ -10,8 +10,9 @@
 --
 -- Where no key can be derived (no body, no "messages" or "prompt"), nothing is set and the
 -- route's hash policy finds no value: Envoy picks as for a request without a key.
--- The settings come from the route's metadata, so a model without prefix affinity costs one
--- table lookup.
+-- The settings come from the route's metadata, read after the body (by then the route is
+-- the one chosen by the body's model): a model without prefix affinity costs a handle to
+-- the already buffered body and one metadata lookup.
 
 local function messages_key(s, first, want, last)
   -- s: the body; first: the index just after "messages":[ ; last: the last index to read.

@@ -87,12 +87,8 @@ class CompletionRequest:
         return "length" if self.max_tokens_given else "stop"
 
 
-def count_tokens(text: str) -> int:
-    """The emulator's tokenizer: one token per whitespace-separated word."""
-    return len(text.split())
-
-
 def tokens_of(text: str) -> list[str]:
+    """The emulator's tokenizer: one token per whitespace-separated word."""
     return text.split()
 
 

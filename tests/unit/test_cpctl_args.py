@@ -476,15 +476,15 @@ def _scaling() -> list[autoscaling_pb2.ModelScaling]:
     whole = autoscaling_pb2.ModelScaling(
         model="llama", desired=1, ready=3, demand=2.5, target_per_replica=8, active=True,
         reason="stable: the last 60s want 1", min=1, max=4,
-        remove=["10.0.0.2:8000"], draining=["10.0.0.3:8000"],
+        remove=["127.0.0.2:8000"], draining=["127.0.0.3:8000"],
     )  # fmt: skip
     stable = autoscaling_pb2.ModelScaling(
         model="llama", version="v1", desired=1, ready=2, demand=2.5, target_per_replica=8,
-        reason="stable: the last 60s want 1", remove=["10.0.0.2:8000"],
+        reason="stable: the last 60s want 1", remove=["127.0.0.2:8000"],
     )  # fmt: skip
     canary = autoscaling_pb2.ModelScaling(
         model="llama", version="v2", desired=1, ready=1, target_per_replica=8,
-        reason="stable: the last 60s want 0; raised to min 1", draining=["10.0.0.3:8000"],
+        reason="stable: the last 60s want 0; raised to min 1", draining=["127.0.0.3:8000"],
     )  # fmt: skip
     warm = autoscaling_pb2.ModelScaling(
         model="qwen", desired=3, ready=1, demand=4, target_per_replica=2, predicted_demand=5.2,
@@ -505,10 +505,10 @@ def test_scaling_table_names_what_scale_down_drains_next_and_what_drains() -> No
     assert lines[5:] == [
         "",
         "Scale-down would drain next:",
-        "  llama: 10.0.0.2:8000",
+        "  llama: 127.0.0.2:8000",
         "",
         "Draining now:",
-        "  llama: 10.0.0.3:8000",
+        "  llama: 127.0.0.3:8000",
     ]
     assert out.scaling_table([]).startswith("no autoscaling decisions yet")
 
@@ -517,7 +517,7 @@ def test_scaling_dict_keeps_no_forecast_apart_from_zero() -> None:
     whole, _, _, warm = _scaling()
     d = out.scaling_to_dict(whole)
     assert d["version"] == "" and d["predicted_demand"] is None and d["min"] == 1 and d["max"] == 4
-    assert d["remove"] == ["10.0.0.2:8000"] and d["draining"] == ["10.0.0.3:8000"] and d["active"] is True
+    assert d["remove"] == ["127.0.0.2:8000"] and d["draining"] == ["127.0.0.3:8000"] and d["active"] is True
     assert out.scaling_to_dict(warm)["predicted_demand"] == 5.2
     zero = autoscaling_pb2.ModelScaling(model="m", predicted_demand=0.0)
     assert out.scaling_to_dict(zero)["predicted_demand"] == 0.0 and out.forecast_text(zero) == "0"
