@@ -138,7 +138,9 @@ class DeployedEnvoy(Envoy):
     stats_port: int = field(default_factory=free_port)
 
     def start(self) -> DeployedEnvoy:
-        docs = yaml.safe_load_all((DEPLOY / "kubernetes" / "envoy-bootstrap-configmap.yaml").read_text())
+        docs = yaml.safe_load_all(
+            (DEPLOY / "kubernetes" / "base" / "envoy-bootstrap-configmap.yaml").read_text()
+        )
         (cm,) = [d for d in docs if d and d["kind"] == "ConfigMap"]
         boot = yaml.safe_load(cm["data"]["bootstrap.yaml"])
         boot["admin"]["address"]["socket_address"]["port_value"] = self.admin_port
@@ -161,7 +163,7 @@ class DeployedEnvoy(Envoy):
         return self
 
     def gateway_args(self, bootstrap: Path) -> list[str]:
-        docs = yaml.safe_load_all((DEPLOY / "kubernetes" / "envoy-gateway.yaml").read_text())
+        docs = yaml.safe_load_all((DEPLOY / "kubernetes" / "base" / "envoy-gateway.yaml").read_text())
         (dep,) = [d for d in docs if d and d["kind"] == "Deployment"]
         (container,) = dep["spec"]["template"]["spec"]["containers"]
         assert container["command"] == ["envoy"]
@@ -173,7 +175,7 @@ class DeployedEnvoy(Envoy):
         return args
 
     def prestop_command(self) -> list[str]:
-        docs = yaml.safe_load_all((DEPLOY / "kubernetes" / "envoy-gateway.yaml").read_text())
+        docs = yaml.safe_load_all((DEPLOY / "kubernetes" / "base" / "envoy-gateway.yaml").read_text())
         (dep,) = [d for d in docs if d and d["kind"] == "Deployment"]
         (container,) = dep["spec"]["template"]["spec"]["containers"]
         command: list[str] = container["lifecycle"]["preStop"]["exec"]["command"]

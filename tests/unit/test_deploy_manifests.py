@@ -1,14 +1,19 @@
 """deploy/: the Kubernetes manifests hang together, the fleet and the Envoy bootstrap in them
 are what the project itself accepts, and the dashboard is importable.
 
-Static checks only (PyYAML, the project's own fleet loader and bootstrap renderer); Envoy
-itself validates the bootstrap when its binary is installed.
+Static checks of the files as written (PyYAML, the project's own fleet loader and CLI); Envoy
+itself validates the bootstrap when its binary is installed. tests/unit/test_deploy_kustomize.py
+renders every kustomization with the real `kubectl kustomize`, validates what it renders
+against Kubernetes' schemas and runs the workload, Service and budget checks below on it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -19,12 +24,16 @@ from typing import Any
 import pytest
 import yaml
 
+from controlplane.cli.main import main as controlplane_main
 from controlplane.fleet.loader import parse_fleet
-from controlplane.xds.bootstrap import envoy_bootstrap
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"
+BASE = K8S / "base"  # kubectl apply -k deploy/kubernetes/base
+OVERLAYS = K8S / "overlays"  # each builds on ../../base
+EXAMPLES = K8S / "examples"  # applied one by one with kubectl apply -f
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 NAMESPACE = "inference-system"
 CONTROLPLANE_ARGS = [
     "serve",
@@ -58,21 +67,39 @@ def load_docs(path: Path) -> list[Doc]:
 
 
 def k8s_docs() -> list[tuple[Path, Doc]]:
-    files = [*sorted(K8S.glob("*.yaml")), DEPLOY / "prometheus" / "podmonitors.yaml"]
+    files = [*sorted(BASE.glob("*.yaml")), DEPLOY / "prometheus" / "podmonitors.yaml"]
     return [(p, d) for p in files for d in load_docs(p)]
 
 
 def resources() -> list[Doc]:
+    """The base's objects as written (and the PodMonitors)."""
     return [d for _, d in k8s_docs() if d["kind"] != "Kustomization"]
 
 
-def of_kind(kind: str) -> list[Doc]:
-    return [d for d in resources() if d["kind"] == kind]
+def of_kind(kind: str, docs: list[Doc] | None = None) -> list[Doc]:
+    return [d for d in (resources() if docs is None else docs) if d["kind"] == kind]
 
 
-def named(kind: str, name: str) -> Doc:
-    (doc,) = [d for d in of_kind(kind) if d["metadata"]["name"] == name]
+def named(kind: str, name: str, docs: list[Doc] | None = None) -> Doc:
+    (doc,) = [d for d in of_kind(kind, docs) if d["metadata"]["name"] == name]
     return doc
+
+
+KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
+
+
+def kustomizations() -> list[Path]:
+    """Every folder under deploy/ that kustomize builds."""
+    return sorted({p.parent for p in DEPLOY.rglob("*") if p.name in KUSTOMIZATION_FILES})
+
+
+def kustomization(folder: Path) -> Doc:
+    (kust,) = load_docs(next(folder / n for n in KUSTOMIZATION_FILES if (folder / n).is_file()))
+    return kust
+
+
+def workloads(docs: list[Doc]) -> list[Doc]:
+    return [d for d in docs if d["kind"] in WORKLOAD_KINDS]
 
 
 def pod_spec(workload: Doc) -> Doc:
@@ -85,6 +112,10 @@ def long_running(spec: Doc) -> Iterator[Doc]:
     yield from (c for c in spec.get("initContainers", []) if c.get("restartPolicy") == "Always")
 
 
+def selects(selector: dict[str, str], workload: Doc) -> bool:
+    return bool(selector) and selector.items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+
+
 def port_of(container: Doc, port: int | str) -> int | None:
     for p in container.get("ports", []):
         if port in (p["containerPort"], p.get("name")):
@@ -94,6 +125,39 @@ def port_of(container: Doc, port: int | str) -> int | None:
 
 def configmap_file(name: str, key: str) -> str:
     return named("ConfigMap", name)["data"][key]  # type: ignore[no-any-return]
+
+
+def commented_commands(path: Path, program: str) -> list[list[str]]:
+    """The `program ...` command lines shown in a manifest's comments (indented, with `\\`
+    continuations; on their own or after `kubectl exec ... --`), as argv without the program:
+    what the file tells its reader to run."""
+    commands, current = [], ""
+    for line in path.read_text().splitlines():
+        m = re.match(r"^\s*#\s{2,}(.*?)\s*$", line)
+        if m is None:
+            current = ""
+            continue
+        current += m.group(1)
+        if current.endswith("\\"):
+            current = current[:-1] + " "
+            continue
+        words = shlex.split(current)
+        starts = [i for i, w in enumerate(words) if w == program and (i == 0 or words[i - 1] == "--")]
+        commands.extend(words[i + 1 :] for i in starts)
+        current = ""
+    return commands
+
+
+def run_controlplane(argv: list[str]) -> str:
+    """`controlplane ARGV` through the CLI's own parser and code: its standard output."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = controlplane_main(argv)
+        except SystemExit as e:  # argparse refused the arguments
+            code = e.code if isinstance(e.code, int) else 2
+    assert code == 0, f"controlplane {shlex.join(argv)} exited {code}: {err.getvalue()}"
+    return out.getvalue()
 
 
 # ---- every YAML file ---------------------------------------------------------------------
@@ -121,31 +185,83 @@ def test_every_kubernetes_document_names_its_api_kind_and_name() -> None:
     assert len(keys) == len(set(keys)), "duplicate resources"
 
 
-def test_the_kustomization_lists_every_manifest() -> None:
-    (kust,) = load_docs(K8S / "kustomization.yaml")
-    assert kust["kind"] == "Kustomization" and kust["namespace"] == NAMESPACE
-    listed = set(kust["resources"])
-    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
-    assert listed == on_disk
+def test_the_kit_has_kustomizes_layout_and_every_manifest_is_in_a_kustomization_or_an_example() -> None:
+    """base/ and overlays/<name>/, never one inside the other: kustomize refuses an overlay
+    nested in its base's folder ("cycle detected"), as deploy/kubernetes/ha once was."""
+    found = kustomizations()
+    assert BASE in found and OVERLAYS / "ha" in found
+    for d in found:
+        assert d == BASE or d.parent == OVERLAYS, f"{d}: neither base/ nor overlays/<name>/"
+        for other in found:
+            assert other not in d.parents, f"{d} is nested in the kustomization {other}"
+    referenced: set[Path] = set()
+    for d in found:
+        kust = kustomization(d)
+        assert kust["kind"] == "Kustomization" and kust["namespace"] == NAMESPACE, d
+        for entry in kust.get("resources", []):
+            target = (d / entry).resolve()
+            if target.is_dir():  # another kustomization: an overlay's base
+                assert d.parent == OVERLAYS and target == BASE, f"{d}: resource {entry}"
+            else:
+                assert target.is_file(), f"{d}: resource {entry} does not exist"
+                referenced.add(target)
+        for patch in kust.get("patches", []):
+            if "path" in patch:
+                assert (d / patch["path"]).is_file(), f"{d}: patch {patch['path']} does not exist"
+                referenced.add((d / patch["path"]).resolve())
+    on_disk = {
+        p.resolve()
+        for p in K8S.rglob("*.y*ml")
+        if p.name not in KUSTOMIZATION_FILES and EXAMPLES not in p.parents
+    }
+    assert on_disk == referenced, "a manifest that no kustomization lists (or a missing one)"
+    # The examples, applied with -f, are .yaml files (test_deploy_kustomize.py validates them).
+    examples = list(EXAMPLES.iterdir())
+    assert examples and all(p.suffix == ".yaml" for p in examples), examples
 
 
-# ---- workloads ---------------------------------------------------------------------------
+# ---- workloads, Services and budgets ------------------------------------------------------
+# check_* take a set of objects: the base as written here, every kustomization's rendered
+# output in test_deploy_kustomize.py. They check what the API server, the namespace's Pod
+# Security level `restricted` and the kubelet would refuse or silently get wrong, which no
+# schema says.
 
 
-def test_deployments_select_their_pods_and_every_container_has_resources_probes_and_no_privileges() -> None:
-    deployments = of_kind("Deployment")
-    names = {d["metadata"]["name"] for d in deployments}
-    assert names >= {"controlplane", "inference-gateway", "chat-frontend"}
-    for dep in deployments:
-        name = dep["metadata"]["name"]
-        labels = dep["spec"]["template"]["metadata"]["labels"]
-        selector = dep["spec"]["selector"]["matchLabels"]
-        assert selector and selector.items() <= labels.items(), name
-        spec = pod_spec(dep)
+def check_workloads(docs: list[Doc]) -> None:
+    """Every workload selects its own pods; every container has resources, probes on ports it
+    declares, no privileges and only `$(VAR)`s it defines; every volume it mounts exists."""
+    assert workloads(docs)
+    for wl in workloads(docs):
+        name = f"{wl['kind']} {wl['metadata']['name']}"
+        selector = wl["spec"]["selector"]["matchLabels"]
+        assert selects(selector, wl), f"{name}: its selector does not match its pod template"
+        strategy = wl["spec"].get("strategy", {})
+        if strategy.get("type") == "Recreate":  # the API server refuses rollingUpdate with it
+            assert "rollingUpdate" not in strategy, f"{name}: rollingUpdate with type Recreate"
+        spec = pod_spec(wl)
         pod_sc = spec.get("securityContext", {})
-        assert pod_sc.get("seccompProfile", {}).get("type") == "RuntimeDefault", name
         assert spec.get("automountServiceAccountToken") is False, name
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        claims = {t["metadata"]["name"] for t in wl["spec"].get("volumeClaimTemplates", [])}
+        for c in [*spec["containers"], *spec.get("initContainers", [])]:
+            where = f"{name}/{c['name']}"
+            sc = c.get("securityContext", {})
+            seccomp = sc.get("seccompProfile", pod_sc.get("seccompProfile", {}))
+            assert seccomp.get("type") == "RuntimeDefault", where
+            assert sc.get("allowPrivilegeEscalation") is False, where
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert sc.get("readOnlyRootFilesystem") is True, where
+            assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, where
+            assert sc.get("runAsUser", pod_sc.get("runAsUser", 1)) != 0, where
+            for mount in c.get("volumeMounts", []):
+                assert mount["name"] in volumes.keys() | claims, (
+                    f"{where} mounts unknown volume {mount['name']}"
+                )
+            # The kubelet leaves an undefined $(VAR) as it is, silently.
+            env = {e["name"] for e in c.get("env", [])}
+            for word in [*c.get("command", []), *c.get("args", [])]:
+                for var in re.findall(r"\$\((\w+)\)", word):
+                    assert var in env, f"{where}: $({var}) is not in its env"
         containers = list(long_running(spec))
         assert containers, name
         for c in containers:
@@ -157,43 +273,74 @@ def test_deployments_select_their_pods_and_every_container_has_resources_probes_
                 assert probe in c, f"{where} has no {probe}"
                 target = next(v for k, v in c[probe].items() if k in ("httpGet", "grpc", "tcpSocket"))
                 assert port_of(c, target["port"]) is not None, f"{where} {probe} port {target['port']}"
-            sc = c.get("securityContext", {})
-            assert sc.get("allowPrivilegeEscalation") is False, where
-            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
-            assert sc.get("readOnlyRootFilesystem") is True, where
-            assert sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, where
-            assert sc.get("runAsUser", pod_sc.get("runAsUser", 1)) != 0, where
-            for mount in c.get("volumeMounts", []):
-                assert mount["name"] in volumes, f"{where} mounts unknown volume {mount['name']}"
         for vol in volumes.values():
             if "configMap" in vol:
-                named("ConfigMap", vol["configMap"]["name"])
+                named("ConfigMap", vol["configMap"]["name"], docs)
             if "persistentVolumeClaim" in vol:
-                named("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
+                named("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"], docs)
+    # A claim no pod mounts is storage paid for nothing.
+    claimed = {
+        v["persistentVolumeClaim"]["claimName"]
+        for wl in workloads(docs)
+        for v in pod_spec(wl).get("volumes", [])
+        if "persistentVolumeClaim" in v
+    }
+    for pvc in of_kind("PersistentVolumeClaim", docs):
+        assert pvc["metadata"]["name"] in claimed, (
+            f"PersistentVolumeClaim {pvc['metadata']['name']} is unused"
+        )
 
 
-def test_services_select_pods_of_some_deployment_and_target_their_ports() -> None:
-    pods = [(d["spec"]["template"]["metadata"]["labels"], pod_spec(d)) for d in of_kind("Deployment")]
-    services = of_kind("Service")
-    assert {s["metadata"]["name"] for s in services} >= {"controlplane", "inference-gateway"}
+def check_services(docs: list[Doc]) -> None:
+    """Every Service selects some workload's pods, and each port's target is a port that every
+    selected pod declares (by name or number)."""
+    services = of_kind("Service", docs)
+    assert services
     for svc in services:
         name = svc["metadata"]["name"]
-        selector = svc["spec"]["selector"]
-        matching = [spec for labels, spec in pods if selector.items() <= labels.items()]
-        assert matching, f"Service {name} selects no Deployment's pods"
+        matching = [pod_spec(w) for w in workloads(docs) if selects(svc["spec"]["selector"], w)]
+        assert matching, f"Service {name} selects no workload's pods"
         for port in svc["spec"]["ports"]:
             target = port.get("targetPort", port["port"])
             for spec in matching:
                 assert any(port_of(c, target) for c in long_running(spec)), f"{name}: no port {target}"
 
 
-def test_pod_disruption_budgets_select_deployments() -> None:
-    labels = [d["spec"]["template"]["metadata"]["labels"] for d in of_kind("Deployment")]
-    pdbs = of_kind("PodDisruptionBudget")
-    assert "controlplane" in {p["metadata"]["name"] for p in pdbs}
+def check_disruption_budgets(docs: list[Doc]) -> None:
+    """Every budget selects a workload, sets one of minAvailable and maxUnavailable (the API
+    server refuses both), and allows an eviction (else it blocks every node drain)."""
+    pdbs = of_kind("PodDisruptionBudget", docs)
+    assert pdbs
     for pdb in pdbs:
-        sel = pdb["spec"]["selector"]["matchLabels"]
-        assert any(sel.items() <= lab.items() for lab in labels), pdb["metadata"]["name"]
+        name = pdb["metadata"]["name"]
+        spec = pdb["spec"]
+        assert len({"minAvailable", "maxUnavailable"} & spec.keys()) == 1, f"PodDisruptionBudget {name}"
+        selected = [w for w in workloads(docs) if selects(spec["selector"]["matchLabels"], w)]
+        assert selected, f"PodDisruptionBudget {name} selects no workload"
+        for wl in selected:
+            if isinstance(spec.get("minAvailable"), int):
+                assert spec["minAvailable"] < wl["spec"].get("replicas", 1), f"{name} blocks every eviction"
+            if isinstance(spec.get("maxUnavailable"), int):
+                assert spec["maxUnavailable"] >= 1, f"{name} blocks every eviction"
+
+
+def test_workloads_select_their_pods_and_every_container_has_resources_probes_and_no_privileges() -> None:
+    assert {d["metadata"]["name"] for d in of_kind("Deployment")} >= {
+        "controlplane",
+        "inference-gateway",
+        "chat-frontend",
+    }
+    check_workloads(resources())
+
+
+def test_services_select_pods_of_some_workload_and_target_their_ports() -> None:
+    assert {s["metadata"]["name"] for s in of_kind("Service")} >= {"controlplane", "inference-gateway"}
+    check_services(resources())
+
+
+def test_pod_disruption_budgets_select_workloads_and_allow_evictions() -> None:
+    assert "controlplane" in {p["metadata"]["name"] for p in of_kind("PodDisruptionBudget")}
+    check_disruption_budgets(resources())
 
 
 # ---- the control plane -------------------------------------------------------------------
@@ -236,7 +383,7 @@ def test_the_control_plane_runs_one_replica_with_its_flags_ports_probes_state_an
     state_vol = volumes[mounts[args["--state-dir"]]]
     claim = named("PersistentVolumeClaim", state_vol["persistentVolumeClaim"]["claimName"])
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
-    assert "emptyDir" in (K8S / "controlplane.yaml").read_text()  # the alternative, commented
+    assert "emptyDir" in (BASE / "controlplane.yaml").read_text()  # the alternative, commented
 
     svc = named("Service", "controlplane")
     assert {p["port"] for p in svc["spec"]["ports"]} == {18000, 18001, 9102, 9090, 18002}
@@ -289,13 +436,17 @@ def test_the_envoy_bootstrap_is_what_controlplane_bootstrap_prints_plus_a_stats_
     assert port in {p["port"] for p in svc["spec"]["ports"]}
     (ads,) = boot["dynamic_resources"]["ads_config"]["grpc_services"]
     assert ads["envoy_grpc"]["cluster_name"] == "xds_cluster"
-    # Apart from the two additions it is exactly the renderer's output.
+    # Apart from the two additions it is exactly what `controlplane bootstrap` prints with the
+    # flags its header gives, which name the same Service; docs/deploy.md gives the same flags.
     stripped = json.loads(json.dumps(boot))
     statics = stripped["static_resources"]
     (stats,) = statics.pop("listeners")
     statics["clusters"] = [c for c in statics["clusters"] if c["name"] != "envoy_admin"]
-    rendered = envoy_bootstrap("envoy", [f"{host}:{port}"], node_cluster="inference-gateway")
-    assert stripped == yaml.safe_load(rendered)
+    (argv,) = commented_commands(BASE / "envoy-bootstrap-configmap.yaml", "controlplane")
+    assert argv[0] == "bootstrap" and argv[argv.index("--xds") + 1] == f"{host}:{port}"
+    assert stripped == yaml.safe_load(run_controlplane(argv))
+    docs = re.sub(r"\\\n\s*", "", (ROOT / "docs" / "deploy.md").read_text())
+    assert f"controlplane {shlex.join(argv)}\n" in docs
     # The admin interface stays on loopback; the stats listener serves only two admin paths.
     admin = boot["admin"]["address"]["socket_address"]
     assert admin["address"] == "127.0.0.1"

@@ -20,7 +20,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"
-K8S = ROOT / "deploy" / "kubernetes"
+K8S = ROOT / "deploy" / "kubernetes" / "base"
 
 
 @pytest.fixture(scope="module")
