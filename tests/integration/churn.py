@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import yaml
 
@@ -455,6 +456,23 @@ class ChurnRig:
                 hosts.add(parts[1])
         return out
 
+    def envoy_failure_counters(self) -> list[str]:
+        """Envoy's non-zero counters that say why a request failed locally: no route, no
+        cluster (a route naming a cluster it does not have), no healthy host, overflow."""
+        assert self.envoy is not None
+        try:
+            _, text = http_get(
+                f"http://127.0.0.1:{self.envoy.admin_port}/stats?filter={quote(FAILURE_STATS)}"
+            )
+        except OSError as e:
+            return [f"admin /stats unreachable: {e}"]
+        out = []
+        for line in text.splitlines():
+            name, _, value = line.partition(": ")
+            if value.strip() not in ("", "0"):
+                out.append(f"{name}={value.strip()}")
+        return out or ["none"]
+
     def proxy_types(self) -> dict[str, dict[str, Any]]:
         """The control plane's /debug/proxies entry per type for our node ({} if not there)."""
         assert self.cp is not None
@@ -639,6 +657,11 @@ class ScrapeStorm:
 # The churn
 
 
+# Envoy's counters of local failures (admin /stats regex).
+FAILURE_STATS = (
+    r"(no_route|no_cluster|rq_direct_response|upstream_cx_none_healthy|upstream_rq_pending_overflow"
+    r"|upstream_rq_503|upstream_cx_connect_fail|update_empty|upstream_rq_maintenance_mode)$"
+)
 KINDS = ("replace", "add", "remove", "cluster", "nack", "unnack", "restart", "reconnect")
 # Share of each kind among the drawn edits (unnack is scheduled after each nack, not drawn).
 MIX = {"replace": 0.25, "add": 0.15, "remove": 0.10, "cluster": 0.20, "nack": 0.10, "restart": 0.10}
@@ -1004,4 +1027,6 @@ def describe_failures(rig: ChurnRig, failures: Sequence[Outcome], limit: int = 1
         return "no failures"
     lines = [f"{len(failures)} failures, by status {dict(Counter(o.status for o in failures))}:"]
     lines += [f"  {o.model} {rig.since_edit(o.t)}: {o.detail[:160]}" for o in failures[:limit]]
+    if rig.envoy is not None:
+        lines.append("envoy's own count of why: " + ", ".join(rig.envoy_failure_counters()))
     return "\n".join(lines)
