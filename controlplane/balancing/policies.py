@@ -157,6 +157,13 @@ def least_request(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str,
     return round_robin(loads, cfg)
 
 
+def capacity(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, int]:
+    """In proportion to each ready endpoint's capacity (declared, else learnt), with Envoy's
+    least request on each proxy's own in-flight counts: capacity-weighted least request,
+    the static baseline `adaptive` is measured against. No load signal but readiness."""
+    return _scale({e.address: e.capacity if e.ready else -1.0 for e in loads}, cfg)
+
+
 def model_aware(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, int]:
     """The seed's model-aware scheduling: an endpoint whose GPU memory cannot hold the model
     is held out; the rest weigh capacity x a bonus for a preferred GPU class x headroom
@@ -180,6 +187,7 @@ POLICIES: dict[str, Policy] = {  # the names are fleet.model.POLICY_NAMES (a tes
     "adaptive": adaptive,
     "round_robin": round_robin,
     "least_request": least_request,
+    "capacity": capacity,
     "least_connections": least_connections,
     "weighted_response_time": weighted_response_time,
     "model_aware": model_aware,

@@ -280,6 +280,7 @@ POLICY_NAMES = (
     "adaptive",
     "round_robin",
     "least_request",
+    "capacity",
     "least_connections",
     "weighted_response_time",
     "model_aware",

@@ -189,6 +189,17 @@ def test_least_request_is_equal_weights() -> None:
     assert least_request(loads, PolicyConfig()) == {"a": 100, "b": 100, "c": 0}
 
 
+def test_capacity_weighs_capacity_and_nothing_else() -> None:
+    from controlplane.balancing.policies import capacity
+
+    loads = [
+        EndpointLoad("fast", capacity=1.0, waiting=50.0, latency_s=9.0, error_rate=0.5),
+        EndpointLoad("slow", capacity=0.35),
+        EndpointLoad("cold", capacity=1.0, ready=False),
+    ]
+    assert capacity(loads, PolicyConfig()) == {"fast": 100, "slow": 35, "cold": 0}
+
+
 def test_model_aware_holds_out_what_does_not_fit_and_prefers_the_preferred_class() -> None:
     from controlplane.balancing.policies import model_aware
 
