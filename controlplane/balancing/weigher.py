@@ -107,6 +107,12 @@ class Weigher:
         preferred = ep.gpu is not None and ep.gpu in model.preferred_gpus
         if fits != load.fits or preferred != load.preferred:  # copied only when they differ
             load = dataclasses.replace(load, fits=fits, preferred=preferred)
+        if model.affinity is not None:
+            # Hashed: only the declared capacity (or 1.0), which changes with the fleet file
+            # alone; a learnt one drifts with the load, and every drift would move keys.
+            declared = fleet.capacity_of(ep)
+            if declared != load.capacity:
+                load = dataclasses.replace(load, capacity=declared)
         return load
 
     def update(self, fleet: Fleet, load_of: LoadOf) -> dict[str, dict[str, int]]:
@@ -116,9 +122,11 @@ class Weigher:
         views: dict[str, ClusterView] = {}
         errors: dict[str, str] = {}
         for model in fleet.models:
-            # Consistent hashing maps keys by weight: moving weights would move sessions. The
-            # bounded load does the balancing; weights stay equal (0 still holds out).
-            policy_name = "least_request" if model.affinity is not None else fleet.policy_of(model)
+            # Consistent hashing maps keys by weight: moving weights would move sessions. A
+            # hashed model's weights are its servers' declared capacities, which change only
+            # with the fleet file (0 still holds out); Envoy's bounded load, judged against
+            # those weights, does the balancing by load.
+            policy_name = "capacity" if model.affinity is not None else fleet.policy_of(model)
             policy = POLICIES[policy_name]
             for version in model.versions:
                 cname = cluster_name(model.name, version.name)

@@ -142,3 +142,42 @@ def test_one_clusters_bad_data_never_stops_the_others() -> None:
     assert "chat@v1" in w.views
     w.update(FLEET, loads({}))
     assert w.errors == {}
+
+
+HASHED = parse_fleet(
+    """\
+listener: {port: 10000}
+tiers:
+  small: {max_params_b: 15, timeout: 30s}
+gpu_classes:
+  a100: {capacity: 1.0}
+  l4: {capacity: 0.35}
+models:
+  chat:
+    params_b: 8
+    stable: v1
+    affinity: {header: x-session-id}
+    versions:
+      v1:
+        endpoints:
+          - {address: 127.10.0.1:80, gpu: a100}
+          - {address: 127.10.0.2:80, gpu: l4}
+          - {address: 127.10.0.3:80}
+"""
+)
+
+
+def test_a_hashed_model_weighs_declared_capacity_and_nothing_that_moves_with_load() -> None:
+    """Consistent hashing places keys by weight: a slow GPU gets a smaller share (and a
+    smaller bound), yet a queue or a learnt capacity must not move sessions."""
+    w = Weigher()
+    first = w.update(HASHED, loads({}))["chat@v1"]
+    assert first == {"127.10.0.1:80": 100, "127.10.0.2:80": 35, "127.10.0.3:80": 100}
+    assert w.views["chat@v1"].policy == "capacity"
+    busy = {
+        "127.10.0.1:80": EndpointLoad("127.10.0.1:80", waiting=50.0, capacity=3.0),  # learnt: ignored
+        "127.10.0.2:80": EndpointLoad("127.10.0.2:80", latency_s=30.0, capacity=0.1),
+    }
+    assert w.update(HASHED, loads(busy)) == {}
+    cold = {"127.10.0.3:80": EndpointLoad("127.10.0.3:80", ready=False)}
+    assert w.update(HASHED, loads(cold))["chat@v1"]["127.10.0.3:80"] == 0  # still held out
