@@ -43,6 +43,7 @@ from controlplane.hold.service import HoldingService
 from controlplane.keda import externalscaler_pb2_grpc
 from controlplane.obs.http import StatusHTTPServer, split_host_port
 from controlplane.obs.metrics import Metrics
+from controlplane.obs.runtime import watch_event_loop
 from controlplane.rollout.controller import RolloutController
 from controlplane.rollout.store import RolloutStore, StateStore, StoreUnavailable
 from controlplane.signals import lrs
@@ -196,10 +197,7 @@ class ControlPlane:
         fleet asks for it (one replica only)."""
         while True:
             await self.weights.next_round()
-            try:
-                await self.discovery.step()
-            except Exception:
-                log.exception("discovery round failed; will retry")
+            await self.discovery.one_round(self.weights.interval_s())
             if self.etcd is not None:
                 continue
             try:
@@ -372,6 +370,7 @@ class ControlPlane:
             asyncio.create_task(self.source.run()),
             asyncio.create_task(self.weights.run()),
             asyncio.create_task(self.xds.keep_memory(self.memory_path)),
+            asyncio.create_task(watch_event_loop(self.metrics.event_loop_lag)),
         ]
         log.info(
             "control plane serving",

@@ -5,7 +5,8 @@ last round (`signals/source.py`: collector processes scraping the servers, or
 Prometheus; never a scrape in this process), then every cluster's weights are recomputed
 from the store (signals plus Envoy load reports) and only changed clusters go to the
 reconciler, which debounces them into a snapshot. Per-endpoint gauges are refreshed each
-round.
+round, series of models that left the fleet removed, and the loop's liveness (and the signal
+source's) counted: `controlplane_loop_rounds_total`, `..._last_success_timestamp_seconds`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from controlplane.balancing.shedding import saturation, shed_classes
 from controlplane.balancing.weigher import Weigher, load_balance_degree, relative_capacity
 from controlplane.fleet.model import Endpoint, Fleet, Model, ScalingPolicy
 from controlplane.obs.endpoint_metrics import EndpointRow
-from controlplane.obs.metrics import Metrics
+from controlplane.obs.metrics import SIGNALS, WEIGHTS, Metrics
 from controlplane.routing.names import cluster_name
 from controlplane.signals.load import EndpointLoad
 from controlplane.signals.scrape import scrape_targets
@@ -92,15 +93,27 @@ class WeightController:
             return
         targets = scrape_targets(fleet)
         self.store.retain(set(targets))
+        loops = self.metrics.loops
         if fleet.signals.enabled:
             started = time.perf_counter()
-            results = await (await self._source_for(fleet)).collect(fleet, targets, first=first)
+            try:
+                source = await self._source_for(fleet)
+                results = await source.collect(fleet, targets, first=first)
+            except Exception:
+                loops.failed(SIGNALS, fleet.signals.interval_s)
+                raise
+            if source.failing is None:
+                loops.succeeded(SIGNALS, fleet.signals.interval_s)
+            else:
+                loops.failed(SIGNALS, fleet.signals.interval_s)
             self.metrics.balancing.scrape_round.observe(time.perf_counter() - started)
             now = time.monotonic()
             for key, result in results.items():
                 self.store.record_scrape(key, result, now)
-        elif self._source is not None:
-            await self.close()
+        else:
+            loops.idle(SIGNALS)
+            if self._source is not None:
+                await self.close()
         fleet = self.reconciler.fleet or fleet  # the file may have changed while we collected
         now = time.monotonic()
         capacity: dict[tuple[str, str], float] = {}
@@ -159,6 +172,8 @@ class WeightController:
         self._log_readiness()
         self._watch_sight()
         self._export(fleet, now)
+        # Series of models the fleet no longer has, whichever room exported them.
+        self.metrics.retain_models({m.name for m in fleet.models})
         self.rounds += 1
 
     def _observe_cold_starts(self, targets: set[tuple[str, str]], now: float) -> None:
@@ -365,7 +380,7 @@ class WeightController:
                         sig.scrape_errors if sig is not None else 0,
                     )
                 )
-        b.endpoints.publish(tuple(rows))
+        b.endpoints.publish(tuple(rows), at=now)
         models: set[str] = set()
         for m in fleet.models:
             stable = self.weigher.views.get(cluster_name(m.name, m.stable))
@@ -384,23 +399,32 @@ class WeightController:
         """Return once the next round has ended."""
         await self._round.wait()
 
+    async def one_round(self) -> None:
+        """One round of the loop: a round that raises is logged and counted as an error (its
+        gauges stay as they were, the last success does not advance) and the next one runs."""
+        try:
+            await self.tick()
+        except Exception:
+            log.exception("weight update failed; the weights in force stay")
+            self.metrics.loops.failed(WEIGHTS, self.interval_s())
+        else:
+            self.metrics.loops.succeeded(WEIGHTS, self.interval_s())
+
     async def run(self) -> None:
-        """Tick every `signals.interval` until cancelled; a failed round is logged and skipped."""
+        """A round every `signals.interval` until cancelled."""
         while True:
             started = time.monotonic()
             self._wake.clear()
-            try:
-                await self.tick()
-            except Exception:
-                log.exception("weight update failed; the weights in force stay")
+            await self.one_round()
             done, self._round = self._round, asyncio.Event()
             done.set()
             # The interval is read again every quarter second: a reloaded fleet file with a
             # shorter one takes effect at once, not after the old interval ran out.
-            while (left := self._interval() - (time.monotonic() - started)) > 0 and not self._wake.is_set():
+            while (left := self.interval_s() - (time.monotonic() - started)) > 0 and not self._wake.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), min(left, 0.25))
 
-    def _interval(self) -> float:
+    def interval_s(self) -> float:
+        """The period of the loop: the fleet's `signals.interval` (1 s before a fleet loads)."""
         fleet = self.reconciler.fleet
         return fleet.signals.interval_s if fleet is not None else 1.0

@@ -27,7 +27,7 @@ import structlog
 from controlplane.discovery.dns import DnsFailure, resolve, resolver_for
 from controlplane.discovery.state import Found, SourceState
 from controlplane.fleet.model import Discover, Endpoint, Fleet, Model
-from controlplane.obs.metrics import Metrics
+from controlplane.obs.metrics import DISCOVERY, Metrics
 from controlplane.rollout.controller import CommandRejected, RolloutController
 
 log = structlog.get_logger("controlplane.discovery")
@@ -122,8 +122,8 @@ class Discovery:
             if wanted.get(key) != d:
                 task.cancel()
                 del self._tasks[key]
-                if key not in wanted:
-                    self.states.pop(key, None)
+        for key in [k for k in self.states if k not in wanted]:
+            del self.states[key]
         for key, d in wanted.items():
             if key in self._tasks:
                 continue
@@ -150,6 +150,10 @@ class Discovery:
                 answer = await resolve(d, settings, resolver_for(settings))
             except DnsFailure as e:
                 self.failed(key, str(e))
+                wait = settings.dns_min_interval_s
+            except Exception as e:  # a resolver error not foreseen: said, and asked again
+                log.exception("dns discovery failed unexpectedly", model=key[0], version=key[1])
+                self.failed(key, f"{type(e).__name__}: {e}")
                 wait = settings.dns_min_interval_s
             else:
                 hold = min(max(answer.ttl, settings.dns_min_interval_s), settings.dns_max_interval_s)
@@ -252,13 +256,25 @@ class Discovery:
 
     # ---- drains of servers that left (or are terminating)
 
+    async def one_round(self, interval_s: float) -> None:
+        """`step`, logged and counted (`controlplane_loop_*`, loop `discovery`): a round that
+        raises is an error, and the next one tries again."""
+        try:
+            await self.step()
+        except Exception:
+            log.exception("discovery round failed; will retry")
+            self.metrics.loops.failed(DISCOVERY, interval_s)
+        else:
+            self.metrics.loops.succeeded(DISCOVERY, interval_s)
+
     async def step(self) -> None:
         """Drain what left its source (and terminating pods); drop what is drained."""
         fleet = self.fleet
         if fleet is None:
             return
+        dm = self.metrics.discovery
         for key in [k for k in self._exported if k not in self.states]:
-            for g in (self.metrics.discovery.endpoints, self.metrics.discovery.healthy):
+            for g in (dm.endpoints, dm.healthy, dm.failures):
                 with contextlib.suppress(KeyError):
                     g.remove(*key)
             self._exported.discard(key)

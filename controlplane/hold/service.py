@@ -104,15 +104,17 @@ class HoldingService:
             if n >= limit:
                 return False
             self._held[model] = n + 1
-        self.metrics.held.labels(model).inc()
+            self.metrics.held.labels(model).set(n + 1)
         if n == 0:
             self.on_held(model)
         return True
 
     def _release(self, model: str) -> None:
+        # The count is set, not decremented: the series of a model that left the fleet is
+        # removed (Metrics.retain_models) while its last requests may still be held.
         with self._lock:
-            self._held[model] -= 1
-        self.metrics.held.labels(model).dec()
+            n = self._held[model] = self._held[model] - 1
+            self.metrics.held.labels(model).set(n)
 
     # ---- serving ------------------------------------------------------------------------
 

@@ -4,12 +4,14 @@ At 2,000 endpoints, setting eleven labelled gauges per endpoint every second cos
 process about 50 ms of every weight round. The weight loop now hands over one immutable
 tuple of rows per round (`EndpointRows.publish`, O(1)), and this collector turns the
 latest rows into metric families only when Prometheus (or a test) reads them, in the
-reader's thread. Series of endpoints that left the fleet simply stop appearing.
+reader's thread. Series of endpoints that left the fleet simply stop appearing. Signal ages
+are rendered as of the read, not of the round.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -79,14 +81,17 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
 class EndpointRows(Collector):
     """The latest rows, and the collector that renders them."""
 
-    def __init__(self) -> None:
-        self._rows: tuple[EndpointRow, ...] = ()
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._rows: tuple[tuple[EndpointRow, ...], float] = ((), clock())
 
-    def publish(self, rows: tuple[EndpointRow, ...]) -> None:
-        self._rows = rows  # one reference swap: readers in other threads see old or new
+    def publish(self, rows: tuple[EndpointRow, ...], at: float | None = None) -> None:
+        """The rows of a round that saw the endpoints at monotonic time `at` (default: now)."""
+        # One reference swap: readers in other threads see the old pair or the new one.
+        self._rows = (rows, self.clock() if at is None else at)
 
     def rows(self) -> tuple[EndpointRow, ...]:
-        return self._rows
+        return self._rows[0]
 
     def describe(self) -> Iterator[Metric]:
         for name, doc, _ in _GAUGES:
@@ -98,11 +103,15 @@ class EndpointRows(Collector):
         )
 
     def collect(self) -> Iterator[Metric]:
-        rows = self._rows
+        rows, at = self._rows
+        # Signal ages go on growing between rounds, and when rounds stop: a stalled weight
+        # loop must not leave every endpoint looking freshly read.
+        since = max(0.0, self.clock() - at)
         for name, doc, field in _GAUGES:
             g = GaugeMetricFamily(name, doc, labels=ENDPOINT_LABELS)
+            extra = since if field == "signal_age_s" else 0.0
             for r in rows:
-                g.add_metric([r.model, r.version, r.endpoint], float(getattr(r, field)))
+                g.add_metric([r.model, r.version, r.endpoint], float(getattr(r, field)) + extra)
             yield g
         c = CounterMetricFamily(
             "controlplane_endpoint_scrape_errors",

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import time
+from collections.abc import Callable, Set
 
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.metrics import MetricWrapperBase
+
+from controlplane import __version__
 from controlplane.obs.endpoint_metrics import EndpointRows
 
 _TYPE_SHORT = {
@@ -125,6 +138,25 @@ class Metrics:
         self.autoscaling = AutoscalingMetrics(r)
         self.discovery = DiscoveryMetrics(r)
         self.hold = HoldMetrics(r)
+        self.loops = LoopMetrics(r)
+        self.build_info = Gauge(
+            "controlplane_build_info",
+            "Always 1; the labels say which build of the control plane runs.",
+            ["version"],
+            registry=r,
+        )
+        self.build_info.labels(__version__).set(1)
+        self.event_loop_lag = Gauge(
+            "controlplane_event_loop_lag_seconds",
+            "The longest the asyncio event loop (xDS streams, rounds, the operator API) ran late "
+            "over the last 15 s: how much later than asked a 0.25 s sleep woke up.",
+            registry=r,
+        )
+        # process_* (CPU seconds, memory, file descriptors, start time) and python_*, as the
+        # default registry has them: this registry is our own.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.proxies_nacked = Gauge(
             "controlplane_xds_proxies_nacked",
             "Connected proxies whose latest response of a type was rejected (NACKed).",
@@ -135,9 +167,88 @@ class Metrics:
         for label in _TYPE_SHORT.values():
             self.nacks.labels(label)
             self.proxies_nacked.labels(label).set(0)
+        groups = (self, self.balancing, self.rollouts, self.autoscaling, self.discovery, self.hold)
+        self._per_model: tuple[MetricWrapperBase, ...] = tuple(
+            m
+            for g in groups
+            for m in vars(g).values()
+            if isinstance(m, MetricWrapperBase) and "model" in m._labelnames
+        )
+
+    def retain_models(self, models: Set[str]) -> None:
+        """Remove every series labelled with a model the fleet no longer has, in every family
+        with a `model` label (gauges that would freeze at their last value, and counters). Label
+        values that are not model names stay: "" and "(gateway)", "(unknown)"."""
+        for metric in self._per_model:
+            at = metric._labelnames.index("model")
+            # prometheus_client has no public way to list a family's label sets.
+            with metric._lock:
+                keys = list(metric._metrics)
+            for key in keys:
+                model = key[at]
+                if model and not model.startswith("(") and model not in models:
+                    metric.remove(*key)
 
 
 ENDPOINT_LABELS = ["model", "version", "endpoint"]
+
+# The periodic loops whose liveness is exported (docs/metrics.md#liveness-and-the-process).
+WEIGHTS = "weights"  # the weight loop: signals in, weights and per-endpoint gauges out
+SIGNALS = "signals"  # the signal source, checked once per weight round
+ROLLOUT = "rollout"  # the rollout and drain tick (the leader's only)
+DISCOVERY = "discovery"  # drains of servers that left their discovery source, after each round
+LOOPS = (WEIGHTS, SIGNALS, ROLLOUT, DISCOVERY)
+
+
+class LoopMetrics:
+    """Liveness of the periodic loops. A round that raises (or, for the signals, a source that
+    does not deliver) counts as an error and leaves the last success where it was: a loop that
+    stops succeeding shows as a last success older than its interval, whatever the other gauges
+    it would have refreshed still say."""
+
+    def __init__(self, r: CollectorRegistry, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.rounds = Counter(
+            "controlplane_loop_rounds",
+            "Rounds of a periodic loop (weights, signals, rollout, discovery), by result (ok, "
+            "error: it raised, or the signal source did not deliver).",
+            ["loop", "result"],
+            registry=r,
+        )
+        self.last_success = Gauge(
+            "controlplane_loop_last_success_timestamp_seconds",
+            "Unix time at which the loop's latest successful round ended; absent while the loop "
+            "does not run on this replica (a follower's rollout loop, signals turned off).",
+            ["loop"],
+            registry=r,
+        )
+        self.interval = Gauge(
+            "controlplane_loop_interval_seconds",
+            "How often the loop is meant to complete a round (its configured period); absent "
+            "while the loop does not run on this replica.",
+            ["loop"],
+            registry=r,
+        )
+        # Series at 0 from the start, so rate() and increase() see the first error too.
+        for loop in LOOPS:
+            for result in ("ok", "error"):
+                self.rounds.labels(loop, result)
+
+    def succeeded(self, loop: str, interval_s: float) -> None:
+        """A round of `loop` did its work."""
+        self.rounds.labels(loop, "ok").inc()
+        self.last_success.labels(loop).set(self.clock())
+        self.interval.labels(loop).set(interval_s)
+
+    def failed(self, loop: str, interval_s: float) -> None:
+        """A round of `loop` raised or could not do its work: the last success stays."""
+        self.rounds.labels(loop, "error").inc()
+        self.interval.labels(loop).set(interval_s)
+
+    def idle(self, loop: str) -> None:
+        """`loop` does not run on this replica now: no last success to age, no interval."""
+        self.last_success.remove(loop)
+        self.interval.remove(loop)
 
 
 class BalancingMetrics:

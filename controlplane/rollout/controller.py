@@ -21,7 +21,7 @@ import structlog
 
 from controlplane import limits
 from controlplane.fleet.model import Fleet, Model
-from controlplane.obs.metrics import PHASES, Metrics
+from controlplane.obs.metrics import PHASES, ROLLOUT, Metrics
 from controlplane.rollout import machine
 from controlplane.rollout.analysis import VersionFigures, analysis, figures, with_peer_reports
 from controlplane.rollout.machine import (
@@ -114,6 +114,7 @@ class RolloutController:
         self._baselines: dict[str, _Baseline] = {}
         self._driving_since: float | None = None  # when this replica began ticking rollouts
         self._leave_reported: set[tuple[str, str]] = set()
+        self._weights_exported: set[tuple[str, str]] = set()  # version_weight series set
         self._changed = asyncio.Event()
         # Whether this replica drives rollouts and drains (ticks them). With one replica it
         # always does; with several, the one holding the etcd lease does (controlplane/ha/).
@@ -670,18 +671,29 @@ class RolloutController:
         try:
             while True:
                 await asyncio.sleep(self.tick_s)
-                if not self.leader:
-                    self._driving_since = None  # a new lead waits for the proxies' reports again
-                    continue
-                try:
-                    await self.reconcile_file()
-                    await self.tick()
-                except CommandRejected as e:
-                    log.warning("rollout tick not stored; retrying next tick", reason=str(e))
-                except Exception:
-                    log.exception("rollout tick failed; retrying next tick")
+                await self.one_round()
         finally:
             follow.cancel()
+
+    async def one_round(self) -> None:
+        """One tick of the loop, while this replica leads: counted (`controlplane_loop_*`,
+        loop `rollout`) as ok, or as an error when it raised or could not be stored."""
+        loops = self.metrics.loops
+        if not self.leader:
+            self._driving_since = None  # a new lead waits for the proxies' reports again
+            loops.idle(ROLLOUT)  # the leader's loop: nothing to age on a follower
+            return
+        try:
+            await self.reconcile_file()
+            await self.tick()
+        except CommandRejected as e:
+            log.warning("rollout tick not stored; retrying next tick", reason=str(e))
+            loops.failed(ROLLOUT, self.tick_s)
+        except Exception:
+            log.exception("rollout tick failed; retrying next tick")
+            loops.failed(ROLLOUT, self.tick_s)
+        else:
+            loops.succeeded(ROLLOUT, self.tick_s)
 
     async def _follow(self) -> None:
         # A store unreachable at start: keep trying until the state is loaded.
@@ -701,12 +713,19 @@ class RolloutController:
 
     def _export(self) -> None:
         rm = self.metrics.rollouts
+        fleet = self.file_fleet
+        # A model that left the file keeps its rollout record (history), not its series.
+        served = {m.name for m in fleet.models} if fleet is not None else set(self.rollouts)
+        weights: set[tuple[str, str]] = set()
         for model, r in self.rollouts.items():
+            if model not in served:
+                continue
             for p in PHASES:
                 rm.phase.labels(model, p).set(1 if r.phase == p else 0)
             rm.step.labels(model).set(r.step + 1)
             for v, w in r.weights.items():
                 rm.version_weight.labels(model, v).set(w)
+                weights.add((model, v))
             f = self.figures.get(model)
             if f is not None and active(r):
                 rm.canary_error_rate.labels(model, r.spec.canary).set(f[0].error_rate)
@@ -716,5 +735,9 @@ class RolloutController:
                 for v in (r.spec.canary, r.spec.stable):
                     with contextlib.suppress(KeyError):
                         rm.canary_error_rate.remove(model, v)
+        # Versions of an earlier rollout of the model that this one does not name.
+        for model, v in self._weights_exported - weights:
+            rm.version_weight.remove(model, v)
+        self._weights_exported = weights
         for state in ("draining", "drained"):
             rm.draining.labels(state).set(sum(1 for d in self.drains.values() if d.state == state))

@@ -43,6 +43,9 @@ MAX_WORKERS = 8
 STUCK_AFTER_S = 10.0
 START_TIMEOUT_S = 15.0  # a collector that has not reported by then is started again
 CONCURRENCY = 128  # scrapes in flight per collector
+# A collector reports every FLUSH_S (50 ms), records or not: one not heard for this long is
+# not collecting (starved of CPU, stuck, or starting again), and the source counts as failing.
+SILENT_S = 1.0
 
 
 def default_workers() -> int:
@@ -168,6 +171,24 @@ class CollectorPool:
 
     def matches(self, fleet: Fleet) -> bool:
         return getattr(fleet.signals, "source", "scrape") == "scrape"
+
+    @property
+    def failing(self) -> str | None:
+        """Which collector processes are not reporting (exited, starting again, or silent for
+        over `SILENT_S`): their share of the endpoints gets no fresh signals meanwhile."""
+        now = time.monotonic()
+        with self._lock:
+            down = [
+                w.index
+                for w in self._workers
+                if w.proc is None
+                or w.proc.poll() is not None
+                or w.heard_at is None
+                or now - w.heard_at > SILENT_S
+            ]
+        if not down:
+            return None
+        return f"collector processes not reporting: {', '.join(map(str, down))} (of {self.n})"
 
     async def collect(
         self, fleet: Fleet, targets: Sequence[EndpointKey], *, first: bool = False

@@ -520,6 +520,11 @@ class PrometheusSource:
     def matches(self, fleet: Fleet) -> bool:
         return fleet.signals.source == "prometheus" and fleet.signals.prometheus == self.spec
 
+    @property
+    def failing(self) -> str | None:
+        """Why the latest round failed, until a round answers again."""
+        return self._failing
+
     async def collect(
         self, fleet: Fleet, targets: Sequence[EndpointKey], *, first: bool = False
     ) -> dict[EndpointKey, ScrapeResult]:

@@ -77,6 +77,8 @@ class Scraper:
 class InlineScrapeSource:
     """The `scrape` source in this process: one concurrent round per call (tests, tools)."""
 
+    failing: str | None = None  # every call is a whole round: nothing to fall behind
+
     def __init__(self, fleet: Fleet) -> None:
         s = fleet.signals
         self._settings = (s.timeout_s, s.metrics_path, s.health_path)

@@ -31,6 +31,13 @@ class SignalSource(Protocol):
         one collection timeout so the first snapshot already reflects the servers."""
         ...
 
+    @property
+    def failing(self) -> str | None:
+        """Why the source does not deliver now (a collector process down or silent, the latest
+        Prometheus round failed), or None while it does. Endpoints that do not answer are the
+        endpoints' business, not the source's: they do not make it fail."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -3,7 +3,10 @@ discovered version's endpoints are filled in like listed ones (manager.augment).
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from prometheus_client import generate_latest
 
 from controlplane.discovery.manager import Discovery
 from controlplane.discovery.state import Found, SourceState
@@ -114,6 +117,39 @@ def test_a_failing_source_is_said_and_counted_and_keeps_serving() -> None:
         m.registry.get_sample_value("controlplane_discovery_failures_total", {"model": "m", "version": "v2"})
         == 1
     )
+
+
+def test_a_discovery_round_is_counted_and_a_source_gone_from_the_file_leaves_no_series() -> None:
+    m = Metrics()
+    d = Discovery(None, m, lambda: None)  # type: ignore[arg-type]
+    d.augment(parse_fleet(FLEET))  # outside a loop: no source task asks DNS
+    d.failed(("m", "v2"), "timeout")
+    loop = {"loop": "discovery"}
+
+    def sample(name: str, **labels: str) -> float | None:
+        return m.registry.get_sample_value(name, {**loop, **labels})
+
+    async def body() -> None:
+        await d.one_round(0.5)
+        assert sample("controlplane_loop_rounds_total", result="ok") == 1
+        assert sample("controlplane_loop_interval_seconds") == 0.5
+        # v2 no longer discovered: its series go at the next round, its failures counter too.
+        discover = "discover: {dns: m.models.test, port: 8000, gpu: A100, zone: z1}"
+        listed = FLEET.replace(discover, "endpoints: []")
+        d.augment(parse_fleet(listed))
+        await d.one_round(0.5)
+        assert "controlplane_discovery_failures_total{" not in generate_latest(m.registry).decode()
+        last = sample("controlplane_loop_last_success_timestamp_seconds")
+
+        async def broken() -> None:
+            raise RuntimeError("drain refused")
+
+        d.step = broken  # type: ignore[method-assign]
+        await d.one_round(0.5)
+        assert sample("controlplane_loop_rounds_total", result="error") == 1
+        assert sample("controlplane_loop_last_success_timestamp_seconds") == last
+
+    asyncio.run(body())
 
 
 @pytest.mark.parametrize(

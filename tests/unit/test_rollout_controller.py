@@ -377,3 +377,59 @@ async def test_a_manual_step_shows_it_is_inconclusive_and_never_pauses(tmp_path:
     assert shown.startswith(r.reason) and "; analysis so far inconclusive: no load reports" in shown
     await c.command("m", machine.Promote(), "t")  # a new step: its own analysis
     assert rollout_message(c, c.rollouts["m"]).reason == c.rollouts["m"].reason
+
+
+def loop_value(c: RolloutController, name: str, **labels: str) -> float | None:
+    return c.metrics.registry.get_sample_value(name, {"loop": "rollout", **labels})
+
+
+@run_async
+async def test_the_leaders_ticks_are_counted_and_a_follower_has_no_rollout_loop(tmp_path: Path) -> None:
+    c = await controller(tmp_path, Clock())
+    c.tick_s = 0.5
+    await c.one_round()
+    assert loop_value(c, "controlplane_loop_rounds_total", result="ok") == 1
+    last = loop_value(c, "controlplane_loop_last_success_timestamp_seconds")
+    assert last is not None and loop_value(c, "controlplane_loop_interval_seconds") == 0.5
+
+    async def broken() -> None:
+        raise RuntimeError("store answered nonsense")
+
+    c.tick = broken  # type: ignore[method-assign]
+    await c.one_round()
+    assert loop_value(c, "controlplane_loop_rounds_total", result="error") == 1
+    assert loop_value(c, "controlplane_loop_last_success_timestamp_seconds") == last
+    # Another replica leads: this one does not tick, and has no last success to age.
+    c.leader = False
+    await c.one_round()
+    assert loop_value(c, "controlplane_loop_last_success_timestamp_seconds") is None
+    assert loop_value(c, "controlplane_loop_interval_seconds") is None
+    assert loop_value(c, "controlplane_loop_rounds_total", result="error") == 1
+
+
+@run_async
+async def test_rollout_series_follow_the_latest_rollout_and_the_models_in_the_file(tmp_path: Path) -> None:
+    clock = Clock()
+    c = await controller(tmp_path, clock)
+    await c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
+    await c.tick()
+    text = generate_latest(c.metrics.registry).decode()
+    assert 'controlplane_rollout_version_weight_percent{model="m",version="v1"} 95.0' in text
+    # The next rollout names other versions: the earlier one's weights do not linger.
+    await c.command("m", machine.Abort(), "t")
+    c.set_file_fleet(parse_fleet(FLEET.replace("v2: {endpoints", "v3: {endpoints")))
+    clock.t += limits.FILE_SETTLE_S
+    await c.reconcile_file()
+    await c.start(RolloutSpec("m", "", "v3", interval_s=None), "t")
+    await c.tick()
+    text = generate_latest(c.metrics.registry).decode()
+    assert 'version="v2"' not in text
+    assert 'controlplane_rollout_version_weight_percent{model="m",version="v3"}' in text
+    # The model leaves the file: its rollout record stays, its series go.
+    c.set_file_fleet(parse_fleet(FLEET.replace("  m:\n", "  n:\n")))
+    assert c.metrics.registry.get_sample_value("controlplane_rollout_step", {"model": "m"}) is not None
+    c.metrics.retain_models({"n"})  # the weight loop's sweep, every round
+    c.publish()
+    text = generate_latest(c.metrics.registry).decode()
+    assert 'model="m"' not in text
+    assert "m" in c.rollouts

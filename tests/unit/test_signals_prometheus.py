@@ -633,10 +633,12 @@ def test_a_failing_prometheus_gives_nothing_new_and_counts_the_error(mode: str, 
         assert queries(m, outcome) == len(ASKED)
         assert queries(m, "success") == 0
         assert src.failed_rounds == 1
+        assert src.failing  # the weight loop counts its signals round as an error
         fake.mode = "ok"  # it recovers: the next interval delivers
         clock.now += 2
         assert set(await src.collect(fleet, TARGETS)) == set(TARGETS)
         assert src.failed_rounds == 1
+        assert src.failing is None
 
     run_against_fake(page(A, **FULL), scenario, mode)
 

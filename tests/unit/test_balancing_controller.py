@@ -1,0 +1,194 @@
+"""The weight loop's shell over a real reconciler and a signal source swapped at its seam:
+its liveness (rounds counted, last success) and the series it leaves when the fleet shrinks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+
+import pytest
+from prometheus_client import generate_latest
+
+from controlplane.balancing.controller import WeightController
+from controlplane.fleet.loader import parse_fleet
+from controlplane.fleet.model import Fleet
+from controlplane.obs.metrics import Metrics
+from controlplane.signals.parse import ServerSample
+from controlplane.signals.store import EndpointKey, ScrapeResult
+from controlplane.xds.cache import SnapshotCache
+from controlplane.xds.reconciler import Reconciler
+
+MODEL_B = """
+  b:
+    params_b: 8
+    stable: v1
+    versions:
+      v1: {endpoints: ["127.0.0.21:8000"]}
+"""
+FLEET = """
+listener: {port: 10000}
+tiers: {small: {max_params_b: 15}}
+signals: {interval: 2s}
+priority_classes:
+  premium: {}
+  batch: {shed_at: 0.5}
+default_priority_class: premium
+models:
+  a:
+    params_b: 8
+    stable: v1
+    versions:
+      v1: {endpoints: ["127.0.0.11:8000", "127.0.0.12:8000"]}
+"""
+
+
+class Source:
+    """A signal source at the seam the weight loop drives (signals/source.py)."""
+
+    def __init__(self) -> None:
+        self.failing: str | None = None
+        self.raises: Exception | None = None
+        self.results: dict[EndpointKey, ScrapeResult] = {}
+
+    def matches(self, fleet: Fleet) -> bool:
+        return True
+
+    async def collect(
+        self, fleet: Fleet, targets: Sequence[EndpointKey], *, first: bool = False
+    ) -> Mapping[EndpointKey, ScrapeResult]:
+        if self.raises is not None:
+            raise self.raises
+        return {k: r for k, r in self.results.items() if k in targets}
+
+    async def close(self) -> None:
+        pass
+
+
+def busy(running: float, waiting: float) -> ScrapeResult:
+    return ScrapeResult(health_status=200, sample=ServerSample("vllm", running=running, waiting=waiting))
+
+
+def controller(fleet: str = FLEET) -> tuple[WeightController, Source, Metrics]:
+    metrics = Metrics()
+    reconciler = Reconciler(SnapshotCache(), metrics)
+    reconciler.set_fleet(parse_fleet(fleet))
+    weights = WeightController(reconciler, metrics, collectors=0)
+    source = Source()
+    weights._source = source
+    return weights, source, metrics
+
+
+def value(metrics: Metrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def rounds(metrics: Metrics, loop: str, result: str) -> float | None:
+    return value(metrics, "controlplane_loop_rounds_total", loop=loop, result=result)
+
+
+def test_a_failing_round_is_counted_and_leaves_the_last_success_where_it_was() -> None:
+    async def body() -> None:
+        weights, _, metrics = controller()
+        await weights.one_round()
+        assert rounds(metrics, "weights", "ok") == 1 and rounds(metrics, "weights", "error") == 0
+        last = value(metrics, "controlplane_loop_last_success_timestamp_seconds", loop="weights")
+        assert last is not None
+        assert value(metrics, "controlplane_loop_interval_seconds", loop="weights") == 2.0
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("a bug in the weigher")
+
+        weights.weigher.update = broken  # type: ignore[method-assign,assignment]
+        await asyncio.sleep(0.01)
+        await weights.one_round()
+        await weights.one_round()
+        assert rounds(metrics, "weights", "error") == 2 and rounds(metrics, "weights", "ok") == 1
+        assert value(metrics, "controlplane_loop_last_success_timestamp_seconds", loop="weights") == last
+        # The interval stays, so the alert can tell the last success is too old.
+        assert value(metrics, "controlplane_loop_interval_seconds", loop="weights") == 2.0
+
+    asyncio.run(body())
+
+
+def test_the_signal_source_is_judged_every_round() -> None:
+    async def body() -> None:
+        weights, source, metrics = controller()
+        await weights.one_round()
+        assert rounds(metrics, "signals", "ok") == 1
+        last = value(metrics, "controlplane_loop_last_success_timestamp_seconds", loop="signals")
+        # A source that answers but does not deliver (a collector down, Prometheus failing):
+        # the weights still update from what is known, the signals count as failing.
+        source.failing = "collector processes not reporting: 1 (of 2)"
+        await weights.one_round()
+        assert rounds(metrics, "signals", "error") == 1 and rounds(metrics, "weights", "ok") == 2
+        # A source that raises fails the round of both.
+        source.raises = OSError("socket closed")
+        await weights.one_round()
+        assert rounds(metrics, "signals", "error") == 2 and rounds(metrics, "weights", "error") == 1
+        assert value(metrics, "controlplane_loop_last_success_timestamp_seconds", loop="signals") == last
+
+    asyncio.run(body())
+
+
+def test_signals_turned_off_leave_no_liveness_series_to_age() -> None:
+    async def body() -> None:
+        weights, _, metrics = controller()
+        await weights.one_round()
+        assert value(metrics, "controlplane_loop_interval_seconds", loop="signals") == 2.0
+        off = FLEET.replace("signals: {interval: 2s}", "signals: {interval: 2s, enabled: false}")
+        weights.reconciler.set_fleet(parse_fleet(off))
+        await weights.one_round()
+        assert value(metrics, "controlplane_loop_interval_seconds", loop="signals") is None
+        assert value(metrics, "controlplane_loop_last_success_timestamp_seconds", loop="signals") is None
+        assert rounds(metrics, "weights", "ok") == 2
+
+    asyncio.run(body())
+
+
+def test_a_model_removed_from_the_fleet_leaves_no_series() -> None:
+    async def body() -> None:
+        weights, source, metrics = controller(FLEET + MODEL_B)
+        # b is saturated (its batch class shed); a is not.
+        source.results = {
+            ("a", "127.0.0.11:8000"): busy(2, 0),
+            ("a", "127.0.0.12:8000"): busy(2, 0),
+            ("b", "127.0.0.21:8000"): busy(2, 4),
+        }
+        await weights.one_round()
+        await weights.one_round()
+        # Series other rooms keep for the model: a rollout, discovery, the holding service.
+        metrics.rollouts.phase.labels("b", "Completed").set(1)
+        metrics.rollouts.transitions.labels("b", "Completed").inc()
+        metrics.discovery.failures.labels("b", "v1").inc()
+        metrics.hold.outcomes.labels("b", "forwarded").inc()
+        metrics.hold.outcomes.labels("(unknown)", "unknown_model").inc()
+        page = generate_latest(metrics.registry).decode()
+        assert value(metrics, "controlplane_priority_class_shed", model="b", **{"class": "batch"}) == 1
+        assert value(metrics, "controlplane_model_saturation", model="b") == 2
+        assert 'controlplane_endpoint_weight{endpoint="127.0.0.21:8000",model="b"' in page
+
+        weights.reconciler.set_fleet(parse_fleet(FLEET))
+        await weights.one_round()
+        page = generate_latest(metrics.registry).decode()
+        assert 'model="b"' not in page
+        # a's series and what is not a model stay.
+        assert value(metrics, "controlplane_priority_class_shed", model="a", **{"class": "batch"}) == 0
+        assert value(metrics, "controlplane_model_saturation", model="a") == 0
+        assert 'model="(unknown)"' in page
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("held", [0, 2])
+def test_held_requests_of_a_removed_model_never_read_negative(held: int) -> None:
+    from controlplane.hold.service import HoldingService
+
+    metrics = Metrics()
+    hold = HoldingService(dict, lambda model: 10, lambda model: 1.0, metrics.hold)
+    for _ in range(held + 1):
+        assert hold._take("b", 10)
+    hold._release("b")
+    metrics.retain_models({"a"})  # b left the fleet while requests were held
+    for _ in range(held):
+        hold._release("b")
+    assert value(metrics, "controlplane_held_requests", model="b") in (None, 0)
