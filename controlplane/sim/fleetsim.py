@@ -82,6 +82,8 @@ class Workload:
 
 def _clipped_lognormal_mean(median: float, sigma: float, lo: float, hi: float) -> float:
     mu = math.log(median)
+    if sigma == 0.0:  # a fixed size
+        return min(hi, max(lo, median))
 
     def cdf(z: float) -> float:
         return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))

@@ -4,8 +4,11 @@ Sidecar pickers see only their own sidecar's requests in flight per endpoint (`a
 a list the simulation updates): `RoundRobin`, `RandomPick` and `LeastRequest`, which
 follows Envoy's least-request load balancer:
 
-- all weights equal: power of N choices (N = 2), sampled with replacement, the first
-  sample kept on ties (`unweightedHostPickNChoices`);
+- all weights equal: a full scan of the hosts for the fewest requests in flight, ties
+  broken uniformly by reservoir sampling (`unweightedHostPickFullScan`, what the control
+  plane configures: `selection_method: FULL_SCAN`); or, with `choice_count`, Envoy's default power
+  of N choices, sampled with replacement, the first sample kept on ties
+  (`unweightedHostPickNChoices`);
 - weights differ: an earliest-deadline-first schedule over the effective weight
   `weight / (active + 1)`. A host's effective weight is computed only when it is
   (re)inserted after being picked, with its active count at that moment, and stays in
@@ -96,7 +99,7 @@ class RandomPick:
 class LeastRequest:
     """Envoy's weighted least request for one sidecar (one worker), over its own `active`."""
 
-    def __init__(self, active: list[int], rng: random.Random, choice_count: int = 2) -> None:
+    def __init__(self, active: list[int], rng: random.Random, choice_count: int | None = None) -> None:
         self.active = active
         self._rng = rng
         self._choices = choice_count
@@ -134,6 +137,17 @@ class LeastRequest:
             return self._edf.pick_and_add(self._effective)
         hosts = self._hosts
         rng = self._rng
+        if self._choices is None:  # full scan; ties uniformly, by reservoir sampling
+            best = hosts[0]
+            tied = 1
+            for h in hosts[1:]:
+                if self.active[h] < self.active[best]:
+                    best, tied = h, 1
+                elif self.active[h] == self.active[best]:
+                    tied += 1
+                    if rng.random() * tied < 1.0:
+                        best = h
+            return best
         best = hosts[int(rng.random() * len(hosts))]
         for _ in range(self._choices - 1):
             h = hosts[int(rng.random() * len(hosts))]

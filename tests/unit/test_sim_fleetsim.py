@@ -80,9 +80,19 @@ def test_edf_prepicks_match_picking_one_by_one() -> None:
     ]
 
 
+def test_full_scan_picks_the_least_loaded_and_breaks_ties_uniformly() -> None:
+    active = [5, 0, 0, 3]
+    lb = LeastRequest(active, random.Random(4))
+    lb.set_weights([7, 7, 7, 7])  # equal weights: the full scan the control plane configures
+    assert not lb.weighted
+    picks = Counter(lb.pick() for _ in range(4000))
+    assert set(picks) == {1, 2}  # never a loaded host while an idle one is there
+    assert picks[1] / 4000 == pytest.approx(0.5, abs=0.05)  # ties uniformly
+
+
 def test_p2c_picks_the_less_loaded_of_two_samples() -> None:
     active = [5, 0]
-    lb = LeastRequest(active, random.Random(4))
+    lb = LeastRequest(active, random.Random(4), choice_count=2)
     lb.set_weights([7, 7])  # equal weights, whatever their value: power of two choices
     assert not lb.weighted
     picks = Counter(lb.pick() for _ in range(4000))
@@ -92,7 +102,7 @@ def test_p2c_picks_the_less_loaded_of_two_samples() -> None:
 
 def test_p2c_reads_the_counts_at_each_pick() -> None:
     active = [0, 9, 9]
-    lb = LeastRequest(active, random.Random(5))
+    lb = LeastRequest(active, random.Random(5), choice_count=2)
     picks = Counter(lb.pick() for _ in range(3000))
     assert picks[0] / 3000 == pytest.approx(5 / 9, abs=0.03)  # unless both samples miss it
     active[0] = 20
