@@ -59,6 +59,7 @@ def test_adaptive_backlog_counts_the_queue_against_the_running_batch() -> None:
     w = adaptive(
         [
             EndpointLoad("idle"),
+            EndpointLoad("half", capacity=0.5),  # unlike GPUs: the queues count
             EndpointLoad("small_batch", running=6, waiting=2),  # a third of the batch waits
             EndpointLoad("big_batch", running=200, waiting=2),  # 1% waits: hardly matters
             EndpointLoad("stuck", running=0, waiting=3),
@@ -69,6 +70,21 @@ def test_adaptive_backlog_counts_the_queue_against_the_running_batch() -> None:
     assert w["small_batch"] == pytest.approx(50, abs=1)
     assert w["big_batch"] >= 95
     assert w["stuck"] == pytest.approx(10, abs=1)
+
+
+def test_adaptive_leaves_the_queues_of_like_servers_to_envoy() -> None:
+    """Like GPUs keep equal weights whatever their queues: Envoy's full scan of its own
+    requests in flight sees a queue at once; unequal weights would switch it to EDF."""
+    like = [
+        EndpointLoad("a"),
+        EndpointLoad("b", running=4, waiting=6),
+        EndpointLoad("c", running=0, waiting=3),
+    ]
+    assert adaptive(like, CFG) == {"a": 100, "b": 100, "c": 100}
+    # ...but not what requests in flight cannot show: errors, KV pressure, a ramp, a cold server
+    assert adaptive([*like, EndpointLoad("d", error_rate=0.1)], CFG)["b"] < 100
+    assert adaptive([*like, EndpointLoad("d", kv_use=0.95)], CFG)["d"] < 100
+    assert adaptive([*like, EndpointLoad("d", ready=False)], CFG) == {"a": 100, "b": 100, "c": 100, "d": 0}
 
 
 def test_adaptive_kv_use_counts_only_above_its_saturation() -> None:
@@ -118,10 +134,11 @@ def test_adaptive_penalises_errors() -> None:
 
 def test_stale_signals_fade_to_capacity_only() -> None:
     busy = {"waiting": 50.0}
-    fresh = adaptive([EndpointLoad("a"), EndpointLoad("b", **busy)], CFG)["b"]
-    halfway = adaptive([EndpointLoad("a"), EndpointLoad("b", age_s=17.5, **busy)], CFG)["b"]
-    gone = adaptive([EndpointLoad("a"), EndpointLoad("b", age_s=60, **busy)], CFG)["b"]
-    assert fresh < halfway < gone == 100
+    big = EndpointLoad("a", capacity=2.0)
+    fresh = adaptive([big, EndpointLoad("b", **busy)], CFG)["b"]
+    halfway = adaptive([big, EndpointLoad("b", age_s=17.5, **busy)], CFG)["b"]
+    gone = adaptive([big, EndpointLoad("b", age_s=60, **busy)], CFG)["b"]
+    assert fresh < halfway < gone == 50
 
 
 def test_slow_start_ramps_a_newly_ready_endpoint() -> None:

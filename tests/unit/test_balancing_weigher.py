@@ -41,7 +41,7 @@ def test_only_changed_clusters_come_back() -> None:
     assert set(first) == {"chat@v1", "chat@v2", "embed@v1"}
     assert first["chat@v1"] == {"127.10.0.1:80": 100, "127.10.0.2:80": 100}
     assert w.update(FLEET, loads({})) == {}
-    busy = {"127.10.0.2:80": EndpointLoad("127.10.0.2:80", waiting=20.0)}
+    busy = {"127.10.0.2:80": EndpointLoad("127.10.0.2:80", kv_use=0.97)}
     changed = w.update(FLEET, loads(busy))
     assert set(changed) == {"chat@v1"}
     assert changed["chat@v1"]["127.10.0.2:80"] < 100
