@@ -4,6 +4,11 @@ Arrivals are a Poisson process at `--rate` requests/s whatever the responses do 
 loop: a slow fleet builds a queue, as real users would). Each request asks for a number
 of output tokens drawn from a lognormal, so request costs differ by ~100x. Run as its
 own process so that the load generator and the system under test do not share a GIL.
+
+With `--picker` it is also the balancer: each request goes straight to the server a
+per-request full scan chooses (`controlplane.sim.pickers.full_scan_pick`) over the true
+global state, which only the sole client knows exactly: every server's requests in flight,
+its slots and its speed. That is the real-stack counterpart of the simulated picker.
 """
 
 from __future__ import annotations
@@ -17,6 +22,31 @@ import sys
 import time
 
 import aiohttp
+
+from controlplane.sim.pickers import ServerView, full_scan_pick
+
+
+class Picker:
+    """The full-scan picker over servers given as HOST:PORT@SPEED@SLOTS."""
+
+    def __init__(self, spec: str, service_s: float) -> None:
+        self.addresses: list[str] = []
+        self.speeds: list[float] = []
+        self.slots: list[int] = []
+        for item in spec.split(","):
+            address, speed, slots = item.split("@")
+            self.addresses.append(address)
+            self.speeds.append(float(speed))
+            self.slots.append(int(slots))
+        self.service_s = service_s
+        self.in_flight = [0] * len(self.addresses)
+
+    def pick(self) -> int:
+        views = [
+            ServerView(min(n, s), max(0, n - s), s, self.service_s / v)
+            for n, s, v in zip(self.in_flight, self.slots, self.speeds, strict=True)
+        ]
+        return full_scan_pick(views)
 
 
 def output_tokens(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
@@ -39,7 +69,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
     rng = random.Random(args.seed)
-    url = f"http://{args.target}/v1/completions"
+    picker = Picker(args.picker, args.service_s) if args.picker else None
     latencies: list[float] = []
     statuses: dict[str, int] = {}
     by_backend: dict[str, int] = {}
@@ -50,8 +80,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     async def one(session: aiohttp.ClientSession, tokens: int, measure: bool) -> None:
         body = {"model": args.model, "prompt": "bench " * 32, "max_tokens": tokens}
         started = time.monotonic()
+        server = picker.pick() if picker is not None else -1
+        target = picker.addresses[server] if picker is not None else args.target
+        if picker is not None:
+            picker.in_flight[server] += 1
         try:
-            async with session.post(url, json=body) as resp:
+            async with session.post(f"http://{target}/v1/completions", json=body) as resp:
                 await resp.read()
                 status = str(resp.status)
                 backend = resp.headers.get("x-emulator-server", "")
@@ -60,6 +94,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             backend = ""
             if measure and len(errors) < 20:
                 errors.append(repr(e))
+        finally:
+            if picker is not None:
+                picker.in_flight[server] -= 1
         if not measure:
             return
         statuses[status] = statuses.get(status, 0) + 1
@@ -102,7 +139,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--target", required=True, help="HOST:PORT of the Envoy listener")
+    p.add_argument("--target", help="HOST:PORT of the Envoy listener")
+    p.add_argument(
+        "--picker", help="instead of --target: servers as HOST:PORT@SPEED@SLOTS,... picked per request"
+    )
+    p.add_argument("--service-s", type=float, default=0.375, help="--picker: mean service at speed 1")
     p.add_argument("--model", required=True)
     p.add_argument("--rate", type=float, required=True, help="mean arrivals per second")
     p.add_argument("--duration", type=float, default=30.0, help="measured seconds")
@@ -113,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens-max", type=int, default=400)
     p.add_argument("--timeout", type=float, default=120.0, help="per request")
     args = p.parse_args(argv)
+    if not args.target and not args.picker:
+        p.error("one of --target or --picker is required")
     summary = asyncio.run(run(args))
     print(json.dumps(summary), flush=True)
     return 0

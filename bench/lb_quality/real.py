@@ -85,6 +85,7 @@ class Stack:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.envoy_admins: list[int] = []  # admin port of each Envoy started
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         log = (self.workdir / f"{name}.log").open("ab")
@@ -105,29 +106,64 @@ class Stack:
 
 
 def start_proxied(
-    stack: Stack, workdir: Path, config: Path, listener: int, node_id: str, serve_args: Sequence[str] = ()
+    stack: Stack,
+    workdir: Path,
+    config: Path,
+    listener: int,
+    node_id: str,
+    serve_args: Sequence[str] = (),
+    proxies: int = 1,
 ) -> int:
-    """Start `controlplane serve` on `config` (free ports, its state in workdir) and one real
-    Envoy bootstrapped from it; return once Envoy serves `listener`. Returns the control
-    plane's status (metrics) port."""
-    xds, metrics, envoy_admin = free_port(), free_port(), free_port()
+    """Start `controlplane serve` on `config` (free ports, its state in workdir) and
+    `proxies` real Envoys bootstrapped from it; return once they serve `listener`. Several
+    Envoys share the listener's port (SO_REUSEPORT, Envoy's default on Linux): the kernel
+    spreads connections over them, as an L4 balancer spreads clients over gateway replicas.
+    Returns the control plane's status (metrics) port."""
+    xds, metrics = free_port(), free_port()
     serve = [str(BIN / "controlplane"), "serve", "--config", str(config), "--xds-listen", f"127.0.0.1:{xds}"]
     serve += ["--metrics-listen", f"127.0.0.1:{metrics}", "--state-dir", str(workdir / "state"), *serve_args]
     stack.spawn("controlplane", serve)
     wait_http(f"http://127.0.0.1:{metrics}/healthz", 30, "the control plane", stack.procs)
-    boot = [str(BIN / "controlplane"), "bootstrap", "--node-id", node_id, "--xds", f"127.0.0.1:{xds}"]
-    bootstrap = workdir / "envoy.yaml"
-    bootstrap.write_text(
-        subprocess.run(
-            [*boot, "--admin-port", str(envoy_admin)], check=True, capture_output=True, text=True
-        ).stdout
-    )
     envoy = shutil.which("envoy", path=str(BIN)) or "envoy"
-    stack.spawn(
-        "envoy", [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning", "--concurrency", "1"]
-    )
+    for i in range(proxies):
+        name = node_id if proxies == 1 else f"{node_id}-{i}"
+        boot = [str(BIN / "controlplane"), "bootstrap", "--node-id", name, "--xds", f"127.0.0.1:{xds}"]
+        bootstrap = workdir / f"{name}.yaml"
+        stack.envoy_admins.append(free_port())
+        bootstrap.write_text(
+            subprocess.run(
+                [*boot, "--admin-port", str(stack.envoy_admins[-1])],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
+        stack.spawn(
+            name,
+            [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning", "--concurrency", "1"],
+        )
     wait_http(f"http://127.0.0.1:{listener}/v1/models", 30, "envoy", stack.procs)
+    if proxies > 1:
+        wait_proxies_served(metrics, proxies, stack.procs)
     return metrics
+
+
+def wait_proxies_served(metrics: int, proxies: int, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Until the control plane has `proxies` proxies connected with nothing left to send."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"a process exited early ({p.args!r})")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/debug/proxies", timeout=1) as r:
+                listed = json.loads(r.read())
+            if len(listed) >= proxies:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"timed out waiting for {proxies} proxies to connect")
 
 
 def fleet_yaml(policy: str, listener: int, classes: list[tuple[str, float, int, int]]) -> str:
@@ -147,104 +183,71 @@ def fleet_yaml(policy: str, listener: int, classes: list[tuple[str, float, int, 
     return "\n".join(lines) + "\n"
 
 
+def start_servers(stack: Stack, args: argparse.Namespace) -> list[tuple[str, float, int, int]]:
+    """The emulated fleet, one `controlplane emulate` per GPU class: (gpu, speed, base port,
+    count) per class, once every server answers."""
+    classes: list[tuple[str, float, int, int]] = []
+    for gpu, speed in (("fast", 1.0), ("slow", args.slow_speed)):
+        base = free_ports(args.per_class)
+        classes.append((gpu, speed, base, args.per_class))
+        emulate = [
+            str(BIN / "controlplane"),
+            "emulate",
+            "--listen",
+            f"127.0.0.1:{base}",
+            "--model",
+            "bench-8b",
+        ]
+        emulate += [
+            "--gpu",
+            gpu,
+            "--speed",
+            str(speed),
+            "--slots",
+            str(args.slots),
+            "--count",
+            str(args.per_class),
+        ]
+        emulate += [
+            "--decode-ms-per-token",
+            str(args.decode_ms),
+            "--prefill-ms-per-token",
+            str(args.prefill_ms),
+        ]
+        stack.spawn(f"emulate-{gpu}", emulate)
+    for _, _, base, count in classes:
+        for port in range(base, base + count):
+            wait_http(f"http://127.0.0.1:{port}/health", 20, "emulated servers", stack.procs)
+    return classes
+
+
 def run_policy(policy: str, args: argparse.Namespace, rate: float) -> dict[str, object]:
+    """One policy on a fresh stack. `picker` is the per-request full-scan picker run by the
+    load generator itself, straight to the servers (no Envoy, no control plane): it knows
+    every server's requests in flight, its slots and its speed, the best a balancer can know."""
     workdir = Path(tempfile.mkdtemp(prefix=f"lbq-{policy}-"))
     stack = Stack(workdir)
     try:
-        classes: list[tuple[str, float, int, int]] = []
-        for gpu, speed in (("fast", 1.0), ("slow", args.slow_speed)):
-            base = free_ports(args.per_class)
-            classes.append((gpu, speed, base, args.per_class))
-            stack.spawn(
-                f"emulate-{gpu}",
-                [
-                    str(BIN / "controlplane"),
-                    "emulate",
-                    "--listen",
-                    f"127.0.0.1:{base}",
-                    "--model",
-                    "bench-8b",
-                    "--gpu",
-                    gpu,
-                    "--speed",
-                    str(speed),
-                    "--slots",
-                    str(args.slots),
-                    "--count",
-                    str(args.per_class),
-                    "--decode-ms-per-token",
-                    str(args.decode_ms),
-                    "--prefill-ms-per-token",
-                    str(args.prefill_ms),
-                ],
-            )
-        for _, _, base, count in classes:
-            for port in range(base, base + count):
-                wait_http(f"http://127.0.0.1:{port}/health", 20, "emulated servers", stack.procs)
-        listener, xds, metrics, admin = free_port(), free_port(), free_port(), free_port()
-        config = workdir / "fleet.yaml"
-        config.write_text(fleet_yaml(policy, listener, classes))
-        stack.spawn(
-            "controlplane",
-            [
-                str(BIN / "controlplane"),
-                "serve",
-                "--config",
-                str(config),
-                "--xds-listen",
-                f"127.0.0.1:{xds}",
-                "--metrics-listen",
-                f"127.0.0.1:{metrics}",
-            ],
-        )
-        wait_http(f"http://127.0.0.1:{metrics}/healthz", 20, "the control plane", stack.procs)
-        bootstrap = workdir / "envoy.yaml"
-        bootstrap.write_text(
-            subprocess.run(
-                [
-                    str(BIN / "controlplane"),
-                    "bootstrap",
-                    "--node-id",
-                    f"bench-{policy}",
-                    "--xds",
-                    f"127.0.0.1:{xds}",
-                    "--admin-port",
-                    str(admin),
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-        )
-        envoy = shutil.which("envoy", path=str(BIN)) or "envoy"
-        stack.spawn(
-            "envoy",
-            [envoy, "-c", str(bootstrap), "--disable-hot-restart", "-l", "warning", "--concurrency", "1"],
-        )
-        wait_http(f"http://127.0.0.1:{listener}/v1/models", 20, "envoy", stack.procs)
-        out = subprocess.run(
-            [
-                sys.executable,
-                str(HERE / "loadgen.py"),
-                "--target",
-                f"127.0.0.1:{listener}",
-                "--model",
-                "bench-8b",
-                "--rate",
-                f"{rate:.3f}",
-                "--duration",
-                str(args.duration),
-                "--warmup",
-                str(args.warmup),
-                "--seed",
-                str(args.seed),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
+        classes = start_servers(stack, args)
+        load = [sys.executable, str(HERE / "loadgen.py"), "--model", "bench-8b", "--rate", f"{rate:.3f}"]
+        load += ["--duration", str(args.duration), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+        if policy == "picker":
+            servers = [
+                f"127.0.0.1:{port}@{speed}@{args.slots}"
+                for _, speed, base, count in classes
+                for port in range(base, base + count)
+            ]
+            load += ["--picker", ",".join(servers), "--service-s", f"{service_seconds(args):.4f}"]
+        else:
+            listener = free_port()
+            config = workdir / "fleet.yaml"
+            config.write_text(fleet_yaml(policy, listener, classes))
+            start_proxied(stack, workdir, config, listener, f"bench-{policy}", proxies=args.proxies)
+            load += ["--target", f"127.0.0.1:{listener}"]
+        out = subprocess.run(load, check=True, capture_output=True, text=True)
         result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
         result["workdir"] = str(workdir)
+        result["by_proxy"] = [proxy_requests(port) for port in stack.envoy_admins]
         return result
     finally:
         stack.stop()
@@ -252,14 +255,65 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float) -> dict[str, 
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def proxy_requests(admin: int) -> int:
+    """Requests an Envoy took on the model listener (its downstream_rq_total)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter=^http\\..*downstream_rq_total$") as r:
+        text = r.read().decode()
+    return sum(
+        int(v) for line in text.splitlines() if "admin" not in line for v in [line.rsplit(": ", 1)[-1]]
+    )
+
+
+def service_seconds(args: argparse.Namespace) -> float:
+    """Mean time a request holds a slot on a speed-1.0 server."""
+    mean_tokens = mean_output_tokens(24.0, 0.9, 1, 400)
+    return (PROMPT_TOKENS * args.prefill_ms + mean_tokens * args.decode_ms) / 1000.0
+
+
+def simulated_picker_p90(args: argparse.Namespace, load: float) -> float:
+    """The simulation's per-request picker (controlplane/sim) on this fleet and workload."""
+    from controlplane.sim.fleetsim import Workload, capacity_rps, make_requests, simulate
+    from controlplane.sim.service import ServerSpec
+
+    def spec(speed: float) -> ServerSpec:
+        return ServerSpec(
+            slots=args.slots,
+            speed=speed,
+            prefill_s_per_token=args.prefill_ms / 1000,
+            decode_s_per_token=args.decode_ms / 1000,
+        )
+
+    fleet = [spec(1.0)] * args.per_class + [spec(args.slow_speed)] * args.per_class
+    work = Workload(
+        prompt_median=PROMPT_TOKENS,
+        prompt_sigma=0.0,
+        output_median=24.0,
+        output_sigma=0.9,
+        output_min=1,
+        output_max=400,
+    )
+    requests = make_requests(load * capacity_rps(fleet, work), 1200.0, work, args.proxies, args.seed)
+    run = simulate(
+        fleet, requests, "picker", sidecars=args.proxies, seed=args.seed, workload=work, warmup_s=60.0
+    )
+    return run.percentile(90)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--policies",
         default="round_robin,least_request,adaptive",
-        help="comma-separated, first is the baseline (default: %(default)s)",
+        help="comma-separated, first is the baseline: fleet balancing policies (adaptive, capacity, "
+        "least_request, ...) and `picker`, the load generator's own per-request full scan straight "
+        "to the servers (default: %(default)s)",
     )
-    p.add_argument("--load", type=float, default=0.85, help="offered load as a share of fleet capacity")
+    p.add_argument(
+        "--load",
+        type=float,
+        action="append",
+        help="offered load as a share of fleet capacity, repeatable (0.85)",
+    )
     p.add_argument("--duration", type=float, default=45.0, help="measured seconds per policy")
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of load before measuring")
     p.add_argument("--per-class", type=int, default=3, help="servers per GPU class (two classes)")
@@ -267,38 +321,70 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=4, help="concurrent sequences per server")
     p.add_argument("--decode-ms", type=float, default=10.0, help="decode ms per output token at speed 1")
     p.add_argument("--prefill-ms", type=float, default=0.5, help="prefill ms per prompt token at speed 1")
+    p.add_argument(
+        "--proxies", type=int, default=1, help="Envoys sharing the listener port (each its own view)"
+    )
+    p.add_argument("--sim", action="store_true", help="also print the simulated picker's p90 per load")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep each run's logs and fleet file")
     args = p.parse_args(argv)
 
-    mean_tokens = mean_output_tokens(24.0, 0.9, 1, 400)
-    service_s = (PROMPT_TOKENS * args.prefill_ms + mean_tokens * args.decode_ms) / 1000.0
+    service_s = service_seconds(args)
     capacity = args.per_class * args.slots * (1.0 + args.slow_speed) / service_s
-    rate = args.load * capacity
+    policies = args.policies.split(",")
+    base = policies[0]
     print(
         f"fleet: {args.per_class} x speed 1.0 + {args.per_class} x speed {args.slow_speed}, "
-        f"{args.slots} slots each; mean service {service_s * 1000:.0f} ms at speed 1; "
-        f"capacity {capacity:.1f} req/s; offered {rate:.1f} req/s ({args.load:.0%})",
+        f"{args.slots} slots each, behind {args.proxies} Envoy(s); mean service "
+        f"{service_s * 1000:.0f} ms at speed 1; capacity {capacity:.1f} req/s",
         flush=True,
     )
-    results: dict[str, dict[str, object]] = {}
-    for policy in args.policies.split(","):
-        print(f"running {policy} ({args.warmup:g} s warm-up + {args.duration:g} s) ...", flush=True)
-        results[policy] = run_policy(policy, args, rate)
-    base = args.policies.split(",")[0]
-    print()
-    print("| policy | requests | errors | p50 s | p90 s | p99 s | p90 vs " + base + " |")
-    print("|---|---|---|---|---|---|---|")
-    for policy, r in results.items():
-        ratio = float(r["p90"]) / float(results[base]["p90"])  # type: ignore[arg-type]
-        print(
-            f"| {policy} | {r['requests']} | {r['errors']} | {float(r['p50']):.2f} | "  # type: ignore[arg-type]
-            f"{float(r['p90']):.2f} | {float(r['p99']):.2f} | {ratio:.2f}x |"  # type: ignore[arg-type]
-        )
-    for policy, r in results.items():
-        print(f"{policy}: requests by server {dict(sorted(r['by_backend'].items()))}")  # type: ignore[attr-defined]
-        if r["errors"]:
-            print(f"{policy}: statuses {r['statuses']} samples {r['error_samples']}")
+    summary: list[str] = []
+    for load in args.load or [0.85]:
+        rate = load * capacity
+        results: dict[str, dict[str, object]] = {}
+        for policy in policies:
+            print(
+                f"load {load:.0%} ({rate:.1f} req/s): {policy} "
+                f"({args.warmup:g} s warm-up + {args.duration:g} s) ...",
+                flush=True,
+            )
+            results[policy] = run_policy(policy, args, rate)
+        p90 = {k: float(r["p90"]) for k, r in results.items()}  # type: ignore[arg-type]
+        print()
+        print(f"### load {load:.0%}\n")
+        print("| policy | requests | errors | p50 s | p90 s | p99 s | p90 vs " + base + " |")
+        print("|---|---|---|---|---|---|---|")
+        for policy, r in results.items():
+            print(
+                f"| {policy} | {r['requests']} | {r['errors']} | {float(r['p50']):.2f} | "  # type: ignore[arg-type]
+                f"{p90[policy]:.2f} | {float(r['p99']):.2f} | {p90[policy] / p90[base]:.2f}x |"  # type: ignore[arg-type]
+            )
+        for policy, r in results.items():
+            print(f"{policy}: requests by server {dict(sorted(r['by_backend'].items()))}")  # type: ignore[attr-defined]
+            if r["by_proxy"]:
+                print(f"{policy}: requests by proxy {r['by_proxy']}")
+            if r["errors"]:
+                print(f"{policy}: statuses {r['statuses']} samples {r['error_samples']}")
+        row = f"| {load:.0%} | " + " | ".join(f"{p90[k]:.2f}" for k in policies)
+        if args.sim:
+            row += f" | {simulated_picker_p90(args, load):.2f}"
+        if "adaptive" in p90:
+            row += " | " + " | ".join(f"{p90['adaptive'] / p90[k]:.2f}x" for k in policies if k != "adaptive")
+        summary.append(row + " |")
+    print(
+        "\n### p90 s by load" + (", and adaptive's p90 against each" if "adaptive" in policies else "") + "\n"
+    )
+    others = [k for k in policies if k != "adaptive"] if "adaptive" in policies else []
+    head = [
+        "load",
+        *policies,
+        *(["simulated picker"] if args.sim else []),
+        *[f"adaptive vs {k}" for k in others],
+    ]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    print("\n".join(summary))
     return 0
 
 

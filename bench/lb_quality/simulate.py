@@ -8,7 +8,7 @@ through every balancer:
 
   round_robin    per sidecar
   random         uniform
-  least_request  Envoy least request, equal weights: power of two choices, own view
+  least_request  Envoy least request, equal weights: a full scan (as configured), own view
   capacity_lr    Envoy least request, static weights = slots x speed (EDF), own view
   adaptive       Envoy least request with the weights the control plane pushes: every
                  period a scrape (signal_delay old when applied) -> policies.adaptive ->
@@ -51,11 +51,26 @@ def _gpu(slots: int, speed: float) -> ServerSpec:
     return ServerSpec(slots=slots, speed=speed, kv_capacity_tokens=2000 * slots)
 
 
+def _bench_gpu(speed: float) -> ServerSpec:
+    """A server as bench/lb_quality/real.py runs it: `controlplane emulate --slots 4
+    --decode-ms-per-token 10 --prefill-ms-per-token 0.5`."""
+    return ServerSpec(slots=4, speed=speed, prefill_s_per_token=0.0005, decode_s_per_token=0.01)
+
+
+DEFAULT_WORK = Workload()
+# bench/lb_quality/real.py's requests: a 32-token prompt, lognormal output (median 24,
+# clipped to 1..400): mean service 0.375 s at speed 1, 13x shorter than the default.
+REAL_BENCH_WORK = Workload(
+    prompt_median=32.0, prompt_sigma=0.0, output_median=24.0, output_sigma=0.9, output_min=1, output_max=400
+)
+
+
 @dataclass(frozen=True)
 class Fleet:
     servers: tuple[ServerSpec, ...]
     bursts: Bursts | None = None
     about: str = ""
+    workload: Workload = DEFAULT_WORK
 
 
 FLEETS: dict[str, Fleet] = {
@@ -73,7 +88,19 @@ FLEETS: dict[str, Fleet] = {
         bursts=Bursts(period_s=60.0, high=1.4, low=0.6),
         about="two_class; arrivals alternate 30 s at 1.4x and 30 s at 0.6x the mean rate",
     ),
+    "real_bench_homogeneous": Fleet(
+        tuple([_bench_gpu(1.0)] * 8),
+        about="real.py --per-class 4 --slow-speed 1.0: 8 x (4 slots, 1.0), mean service 0.375 s",
+        workload=REAL_BENCH_WORK,
+    ),
+    "real_bench": Fleet(
+        tuple([_bench_gpu(1.0)] * 4 + [_bench_gpu(0.35)] * 4),
+        about="the fleet and requests of bench/lb_quality/real.py --per-class 4: 4 x (4 slots, 1.0) "
+        "+ 4 x (4 slots, 0.35), mean service 0.375 s at speed 1 (not in the default matrix)",
+        workload=REAL_BENCH_WORK,
+    ),
 }
+DEFAULT_FLEETS = ("homogeneous", "two_class", "three_class", "two_class_bursts")
 LOADS = (0.5, 0.7, 0.85, 0.95)
 
 
@@ -90,14 +117,14 @@ class Options:
     sidecars: int
     duration_s: float
     warmup_s: float
-    slo_s: float
+    slo_factor: float
     controller: ControllerConfig
 
 
 def run_point(point: Point, opt: Options) -> tuple[Point, dict[str, RunResult]]:
     """Every balancer on the same requests (one fleet, load and seed)."""
     fleet = FLEETS[point.fleet]
-    workload = Workload()
+    workload = fleet.workload
     rate = point.load * capacity_rps(fleet.servers, workload)
     requests = make_requests(rate, opt.duration_s, workload, opt.sidecars, point.seed, fleet.bursts)
     out = {
@@ -110,7 +137,7 @@ def run_point(point: Point, opt: Options) -> tuple[Point, dict[str, RunResult]]:
             controller=opt.controller,
             workload=workload,
             warmup_s=opt.warmup_s,
-            slo_s=opt.slo_s,
+            slo_s=opt.slo_factor * workload.mean_service_s(fleet.servers[0]),
         )
         for b in opt.balancers
     }
@@ -189,19 +216,18 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     a = p.parse_args()
 
-    fleets = a.fleet or list(FLEETS)
+    fleets = a.fleet or list(DEFAULT_FLEETS)
     loads = a.load or ([0.85] if a.quick else list(LOADS))
     seeds = [a.seed] if a.quick else [a.seed + k for k in range(a.seeds)]
     duration = 400.0 if a.quick else a.duration
     balancers = tuple(a.balancer or BALANCERS)
-    workload = Workload()
-    unloaded = workload.mean_service_s(ServerSpec(speed=1.0))
+    unloaded = Workload().mean_service_s(ServerSpec(speed=1.0))
     opt = Options(
         balancers=balancers,
         sidecars=a.sidecars,
         duration_s=duration,
         warmup_s=min(a.warmup, duration / 4),
-        slo_s=a.slo_factor * unloaded,
+        slo_factor=a.slo_factor,
         controller=ControllerConfig(
             period_s=a.period,
             signal_delay_s=a.delay,
@@ -214,7 +240,8 @@ def main() -> None:
     print(
         f"# {len(points)} points x {len(balancers)} balancers; {a.sidecars} sidecars; "
         f"{duration:.0f} s per seed, seeds {seeds}; update every {a.period} s with signals "
-        f"{a.delay} s old; mean service {unloaded:.2f} s at speed 1.0, SLO {opt.slo_s:.1f} s",
+        f"{a.delay} s old; mean service {unloaded:.2f} s at speed 1.0 (real_bench: 0.375 s), "
+        f"SLO {a.slo_factor:g} x that",
         flush=True,
     )
     started = time.monotonic()
