@@ -585,14 +585,13 @@ class Traffic:
 def etcd_binary() -> str:
     """Debian's etcd-server (`.ci/run` installs it); skip the test without it, unless CI says
     it must be there."""
-    import pytest
+    from tests.peers import required
 
-    found = shutil.which("etcd")
-    if found is None:
-        if os.environ.get("CONTROLPLANE_REQUIRE_ETCD"):
-            raise AssertionError("etcd is missing; .ci/run installs Debian's etcd-server")
-        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
-    return found
+    return required(
+        shutil.which("etcd"),
+        missing="etcd is not installed (Debian: apt-get install etcd-server, as .ci/run does)",
+        env="CONTROLPLANE_REQUIRE_ETCD",
+    )
 
 
 class EtcdCluster:

@@ -34,6 +34,7 @@ from tests.integration.harness import (
     http_get,
     wait_until,
 )
+from tests.peers import required
 
 pytestmark = pytest.mark.envoy
 
@@ -48,11 +49,11 @@ def dnsmasq_binary() -> str:
     found = shutil.which("dnsmasq") or next(
         (p for p in ("/usr/sbin/dnsmasq", "/sbin/dnsmasq") if os.path.exists(p)), None
     )
-    if found is None:
-        if os.environ.get("CONTROLPLANE_REQUIRE_DNSMASQ"):
-            raise AssertionError("dnsmasq is missing; .ci/run installs Debian's dnsmasq-base")
-        pytest.skip("dnsmasq is not installed (Debian: apt-get install dnsmasq-base)")
-    return found
+    return required(
+        found,
+        missing="dnsmasq is not installed (Debian: apt-get install dnsmasq-base, as .ci/run does)",
+        env="CONTROLPLANE_REQUIRE_DNSMASQ",
+    )
 
 
 class Dnsmasq:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import threading
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import EmulatedFleet, Emulator, Proc, free_port, http_get, wait_until
+from tests.peers import required
 
 pytestmark = pytest.mark.envoy
 
@@ -39,16 +39,12 @@ SIGNALS = (
 
 
 def prometheus_binary() -> str:
-    found = shutil.which("prometheus")
-    if found:
-        return found
-    message = (
-        "the prometheus server is missing: install Debian's prometheus package "
-        "(apt-get install --no-install-recommends prometheus), as .ci/run does"
+    return required(
+        shutil.which("prometheus"),
+        missing="the prometheus server is missing: install Debian's prometheus package "
+        "(apt-get install --no-install-recommends prometheus), as .ci/run does",
+        env="CONTROLPLANE_REQUIRE_PROMTOOL",
     )
-    if os.environ.get("CONTROLPLANE_REQUIRE_PROMTOOL") == "1":
-        pytest.fail(message + " (CONTROLPLANE_REQUIRE_PROMTOOL=1)")
-    pytest.skip(message)
 
 
 class Prometheus:

