@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from controlplane import limits
 from controlplane.admin import auth, keda
-from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR
+from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR, TOKEN_FILE_NAME
 from controlplane.admin.keda import ExternalScaler
 from controlplane.admin.service import (
     SERVICE_NAMES,
@@ -112,9 +112,11 @@ class ControlPlane:
         self.etcd: Etcd | None = None
         self.election: LeaderElection | None = None
         self.store: StateStore
+        actor = "controller"  # who the audit trail names for the rollout controller's own moves
         if options.store is not None:
             self.etcd = Etcd(parse_store_url(options.store))
             replica = options.replica_id or new_replica_id()
+            actor = f"controller@{replica}"
             self.store = EtcdStateStore(self.etcd, replica)
             self.source: FleetFileWatcher | EtcdFleetSource = EtcdFleetSource(
                 self.etcd, self._on_fleet, self._on_invalid, options.watch_interval_s
@@ -134,6 +136,7 @@ class ControlPlane:
             self.xds.registry,
             self.metrics,
             tick_s=options.rollout_tick_s,
+            actor=actor,
         )
         self._file_fleet: Fleet | None = None
         self.discovery = Discovery(self.rollouts, self.metrics, self._discovered)
@@ -407,10 +410,16 @@ class ControlPlane:
         o = self.options
         token, where, created = auth.load_or_create_token(o.admin_token_file, o.state_dir)
         read_only = auth.read_token(o.admin_readonly_token_file) if o.admin_readonly_token_file else None
+        # cpctl finds the token by itself only at its default path.
+        hint = (
+            "cpctl reads it from there"
+            if where == DEFAULT_STATE_DIR / TOKEN_FILE_NAME
+            else "point cpctl at it: --token-file or CPCTL_TOKEN_FILE"
+        )
         if created:
-            log.info("admin token created (mode 0600); cpctl reads it from there", token_file=str(where))
+            log.info(f"admin token created (mode 0600); {hint}", token_file=str(where))
         else:
-            log.info("admin token loaded", token_file=str(where))
+            log.info(f"admin token loaded; {hint}", token_file=str(where))
         tokens = auth.Tokens(token, read_only)
         server = grpc.aio.server(interceptors=[auth.TokenAuth(tokens)], options=[("grpc.so_reuseport", 0)])
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(

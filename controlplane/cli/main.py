@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
         "--replica-id",
         default="",
         metavar="ID",
-        help="this replica's name in leader election and the audit trail (default: random)",
+        help="this replica's name in leader election and in the audit trail, where the rollout "
+        "controller's own moves read controller@ID (default: random)",
     )
     s.add_argument(
         "--leader-ttl",

@@ -92,8 +92,12 @@ class RolloutController:
         clock: Callable[[], float] = time.time,
         tick_s: float = 1.0,
         peer_reports: Callable[[EndpointKey], EndpointCounters] | None = None,
+        actor: str = "controller",
     ) -> None:
         self.store = store
+        # Who the audit trail names for what the controller does by itself (steps, analysis,
+        # completion): "controller", or "controller@<replica id>" with several replicas.
+        self.actor = actor
         self.reconciler = reconciler
         self.signals = signals
         self.registry = registry
@@ -560,7 +564,7 @@ class RolloutController:
                 if new.phase == "Aborted":
                     self.metrics.rollouts.aborts.labels(model, "analysis").inc()
                     log.warning("rollout aborted by analysis", model=model, reason=new.reason)
-                await self._commit(new, effects, "controller")
+                await self._commit(new, effects, self.actor)
         await self._tick_drains(now)
         self._export()
 
@@ -590,7 +594,7 @@ class RolloutController:
                 continue
             done = replace(d, state="drained")
             await self._write(
-                "controller",
+                self.actor,
                 [
                     Transition(
                         models[0] if models else "", "Drained", -1, 0, f"endpoint {address} removed: {why}"
@@ -628,7 +632,7 @@ class RolloutController:
                     self._leave_reported.discard((m.name, version))
                     layer = layer.with_version(version, "draining", now)
                     await self._write(
-                        "controller",
+                        self.actor,
                         [Transition(m.name, "Draining", -1, 0, why)],
                         layers=[layer],
                     )
@@ -643,7 +647,7 @@ class RolloutController:
                     continue
                 layer = layer.with_version(version, "retired", now)
                 await self._write(
-                    "controller",
+                    self.actor,
                     [Transition(m.name, "Retired", -1, 0, f"version {version} drained and removed: {why}")],
                     layers=[layer],
                 )
@@ -663,7 +667,7 @@ class RolloutController:
             f"{', '.join(routing)}; it drains once they stop, or after {DRAIN_TIMEOUT_S:g}s"
         )
         log.warning("version still routed after leaving", model=model, version=version, proxies=list(routing))
-        await self._write("controller", [Transition(model, "Leaving", -1, 0, reason)])
+        await self._write(self.actor, [Transition(model, "Leaving", -1, 0, reason)])
 
     async def run(self) -> None:
         """Tick until cancelled (only while leader), and follow other replicas' changes."""

@@ -219,6 +219,9 @@ def test_leader_killed_mid_rollout_another_takes_over_and_nothing_fails(ha: HaRi
     history = op.rollouts.History(rollout_pb2.GetRolloutRequest(model=MODEL), metadata=op.md, timeout=5)
     phases = [h.phase for h in history.records]
     assert phases.count("Completed") == 1
+    # The controller's own moves name the replica that made them: the completion, the survivor.
+    completed = next(h for h in history.records if h.phase == "Completed")
+    assert completed.who == f"controller@{survivor}", completed.who
 
 
 @pytest.mark.parametrize("outage_s", OUTAGES)
