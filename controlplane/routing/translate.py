@@ -82,7 +82,10 @@ ERR_UNKNOWN_MODEL = {
 }
 ERR_NO_MODEL = {
     "error": {
-        "message": "No model given: set the 'model' field of the JSON body or the x-model header.",
+        "message": (
+            "No model given: set the 'model' field of a JSON body sent with "
+            "'content-type: application/json' (the body is read only then), or the x-model header."
+        ),
         "type": "invalid_request_error",
         "code": "model_required",
     }

@@ -92,6 +92,7 @@ def test_routes_header_then_body_then_404_then_400() -> None:
     assert routes[3].direct_response.status == 404
     assert routes[5].direct_response.status == 400
     assert b"model_required" in routes[5].direct_response.body.inline_string.encode()
+    assert "content-type: application/json" in routes[5].direct_response.body.inline_string
     assert cluster_refs(rc) == {"llama-3-8b@v1", "llama-3-8b@v2"}
 
 
