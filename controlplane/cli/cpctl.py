@@ -115,8 +115,8 @@ examples:
   source <(cpctl completion bash)
 
 server: --server, else $CPCTL_SERVER, else {DEFAULT_ADMIN_LISTEN}
-token:  --token-file, else $CPCTL_TOKEN (the token itself), else
-        {DEFAULT_TOKEN_FILE}
+token:  --token-file, else $CPCTL_TOKEN (the token itself), else $CPCTL_TOKEN_FILE,
+        else {DEFAULT_TOKEN_FILE} (serve --state-dir DIR writes DIR/admin-token)
 exit codes: 0 ok, 1 server error, 2 bad arguments, 3 watched rollout ended Aborted,
             4 no valid token (missing, UNAUTHENTICATED, PERMISSION_DENIED)
 """
@@ -147,7 +147,8 @@ def _connection_flags(rpc_timeout: bool) -> argparse.ArgumentParser:
         metavar="FILE",
         type=Path,
         default=argparse.SUPPRESS,
-        help=f"file holding the bearer token; default: the token in $CPCTL_TOKEN, else {DEFAULT_TOKEN_FILE}",
+        help=f"file holding the bearer token; default: the token in $CPCTL_TOKEN, else the file "
+        f"$CPCTL_TOKEN_FILE, else {DEFAULT_TOKEN_FILE}",
     )
     if rpc_timeout:
         g.add_argument(
@@ -409,15 +410,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_token(token_file: Path | None, env: Mapping[str, str]) -> str:
-    """--token-file, else $CPCTL_TOKEN, else the default token file; CliError(exit 4) if none."""
+    """--token-file, else $CPCTL_TOKEN (the token), else $CPCTL_TOKEN_FILE, else the default
+    token file; CliError(exit 4) if none."""
     from controlplane.admin.auth import TokenFileError, read_token
 
-    how = "pass --token-file FILE or set CPCTL_TOKEN"
+    how = "pass --token-file FILE, or set CPCTL_TOKEN_FILE or CPCTL_TOKEN"
     if token_file is None and env.get("CPCTL_TOKEN", "").strip():
         token = env["CPCTL_TOKEN"].strip()
         if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
             raise CliError("CPCTL_TOKEN: a token is one word of printable ASCII", EXIT_AUTH)
         return token
+    if token_file is None and env.get("CPCTL_TOKEN_FILE", "").strip():
+        token_file = Path(env["CPCTL_TOKEN_FILE"].strip()).expanduser()
     path = token_file or DEFAULT_TOKEN_FILE
     try:
         token = read_token(path)

@@ -158,6 +158,15 @@ def test_token_sources(tmp_path: Path) -> None:
     assert str(tmp_path / "missing") in str(e.value) and "--token-file" in str(e.value)
     with pytest.raises(cpctl.CliError):
         cpctl.resolve_token(None, {"CPCTL_TOKEN": "two words"})
+    other = tmp_path / "state" / "admin-token"  # serve --state-dir DIR
+    other.parent.mkdir()
+    other.write_text("from-state-dir\n")
+    assert cpctl.resolve_token(None, {"CPCTL_TOKEN_FILE": str(other)}) == "from-state-dir"
+    assert cpctl.resolve_token(f, {"CPCTL_TOKEN_FILE": str(other)}) == "from-file"  # the flag wins
+    assert cpctl.resolve_token(None, {"CPCTL_TOKEN_FILE": str(other), "CPCTL_TOKEN": "t"}) == "t"
+    with pytest.raises(cpctl.CliError) as e:
+        cpctl.resolve_token(None, {"CPCTL_TOKEN_FILE": str(tmp_path / "nope")})
+    assert str(tmp_path / "nope") in str(e.value)
 
 
 def test_missing_token_file_is_one_line_exit_4(
