@@ -127,6 +127,14 @@ def summary_line(r: rollout_pb2.Rollout) -> str:
     return f"{r.model}: {r.phase}, step {step_text(r)}, {weights_text(r)}"
 
 
+def roles(r: rollout_pb2.Rollout) -> tuple[str, str, str]:
+    """(stable, canary, previous) as an operator reads them: once Completed the canary is
+    the stable version and there is no canary; the version it replaced is `previous`."""
+    if r.phase == "Completed":
+        return r.canary_version, "-", r.stable_version
+    return r.stable_version, r.canary_version, ""
+
+
 def rollout_table(r: rollout_pb2.Rollout, now: float | None = None) -> str:
     """The short human view of one rollout (`cpctl rollout status`)."""
     gates = (
@@ -137,8 +145,8 @@ def rollout_table(r: rollout_pb2.Rollout, now: float | None = None) -> str:
         f"Phase:    {r.phase}",
         f"Step:     {step_text(r)}  [{', '.join(f'{s}%' for s in r.steps)}; {gates}]",
         f"Weights:  {weights_text(r)}",
-        f"Stable:   {r.stable_version}",
-        f"Canary:   {r.canary_version}",
+        f"Stable:   {roles(r)[0]}" + (f"  (replaced {roles(r)[2]})" if roles(r)[2] else ""),
+        f"Canary:   {roles(r)[1]}",
         f"Reason:   {r.reason or '-'}",
     ]
     if r.step_started_at and now is not None and r.phase in ("Progressing", "Paused"):
@@ -176,8 +184,7 @@ def rollouts_table(rollouts: Sequence[rollout_pb2.Rollout]) -> str:
             r.phase,
             step_text(r).split(" ")[0],
             weights_text(r),
-            r.stable_version,
-            r.canary_version,
+            *roles(r)[:2],
             r.reason,
         ]
         for r in rollouts

@@ -275,6 +275,17 @@ def test_rollout_to_dict() -> None:
     assert "canary" not in finished and "stable" not in finished
 
 
+def test_a_completed_rollout_shows_the_new_stable_and_no_canary() -> None:
+    done = _rollout("Completed", 4, analysis=False)
+    text = out.rollout_table(done)
+    assert "Stable:   v2  (replaced v1)" in text and "Canary:   -" in text
+    head, row = out.rollouts_table([done]).splitlines()[:2]
+    at = head.index("STABLE")
+    assert row[at:].split()[:2] == ["v2", "-"]  # STABLE, CANARY
+    running = out.rollout_table(_rollout())
+    assert "Stable:   v1\n" in running and "Canary:   v2" in running
+
+
 def test_rollout_json_and_yaml_shape() -> None:
     r = _rollout()
     doc = json.loads(out.dump(out.rollout_to_dict(r), "json"))
