@@ -44,7 +44,7 @@ INCONCLUSIVE_AFTER_S = 5.0
 SHARE_FLOOR = 0.25
 SHARE_MIN_EXPECTED = 20
 UNSCRAPED = "unscraped"  # in Analysis.canary_uncounted: a server with no metrics read yet
-_RESTART_STEP = -1.0  # waiting_since after resuming an inconclusive step: restart it next tick
+_RESTART_STEP = -1.0  # waiting_since after a resume or a promote: the step's clock starts next tick
 
 
 class RolloutRejected(ValueError):
@@ -281,8 +281,15 @@ def apply(r: Rollout, cmd: Command) -> tuple[Rollout, list[Effect]]:
                 "FAILED_PRECONDITION",
                 "not every proxy has the canary's cluster yet; promote once the first step is live",
             )
-        target = len(r.spec.steps) - 1 if cmd.full else r.step + 1
-        return _goto(replace(r, phase="Progressing"), target, r.step_started_at, "promoted by operator")
+        # As Argo Rollouts: `promote` moves one step, whose clock starts afresh at the next
+        # tick (commands carry no time); `promote --full` completes now, through the same
+        # make-before-break wait for every proxy's routes to leave the old stable.
+        if cmd.full:
+            return _goto(
+                replace(r, phase="Progressing"), len(r.spec.steps), 0.0, "promoted to completion by operator"
+            )
+        n, effects = _goto(replace(r, phase="Progressing"), r.step + 1, 0.0, "promoted by operator")
+        return (n if n.finishing else replace(n, waiting_since=_RESTART_STEP)), effects
     return _tick(r, cmd)
 
 

@@ -40,6 +40,7 @@ V1, V2 = "127.0.0.1:8001", "127.0.0.1:8002"
 class Clock:
     def __init__(self) -> None:
         self.t = 1_000.0
+        self.canary: float | None = None  # blind_steps: the canary's successes so far
 
     def __call__(self) -> float:
         return self.t
@@ -286,12 +287,16 @@ def vllm(successes: float) -> ScrapeResult:
     return ScrapeResult(sample=ServerSample("vllm", successes=successes))
 
 
-async def blind_steps(c: RolloutController, clock: Clock, signals: SignalStore, seconds: int) -> None:
-    """Traffic as vLLM servers count it (successes only) for `seconds`, one tick a second."""
+async def blind_steps(
+    c: RolloutController, clock: Clock, signals: SignalStore, seconds: int, canary_per_s: float = 5.0
+) -> None:
+    """Traffic as vLLM servers count it (successes only) for `seconds`, one tick a second:
+    100 requests a second to the stable version, `canary_per_s` to the canary."""
     for _ in range(seconds):
         clock.t += 1
+        clock.canary = (5.0 * (clock.t - 1) if clock.canary is None else clock.canary) + canary_per_s
         signals.record_scrape(("m", V1), vllm(100.0 * clock.t), clock.t)
-        signals.record_scrape(("m", V2), vllm(5.0 * clock.t), clock.t)
+        signals.record_scrape(("m", V2), vllm(clock.canary), clock.t)
         await c.tick()
 
 
@@ -318,10 +323,10 @@ async def test_without_load_reports_a_vllm_canary_pauses_as_inconclusive_at_its_
     # The same traffic with one proxy's load report (zero counts even) is covered.
     await c.command("m", machine.Promote(), "t")
     await c.tick()
-    await blind_steps(c, clock, signals, 2)
+    await blind_steps(c, clock, signals, 2, canary_per_s=34.0)  # 25% now
     signals.record_lrs(("m", V1), "envoy", in_progress=0, issued=0, succeeded=0, failed=0, now=clock.t)
-    await blind_steps(c, clock, signals, 9)
-    assert (c.rollouts["m"].phase, c.rollouts["m"].weights["v2"]) == ("Progressing", 50)
+    await blind_steps(c, clock, signals, 9, canary_per_s=34.0)
+    assert (c.rollouts["m"].phase, c.rollouts["m"].weights["v2"]) == ("Progressing", 50), c.rollouts["m"].reason
 
 
 @run_async

@@ -103,6 +103,31 @@ def test_manual_gates_advance_only_by_promote() -> None:
     assert r.phase == "Completed" and SetStable("chat", "v2") in eff and Drain("chat", "v1") in eff
 
 
+def test_promote_full_on_a_timed_rollout_completes_without_waiting_out_the_interval() -> None:
+    r, _ = run(SPEC, [Tick(0.0), Tick(10.0, analysis=GOOD)])
+    assert r.step == 1 and not r.finishing
+    r, eff = apply(r, Promote(full=True))
+    assert (r.finishing, r.weight) == (True, 100) and Leave("chat", "v1") in eff
+    r, eff = apply(r, Tick(11.0, analysis=GOOD, still_routed=("envoy-2",)))
+    assert r.phase == "Progressing"  # the same make-before-break wait as any completion
+    r, eff = apply(r, Tick(12.0, analysis=GOOD))
+    assert r.phase == "Completed" and SetStable("chat", "v2") in eff
+
+
+def test_a_promoted_step_starts_its_own_clock() -> None:
+    assert SPEC.interval_s is not None
+    r, _ = run(SPEC, [Tick(0.0), Tick(10.0, analysis=GOOD)])
+    step = r.step
+    r, _ = apply(r, Tick(15.0, analysis=GOOD))  # halfway through the step's interval
+    r, _ = apply(r, Promote())
+    assert r.step == step + 1
+    r, _ = apply(r, Tick(16.0, analysis=GOOD))  # the clock starts here, not at 10 s
+    r, _ = apply(r, Tick(16.0 + SPEC.interval_s - 0.5, analysis=GOOD))
+    assert r.step == step + 1  # not auto-advanced on the previous step's clock
+    r, _ = apply(r, Tick(16.0 + SPEC.interval_s, analysis=GOOD))
+    assert r.step == step + 2
+
+
 def test_the_old_stable_drains_only_once_no_proxy_routes_to_it() -> None:
     r, _ = run(SPEC, [Tick(0.0), *(Tick(t, analysis=GOOD) for t in (10.0, 20.0, 30.0, 40.0))])
     assert (r.finishing, r.weight) == (True, 100)
