@@ -326,7 +326,8 @@ async def test_without_load_reports_a_vllm_canary_pauses_as_inconclusive_at_its_
     await blind_steps(c, clock, signals, 2, canary_per_s=34.0)  # 25% now
     signals.record_lrs(("m", V1), "envoy", in_progress=0, issued=0, succeeded=0, failed=0, now=clock.t)
     await blind_steps(c, clock, signals, 9, canary_per_s=34.0)
-    assert (c.rollouts["m"].phase, c.rollouts["m"].weights["v2"]) == ("Progressing", 50), c.rollouts["m"].reason
+    r = c.rollouts["m"]
+    assert (r.phase, r.weights["v2"]) == ("Progressing", 50), r.reason
 
 
 @run_async
