@@ -69,7 +69,7 @@ def test_a_blocked_event_loop_shows_as_lag() -> None:
 def test_signal_ages_grow_between_rounds() -> None:
     now = [100.0]
     rows = EndpointRows(clock=lambda: now[0])
-    row = EndpointRow("m", "v1", "10.0.0.1:8000", 10, True, 1.0, 1, 0, 0.1, 0.2, 0.0, 0.5, 0.0, 0)
+    row = EndpointRow("m", "v1", "127.0.0.1:8000", 10, True, 1.0, 1, 0, 0.1, 0.2, 0.0, 0.5, 0.0, 0)
     rows.publish((row,), at=100.0)
     now[0] = 107.0  # no round since (a stalled loop): the page read is 7 s older
     ages = {
@@ -79,7 +79,7 @@ def test_signal_ages_grow_between_rounds() -> None:
         for s in f.samples
     }
     weights = [s.value for f in rows.collect() if f.name == "controlplane_endpoint_weight" for s in f.samples]
-    assert ages == {"10.0.0.1:8000": 7.5} and weights == [10]
+    assert ages == {"127.0.0.1:8000": 7.5} and weights == [10]
 
 
 def test_the_sweep_removes_only_models_the_fleet_no_longer_has() -> None:

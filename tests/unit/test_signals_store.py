@@ -7,7 +7,7 @@ from controlplane.balancing.policies import PolicyConfig, adaptive
 from controlplane.signals.store import UNREACHABLE_AFTER, ScrapeResult, SignalStore
 from tests.unit.test_signals_parse import VLLM
 
-KEY = ("llama-3-8b", "10.0.0.1:8000")
+KEY = ("llama-3-8b", "127.0.0.1:8000")
 OK = ScrapeResult(health_status=200, metrics_text=VLLM)
 
 
@@ -48,7 +48,7 @@ def test_latency_is_an_ewma_over_intervals() -> None:
 
 def test_garbage_counts_an_error_keeps_the_sample_and_the_weight_fades_not_jumps() -> None:
     store = SignalStore()
-    busy = ("m", "10.0.0.2:8000")
+    busy = ("m", "127.0.0.2:8000")
     store.record_scrape(KEY, ScrapeResult(200, metrics_text=page(100, 100.0, waiting=0.0)), now=0.0)
     store.record_scrape(
         busy,
@@ -58,18 +58,18 @@ def test_garbage_counts_an_error_keeps_the_sample_and_the_weight_fades_not_jumps
     cfg = PolicyConfig()
     # Twice the peer's capacity: on like servers adaptive leaves queues to Envoy.
     before = adaptive([store.load(KEY, 2.0, 0.0), store.load(busy, 1.0, 0.0)], cfg)
-    assert before["10.0.0.2:8000"] < before["10.0.0.1:8000"] / 2 / 2
+    assert before["127.0.0.2:8000"] < before["127.0.0.1:8000"] / 2 / 2
     history = []
     for t in range(1, 40):
         store.record_scrape(busy, ScrapeResult(200, metrics_text="<html>oops</html>"), now=float(t))
         store.record_scrape(KEY, ScrapeResult(200, metrics_text=page(100, 100.0, waiting=0.0)), now=float(t))
         w = adaptive([store.load(KEY, 2.0, float(t)), store.load(busy, 1.0, float(t))], cfg)
-        history.append(w["10.0.0.2:8000"])
+        history.append(w["127.0.0.2:8000"])
     sig = store.endpoints[busy]
     assert sig.scrape_errors == 39
     assert sig.last_error is not None and sig.last_error.startswith("unreadable metrics page")
     assert sig.sample is not None and sig.sample.waiting == 20.0  # the last good sample stays
-    assert history[0] == before["10.0.0.2:8000"]  # fresh enough: still trusted
+    assert history[0] == before["127.0.0.2:8000"]  # fresh enough: still trusted
     assert history[-1] == cfg.max_weight // 2  # fully stale: capacity only, half its peer's
     steps = [b - a for a, b in itertools.pairwise(history)]
     assert all(s >= 0 for s in steps) and max(steps) <= cfg.max_weight // 5  # gradual
@@ -161,7 +161,7 @@ def test_load_reports_sum_over_proxies_expire_and_feed_errors() -> None:
 def test_retain_forgets_endpoints_that_left_the_fleet() -> None:
     store = SignalStore()
     store.record_scrape(KEY, OK, now=0.0)
-    store.record_scrape(("m", "10.0.0.9:1"), OK, now=0.0)
+    store.record_scrape(("m", "127.0.0.9:1"), OK, now=0.0)
     store.retain({KEY})
     assert set(store.endpoints) == {KEY}
 
