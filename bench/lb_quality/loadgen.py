@@ -20,6 +20,8 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import aiohttp
 
@@ -58,6 +60,33 @@ def mean_output_tokens(median: float, sigma: float, lo: int, hi: int, seed: int 
     rng = random.Random(seed)
     n = 200_000
     return sum(output_tokens(rng, median, sigma, lo, hi) for _ in range(n)) / n
+
+
+async def open_loop(
+    rng: random.Random,
+    rate: float,
+    warmup: float,
+    duration: float,
+    launch: Callable[[bool], Coroutine[Any, Any, None]],
+) -> None:
+    """Poisson arrivals at `rate` per second for `warmup` + `duration` seconds, whatever the
+    responses do; each calls `launch(measured)` at once (so what it draws from `rng` is drawn
+    in arrival order) and runs the coroutine it returns as a task. Returns once all are done."""
+    tasks: set[asyncio.Task[None]] = set()
+    start = time.monotonic()
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= warmup + duration:
+            break
+        delay = start + t - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(launch(t >= warmup))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.wait(tasks)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -105,23 +134,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             latencies.append(time.monotonic() - started)
 
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        tasks: set[asyncio.Task[None]] = set()
-        start = time.monotonic()
-        t = 0.0
-        end = args.warmup + args.duration
-        while True:
-            t += rng.expovariate(args.rate)
-            if t >= end:
-                break
-            delay = start + t - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
+
+        def launch(measure: bool) -> Coroutine[Any, Any, None]:
             tokens = output_tokens(rng, args.tokens_median, args.tokens_sigma, 1, args.tokens_max)
-            task = asyncio.create_task(one(session, tokens, measure=t >= args.warmup))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.wait(tasks)
+            return one(session, tokens, measure)
+
+        await open_loop(rng, args.rate, args.warmup, args.duration, launch)
     ok = statuses.get("200", 0)
     return {
         "requests": sum(statuses.values()),

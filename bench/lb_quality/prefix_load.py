@@ -23,15 +23,17 @@ import json
 import random
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from controlplane.sim.prefix_cache import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import percentile
+from loadgen import open_loop, percentile
 
 
 def words(rng: random.Random, n: int, tag: str) -> str:
@@ -142,25 +144,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        tasks: set[asyncio.Task[None]] = set()
-        start = time.monotonic()
-        t = 0.0
-        end = args.warmup + args.duration
-        while True:
-            t += rng.expovariate(args.rate)
-            if t >= end:
-                break
-            delay = start + t - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
+
+        def launch(measure: bool) -> Coroutine[Any, Any, None]:
             sid, messages = wl.next_request()
             if oracle is not None:
                 oracle.pick(tokens_of(messages))
-            task = asyncio.create_task(one(session, sid, messages, measure=t >= args.warmup))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.wait(tasks)
+            return one(session, sid, messages, measure)
+
+        await open_loop(rng, args.rate, args.warmup, args.duration, launch)
     ok = statuses.get("200", 0)
     counts = list(by_server.values())
     return {
