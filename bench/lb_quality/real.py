@@ -32,6 +32,7 @@ BIN = Path(sys.executable).parent
 sys.path.insert(0, str(HERE))
 
 from loadgen import mean_output_tokens  # noqa: E402
+from simulate import REAL_BENCH_WORK  # noqa: E402
 
 PROMPT_TOKENS = 32  # the load generator's prompt: "bench " x 32
 
@@ -259,9 +260,7 @@ def proxy_requests(admin: int) -> int:
     """Requests an Envoy took on the model listener (its downstream_rq_total)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter=^http\\..*downstream_rq_total$") as r:
         text = r.read().decode()
-    return sum(
-        int(v) for line in text.splitlines() if "admin" not in line for v in [line.rsplit(": ", 1)[-1]]
-    )
+    return sum(int(line.rsplit(": ", 1)[-1]) for line in text.splitlines() if "admin" not in line)
 
 
 def service_seconds(args: argparse.Namespace) -> float:
@@ -272,7 +271,7 @@ def service_seconds(args: argparse.Namespace) -> float:
 
 def simulated_picker_p90(args: argparse.Namespace, load: float) -> float:
     """The simulation's per-request picker (controlplane/sim) on this fleet and workload."""
-    from controlplane.sim.fleetsim import Workload, capacity_rps, make_requests, simulate
+    from controlplane.sim.fleetsim import capacity_rps, make_requests, simulate
     from controlplane.sim.service import ServerSpec
 
     def spec(speed: float) -> ServerSpec:
@@ -284,14 +283,7 @@ def simulated_picker_p90(args: argparse.Namespace, load: float) -> float:
         )
 
     fleet = [spec(1.0)] * args.per_class + [spec(args.slow_speed)] * args.per_class
-    work = Workload(
-        prompt_median=PROMPT_TOKENS,
-        prompt_sigma=0.0,
-        output_median=24.0,
-        output_sigma=0.9,
-        output_min=1,
-        output_max=400,
-    )
+    work = REAL_BENCH_WORK  # this script's requests: loadgen.py's sizes, PROMPT_TOKENS
     requests = make_requests(load * capacity_rps(fleet, work), 1200.0, work, args.proxies, args.seed)
     run = simulate(
         fleet, requests, "picker", sidecars=args.proxies, seed=args.seed, workload=work, warmup_s=60.0
