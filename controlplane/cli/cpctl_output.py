@@ -140,13 +140,14 @@ def rollout_table(r: rollout_pb2.Rollout, now: float | None = None) -> str:
     gates = (
         "manual gates (cpctl rollout promote)" if r.manual else f"every {seconds_text(r.interval_seconds)}"
     )
+    stable, canary, previous = roles(r)
     lines = [
         f"Model:    {r.model}",
         f"Phase:    {r.phase}",
         f"Step:     {step_text(r)}  [{', '.join(f'{s}%' for s in r.steps)}; {gates}]",
         f"Weights:  {weights_text(r)}",
-        f"Stable:   {roles(r)[0]}" + (f"  (replaced {roles(r)[2]})" if roles(r)[2] else ""),
-        f"Canary:   {roles(r)[1]}",
+        f"Stable:   {stable}" + (f"  (replaced {previous})" if previous else ""),
+        f"Canary:   {canary}",
         f"Reason:   {r.reason or '-'}",
     ]
     if r.step_started_at and now is not None and r.phase in ("Progressing", "Paused"):
