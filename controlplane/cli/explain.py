@@ -2,16 +2,20 @@
 and what it becomes in Envoy.
 
 `explain()` is pure: fleet (plus, optionally, the raw YAML mapping, to tell a key set in the
-file from an inherited one) -> a plain dict. The Envoy half of it is read back from the
-resources `translate()` generates, so it shows what proxies actually get, cluster_overrides
-included. `render_text()` and `render_json()` format it; `run()` is the command.
+file from an inherited one, and the live rollout state) -> a plain dict. The Envoy half of it
+is read back from the resources `translate()` generates, so it shows what proxies actually
+get, cluster_overrides included. `render_text()`, `render_json()` and `render_yaml()` format
+it; `fetch_rollout()` asks the control plane's operator API (found as cpctl finds it) what a
+rollout is doing, since the file alone cannot say; `run()` is the command.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,10 @@ from controlplane.routing import names
 from controlplane.signals.store import UNREACHABLE_AFTER
 
 SCHEMA_VERSION = 1
+OUTPUT_FORMATS = ("table", "json", "yaml")
+# How long explain waits for the operator API: enough on loopback, short when nothing listens.
+LIVE_DEADLINE_S = 0.5
+RUNNING_PHASES = ("Progressing", "Paused")
 
 # Where a setting's value comes from.
 SOURCE_MODEL = "model"  # set on the model (models.<name>.<key>)
@@ -448,15 +456,153 @@ def _endpoint(
 
 
 # ---------------------------------------------------------------------------------------------
+# the live rollout: the file cannot say how a rollout splits the traffic, the control plane can
+
+
+@dataclass(frozen=True)
+class LiveRollout:
+    """What the operator API at `server` said about a model's rollout: `state` (cpctl's
+    `rollout_to_dict`, with `summary` its one-line form), None if the model never had one; or
+    `error`, why it could not be asked (then the rollout is unknown)."""
+
+    server: str
+    state: Mapping[str, Any] | None = None
+    summary: str = ""
+    error: str | None = None
+
+
+def fetch_rollout(
+    model: str,
+    server: str | None = None,
+    token_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = LIVE_DEADLINE_S,
+) -> LiveRollout:
+    """Ask the control plane for `model`'s latest rollout, finding it and its token as cpctl
+    does (--server, else $CPCTL_SERVER, else the default address; cpctl.resolve_token). Never
+    raises: a control plane that is not there, or refuses, is a LiveRollout with an error."""
+    import grpc
+
+    from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN
+    from controlplane.cli import cpctl
+    from controlplane.cli import cpctl_output as out
+    from controlplane.v1 import rollout_pb2
+
+    env = os.environ if env is None else env
+    # cpctl's order (cpctl._server, private and reading os.environ): flag, $CPCTL_SERVER, default.
+    server = server or env.get("CPCTL_SERVER") or DEFAULT_ADMIN_LISTEN
+    try:
+        credential = cpctl.resolve_token(token_file, env)
+    except cpctl.CliError as e:
+        # cpctl's advice on where tokens come from follows the first clause; one line is enough.
+        return LiveRollout(
+            server, error=f"no token to ask the control plane at {server} ({str(e).split('; ')[0]})"
+        )
+    client = cpctl.Client(server, credential, timeout_s)
+    try:
+        r = client.call(client.rollouts.Get, rollout_pb2.GetRolloutRequest(model=model))
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND and "has no rollout" in (e.details() or ""):
+            return LiveRollout(server)
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return LiveRollout(server, error=f"no control plane answered at {server}")
+        line, _ = cpctl.rpc_error_line(e, server, client.token_source)
+        return LiveRollout(server, error=line.removeprefix("cpctl: "))
+    finally:
+        client.close()
+    return LiveRollout(server, out.rollout_to_dict(r), out.summary_line(r))
+
+
+def live_split(model: Model, live: LiveRollout | None) -> tuple[Mapping[str, Any] | None, bool]:
+    """(the rollout that decides how the model's traffic is split now, None if the file's
+    stable takes it all; whether the split is unknown). Unknown when the control plane could
+    not be asked, or when a finished rollout started from another stable than the file's (a
+    completed rollout's canary stays stable until the file names it; an edit of the file's
+    stable drops that: from the rollout alone, which of them serves cannot be told)."""
+    if live is not None and live.error is not None:
+        return None, True
+    if live is None or live.state is None:
+        return None, False
+    r = live.state
+    versions = {v.name for v in model.versions}
+    if not {r["stable_version"], r["canary_version"]} <= versions:
+        return None, False  # about versions the file no longer has
+    if r["phase"] in RUNNING_PHASES:
+        return r, False
+    if r["stable_version"] == model.stable:
+        return r, False  # Aborted: back on the file's stable; Completed: the file not updated yet
+    if r["phase"] == "Completed" and r["canary_version"] == model.stable:
+        return None, False  # the file names the new stable
+    return None, True
+
+
+def _traffic(model: Model, live: LiveRollout | None) -> dict[str, int] | None:
+    """Each version's percent of the model's traffic (x-model-version aside); None when unknown."""
+    r, unknown = live_split(model, live)
+    if unknown:
+        return None
+    shares = {v.name: 100 if v.name == model.stable else 0 for v in model.versions}
+    if r is not None and r["phase"] in RUNNING_PHASES:
+        shares = {v: int(r["weights"].get(v, 0)) for v in shares}
+    elif r is not None and r["phase"] == "Completed":
+        shares = {v: 100 if v == r["canary_version"] else 0 for v in shares}
+    return shares
+
+
+def _role(version: str, model: Model, live: LiveRollout | None) -> str:
+    """stable (serves as the stable version), canary (a running rollout's), replaced (the old
+    stable of a completed rollout, which the file still names), aborted (an aborted rollout's
+    canary), unrouted (reached only with x-model-version), or unknown (a rollout may route to
+    it, but how could not be told)."""
+    r, unknown = live_split(model, live)
+    if unknown:
+        return "stable" if version == model.stable else "unknown"
+    if r is None:
+        return "stable" if version == model.stable else "unrouted"
+    stable, canary = r["stable_version"], r["canary_version"]
+    roles = {
+        "Completed": {canary: "stable", stable: "replaced"},
+        "Aborted": {canary: "aborted", stable: "stable"},
+    }.get(r["phase"], {canary: "canary", stable: "stable"})
+    return roles.get(version, "unrouted")
+
+
+def _rollout_doc(model: Model, live: LiveRollout | None) -> dict[str, Any]:
+    """The `rollout` section: whether the control plane was asked, what it said (cpctl's JSON
+    form), and `applies`: whether the versions' traffic and roles follow it."""
+    if live is None:
+        return {
+            "asked": False,
+            "server": None,
+            "error": None,
+            "state": None,
+            "summary": None,
+            "applies": False,
+        }
+    r, _ = live_split(model, live)
+    return {
+        "asked": True,
+        "server": live.server,
+        "error": live.error,
+        "state": None if live.state is None else dict(live.state),
+        "summary": live.summary or None,
+        "applies": r is not None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # the explanation
 
 
-def explain(fleet: Fleet, name: str, raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def explain(
+    fleet: Fleet, name: str, raw: Mapping[str, Any] | None = None, live: LiveRollout | None = None
+) -> dict[str, Any]:
     """Everything that decides how `name` is served, as a JSON-ready dict.
 
     `raw` is the fleet file's YAML mapping; with it, a setting's source is the key actually set
     in the file. Without it, sources are inferred from values (a key set to the value it would
-    inherit anyway shows as inherited). Raises UnknownModel."""
+    inherit anyway shows as inherited). `live` is what the control plane said about the model's
+    rollout; without it, the file's stable version takes all the traffic. Raises UnknownModel."""
     try:
         model = fleet.model(name)
     except KeyError:
@@ -482,6 +628,7 @@ def explain(fleet: Fleet, name: str, raw: Mapping[str, Any] | None = None) -> di
 
     envoy, placement = _envoy(fleet, model, warnings)
 
+    shares = _traffic(model, live)
     versions: list[dict[str, Any]] = []
     for version in model.versions:
         eps = [_endpoint(fleet, model, ep, placement[version.name]) for ep in version.endpoints]
@@ -492,6 +639,8 @@ def explain(fleet: Fleet, name: str, raw: Mapping[str, Any] | None = None) -> di
                 "cluster": names.cluster_name(model.name, version.name),
                 "endpoints": eps,
                 "source": version.discover.source() if version.discover is not None else "file",
+                "traffic_percent": None if shares is None else shares[version.name],
+                "role": _role(version.name, model, live),
             }
         )
         placed = [e for e in eps if e["eds_priority"] is not None]
@@ -595,6 +744,7 @@ def explain(fleet: Fleet, name: str, raw: Mapping[str, Any] | None = None) -> di
             if fleet.signals.enabled
             else None,
         },
+        "rollout": _rollout_doc(model, live),
         "versions": versions,
         "warnings": warnings,
     }
@@ -745,14 +895,73 @@ def _endpoint_row(ep: Mapping[str, Any]) -> list[str]:
     return [ep["address"], ep["gpu"] or "-", memory, capacity, eds]
 
 
+def _stable_text(e: Mapping[str, Any]) -> str:
+    v = next(v for v in e["versions"] if v["stable"])
+    share, cluster = v["traffic_percent"], f"cluster {e['cluster']}"
+    live_stable = next((x["name"] for x in e["versions"] if x["role"] == "stable"), e["stable"])
+    if v["role"] == "replaced":
+        return f"{e['stable']}  (in the file; {live_stable} replaced it: its rollout completed)"
+    if v["role"] == "canary":
+        return f"{e['stable']}  (in the file; the running rollout's canary, from {live_stable})"
+    if share is None:
+        return f"{e['stable']}  ({cluster} takes all traffic, unless a rollout moved some: see rollout)"
+    if share < 100:
+        return f"{e['stable']}  ({cluster} takes {share}% of the traffic while the rollout runs)"
+    return f"{e['stable']}  ({cluster} takes all traffic)"
+
+
+def _rollout_text(e: Mapping[str, Any]) -> str | None:
+    """The `rollout` line: the live state, or why it is unknown; None for a single version."""
+    r, model = e["rollout"], e["model"]
+    see = f"`cpctl rollout status {model}`"
+    if not r["asked"]:
+        return f"not asked (--offline); {see} shows it" if len(e["versions"]) > 1 else None
+    if r["error"] is not None:
+        return f"unknown: {r['error']}; {see} shows it"
+    if r["state"] is None:
+        return f"none  (asked the control plane at {r['server']})"
+    summary = str(r["summary"] or r["state"]["phase"]).removeprefix(f"{model}: ")
+    if any(v["traffic_percent"] is None for v in e["versions"]):
+        return (
+            f"{summary}  (live from {r['server']}); it started from {r['state']['stable_version']}, not "
+            f"the file's stable {e['stable']}: `cpctl endpoints list --model {model}` shows what serves"
+        )
+    return f"{summary}  (live from {r['server']}; {see})"
+
+
+def _version_status(v: Mapping[str, Any], e: Mapping[str, Any]) -> str:
+    share, role, name = v["traffic_percent"], v["role"], v["name"]
+    if role == "stable" and not v["stable"]:
+        if share == 100:
+            return (
+                f"stable since its rollout completed: takes the traffic (the file says stable: {e['stable']})"
+            )
+        return f"stable of the running rollout: {share}% of the traffic (the file says stable: {e['stable']})"
+    if role == "stable" and share is None:
+        return "stable in the file: takes the traffic unless a rollout moved some"
+    if role == "stable":
+        return "stable: takes the traffic" if share == 100 else f"stable: {share}% of the traffic"
+    if role == "canary":
+        return f"canary of the running rollout: {share}% of the traffic"
+    if role == "replaced":
+        return "replaced by the completed rollout: no traffic; its endpoints drain, then its cluster goes"
+    if role == "aborted":
+        return "canary of an aborted rollout: no traffic; its endpoints drain"
+    if role == "unknown":
+        return "not stable in the file; a rollout may send it traffic: see rollout above"
+    return f"not stable: only requests with x-model-version: {name} reach it"
+
+
 def render_text(e: Mapping[str, Any], config: str | None = None) -> str:
     """The explanation for people: aligned columns, one fact per line."""
     lines = [f"model {e['model']}" + (f"  ({config})" if config else "")]
+    rollout = _rollout_text(e)
     lines += _table(
         [
             ["tier", _tier_text(e)],
             ["protocol", e["protocol"]],
-            ["stable", f"{e['stable']}  (cluster {e['cluster']} takes all traffic)"],
+            ["stable", _stable_text(e)],
+            *([["rollout", rollout]] if rollout is not None else []),
         ]
     )
     lines += ["", "traffic policy  (source: model = models.<name>, tier = tiers.<tier>, default = built in)"]
@@ -770,8 +979,7 @@ def render_text(e: Mapping[str, Any], config: str | None = None) -> str:
     lines += ["", "autoscaling  (desired replicas; see docs/autoscaling.md)", *_table(rows)]
     lines += ["", "memory and placement", *_table(_memory_rows(e))]
     for v in e["versions"]:
-        status = "stable: takes the traffic" if v["stable"] else "not stable: no route sends it traffic"
-        lines += ["", f"version {v['name']}  cluster {v['cluster']}  ({status})"]
+        lines += ["", f"version {v['name']}  cluster {v['cluster']}  ({_version_status(v, e)})"]
         if v["source"] != "file":
             lines.append(
                 f"  endpoints discovered from {v['source']} at run time: `cpctl endpoints list` shows them"
@@ -793,32 +1001,62 @@ def render_json(e: Mapping[str, Any]) -> str:
     return json.dumps(e, indent=2) + "\n"
 
 
+def render_yaml(e: Mapping[str, Any]) -> str:
+    """The same document as render_json, as YAML (keys in the same order)."""
+    import yaml
+
+    return str(yaml.safe_dump(dict(e), sort_keys=False, default_flow_style=False, allow_unicode=True))
+
+
+def render(e: Mapping[str, Any], fmt: str, config: str | None = None) -> str:
+    """The explanation in an output format: table (text for people), json or yaml."""
+    if fmt == "json":
+        return render_json(e)
+    if fmt == "yaml":
+        return render_yaml(e)
+    return render_text(e, config)
+
+
 # ---------------------------------------------------------------------------------------------
 # the command
 
 
-def run(model: str, config: Path, fmt: str = "text") -> int:
-    """`controlplane explain`: 0 explained, 1 invalid config (errors on stderr), 2 unknown model."""
+def run(
+    model: str,
+    config: Path,
+    fmt: str = "table",
+    *,
+    live: bool = True,
+    server: str | None = None,
+    token_file: Path | None = None,
+    fetch: Callable[[str, str | None, Path | None], LiveRollout] | None = None,
+) -> int:
+    """`controlplane explain`: 0 explained, 1 invalid config (errors on stderr), 2 unknown model.
+    `config` `-` reads standard input. With `live`, a model with several versions has its
+    rollout asked of the control plane through `fetch` (fetch_rollout; tests pass their own)."""
     import yaml
 
-    from controlplane.fleet.loader import FleetConfigInvalid, load_fleet, parse_fleet
+    from controlplane.cli.main import read_fleet_input
+    from controlplane.fleet.loader import FleetConfigInvalid, decode_fleet, parse_fleet
 
+    name = str(config)
     try:
-        text = config.read_text(encoding="utf-8")
-    except OSError:
-        text = None
-    try:
-        fleet = parse_fleet(text, str(config)) if text is not None else load_fleet(config)
+        name, data = read_fleet_input(config)
+        text = decode_fleet(data, name)
+        fleet = parse_fleet(text, name)
     except FleetConfigInvalid as e:
         for err in e.errors:
             print(err, file=sys.stderr)
-        print(f"{config}: {len(e.errors)} error(s)", file=sys.stderr)
+        print(f"{name}: {len(e.errors)} error(s)", file=sys.stderr)
         return 1
-    raw = yaml.safe_load(text) if text is not None else None
+    raw = yaml.safe_load(text)
+    found = next((m for m in fleet.models if m.name == model), None)
+    ask = fetch or fetch_rollout
+    state = ask(model, server, token_file) if live and found is not None and len(found.versions) > 1 else None
     try:
-        explanation = explain(fleet, model, raw if isinstance(raw, Mapping) else None)
+        explanation = explain(fleet, model, raw if isinstance(raw, Mapping) else None, state)
     except UnknownModel as e:
-        print(f"controlplane explain: {e} (in {config})", file=sys.stderr)
+        print(f"controlplane explain: {e} (in {name})", file=sys.stderr)
         return 2
-    sys.stdout.write(render_json(explanation) if fmt == "json" else render_text(explanation, str(config)))
+    sys.stdout.write(render(explanation, fmt, name))
     return 0

@@ -10,8 +10,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane import __version__
+from controlplane import __version__, limits
 from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR
+
+OUTPUT_FORMATS = ("table", "json", "yaml")  # -o, as cpctl's
+STDIN = "-"  # a fleet file argument that reads standard input
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -160,10 +163,20 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "check-config",
         help="validate a fleet YAML file",
-        description="Validate a fleet YAML file. Prints every error with file, line, key path and "
-        "reason, and exits 1 if there is any; prints a summary and exits 0 otherwise.",
+        description="Validate a fleet YAML file (- reads standard input). Prints every error with "
+        "file, line, key path and reason, and exits 1 if there is any; prints a summary and exits 0 "
+        "otherwise. With -o json or yaml, prints one document instead: {file, valid, errors: [{file, "
+        "line, field, message}], summary}, with the same exit codes.",
     )
-    c.add_argument("file", type=Path)
+    c.add_argument(
+        "file",
+        nargs="?",
+        type=Path,
+        metavar="FILE",
+        help="the fleet file, or - for standard input; the same as --config FILE",
+    )
+    c.add_argument("--config", type=Path, metavar="FILE", help="the fleet file, or - for standard input")
+    _output_flag(c)
 
     x = sub.add_parser(
         "explain",
@@ -174,12 +187,36 @@ def _parser() -> argparse.ArgumentParser:
         "out). Exits 1 if the config is invalid, 2 if the model is unknown.",
     )
     x.add_argument("model", metavar="MODEL", help="the model name, as clients send it")
-    x.add_argument("--config", required=True, type=Path, help="fleet YAML file")
+    x.add_argument(
+        "--config", required=True, type=Path, metavar="FILE", help="fleet YAML file, or - for standard input"
+    )
+    _output_flag(x)
     x.add_argument(
         "--format",
-        choices=["text", "json"],
-        default="text",
-        help="text for people, json for scripts (default: %(default)s)",
+        choices=["text", *OUTPUT_FORMATS],
+        default=None,
+        help="the same as -o (text is table), kept for existing scripts",
+    )
+    live = x.add_argument_group(
+        "live rollout",
+        "A model with several versions may be mid-rollout, which the file cannot show: explain asks "
+        "the control plane's operator API, found as cpctl finds it, and says so in one line when it "
+        "cannot.",
+    )
+    live.add_argument(
+        "--server",
+        metavar="HOST:PORT",
+        help=f"the operator API (--admin-listen); default: $CPCTL_SERVER or {DEFAULT_ADMIN_LISTEN}",
+    )
+    live.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="file holding the bearer token; default: as cpctl ($CPCTL_TOKEN, $CPCTL_TOKEN_FILE, "
+        f"{DEFAULT_STATE_DIR}/admin-token)",
+    )
+    live.add_argument(
+        "--offline", action="store_true", help="read only the file; do not ask the control plane"
     )
 
     b = sub.add_parser(
@@ -251,7 +288,15 @@ def _parser() -> argparse.ArgumentParser:
         "etcd, where every replica serving with --store picks it up within a second. An invalid "
         "file is refused and nothing is written.",
     )
-    i.add_argument("--from", dest="source", required=True, type=Path, metavar="FILE", help="the fleet file")
+    i.add_argument(
+        "--config",
+        "--from",
+        dest="source",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="the fleet file (--from is the same)",
+    )
     i.add_argument("--to", dest="target", required=True, metavar="etcd://HOST:PORT[,...][/PREFIX]")
     x2 = sub.add_parser(
         "export",
@@ -403,6 +448,16 @@ def _add_emulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     e.add_argument("--log-level", default="info", help="debug, info, warning, error (default: info)")
 
 
+def _output_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=OUTPUT_FORMATS,
+        default=None,
+        help="table for people, json or yaml for scripts (default: table)",
+    )
+
+
 def _number(low: float, high: float | None = None, *, strict: bool = False) -> Callable[[str], float]:
     """An argparse type: a finite number in [low, high] (or > low when strict)."""
 
@@ -439,11 +494,34 @@ def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
-        return _check_config(args.file)
+        if args.file is not None and args.config is not None and args.file != args.config:
+            print(
+                "controlplane check-config: give the fleet file once: FILE or --config FILE", file=sys.stderr
+            )
+            return 2
+        path = args.config if args.config is not None else args.file
+        if path is None:
+            print(
+                "controlplane check-config: give the fleet file: --config FILE (- for stdin)", file=sys.stderr
+            )
+            return 2
+        return _check_config(path, args.output or "table")
     if args.command == "explain":
         from controlplane.cli.explain import run as run_explain
 
-        return run_explain(args.model, args.config, args.format)
+        fmt = args.output
+        legacy = {"text": "table"}.get(args.format, args.format)
+        if fmt is not None and legacy is not None and fmt != legacy:
+            print(f"controlplane explain: -o {fmt} and --format {args.format} disagree", file=sys.stderr)
+            return 2
+        return run_explain(
+            args.model,
+            args.config,
+            fmt or legacy or "table",
+            live=not args.offline,
+            server=args.server,
+            token_file=args.token_file,
+        )
     if args.command == "bootstrap":
         return _bootstrap(args)
     if args.command == "serve":
@@ -465,23 +543,68 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _check_config(path: Path) -> int:
-    from controlplane.fleet.loader import FleetConfigInvalid, read_fleet_bytes
+def read_fleet_input(path: Path) -> tuple[str, bytes]:
+    """(the name errors give it, its bytes): the file, or standard input for `-`, read no
+    further than one byte past the size limit; raise FleetConfigInvalid if it cannot be read."""
+    from controlplane.fleet.loader import read_fleet_bytes
+
+    if str(path) == STDIN:
+        return "<stdin>", sys.stdin.buffer.read(limits.FLEET_FILE_MAX_BYTES + 1)
+    return str(path), read_fleet_bytes(path)
+
+
+def check_config_doc(name: str, verdict: object) -> dict[str, object]:
+    """check-config's verdict as a document for -o json|yaml: every error with its file, line,
+    field (the key path; "" for the whole file) and message; a summary when valid."""
+    from controlplane.fleet.loader import FleetConfigInvalid
+    from controlplane.fleet.model import Fleet
+
+    if isinstance(verdict, FleetConfigInvalid):
+        errors = [
+            {"file": e.file, "line": e.line, "field": e.path, "message": e.reason} for e in verdict.errors
+        ]
+        return {"file": name, "valid": False, "errors": errors, "summary": None}
+    assert isinstance(verdict, Fleet)
+    summary = {
+        "tiers": len(verdict.tiers),
+        "endpoints": sum(len(v.endpoints) for m in verdict.models for v in m.versions),
+        "models": [
+            {"name": m.name, "tier": m.tier, "stable": m.stable, "versions": [v.name for v in m.versions]}
+            for m in verdict.models
+        ],
+    }
+    return {"file": name, "valid": True, "errors": [], "summary": summary}
+
+
+def _check_config(path: Path, fmt: str = "table") -> int:
+    import json
+
+    from controlplane.fleet.loader import FleetConfigInvalid
     from controlplane.fleet.watch import parse_file_bytes
 
     # The same reading and verdict as the server's watcher: a loader bug is an error line,
     # never a traceback.
+    name = str(path)
     try:
-        fleet = parse_file_bytes(read_fleet_bytes(path), str(path))
+        name, data = read_fleet_input(path)
+        fleet = parse_file_bytes(data, name)
     except FleetConfigInvalid as e:
         fleet = e
+    if fmt != "table":
+        import yaml
+
+        doc = check_config_doc(name, fleet)
+        print(json.dumps(doc, indent=2) if fmt == "json" else yaml.safe_dump(doc, sort_keys=False), end="")
+        if fmt == "json":
+            print()
+        return 1 if isinstance(fleet, FleetConfigInvalid) else 0
     if isinstance(fleet, FleetConfigInvalid):
         for err in fleet.errors:
             print(err, file=sys.stderr)
-        print(f"{path}: {len(fleet.errors)} error(s)", file=sys.stderr)
+        print(f"{name}: {len(fleet.errors)} error(s)", file=sys.stderr)
         return 1
     endpoints = sum(len(v.endpoints) for m in fleet.models for v in m.versions)
-    print(f"{path}: ok: {len(fleet.tiers)} tiers, {len(fleet.models)} models, {endpoints} endpoints")
+    print(f"{name}: ok: {len(fleet.tiers)} tiers, {len(fleet.models)} models, {endpoints} endpoints")
     for m in fleet.models:
         print(
             f"  {m.name}: tier {m.tier}, stable {m.stable}, versions {', '.join(v.name for v in m.versions)}"
@@ -576,6 +699,12 @@ def _serve(args: argparse.Namespace) -> int:
         if args.leader_ttl < 2:
             print("controlplane serve: --leader-ttl: at least 2 seconds", file=sys.stderr)
             return 2
+    elif str(args.config) == STDIN:
+        print(
+            "controlplane serve: --config: serve watches a file; standard input (-) is not one",
+            file=sys.stderr,
+        )
+        return 2
     elif not args.config.exists():
         print(f"controlplane serve: --config: {args.config} does not exist", file=sys.stderr)
         return 2
@@ -714,8 +843,7 @@ async def _run_emulators_until_signal(
         assert crash_after is not None
         await asyncio.sleep(crash_after)
         for server in emulators:
-            await server.crash()
-            log.warning("emulated server crashed (--crash-after)", address=server.address)
+            await server.crash(reason="--crash-after")  # logs that it goes down
 
     crasher = asyncio.create_task(crash_later()) if crash_after is not None else None
     await stop.wait()

@@ -463,6 +463,9 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
         for t in threads:
             t.join(15)
         refresh()
+        if not live:
+            for line in state.take_unprinted():  # what the last poll saw: the rollout's end, say
+                print(f"demo: {line}", flush=True)
         console.print(summary(state))
         failed = sum(state.errors.values())
         completed = state.rollout is not None and state.rollout.get("phase") == "Completed"

@@ -19,11 +19,12 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, TypeVar
 
+import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -60,6 +61,7 @@ __all__ = [
 
 T = TypeVar("T")
 SERVER_HEADER = "x-emulator-server"
+log = structlog.get_logger("controlplane.emulate")
 _GRACE_S = 0.5  # how long a graceful stop lets in-flight requests finish
 
 
@@ -257,24 +259,44 @@ class EmulatedServer:
             await self._teardown(life, abrupt=False)
         await asyncio.gather(*self._tasks, return_exceptions=True)  # a crash being carried out
 
-    async def crash(self) -> None:
+    async def crash(self, reason: str = "crash fault") -> None:
         """Die as a crashed process does: the port refuses connections, open ones are reset,
-        queued and running requests are lost. It stays down until `restart()`."""
+        queued and running requests are lost. It stays down until `restart()`. Logged, with
+        `reason`, before the port closes."""
         life, self._life = self._life, None
         if life is None:
             return
         self.faults = replace(self.faults, crash=True)
         self.crashes += 1
+        log.warning(
+            "emulated server going down: port closes, requests in flight are lost",
+            address=self.address,
+            model=self.config.model,
+            reason=reason,
+            running=life.engine.num_running,
+            waiting=life.engine.num_waiting,
+            crashes=self.crashes,
+        )
         await self._teardown(life, abrupt=True)
 
     async def restart(self) -> EmulatedServer:
         """Start again on the same port as a fresh process: new /metrics counters, cold start
-        again. Faults other than `crash` stay as they were set."""
+        again. Faults other than `crash` stay as they were set. Logged, as a recovery after a
+        crash."""
         life, self._life = self._life, None
         if life is not None:
             await self._teardown(life, abrupt=True)
+        crashed = self.faults.crash
         self.faults = replace(self.faults, crash=False)
-        return await self.start()
+        await self.start()
+        log.info(
+            "emulated server restarted" + (": recovered from its crash" if crashed else ""),
+            address=self.address,
+            model=self.config.model,
+            cold_start_s=self.config.cold_start_s,
+            faults=_in_force(self.faults),
+        )
+        return self
 
     async def _metrics_site(self, up: bool) -> None:
         """Open or close the separate metrics port (closed: connection refused)."""
@@ -337,9 +359,18 @@ class EmulatedServer:
         }
         wanted = self.faults.updated(changes)
         await self._apply(wanted)
+        self._log_faults(changes, wanted, via="python")
         if wanted.crash:
             await self.crash()
         return self.faults
+
+    def _log_faults(self, changes: Mapping[str, Any], wanted: Faults, via: str) -> None:
+        """One line per change of faults: the values set, and every fault then in force."""
+        active = _in_force(wanted)
+        event = "emulated server faults set" if active else "emulated server faults cleared"
+        (log.warning if active else log.info)(
+            event, address=self.address, model=self.config.model, via=via, **changes, in_force=active
+        )
 
     async def _apply(self, wanted: Faults) -> None:
         """Put every fault but `crash` in force (or keep them for the next start if down)."""
@@ -521,12 +552,14 @@ class EmulatedServer:
 
     async def _post_faults(self, request: web.Request) -> web.StreamResponse:
         try:
-            wanted = self.faults.updated(json.loads(await request.read()))
+            changes = json.loads(await request.read())
+            wanted = self.faults.updated(changes)
         except FaultsInvalid as e:
             return self._error(ApiError(400, str(e), param=e.field, code="invalid_value"))
         except (ValueError, UnicodeDecodeError) as e:
             return self._error(ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json"))
         await self._apply(wanted)
+        self._log_faults(changes, wanted, via="http")
         if not wanted.crash:
             return web.json_response(self.faults.to_json())
         # Answer first, then crash: the caller learns it worked, then finds the port dead.
@@ -543,6 +576,12 @@ class EmulatedServer:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _in_force(faults: Faults) -> dict[str, Any]:
+    """The faults that differ from none (an empty dict: a healthy server)."""
+    healthy = Faults().to_json()
+    return {k: v for k, v in faults.to_json().items() if v != healthy[k]}
 
 
 class Emulators:

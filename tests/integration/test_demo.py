@@ -36,6 +36,9 @@ def test_demo_runs_to_the_end_with_no_failed_request_and_a_completed_rollout() -
     assert any("step 2/3, v1 50%, v2 50%" in line for line in out.stdout.splitlines())
     # Without a terminal the events print as they happen: the edits, the rollout, the surge.
     assert "fleet edit refused" in out.stdout and "$ cpctl rollout start" in out.stdout
+    events = [line for line in out.stdout.splitlines() if line.startswith("demo: t=")]
+    for event in ("fleet edit: add server llama-d", "fleet edit refused", "$ cpctl rollout start", "surge: "):
+        assert any(event in line for line in events), event  # as log lines, with their time
     assert "surge: 6 clients on phi-3-mini" in out.stdout
     wanted = [
         int(line.split(" wants ", 1)[1].split()[0]) for line in out.stdout.splitlines() if " wants " in line

@@ -1,18 +1,34 @@
 """`controlplane explain`: sources of each setting, memory and EDS placement, the Envoy side,
-exit codes and the JSON shape."""
+exit codes, the JSON shape and the live rollout; and the conventions it shares with
+`check-config` and `import`: -o table|json|yaml, --config FILE, `-` for standard input."""
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
+import socket
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 
-from controlplane.cli.explain import UnknownModel, explain, render_text
+from controlplane.cli.explain import (
+    LIVE_DEADLINE_S,
+    LiveRollout,
+    UnknownModel,
+    explain,
+    fetch_rollout,
+    render_text,
+)
 from controlplane.cli.main import main
 from controlplane.fleet import FleetConfigInvalid, load_fleet, parse_fleet
+from controlplane.v1 import rollout_pb2, rollout_pb2_grpc
 
 FLEET = """\
 listener: {port: 10000}
@@ -296,11 +312,12 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_cli_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path, FLEET)
-    assert main(["explain", "chat", "--config", str(path)]) == 0
+    assert main(["explain", "chat", "--config", str(path), "--offline"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"model chat  ({path})\n")
     assert "cluster chat@v1 takes all traffic" in out
-    assert "version v2  cluster chat@v2  (not stable: no route sends it traffic)" in out
+    assert "  rollout   not asked (--offline); `cpctl rollout status chat` shows it\n" in out
+    assert "version v2  cluster chat@v2  (not stable: only requests with x-model-version: v2 reach it)" in out
 
 
 def test_cli_unknown_model_exits_2_naming_the_known_ones(
@@ -348,6 +365,7 @@ def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "autoscaling",
         "memory",
         "failover",
+        "rollout",
         "versions",
         "warnings",
     ]
@@ -416,3 +434,501 @@ def test_a_discovered_version_says_where_its_endpoints_come_from(tmp_path) -> No
     assert e["versions"][0]["source"] == "srv:_http._tcp.m.models.test"
     assert "discovered from srv:_http._tcp.m.models.test" in render_text(e)
     assert not any("no endpoints" in w for w in e["warnings"])
+
+
+# ---------------------------------------------------------------------------------------------
+# output formats, --config, standard input
+
+
+def stdin_of(monkeypatch: pytest.MonkeyPatch, text: str | bytes) -> None:
+    data = text.encode() if isinstance(text, str) else text
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["-o", "table"], ["--output", "table"], ["--format", "text"], ["--format", "table"]],
+)
+def test_explain_table_whichever_way_it_is_asked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    path = write(tmp_path, FLEET)
+    assert main(["explain", "big", "--config", str(path), *flags]) == 0
+    assert capsys.readouterr().out.startswith(f"model big  ({path})\n  tier ")
+
+
+@pytest.mark.parametrize(
+    ("flags", "load"),
+    [
+        (["-o", "json"], json.loads),
+        (["--output", "json"], json.loads),
+        (["--format", "json"], json.loads),
+        (["-o", "json", "--format", "json"], json.loads),
+        (["-o", "yaml"], yaml.safe_load),
+        (["--output", "yaml"], yaml.safe_load),
+        (["--format", "yaml"], yaml.safe_load),
+    ],
+)
+def test_explain_json_and_yaml_are_the_same_document(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], load: Any
+) -> None:
+    path = write(tmp_path, FLEET)
+    assert main(["explain", "chat", "--config", str(path), "--offline", "-o", "json"]) == 0
+    reference = json.loads(capsys.readouterr().out)
+    assert main(["explain", "chat", "--config", str(path), "--offline", *flags]) == 0
+    out = capsys.readouterr().out
+    assert load(out) == reference
+    assert list(load(out)) == list(reference)  # keys in the same order
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["-o", "json", "--format", "text"], "-o json and --format text disagree"),
+        (["-o", "table", "--format", "yaml"], "-o table and --format yaml disagree"),
+    ],
+)
+def test_explain_formats_that_disagree_are_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    path = write(tmp_path, FLEET)
+    assert main(["explain", "big", "--config", str(path), *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err
+
+
+@pytest.mark.parametrize("command", [["explain", "big", "--config", "f.yaml"], ["check-config", "f.yaml"]])
+def test_an_unknown_output_format_exits_2(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([*command, "-o", "xml"])
+    assert e.value.code == 2
+    assert "argument -o/--output: invalid choice: 'xml'" in capsys.readouterr().err
+
+
+def test_explain_reads_standard_input(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stdin_of(monkeypatch, FLEET)
+    assert main(["explain", "big", "--config", "-"]) == 0
+    assert capsys.readouterr().out.startswith("model big  (<stdin>)\n")
+    stdin_of(monkeypatch, FLEET.replace("stable: v1", "stable: v9"))
+    assert main(["explain", "big", "--config", "-"]) == 1
+    err = capsys.readouterr().err
+    assert "<stdin>:" in err and "models.big.stable: names version 'v9'" in err
+    assert err.rstrip().endswith("<stdin>: 2 error(s)")
+
+
+def test_check_config_positional_and_config_are_the_same(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, FLEET)
+    outputs = []
+    for argv in (
+        ["check-config", str(path)],
+        ["check-config", "--config", str(path)],
+        ["check-config", str(path), "--config", str(path)],
+    ):
+        assert main(argv) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert outputs[0].startswith(f"{path}: ok: 2 tiers, 2 models, 6 endpoints\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["check-config"], "give the fleet file: --config FILE (- for stdin)"),
+        (["check-config", "a.yaml", "--config", "b.yaml"], "give the fleet file once: FILE or --config FILE"),
+    ],
+)
+def test_check_config_without_one_file_is_a_usage_error(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_check_config_json_of_a_valid_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, FLEET)
+    assert main(["check-config", "--config", str(path), "-o", "json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    doc = json.loads(captured.out)
+    assert doc == {
+        "file": str(path),
+        "valid": True,
+        "errors": [],
+        "summary": {
+            "tiers": 2,
+            "endpoints": 6,
+            "models": [
+                {"name": "chat", "tier": "small", "stable": "v1", "versions": ["v1", "v2"]},
+                {"name": "big", "tier": "large", "stable": "v1", "versions": ["v1"]},
+            ],
+        },
+    }
+
+
+@pytest.mark.parametrize(("fmt", "load"), [("json", json.loads), ("yaml", yaml.safe_load)])
+def test_check_config_lists_every_error_with_file_line_field_and_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str, load: Any
+) -> None:
+    path = write(tmp_path, FLEET.replace("stable: v1", "stable: v9").replace("retries: 3", "retries: many"))
+    assert main(["check-config", str(path), "-o", fmt]) == 1  # the exit code of the table form
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    doc = load(captured.out)
+    assert doc["file"] == str(path) and doc["valid"] is False and doc["summary"] is None
+    assert {"file": str(path), "line": 6, "field": "tiers.small.retries"} == {
+        k: v for k, v in doc["errors"][0].items() if k != "message"
+    }
+    assert doc["errors"][0]["message"].startswith("expected")
+    fields = [e["field"] for e in doc["errors"]]
+    assert "models.chat.stable" in fields and "models.big.stable" in fields
+    assert all(set(e) == {"file", "line", "field", "message"} for e in doc["errors"])
+    # The table form says the same, one line each, on stderr.
+    assert main(["check-config", str(path)]) == 1
+    assert capsys.readouterr().err.count("\n") == len(doc["errors"]) + 1
+
+
+def test_check_config_json_of_a_file_that_cannot_be_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing.yaml"
+    assert main(["check-config", str(missing), "--output", "json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["valid"] is False
+    [error] = doc["errors"]
+    assert error["file"] == str(missing) and error["line"] is None and error["field"] == ""
+    assert error["message"].startswith("cannot read file")
+
+
+def test_check_config_reads_standard_input(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stdin_of(monkeypatch, FLEET)
+    assert main(["check-config", "-"]) == 0
+    assert capsys.readouterr().out.startswith("<stdin>: ok: 2 tiers, 2 models, 6 endpoints\n")
+    stdin_of(monkeypatch, FLEET.replace("stable: v1", "stable: v9"))
+    assert main(["check-config", "--config", "-", "-o", "json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["file"] == "<stdin>" and {e["file"] for e in doc["errors"]} == {"<stdin>"}
+    assert [e["line"] for e in doc["errors"]] == [22, 37]
+    stdin_of(monkeypatch, b"\xff not utf-8")
+    assert main(["check-config", "-"]) == 1
+    assert "<stdin>:1: <top>: not UTF-8 text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--config", "--from"])
+def test_import_takes_the_fleet_file_as_config_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    path = write(tmp_path, FLEET)
+    # A bad --to is refused before anything is read or written: only the spelling is tested.
+    assert main(["import", flag, str(path), "--to", "http://127.0.0.1:1"]) == 2
+    assert "controlplane import: --to:" in capsys.readouterr().err
+
+
+def test_serve_refuses_standard_input_as_its_watched_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--config", "-"]) == 2
+    assert "serve watches a file; standard input (-) is not one" in capsys.readouterr().err
+
+
+def test_every_subcommand_that_reads_a_fleet_file_takes_config() -> None:
+    from controlplane.cli.main import _parser
+
+    parser = _parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    readers = {"serve", "check-config", "explain", "import"}
+    for name in readers:
+        flags = {s for a in sub.choices[name]._actions for s in a.option_strings}
+        assert "--config" in flags, name
+    for name in ("explain", "check-config"):
+        flags = {s for a in sub.choices[name]._actions for s in a.option_strings}
+        assert {"-o", "--output"} <= flags, name
+
+
+# ---------------------------------------------------------------------------------------------
+# the live rollout
+
+
+def live(
+    phase: str, stable: str = "v1", canary: str = "v2", weights: dict[str, int] | None = None
+) -> LiveRollout:
+    state: dict[str, Any] = {
+        "model": "chat",
+        "phase": phase,
+        "step": 1,
+        "steps": [20, 50, 100],
+        "weights": weights if weights is not None else {stable: 80, canary: 20},
+        "stable_version": stable,
+        "canary_version": canary,
+    }
+    summary = f"chat: {phase}, step 1/3 (20%), {', '.join(f'{v} {w}%' for v, w in state['weights'].items())}"
+    return LiveRollout("127.0.0.1:18001", state, summary)
+
+
+def traffic(e: dict[str, Any]) -> dict[str, tuple[str, int | None]]:
+    return {v["name"]: (v["role"], v["traffic_percent"]) for v in e["versions"]}
+
+
+FLEET3 = FLEET.replace(
+    "      v2:\n        endpoints: [{address: 10.0.0.4:8000, gpu: H100}]\n",
+    "      v2:\n        endpoints: [{address: 10.0.0.4:8000, gpu: H100}]\n"
+    "      v3:\n        endpoints: [{address: 10.0.0.5:8000, gpu: H100}]\n",
+)
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        (None, {"v1": ("stable", 100), "v2": ("unrouted", 0), "v3": ("unrouted", 0)}),
+        (LiveRollout("s"), {"v1": ("stable", 100), "v2": ("unrouted", 0), "v3": ("unrouted", 0)}),
+        (
+            LiveRollout("s", error="no control plane answered at s"),
+            {"v1": ("stable", None), "v2": ("unknown", None), "v3": ("unknown", None)},
+        ),
+        (live("Progressing"), {"v1": ("stable", 80), "v2": ("canary", 20), "v3": ("unrouted", 0)}),
+        (live("Paused"), {"v1": ("stable", 80), "v2": ("canary", 20), "v3": ("unrouted", 0)}),
+        (
+            live("Progressing", weights={"v1": 0, "v2": 100}),  # finishing: the old stable leaves
+            {"v1": ("stable", 0), "v2": ("canary", 100), "v3": ("unrouted", 0)},
+        ),
+        (
+            live("Completed", weights={"v1": 0, "v2": 100}),  # the file still says stable: v1
+            {"v1": ("replaced", 0), "v2": ("stable", 100), "v3": ("unrouted", 0)},
+        ),
+        (
+            live("Aborted", weights={"v1": 100, "v2": 0}),
+            {"v1": ("stable", 100), "v2": ("aborted", 0), "v3": ("unrouted", 0)},
+        ),
+        (
+            # An undo after a completed v1 -> v2 the file has not caught up with: v2 is stable.
+            live("Progressing", stable="v2", canary="v1", weights={"v2": 50, "v1": 50}),
+            {"v1": ("canary", 50), "v2": ("stable", 50), "v3": ("unrouted", 0)},
+        ),
+        (
+            # Completed, and the file names the new stable: the file says it all.
+            live("Completed", stable="v3", canary="v1", weights={"v3": 0, "v1": 100}),
+            {"v1": ("stable", 100), "v2": ("unrouted", 0), "v3": ("unrouted", 0)},
+        ),
+        (
+            # Ended from another stable than the file's: which one serves cannot be told.
+            live("Aborted", stable="v2", canary="v3", weights={"v2": 100, "v3": 0}),
+            {"v1": ("stable", None), "v2": ("unknown", None), "v3": ("unknown", None)},
+        ),
+        (
+            # About a version the file no longer has.
+            live("Completed", stable="v0", canary="v1", weights={"v0": 0, "v1": 100}),
+            {"v1": ("stable", 100), "v2": ("unrouted", 0), "v3": ("unrouted", 0)},
+        ),
+    ],
+)
+def test_the_live_rollout_decides_each_versions_role_and_traffic(
+    state: LiveRollout | None, expected: dict[str, tuple[str, int | None]]
+) -> None:
+    e = explained_live(FLEET3, state)
+    assert traffic(e) == expected
+    assert e["rollout"]["asked"] is (state is not None)
+    text = render_text(e)
+    for v in e["versions"]:
+        assert f"version {v['name']}  cluster chat@{v['name']}  (" in text
+    assert "no route sends it traffic" not in text
+
+
+def explained_live(text: str, state: LiveRollout | None) -> dict[str, Any]:
+    fleet = parse_fleet(text, "fleet.yaml")
+    return explain(fleet, "chat", yaml.safe_load(text), state)
+
+
+def lines_of(e: dict[str, Any]) -> list[str]:
+    return render_text(e).splitlines()
+
+
+def test_text_mid_rollout_shows_phase_step_and_split() -> None:
+    lines = lines_of(explained_live(FLEET, live("Progressing")))
+    assert "  stable    v1  (cluster chat@v1 takes 80% of the traffic while the rollout runs)" in lines
+    assert (
+        "  rollout   Progressing, step 1/3 (20%), v1 80%, v2 20%  (live from 127.0.0.1:18001; "
+        "`cpctl rollout status chat`)"
+    ) in lines
+    assert "version v1  cluster chat@v1  (stable: 80% of the traffic)" in lines
+    assert "version v2  cluster chat@v2  (canary of the running rollout: 20% of the traffic)" in lines
+
+
+def test_text_when_the_control_plane_cannot_be_asked_says_so_in_one_line() -> None:
+    e = explained_live(
+        FLEET, LiveRollout("127.0.0.1:18001", error="no control plane answered at 127.0.0.1:18001")
+    )
+    lines = lines_of(e)
+    rollout = [line for line in lines if line.startswith("  rollout ")]
+    assert rollout == [
+        "  rollout   unknown: no control plane answered at 127.0.0.1:18001; "
+        "`cpctl rollout status chat` shows it"
+    ]
+    assert (
+        "version v2  cluster chat@v2  (not stable in the file; a rollout may send it traffic: "
+        "see rollout above)" in lines
+    )
+    assert e["rollout"] == {
+        "asked": True,
+        "server": "127.0.0.1:18001",
+        "error": "no control plane answered at 127.0.0.1:18001",
+        "state": None,
+        "summary": None,
+        "applies": False,
+    }
+
+
+def test_text_after_a_completed_rollout_the_file_has_not_caught_up_with() -> None:
+    lines = lines_of(explained_live(FLEET, live("Completed", weights={"v1": 0, "v2": 100})))
+    assert "  stable    v1  (in the file; v2 replaced it: its rollout completed)" in lines
+    assert (
+        "version v2  cluster chat@v2  (stable since its rollout completed: takes the traffic "
+        "(the file says stable: v1))"
+    ) in lines
+    assert any(
+        line.startswith("version v1  cluster chat@v1  (replaced by the completed rollout") for line in lines
+    )
+
+
+def test_text_with_no_rollout_and_with_an_ambiguous_one() -> None:
+    lines = lines_of(explained_live(FLEET, LiveRollout("127.0.0.1:18001")))
+    assert "  rollout   none  (asked the control plane at 127.0.0.1:18001)" in lines
+    assert (
+        "version v2  cluster chat@v2  (not stable: only requests with x-model-version: v2 reach it)" in lines
+    )
+    e = explained_live(FLEET3, live("Aborted", stable="v2", canary="v3", weights={"v2": 100, "v3": 0}))
+    rollout = next(line for line in lines_of(e) if line.startswith("  rollout "))
+    assert "it started from v2, not the file's stable v1: `cpctl endpoints list --model chat`" in rollout
+    assert e["rollout"]["applies"] is False
+
+
+def test_a_single_version_model_never_asks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import controlplane.cli.explain as explain_module
+
+    asked: list[tuple[str, str | None, Path | None]] = []
+
+    def fetch(model: str, server: str | None, token_file: Path | None) -> LiveRollout:
+        asked.append((model, server, token_file))
+        return live("Progressing")
+
+    monkeypatch.setattr(explain_module, "fetch_rollout", fetch)
+    path = write(tmp_path, FLEET)
+    assert main(["explain", "big", "--config", str(path)]) == 0
+    assert main(["explain", "chat", "--config", str(path), "--offline"]) == 0
+    assert asked == []
+    argv = ["explain", "chat", "--config", str(path), "--server", "127.0.0.1:5", "--token-file", "t"]
+    assert main(argv) == 0
+    assert asked == [("chat", "127.0.0.1:5", Path("t"))]
+
+
+# ---- fetch_rollout against a real gRPC server on loopback ----------------------------------
+
+
+class FakeRollouts(rollout_pb2_grpc.RolloutServiceServicer):
+    """The operator API's Get, enough for explain: one model mid-rollout, one without any."""
+
+    def Get(
+        self, request: rollout_pb2.GetRolloutRequest, context: grpc.ServicerContext
+    ) -> rollout_pb2.Rollout:
+        if dict(context.invocation_metadata()).get("authorization") != "Bearer secret":
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "the token is not valid")
+        if request.model == "chat":
+            return rollout_pb2.Rollout(
+                model="chat",
+                stable_version="v1",
+                canary_version="v2",
+                phase="Progressing",
+                step=2,
+                steps=[20, 50, 100],
+                weights={"v1": 50, "v2": 50},
+            )
+        if request.model == "big":
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, "model big has no rollout; start one with `cpctl rollout start`"
+            )
+        context.abort(
+            grpc.StatusCode.NOT_FOUND, f"unknown model {request.model!r} (the fleet has: chat, big)"
+        )
+        raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def operator_api() -> Iterator[str]:
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(FakeRollouts(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+def closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once it is closed
+
+
+def test_fetch_rollout_reads_the_live_state(operator_api: str) -> None:
+    got = fetch_rollout("chat", operator_api, env={"CPCTL_TOKEN": "secret"})
+    assert got.error is None and got.server == operator_api
+    assert got.state is not None and got.state["phase"] == "Progressing"
+    assert got.state["weights"] == {"v1": 50, "v2": 50}
+    assert got.summary == "chat: Progressing, step 2/3 (50%), v1 50%, v2 50%"
+
+
+def test_fetch_rollout_finds_server_and_token_as_cpctl_does(operator_api: str, tmp_path: Path) -> None:
+    token = tmp_path / "admin-token"
+    token.write_text("secret\n")
+    token.chmod(0o600)
+    env = {"CPCTL_SERVER": operator_api, "CPCTL_TOKEN_FILE": str(token)}
+    assert fetch_rollout("chat", env=env).state is not None
+    assert fetch_rollout("chat", token_file=token, env={"CPCTL_SERVER": operator_api}).state is not None
+
+
+@pytest.mark.parametrize(
+    ("model", "env", "error"),
+    [
+        ("big", {"CPCTL_TOKEN": "secret"}, None),  # no rollout: a known answer, not an error
+        ("nope", {"CPCTL_TOKEN": "secret"}, "NOT_FOUND: unknown model 'nope'"),
+        ("chat", {"CPCTL_TOKEN": "wrong"}, "UNAUTHENTICATED: the token is not valid"),
+        ("chat", {"CPCTL_TOKEN_FILE": "/nonexistent/admin-token"}, "no token to ask the control plane at"),
+    ],
+)
+def test_fetch_rollout_answers(operator_api: str, model: str, env: dict[str, str], error: str | None) -> None:
+    got = fetch_rollout(model, operator_api, env=env)
+    assert got.state is None
+    if error is None:
+        assert got.error is None
+    else:
+        assert got.error is not None and error in got.error and "\n" not in got.error
+
+
+def test_fetch_rollout_is_quick_when_nothing_listens() -> None:
+    server = closed_port()
+    started = time.monotonic()
+    got = fetch_rollout("chat", server, env={"CPCTL_TOKEN": "secret"})
+    assert got.error == f"no control plane answered at {server}"
+    assert time.monotonic() - started < 2 * LIVE_DEADLINE_S + 0.5
+
+
+def test_explain_cli_against_the_operator_api(
+    operator_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CPCTL_TOKEN", "secret")
+    monkeypatch.delenv("CPCTL_TOKEN_FILE", raising=False)
+    path = write(tmp_path, FLEET)
+    assert main(["explain", "chat", "--config", str(path), "--server", operator_api]) == 0
+    out = capsys.readouterr().out
+    assert f"  rollout   Progressing, step 2/3 (50%), v1 50%, v2 50%  (live from {operator_api}; " in out
+    assert "version v2  cluster chat@v2  (canary of the running rollout: 50% of the traffic)" in out
+    monkeypatch.setenv("CPCTL_SERVER", closed_port())
+    assert main(["explain", "chat", "--config", str(path), "-o", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["rollout"]["error"].startswith("no control plane answered at 127.0.0.1:")
+    assert [v["traffic_percent"] for v in doc["versions"]] == [None, None]
