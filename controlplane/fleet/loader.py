@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from controlplane.fleet.model import (
     ProviderSpec,
     ScalingPolicy,
     SignalsSpec,
+    Slo,
     Tier,
     TrafficPolicy,
     Version,
@@ -359,6 +361,7 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
         autoscaling=provider,
         discovery=discovery,
     )
+    fleet = _match_gpu_classes(fleet, errs)
     _check_memory_fit(fleet, errs)
     return fleet
 
@@ -512,9 +515,12 @@ def _check_memory_fit(fleet: Fleet, errs: _Errors) -> None:
         }
         for g in m.preferred_gpus:
             if g not in known:
+                folded = {k.casefold(): k for k in sorted(known)}
+                close = difflib.get_close_matches(g.casefold(), list(folded), n=1, cutoff=GPU_NEAR_MISS)
+                hint = f"; did you mean {folded[close[0]]!r}?" if close else ""
                 errs.add(
                     f"models.{m.name}.preferred_gpus",
-                    f"{g!r} is neither a gpu_classes entry nor the gpu of any of its endpoints",
+                    f"{g!r} is neither a gpu_classes entry nor the gpu of any of its endpoints{hint}",
                 )
         need = fleet.memory_need_of(m)
         endpoints = [ep for v in m.versions for ep in v.endpoints]
@@ -558,8 +564,13 @@ def _gpu_classes(value: Any, errs: _Errors) -> list[GpuClass] | None:
     if m is None:
         return None
     out: list[GpuClass] = []
+    seen: dict[str, str] = {}  # casefolded name -> the name as first written
     for name, spec in m.items():
         path = f"gpu_classes.{name}"
+        first = seen.setdefault(str(name).casefold(), str(name))
+        if first != str(name):
+            errs.add(path, f"the same class as {first!r}: GPU class names match case-insensitively")
+            continue
         g = _mapping(spec, path, errs, {"capacity", "memory_gb"})
         if g is None:
             continue
@@ -572,6 +583,86 @@ def _gpu_classes(value: Any, errs: _Errors) -> list[GpuClass] | None:
         if capacity is not None and (memory is not None or "memory_gb" not in g):
             out.append(GpuClass(name=str(name), capacity=capacity, memory_gb=memory))
     return out
+
+
+# GPUs as vendors name them. A `gpu` spelled like one of these is taken as meant, never as a
+# typo of a declared class it resembles: A10 beside A100, L40 beside L4, H200 beside H100.
+KNOWN_GPUS = frozenset(
+    name.casefold()
+    for name in (
+        *("T4", "P4", "P40", "P100", "V100", "A2", "A10", "A10G", "A16", "A30", "A40", "A100", "A800"),
+        *("L4", "L20", "L40", "L40S", "H20", "H100", "H800", "H200", "GH200", "B100", "B200", "GB200"),
+        *("MI210", "MI250", "MI250X", "MI300X", "MI325X", "Gaudi2", "Gaudi3"),
+    )
+)
+GPU_NEAR_MISS = 0.75  # difflib similarity (casefolded) from which an undeclared gpu is a typo
+
+
+def match_gpu_class(name: str, classes: Sequence[str]) -> str | None:
+    """The entry of `classes` that `name` names, compared case-insensitively (`a100` is class
+    `A100`); None if it names none and is no near miss. Raise ValueError with a suggestion for a
+    near miss: a name that is no class but is spelled almost like one (`a10O`, `A1000`), unless
+    it is a well-known GPU (KNOWN_GPUS)."""
+    by_folded = {c.casefold(): c for c in classes}
+    folded = name.casefold()
+    if folded in by_folded:
+        return by_folded[folded]
+    if folded in KNOWN_GPUS:
+        return None
+    close = difflib.get_close_matches(folded, list(by_folded), n=1, cutoff=GPU_NEAR_MISS)
+    if not close:
+        return None
+    raise ValueError(
+        f"{name!r} is not a GPU class; did you mean {by_folded[close[0]]!r}? (gpu_classes: "
+        f"{', '.join(classes)}; if it is another class, declare it there)"
+    )
+
+
+def _match_gpu_classes(fleet: Fleet, errs: _Errors) -> Fleet:
+    """The fleet with every `gpu` (endpoints, discover defaults) and `preferred_gpus` name
+    spelled one way: as its gpu_classes entry, else as the first endpoint that uses it. Names
+    match case-insensitively, so `gpu: a100` gets class A100's capacity and memory; an
+    endpoint's near miss of a class is an error at its key path (a `preferred_gpus` name that
+    matches nothing is _check_memory_fit's to report)."""
+    classes = [g.name for g in fleet.gpu_classes]
+    spelling = {c.casefold(): c for c in classes}
+
+    def check(name: str | None, path: str) -> None:
+        if name is None:
+            return
+        try:
+            if match_gpu_class(name, classes) is None:
+                spelling.setdefault(name.casefold(), name)
+        except ValueError as e:
+            errs.add(path, str(e))
+
+    for m in fleet.models:
+        for v in m.versions:
+            vpath = f"models.{m.name}.versions.{v.name}"
+            for i, ep in enumerate(v.endpoints):
+                check(ep.gpu, f"{vpath}.endpoints[{i}].gpu")
+            if v.discover is not None and v.discover.template is not None:
+                check(v.discover.template.gpu, f"{vpath}.discover.gpu")
+
+    def spelt(ep: Endpoint) -> Endpoint:
+        gpu = ep.gpu and spelling.get(ep.gpu.casefold(), ep.gpu)
+        return ep if gpu == ep.gpu else dataclasses.replace(ep, gpu=gpu)
+
+    def version(v: Version) -> Version:
+        discover = v.discover
+        if discover is not None and discover.template is not None:
+            discover = dataclasses.replace(discover, template=spelt(discover.template))
+        return dataclasses.replace(v, endpoints=tuple(map(spelt, v.endpoints)), discover=discover)
+
+    models = tuple(
+        dataclasses.replace(
+            m,
+            versions=tuple(map(version, m.versions)),
+            preferred_gpus=tuple(spelling.get(g.casefold(), g) for g in m.preferred_gpus),
+        )
+        for m in fleet.models
+    )
+    return dataclasses.replace(fleet, models=models)
 
 
 _SIGNAL_DURATIONS = {
@@ -731,7 +822,7 @@ def _tiers(value: Any, errs: _Errors) -> list[Tier] | None:
         if not isinstance(name, str) or not _VERSION.match(name):
             errs.add(path, "tier names use letters, digits, '.', '_' and '-'")
             continue
-        m = _mapping(spec, path, errs, {"max_params_b", "autoscaling", *TRAFFIC_KEYS})
+        m = _mapping(spec, path, errs, {"max_params_b", "autoscaling", "slo", *TRAFFIC_KEYS})
         if m is None:
             continue
         max_b: float | None = None
@@ -747,9 +838,53 @@ def _tiers(value: Any, errs: _Errors) -> list[Tier] | None:
             unbounded = name
         policy = _traffic(m, path, TrafficPolicy(), errs)
         scaling = _scaling(m.get("autoscaling"), f"{path}.autoscaling", ScalingPolicy(), errs)
-        if policy is not None and scaling is not None:
-            out.append(Tier(name=name, max_params_b=max_b, policy=policy, scaling=scaling))
+        slo = _slo(m.get("slo"), f"{path}.slo", Slo(), errs)
+        if policy is not None and scaling is not None and slo is not None:
+            out.append(Tier(name=name, max_params_b=max_b, policy=policy, scaling=scaling, slo=slo))
     return out
+
+
+# slo key -> (Slo attribute, kind)
+SLO_KEYS: dict[str, tuple[str, str]] = {
+    "availability": ("availability", "objective"),
+    "ttft": ("ttft_s", "duration"),
+    "ttft_objective": ("ttft_objective", "objective"),
+    "tpot": ("tpot_s", "duration"),
+    "tpot_objective": ("tpot_objective", "objective"),
+}
+
+
+def _slo(value: Any, path: str, base: Slo, errs: _Errors) -> Slo | None:
+    """`base` with the objectives in `value` applied; None (and errors) if any is bad."""
+    if value is None:
+        return base
+    m = _mapping(value, path, errs, set(SLO_KEYS))
+    if m is None:
+        return None
+    before = len(errs.items)
+    kw: dict[str, float] = {}
+    for key, raw in m.items():
+        if key not in SLO_KEYS:
+            continue
+        attr, kind = SLO_KEYS[key]
+        where = _join(path, key)
+        if kind == "duration":
+            got = _duration(raw, where, errs)
+            if got is not None and not 0.001 <= got <= 3600:
+                errs.add(where, f"must be between 1ms and 1h, got {got:g}s")
+        else:
+            got = _number(raw, where, errs)
+            if got is not None and not 0.5 <= got < 1:
+                errs.add(
+                    where,
+                    f"must be a share of requests between 0.5 and 1 (exclusive), e.g. 0.999 for "
+                    f"99.9%, got {got:g}",
+                )
+        if got is not None:
+            kw[attr] = got
+    if len(errs.items) != before:
+        return None
+    return dataclasses.replace(base, **kw)
 
 
 # autoscaling key -> (ScalingPolicy attribute, kind, lower bound, upper bound)
@@ -921,6 +1056,7 @@ _MODEL_KEYS = {
     "health",
     "metrics",
     "autoscaling",
+    "slo",
     *TRAFFIC_KEYS,
 }
 AFFINITY_BODY_FIELDS = ("prompt_cache_key", "user")
@@ -1128,6 +1264,8 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
     scaling = (
         _scaling(m["autoscaling"], f"{path}.autoscaling", tier_scaling, errs) if "autoscaling" in m else None
     )
+    tier_slo = next((t.slo for t in tiers or [] if t.name == tier), Slo())
+    slo = _slo(m["slo"], f"{path}.slo", tier_slo, errs) if "slo" in m else None
     if len(errs.items) != before or tier is None or versions is None:
         return None
     return Model(
@@ -1147,6 +1285,7 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         health=health,
         metrics=metrics,
         scaling=scaling,
+        slo=slo,
     )
 
 

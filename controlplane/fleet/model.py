@@ -123,6 +123,18 @@ class TrafficPolicy:
 
 
 @dataclass(frozen=True)
+class Slo:
+    """A model's service-level objectives (docs/metrics.md#slos): what the burn-rate alerts
+    measure its traffic against. Each objective is the share of requests that must be good."""
+
+    availability: float = 0.999  # requests answered without a server error or a reset
+    ttft_s: float = 2.5  # time to first token a request must be under ...
+    ttft_objective: float = 0.99  # ... this share of the time
+    tpot_s: float = 0.1  # time per output token (streaming) a request must be under ...
+    tpot_objective: float = 0.99  # ... this share of the time
+
+
+@dataclass(frozen=True)
 class ScalingPolicy:
     """How many replicas a model wants, in the style of Knative's KPA (controlplane/autoscaling/,
     docs/autoscaling.md). Set per tier and per model (`autoscaling:`); the model's keys win."""
@@ -195,6 +207,7 @@ class Tier:
     max_params_b: float | None
     policy: TrafficPolicy = field(default_factory=TrafficPolicy)
     scaling: ScalingPolicy = field(default_factory=ScalingPolicy)
+    slo: Slo = field(default_factory=Slo)
 
     @property
     def timeout_s(self) -> float:
@@ -249,6 +262,7 @@ class Model:
     health: HealthProbe | None = None  # None: gRPC health for protocol http2, else HTTP
     metrics: MetricsProbe | None = None  # None: the fleet's metrics_path on the serving port
     scaling: ScalingPolicy | None = None  # the tier's, with this model's overrides; None: the tier's
+    slo: Slo | None = None  # the tier's, with this model's overrides; None: the tier's
 
     def version(self, name: str) -> Version:
         for v in self.versions:
@@ -361,6 +375,10 @@ class Fleet:
     def scaling_of(self, model: Model) -> ScalingPolicy:
         """How a model scales: its tier's autoscaling, with the model's overrides."""
         return model.scaling or self.tier(model.tier).scaling
+
+    def slo_of(self, model: Model) -> Slo:
+        """A model's objectives: its tier's, with the model's overrides."""
+        return model.slo or self.tier(model.tier).slo
 
     def policy_of(self, model: Model) -> str:
         """The balancing policy a model uses: its own, else its tier's."""

@@ -48,7 +48,7 @@ def test_unknown_key_names_path_and_line() -> None:
     assert errs == [
         "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: affinity, autoscaling, balancing, "
         "circuit_breakers, cluster_overrides, dtype, health, max_body_bytes, memory_gb, metrics, "
-        "outlier_detection, params_b, preferred_gpus, protocol, retries, stable, stream_idle_timeout, tier, "
+        "outlier_detection, params_b, preferred_gpus, protocol, retries, slo, stable, stream_idle_timeout, tier, "
         "timeout, versions, zones)"
     ]
 
@@ -507,3 +507,193 @@ def test_probe_errors_name_the_field() -> None:
     assert "models.llama-3-8b.metrics.path: expected a path starting with '/'" in joined
     bad_kind = errors_of(BASIC.replace("stable: v1", "stable: v1\n    health: {tcp: {port: 1}}"))
     assert any("models.llama-3-8b.health: expected none, {http:" in e for e in bad_kind)
+
+
+# ---- GPU class names: case-insensitive, a near miss is an error --------------------------
+
+GPU_FLEET = """\
+listener: {port: 10000}
+tiers: {all: {}}
+gpu_classes: {A100: {capacity: 1.0, memory_gb: 80}, L4: {capacity: 0.35, memory_gb: 24}}
+models:
+  m:
+    params_b: 8
+    stable: v1
+    versions:
+      v1:
+        endpoints:
+          - {address: 127.0.0.1:8001, gpu: GPU}
+"""
+
+
+def _gpu_fleet(gpu: str, extra: str = "") -> str:
+    return GPU_FLEET.replace("gpu: GPU", f"gpu: {gpu!r}").replace(
+        "    stable: v1\n", f"    stable: v1\n{extra}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("written", "cls"),
+    [("A100", "A100"), ("a100", "A100"), ("A100", "A100"), ("l4", "L4"), ("L4", "L4")],
+)
+def test_a_gpu_names_its_class_whatever_the_case(written: str, cls: str) -> None:
+    from controlplane.fleet.loader import match_gpu_class
+
+    assert match_gpu_class(written, ["A100", "L4"]) == cls
+    fleet = parse_fleet(_gpu_fleet(written))
+    ep = fleet.model("m").version("v1").endpoints[0]
+    assert ep.gpu == cls  # spelled as the class, so every lookup finds it
+    assert fleet.declared_capacity(ep) == {"A100": 1.0, "L4": 0.35}[cls]
+    assert fleet.gpu_memory_of(ep) == {"A100": 80, "L4": 24}[cls]
+
+
+@pytest.mark.parametrize(
+    ("written", "suggested"),
+    [
+        ("a10O", "A100"),
+        ("A1000", "A100"),
+        ("A-100", "A100"),
+        ("A 100", "A100"),
+        ("a100 ", "A100"),
+        ("AI00", "A100"),
+        ("L4.", "L4"),
+    ],
+)
+def test_a_near_miss_of_a_class_is_an_error_naming_the_path_and_the_classes(
+    written: str, suggested: str
+) -> None:
+    from controlplane.fleet.loader import match_gpu_class
+
+    with pytest.raises(ValueError, match=f"did you mean '{suggested}'"):
+        match_gpu_class(written, ["A100", "L4"])
+    errs = errors_of(_gpu_fleet(written))
+    assert errs == [
+        f"fleet.yaml:11: models.m.versions.v1.endpoints[0].gpu: {written!r} is not a GPU class; did "
+        f"you mean '{suggested}'? (gpu_classes: A100, L4; if it is another class, declare it there)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "written",
+    # Real GPUs next to a declared class, and names that resemble no class: no class, no error.
+    ["A10", "a10g", "L40", "L40S", "H100", "h200", "T4", "MI300X", "nvidia-a100", "A100-40GB", "X"],
+)
+def test_a_gpu_that_is_no_near_miss_keeps_its_name_and_gets_no_class(written: str) -> None:
+    from controlplane.fleet.loader import match_gpu_class
+
+    assert match_gpu_class(written, ["A100", "L4"]) is None
+    fleet = parse_fleet(_gpu_fleet(written))
+    ep = fleet.model("m").version("v1").endpoints[0]
+    assert ep.gpu == written
+    assert fleet.declared_capacity(ep) is None  # learnt at run time, as documented
+
+
+def test_without_gpu_classes_nothing_is_a_near_miss() -> None:
+    from controlplane.fleet.loader import match_gpu_class
+
+    assert match_gpu_class("a10O", []) is None
+    text = _gpu_fleet("a10O").replace(
+        "gpu_classes: {A100: {capacity: 1.0, memory_gb: 80}, L4: {capacity: 0.35, memory_gb: 24}}\n", ""
+    )
+    assert parse_fleet(text).model("m").version("v1").endpoints[0].gpu == "a10O"
+
+
+def test_preferred_gpus_match_classes_and_endpoints_case_insensitively() -> None:
+    fleet = parse_fleet(_gpu_fleet("a100", "    preferred_gpus: [a100, l4]\n"))
+    m = fleet.model("m")
+    assert m.preferred_gpus == ("A100", "L4")
+    assert fleet.endpoint_priority(m, m.version("v1").endpoints[0]) == 0
+    # A GPU no class declares: one spelling for all, the first an endpoint uses.
+    text = (
+        _gpu_fleet("h200", "    preferred_gpus: [H200]\n")
+        .replace(
+            "gpu_classes: {A100: {capacity: 1.0, memory_gb: 80}, L4: {capacity: 0.35, memory_gb: 24}}\n", ""
+        )
+        .replace(
+            "          - {address: 127.0.0.1:8001, gpu: 'h200'}\n",
+            "          - {address: 127.0.0.1:8001, gpu: 'h200'}\n"
+            "          - {address: 127.0.0.1:8002, gpu: H200}\n",
+        )
+    )
+    fleet = parse_fleet(text)
+    m = fleet.model("m")
+    assert [ep.gpu for ep in m.version("v1").endpoints] == ["h200", "h200"]
+    assert m.preferred_gpus == ("h200",)
+    assert {fleet.endpoint_priority(m, ep) for ep in m.version("v1").endpoints} == {0}
+
+
+def test_a_preferred_gpu_that_matches_nothing_suggests_the_nearest() -> None:
+    errs = errors_of(_gpu_fleet("A100", "    preferred_gpus: [a10O]\n"))
+    assert errs == [
+        "fleet.yaml:8: models.m.preferred_gpus: 'a10O' is neither a gpu_classes entry nor the gpu of "
+        "any of its endpoints; did you mean 'A100'?"
+    ]
+
+
+def test_discover_defaults_are_matched_too() -> None:
+    text = GPU_FLEET.replace(
+        "        endpoints:\n          - {address: 127.0.0.1:8001, gpu: GPU}\n",
+        "        discover: {srv: _http._tcp.m.test, gpu: GPU}\n",
+    )
+    fleet = parse_fleet(text.replace("gpu: GPU", "gpu: l4"))
+    template = fleet.model("m").version("v1").discover.template  # type: ignore[union-attr]
+    assert template is not None and template.gpu == "L4"
+    errs = errors_of(text.replace("gpu: GPU", "gpu: L44"))
+    assert (
+        len(errs) == 1
+        and "models.m.versions.v1.discover.gpu: 'L44' is not a GPU class; did you mean 'L4'?" in errs[0]
+    )
+
+
+def test_two_classes_differing_only_in_case_are_an_error() -> None:
+    errs = errors_of(
+        _gpu_fleet("A100").replace("L4: {capacity: 0.35, memory_gb: 24}", "a100: {capacity: 0.5}")
+    )
+    assert any(
+        "gpu_classes.a100: the same class as 'A100': GPU class names match case-insensitively" in e
+        for e in errs
+    )
+
+
+def test_every_near_miss_is_reported_at_once() -> None:
+    text = _gpu_fleet("a10O").replace(
+        "          - {address: 127.0.0.1:8001, gpu: 'a10O'}\n",
+        "          - {address: 127.0.0.1:8001, gpu: 'a10O'}\n"
+        "          - {address: 127.0.0.1:8002, gpu: 'a100'}\n"
+        "          - {address: 127.0.0.1:8003, gpu: 'A1000'}\n",
+    )
+    errs = errors_of(text)
+    assert [e.split(": ", 2)[1] for e in errs] == [
+        "models.m.versions.v1.endpoints[0].gpu",
+        "models.m.versions.v1.endpoints[2].gpu",
+    ]
+
+
+def test_slos_default_then_tier_then_model_key_by_key() -> None:
+    text = BASIC.replace(
+        "  small:  {max_params_b: 15, timeout: 60s}",
+        "  small:  {max_params_b: 15, timeout: 60s, slo: {availability: 0.99, ttft: 1s}}",
+    ).replace("    params_b: 8\n", "    params_b: 8\n    slo: {ttft_objective: 0.95}\n")
+    fleet = parse_fleet(text)
+    slo = fleet.slo_of(fleet.model("llama-3-8b"))
+    # The model's key over the tier's keys over the defaults.
+    assert (slo.availability, slo.ttft_s, slo.ttft_objective, slo.tpot_s) == (0.99, 1.0, 0.95, 0.1)
+    plain = parse_fleet(BASIC)
+    assert plain.slo_of(plain.model("llama-3-8b")).availability == 0.999
+
+
+@pytest.mark.parametrize(
+    ("slo", "error"),
+    [
+        ("{availability: 99.9}", "models.llama-3-8b.slo.availability: must be a share of requests"),
+        ("{availability: 1}", "models.llama-3-8b.slo.availability: must be a share of requests"),
+        ("{ttft_objective: 0.2}", "models.llama-3-8b.slo.ttft_objective: must be a share of requests"),
+        ("{ttft: fast}", "models.llama-3-8b.slo.ttft: expected a duration"),
+        ("{tpot: 2h}", "models.llama-3-8b.slo.tpot: must be between 1ms and 1h"),
+        ("{latency: 1s}", "models.llama-3-8b.slo.latency: unknown key"),
+        ("0.999", "models.llama-3-8b.slo: expected a mapping"),
+    ],
+)
+def test_a_bad_slo_is_refused_naming_the_key(slo: str, error: str) -> None:
+    errs = errors_of(BASIC.replace("    params_b: 8\n", f"    params_b: 8\n    slo: {slo}\n"))
+    assert any(error in e for e in errs), errs
