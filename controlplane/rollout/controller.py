@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import structlog
+from prometheus_client.utils import floatToGoString
 
 from controlplane import limits
 from controlplane.fleet.model import Fleet, Model
@@ -32,7 +33,13 @@ from controlplane.rollout.machine import (
     SetStable,
     Transition,
 )
-from controlplane.rollout.overlay import EndpointDrain, ModelLayer, active, effective, stale_layers
+from controlplane.rollout.overlay import (
+    EndpointDrain,
+    ModelLayer,
+    active,
+    effective,
+    stale_layers,
+)
 from controlplane.rollout.store import (
     AuditRecord,
     StateChange,
@@ -40,8 +47,8 @@ from controlplane.rollout.store import (
     StoreConflict,
     StoreUnavailable,
 )
-from controlplane.routing.names import cluster_name
-from controlplane.routing.translate import ENDPOINT
+from controlplane.routing.names import cluster_name, stat_name
+from controlplane.routing.translate import ENDPOINT, RoutingOverlay
 from controlplane.signals.store import EndpointCounters, EndpointKey, SignalStore
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_LABEL, ProxyRegistry
@@ -119,6 +126,8 @@ class RolloutController:
         self._driving_since: float | None = None  # when this replica began ticking rollouts
         self._leave_reported: set[tuple[str, str]] = set()
         self._weights_exported: set[tuple[str, str]] = set()  # version_weight series set
+        self._analysed_exported: set[tuple[str, str, str]] = set()  # analysis_* series set
+        self._routing_exported: set[tuple[str, str]] = set()  # version_traffic series set
         self._changed = asyncio.Event()
         # Whether this replica drives rollouts and drains (ticks them). With one replica it
         # always does; with several, the one holding the etcd lease does (controlplane/ha/).
@@ -233,6 +242,7 @@ class RolloutController:
         if fleet != self.reconciler.fleet:
             self.reconciler.set_fleet(fleet)
         self.reconciler.set_overlay(overlay)
+        self._export_routing(fleet, overlay)
         self._export()
         self._notify()
 
@@ -560,6 +570,11 @@ class RolloutController:
                 else ()
             )
             new, effects = machine.apply(r, machine.Tick(now, unacked, a, still))
+            if not effects and new == replace(r, reason=new.reason):
+                # Only what a holding rollout waits for changed (counts, time left): shown by
+                # status at once, not stored, since it changes every tick.
+                self.rollouts[model] = new
+                continue
             if new != r:
                 if new.phase == "Aborted":
                     self.metrics.rollouts.aborts.labels(model, "analysis").inc()
@@ -715,33 +730,95 @@ class RolloutController:
 
     # ---- metrics ------------------------------------------------------------------------------
 
+    def _export_routing(self, fleet: Fleet, overlay: RoutingOverlay) -> None:
+        """Every replica serves the same routes: each version's share of its model's traffic,
+        and the Envoy cluster name of each version (for joins with Envoy's stats)."""
+        m = self.metrics
+        exported: set[tuple[str, str]] = set()
+        for model in fleet.models:
+            slo = fleet.slo_of(model)
+            for sli, objective in (
+                ("availability", slo.availability),
+                ("ttft", slo.ttft_objective),
+                ("tpot", slo.tpot_objective),
+            ):
+                m.slo_objective.labels(model.name, sli).set(objective)
+            for sli, threshold in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s)):
+                # Only the current threshold's series: a changed one must not linger beside it.
+                with m.slo_threshold._lock:
+                    stale = [k for k in m.slo_threshold._metrics if k[:2] == (model.name, sli)]
+                le = floatToGoString(threshold)  # type: ignore[no-untyped-call]
+                for key in stale:
+                    if key[2] != le:
+                        m.slo_threshold.remove(*key)
+                m.slo_threshold.labels(model.name, sli, le).set(threshold)
+            split = dict(overlay.splits.get(model.name, ())) or {model.stable: 100}
+            total = sum(split.values()) or 1
+            for v in model.versions:
+                m.version_traffic.labels(model.name, v.name).set(split.get(v.name, 0) / total)
+                m.cluster_info.labels(stat_name(cluster_name(model.name, v.name)), model.name, v.name).set(1)
+                exported.add((model.name, v.name))
+        for model_name, version in self._routing_exported - exported:
+            with contextlib.suppress(KeyError):
+                m.version_traffic.remove(model_name, version)
+            with contextlib.suppress(KeyError):
+                m.cluster_info.remove(stat_name(cluster_name(model_name, version)), model_name, version)
+        self._routing_exported = exported
+
+    def set_leader(self, leads: bool) -> None:
+        """This replica gained or lost the leader lease: only the leader exports the rollout
+        and drain series, so a former leader's do not stay frozen beside the new one's."""
+        self.leader = leads
+        self._export()
+
     def _export(self) -> None:
         rm = self.metrics.rollouts
         fleet = self.file_fleet
         # A model that left the file keeps its rollout record (history), not its series.
         served = {m.name for m in fleet.models} if fleet is not None else set(self.rollouts)
+        if not self.leader:
+            served = set()
         weights: set[tuple[str, str]] = set()
+        analysed: set[tuple[str, str, str]] = set()
         for model, r in self.rollouts.items():
             if model not in served:
+                for p in PHASES:
+                    with contextlib.suppress(KeyError):
+                        rm.phase.remove(model, p)
+                with contextlib.suppress(KeyError):
+                    rm.step.remove(model)
                 continue
             for p in PHASES:
                 rm.phase.labels(model, p).set(1 if r.phase == p else 0)
             rm.step.labels(model).set(r.step + 1)
             for v, w in r.weights.items():
-                rm.version_weight.labels(model, v).set(w)
+                rm.version_weight.labels(model, v).set(w / 100.0)
                 weights.add((model, v))
             f = self.figures.get(model)
+            # A finished rollout has no step to judge: its last figures would mislead.
             if f is not None and active(r):
-                rm.canary_error_rate.labels(model, r.spec.canary).set(f[0].error_rate)
-                rm.canary_error_rate.labels(model, r.spec.stable).set(f[1].error_rate)
-            elif not active(r):
-                # A finished rollout has no step to judge: its last figures would mislead.
-                for v in (r.spec.canary, r.spec.stable):
-                    with contextlib.suppress(KeyError):
-                        rm.canary_error_rate.remove(model, v)
+                for role, version, fig in (("canary", r.spec.canary, f[0]), ("stable", r.spec.stable, f[1])):
+                    rm.analysis_error_ratio.labels(model, version, role).set(fig.error_rate)
+                    rm.analysis_requests.labels(model, version, role).set(round(fig.requests))
+                    if fig.p99_s is not None:
+                        rm.analysis_p99.labels(model, version, role).set(fig.p99_s)
+                    else:
+                        with contextlib.suppress(KeyError):
+                            rm.analysis_p99.remove(model, version, role)
+                    analysed.add((model, version, role))
         # Versions of an earlier rollout of the model that this one does not name.
         for model, v in self._weights_exported - weights:
-            rm.version_weight.remove(model, v)
+            with contextlib.suppress(KeyError):
+                rm.version_weight.remove(model, v)
         self._weights_exported = weights
+        for key in self._analysed_exported - analysed:
+            for family in (rm.analysis_error_ratio, rm.analysis_requests, rm.analysis_p99):
+                with contextlib.suppress(KeyError):
+                    family.remove(*key)
+        self._analysed_exported = analysed
         for state in ("draining", "drained"):
-            rm.draining.labels(state).set(sum(1 for d in self.drains.values() if d.state == state))
+            if self.leader:
+                rm.draining.labels(state).set(sum(1 for d in self.drains.values() if d.state == state))
+            else:
+                with contextlib.suppress(KeyError):
+                    rm.draining.remove(state)

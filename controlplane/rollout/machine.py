@@ -22,6 +22,10 @@ Rules (groundwork for the operator API; docs/rollouts.md will carry them):
   proxy's ACKed routes name the old stable. If some still do after `ack_deadline_s`, the
   rollout pauses naming them; Resume waits again, Promote completes it anyway, Abort goes
   back to the old stable.
+- While a running rollout waits at a tick, its reason says what for (`holding: 12/50 canary
+  requests, 18s left in the step`): the proxies that have not ACKed (how many, naming a few),
+  the canary requests so far against `min_requests`, the time left before the step may pass
+  or the wait pauses. Only the reason changes, so the caller may show it without storing it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ SHARE_FLOOR = 0.25
 SHARE_MIN_EXPECTED = 20
 UNSCRAPED = "unscraped"  # in Analysis.canary_uncounted: a server with no metrics read yet
 _RESTART_STEP = -1.0  # waiting_since after a resume or a promote: the step's clock starts next tick
+HOLDING = "holding: "  # how the reason of a running rollout that waits at a tick begins
+NAMED_PROXIES = 3  # a holding reason names this many proxies, then says how many more
 
 
 class RolloutRejected(ValueError):
@@ -221,6 +227,8 @@ class Rollout:
     weight: int = 0  # the canary's percent in force
     step_started_at: float = 0.0
     waiting_since: float = 0.0
+    # Why it is where it is: the last transition's reason, or, while it waits at a tick, what
+    # it waits for (HOLDING; a tick that changes only this returns no effects).
     reason: str = "waiting for every proxy to have the canary's cluster and endpoints"
     finishing: bool = False  # at 100%, waiting for every proxy's routes to leave the old stable
 
@@ -315,27 +323,95 @@ def _tick(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
                 ),
             )
             return p, [_audit(p)]
-        return r, []
+        left = r.spec.ack_deadline_s - (t.now - r.waiting_since)
+        waiting = _proxies(t.unacked_proxies, "has", "have")
+        return _hold(
+            r,
+            f"{waiting} not ACKed {r.spec.canary}'s cluster and endpoints, "
+            f"{duration_text(left)} left before the rollout pauses",
+        )
     verdict = _judge(r.spec, t.analysis)
     if verdict is not None:
         return _abort(r, verdict)
     if r.phase == "Paused":
         return r, []
     if r.waiting_since == _RESTART_STEP:
-        return replace(r, step_started_at=t.now, waiting_since=t.now), []
+        r = replace(r, step_started_at=t.now, waiting_since=t.now)
+        return _hold(r, step_holds_for(r, t))
     if r.spec.interval_s is None:
-        return r, []
-    if t.now - r.step_started_at < r.spec.interval_s:
-        return r, []
-    if t.analysis is None:
-        return r, []
+        return _hold(r, step_holds_for(r, t))
+    if t.now - r.step_started_at < r.spec.interval_s or t.analysis is None:
+        return _hold(r, step_holds_for(r, t))
     why = inconclusive(r.spec, r.weight, t.analysis)
     if why is not None:
         p = replace(r, phase="Paused", reason=why)
         return p, [_audit(p)]
     if _unseen(t.analysis) or t.analysis.canary_requests < r.spec.min_requests:
-        return r, []  # not enough evidence yet: hold the step
+        return _hold(r, step_holds_for(r, t))  # not enough evidence yet
     return _goto(r, r.step + 1, t.now, f"step {r.step + 1} passed analysis")
+
+
+def _hold(r: Rollout, waits_for: str) -> tuple[Rollout, list[Effect]]:
+    """The rollout as it is, its reason saying what it waits for (no effects: not audited)."""
+    return replace(r, reason=HOLDING + waits_for), []
+
+
+def step_holds_for(r: Rollout, t: Tick) -> str:
+    """What a running step waits for at this tick, after "holding: " (the step has not
+    passed: too few canary requests, no signal that counts canary failures yet, time left,
+    or a manual gate), with what the analysis has seen so far."""
+    spec, a = r.spec, t.analysis
+    n = a.canary_requests if a is not None else 0  # no analysis yet: the step just began
+    waits = []
+    if n < spec.min_requests:
+        # Said only of a window long enough that a request would show (reports and scrapes
+        # come every second or so).
+        idle = (
+            a is not None
+            and a.canary_requests + a.stable_requests == 0
+            and a.window_s >= INCONCLUSIVE_AFTER_S
+        )
+        waits.append(
+            f"{n}/{spec.min_requests} canary requests"
+            + (f" (no requests to {spec.model} in this step)" if idle else "")
+        )
+    judged = ""
+    if a is not None and _unseen(a):  # then nothing says the canary is within its limits
+        waits.append("a signal that counts the canary's failures (no load reports yet)")
+    elif a is not None and n >= spec.min_requests:
+        judged = f"; {n} canary requests, within the limits so far"
+    if spec.interval_s is None:  # the analysis can still abort, but only promote moves on
+        return "`cpctl rollout promote` (manual gates)" + (f"; {waits[0]}" if waits else judged)
+    left = spec.interval_s - (t.now - r.step_started_at)
+    if left > 0:
+        waits.append(f"{duration_text(left)} left in the step")
+    elif not waits:
+        waits.append("the step's next analysis")  # its first tick, with the interval already over
+    over = f"; the step's {duration_text(spec.interval_s)} interval is over" if left <= 0 else ""
+    return ", ".join(waits) + over + judged
+
+
+def duration_text(seconds: float) -> str:
+    """Whole seconds, rounded up: 18s, 4m31s, 5m, 1h2m."""
+    s = max(0, math.ceil(seconds - 1e-9))
+    if s < 60:
+        return f"{s}s"
+    m, s = divmod(s, 60)
+    if m < 60:
+        return f"{m}m{s}s" if s else f"{m}m"
+    h, m = divmod(m, 60)
+    return f"{h}h{m}m" if m else f"{h}h"
+
+
+def _proxies(names: Sequence[str], singular: str, plural: str) -> str:
+    """`2 proxies (gw-1, gw-2) have`: a few named, then how many more."""
+    ordered = sorted(names)
+    shown = ", ".join(ordered[:NAMED_PROXIES])
+    if len(ordered) > NAMED_PROXIES:
+        shown += f" and {len(ordered) - NAMED_PROXIES} more"
+    if len(ordered) == 1:
+        return f"1 proxy ({shown}) {singular}"
+    return f"{len(ordered)} proxies ({shown}) {plural}"
 
 
 def _unseen(a: Analysis) -> bool:
@@ -395,7 +471,7 @@ def _tick_finishing(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
     if not t.still_routed:
         return _complete(r, f"no proxy routes to {r.spec.stable} any more")
     if r.waiting_since <= 0:
-        return replace(r, waiting_since=t.now), []  # the wait for the proxies starts now
+        r = replace(r, waiting_since=t.now)  # the wait for the proxies starts now
     if t.now - r.waiting_since >= r.spec.ack_deadline_s:
         names = ", ".join(sorted(t.still_routed))
         p = replace(
@@ -407,7 +483,9 @@ def _tick_finishing(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
             ),
         )
         return p, [_audit(p)]
-    return r, []
+    left = r.spec.ack_deadline_s - (t.now - r.waiting_since)
+    routing = _proxies(t.still_routed, "still routes", "still route")
+    return _hold(r, f"{routing} to {r.spec.stable}, {duration_text(left)} left before the rollout pauses")
 
 
 def _complete(r: Rollout, reason: str) -> tuple[Rollout, list[Effect]]:

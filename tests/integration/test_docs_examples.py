@@ -11,10 +11,13 @@ temporary directory: the docs' fixed ports are mapped to free ones (also in a co
 deploy/fleet.yaml), `.venv/bin/` and bare tool names resolve to this environment's, and
 flags that the docs leave at their defaults are given explicitly (`serve`'s listen
 addresses and state directory, `emulate`'s address, `bootstrap`'s xDS address and admin
-port, cpctl's server and token). Each command must exit 0. A command that runs until
-stopped must still be running after a few seconds: a server in the foreground is then kept
-for the next examples, a `-w` watch is stopped. A command right after one started in the
-background is retried for a while, as a reader would wait for the server to come up.
+port, cpctl's server and token). Each command must exit 0. A server in the foreground must
+still be running after a few seconds, and is kept for the next examples. A `-w` watch
+follows the rollout to its end, as a reader would, and must exit 0 (3 is an abort); the
+commands in EXPECT must print what the docs say they do, so a walkthrough is run to its
+stated end (the rollout in docs/rollouts.md reaches Completed with v2 stable), not just to
+exit 0 per command. A command right after one started in the background is retried for a
+while, as a reader would wait for the server to come up.
 """
 
 from __future__ import annotations
@@ -88,7 +91,17 @@ SESSIONS = {
     "deploy": ["docs/deploy.md"],
 }
 SKIP_LINES = ("protos/generate.py           # after editing",)  # writes the checked-in code
-WATCH = re.compile(r"\s(-w|--watch)(\s|$)")  # runs until the rollout ends: stopped after a while
+WATCH = re.compile(r"\s(-w|--watch)(\s|$)")  # runs until the rollout ends
+WATCH_END_S = 60.0  # how long a watched rollout may take to end
+# (file, command as written) -> what its output must show: where a walkthrough says it ends.
+EXPECT = {
+    ("docs/rollouts.md", "cpctl rollout status llama-3-8b"): (
+        r"Phase:\s+Completed\n",
+        r"Stable:\s+v2\s+\(replaced v1\)\n",
+        r"Canary:\s+-\n",
+        r"Weights:.*\bv2 100%",
+    ),
+}
 SERVER = re.compile(r"^\S*controlplane (emulate|serve)\b")  # in the foreground: kept running
 
 
@@ -249,6 +262,10 @@ class Session:
             assert out.returncode == 0, (
                 f"{block.file}: `{raw}` exited {out.returncode}:\n{out.stdout[-1500:]}\n{out.stderr[-1500:]}"
             )
+            for pattern in EXPECT.get((block.file, raw), ()):
+                assert re.search(pattern, out.stdout), (
+                    f"{block.file}: `{raw}` does not show {pattern!r}:\n{out.stdout[-1500:]}"
+                )
 
     def _once(self, cmd: str, timeout: float) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -261,8 +278,8 @@ class Session:
         )
 
     def _long_running(self, block: Block, raw: str, cmd: str, keep: bool) -> None:
-        """Start it; it must still run (or have ended well) after 4 s. A server is kept
-        running for the next examples; a watch is stopped."""
+        """Start it. A server must still run (or have ended well) after 4 s, and is kept
+        running for the next examples; a watch must end well within WATCH_END_S."""
         log = self.tmp / f"fg{len(self.background)}.log"
         p = subprocess.Popen(
             ["bash", "-c", cmd],
@@ -273,12 +290,15 @@ class Session:
         )
         self.background.append(p)
         try:
-            code = p.wait(4)
+            code = p.wait(4 if keep else WATCH_END_S)
         except subprocess.TimeoutExpired:
             code = None
         if code is None and not keep:
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(10)
+            raise AssertionError(
+                f"{block.file}: `{raw}` still ran after {WATCH_END_S:g}s:\n{log.read_text()[-1500:]}"
+            )
         assert code in (None, 0), f"{block.file}: `{raw}` exited {code}:\n{log.read_text()[-1500:]}"
 
     def close(self) -> None:
@@ -295,6 +315,8 @@ class Session:
 
 def test_every_sh_block_is_run_or_has_a_reason() -> None:
     every = blocks()
+    run = {(b.file, c) for b in every if not not_run(b) for c in b.commands}
+    assert set(EXPECT) <= run, "EXPECT names commands the docs no longer run as written"
     stale = [k for k in NOT_RUN if not any(b.file == k[0] and b.key[1].startswith(k[1]) for b in every)]
     assert stale == [], "NOT_RUN names blocks the docs no longer have"
     sessions = {f for files in SESSIONS.values() for f in files}

@@ -168,7 +168,7 @@ async def test_failed_analysis_aborts_and_the_canary_drains(tmp_path: Path) -> N
     await c.tick()  # 10 requests: too few to judge, but the figures are exported
     assert c.rollouts["m"].phase == "Progressing"
     assert (
-        'controlplane_rollout_error_rate{model="m",version="v2"} 0.1'
+        'controlplane_rollout_analysis_error_ratio{model="m",role="canary",version="v2"} 0.1'
         in generate_latest(c.metrics.registry).decode()
     )
     signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=15, succeeded=11, failed=4, now=0)
@@ -179,7 +179,8 @@ async def test_failed_analysis_aborts_and_the_canary_drains(tmp_path: Path) -> N
     assert "error rate 20.00% over 25 requests" in r.reason
     # The finished rollout's error-rate series are gone, not frozen at their last value.
     text = generate_latest(c.metrics.registry).decode()
-    assert "controlplane_rollout_error_rate{" not in text
+    assert "controlplane_rollout_analysis_error_ratio{" not in text
+    assert "controlplane_rollout_analysis_requests{" not in text
     assert 'controlplane_rollout_phase{model="m",phase="Aborted"} 1.0' in text
     assert c.reconciler.overlay.splits == {}
     assert c.reconciler.overlay.draining == frozenset()  # routes first ...
@@ -420,7 +421,7 @@ async def test_rollout_series_follow_the_latest_rollout_and_the_models_in_the_fi
     await c.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
     await c.tick()
     text = generate_latest(c.metrics.registry).decode()
-    assert 'controlplane_rollout_version_weight_percent{model="m",version="v1"} 95.0' in text
+    assert 'controlplane_rollout_version_weight_ratio{model="m",version="v1"} 0.95' in text
     # The next rollout names other versions: the earlier one's weights do not linger.
     await c.command("m", machine.Abort(), "t")
     c.set_file_fleet(parse_fleet(FLEET.replace("v2: {endpoints", "v3: {endpoints")))
@@ -430,12 +431,80 @@ async def test_rollout_series_follow_the_latest_rollout_and_the_models_in_the_fi
     await c.tick()
     text = generate_latest(c.metrics.registry).decode()
     assert 'version="v2"' not in text
-    assert 'controlplane_rollout_version_weight_percent{model="m",version="v3"}' in text
+    assert 'controlplane_rollout_version_weight_ratio{model="m",version="v3"}' in text
     # The model leaves the file: its rollout record stays, its series go.
     c.set_file_fleet(parse_fleet(FLEET.replace("  m:\n", "  n:\n")))
-    assert c.metrics.registry.get_sample_value("controlplane_rollout_step", {"model": "m"}) is not None
+    assert c.metrics.registry.get_sample_value("controlplane_rollout_step", {"model": "m"}) is None
     c.metrics.retain_models({"n"})  # the weight loop's sweep, every round
     c.publish()
     text = generate_latest(c.metrics.registry).decode()
     assert 'model="m"' not in text
     assert "m" in c.rollouts
+
+
+@run_async
+async def test_only_the_leader_exports_rollout_series_and_a_former_leaders_go(tmp_path: Path) -> None:
+    clock, signals = Clock(), SignalStore()
+    c = await controller(tmp_path, clock, signals)
+    await c.start(RolloutSpec("m", "", "v2", interval_s=30, min_requests=20, max_error_rate=0.05), "t")
+    await c.tick()
+    await c.tick()
+    signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=10, succeeded=9, failed=1, now=0)
+    await c.tick()
+    get = c.metrics.registry.get_sample_value
+    canary = {"model": "m", "version": "v2", "role": "canary"}
+    assert get("controlplane_rollout_analysis_requests", canary) == 10
+    assert get("controlplane_rollout_analysis_error_ratio", canary) == 0.1
+    assert get("controlplane_rollout_step", {"model": "m"}) is not None
+    # Leadership lost: the rollout goes on elsewhere; nothing of it stays here, frozen.
+    c.set_leader(False)
+    text = generate_latest(c.metrics.registry).decode()
+    for family in ("phase", "step", "version_weight_ratio", "analysis_error_ratio", "analysis_requests"):
+        assert f"controlplane_rollout_{family}{{" not in text, family
+    assert "controlplane_endpoints_draining{" not in text
+    # A follower that hears of a change (restore -> publish) still exports nothing.
+    c.publish()
+    assert "controlplane_rollout_phase{" not in generate_latest(c.metrics.registry).decode()
+    # Leading again: the series come back from the state it holds.
+    c.set_leader(True)
+    assert get("controlplane_rollout_phase", {"model": "m", "phase": "Progressing"}) == 1
+    assert get("controlplane_endpoints_draining", {"state": "draining"}) is not None
+
+
+@run_async
+async def test_a_holding_step_says_what_it_waits_for_as_counts_change_without_storing_it(
+    tmp_path: Path,
+) -> None:
+    from controlplane.admin.service import rollout_message
+
+    clock, signals = Clock(), SignalStore()
+    c = await controller(tmp_path, clock, signals)
+    await c.start(RolloutSpec("m", "", "v2", interval_s=30, min_requests=50), "t")
+    await c.tick()  # no proxies connected: step 1 at once
+    stored = c.rollouts["m"].reason
+    assert stored == "every proxy has the canary's cluster and endpoints"
+    await c.tick()  # the step's analysis takes its baseline
+    assert rollout_message(c, c.rollouts["m"]).reason == "holding: 0/50 canary requests, 30s left in the step"
+    shown = []
+    for canary in (12, 20):
+        clock.t += 6
+        signals.record_lrs(
+            ("m", V2), "envoy", in_progress=0, issued=canary, succeeded=canary, failed=0, now=0
+        )
+        signals.record_lrs(("m", V1), "envoy", in_progress=0, issued=200, succeeded=200, failed=0, now=0)
+        await c.tick()
+        shown.append(rollout_message(c, c.rollouts["m"]).reason)
+    assert shown == [
+        "holding: 12/50 canary requests, 24s left in the step",
+        "holding: 32/50 canary requests, 18s left in the step",
+    ]
+    # Shown, not stored: the store and the audit trail keep the step's transition.
+    assert (await RolloutStore(tmp_path).load()).rollouts["m"].reason == stored
+    assert not any(a.reason.startswith(machine.HOLDING) for a in await c.history("m"))
+    clock.t += 30
+    await c.tick()
+    assert c.rollouts["m"].reason == "holding: 32/50 canary requests; the step's 30s interval is over"
+    signals.record_lrs(("m", V2), "envoy", in_progress=0, issued=18, succeeded=18, failed=0, now=0)
+    signals.record_lrs(("m", V1), "envoy", in_progress=0, issued=100, succeeded=100, failed=0, now=0)
+    await c.tick()
+    assert (c.rollouts["m"].step, c.rollouts["m"].reason) == (1, "step 1 passed analysis")

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.rollout.machine import (
+    HOLDING,
     INCONCLUSIVE,
     INCONCLUSIVE_AFTER_S,
     Abort,
@@ -17,6 +18,7 @@ from controlplane.rollout.machine import (
     Promote,
     Resume,
     Return,
+    Rollout,
     RolloutRejected,
     RolloutSpec,
     SetStable,
@@ -24,6 +26,7 @@ from controlplane.rollout.machine import (
     Tick,
     Transition,
     apply,
+    duration_text,
     inconclusive,
     run,
     start,
@@ -407,3 +410,215 @@ def test_no_step_passes_on_an_analysis_that_could_not_see_a_failure(
         if r.phase == "Paused" and before.phase != "Paused":
             assert r.reason.startswith(INCONCLUSIVE)
             assert t - before.step_started_at >= SPEC.interval_s  # type: ignore[operator]
+
+
+# ---- what a holding rollout waits for ---------------------------------------------------------
+
+WAIT = RolloutSpec(model="chat", stable="v1", canary="v2", interval_s=30.0, min_requests=50)
+
+
+def covered(canary: int, stable: int = 100, window_s: float = 10.0) -> Analysis:
+    return Analysis(canary_requests=canary, canary_error_rate=0.0, stable_requests=stable, window_s=window_s)
+
+
+def at_step(spec: RolloutSpec = WAIT, now: float = 0.0) -> Rollout:
+    """The rollout at its first step, begun at `now`."""
+    r, _ = run(spec, [Tick(now)], now=now)
+    assert r.step == 0
+    return r
+
+
+@pytest.mark.parametrize(
+    ("unacked", "now", "reason"),
+    [
+        (("gw-1",), 10.0, "holding: 1 proxy (gw-1) has not ACKed v2's cluster and endpoints, 20s left"),
+        (
+            ("gw-2", "gw-1"),
+            0.0,
+            "holding: 2 proxies (gw-1, gw-2) have not ACKed v2's cluster and endpoints, 30s",
+        ),
+        (
+            ("a", "b", "c"),
+            29.5,
+            "holding: 3 proxies (a, b, c) have not ACKed v2's cluster and endpoints, 1s left",
+        ),
+        (("e", "d", "c", "b", "a"), 1.0, "holding: 5 proxies (a, b, c and 2 more) have not ACKed"),
+    ],
+)
+def test_waiting_for_proxies_names_how_many_a_few_of_them_and_the_time_left(
+    unacked: tuple[str, ...], now: float, reason: str
+) -> None:
+    r, _ = start(WAIT, now=0.0)
+    r, eff = apply(r, Tick(now, unacked_proxies=unacked))
+    assert (r.phase, r.step, eff) == ("Progressing", -1, [])
+    assert r.reason.startswith(reason), r.reason
+    assert r.reason.endswith("left before the rollout pauses")
+
+
+@pytest.mark.parametrize(
+    ("now", "analysis", "reason"),
+    [
+        # The step's first tick: the analysis has only taken its baseline.
+        (0.0, None, "holding: 0/50 canary requests, 30s left in the step"),
+        (12.0, covered(12), "holding: 12/50 canary requests, 18s left in the step"),
+        (12.4, covered(12), "holding: 12/50 canary requests, 18s left in the step"),  # rounded up
+        (29.0, covered(49), "holding: 49/50 canary requests, 1s left in the step"),
+        # The quick start's symptom: nobody sends requests at all (said once the window is
+        # long enough to tell).
+        (3.0, covered(0, 0, window_s=3.0), "holding: 0/50 canary requests, 27s left in the step"),
+        (5.0, covered(0, 0), "holding: 0/50 canary requests (no requests to chat in this step), 25s left"),
+        (40.0, covered(12), "holding: 12/50 canary requests; the step's 30s interval is over"),
+        (
+            95.0,
+            covered(0, 0),
+            "holding: 0/50 canary requests (no requests to chat in this step); "
+            "the step's 30s interval is over",
+        ),
+        (20.0, covered(62), "holding: 10s left in the step; 62 canary requests, within the limits so far"),
+        (20.0, covered(50), "holding: 10s left in the step; 50 canary requests, within the limits so far"),
+    ],
+)
+def test_a_timed_step_says_what_it_waits_for(now: float, analysis: Analysis | None, reason: str) -> None:
+    r, eff = apply(at_step(), Tick(now, analysis=analysis))
+    assert (r.phase, r.step, eff) == ("Progressing", 0, [])
+    assert r.reason.startswith(reason), r.reason
+
+
+def test_the_reason_follows_the_counts_and_the_clock_tick_by_tick() -> None:
+    r = at_step()
+    seen = []
+    for now, n in ((1.0, 0), (2.0, 3), (10.0, 12), (20.0, 30), (31.0, 49)):
+        before = r
+        r, eff = apply(r, Tick(now, analysis=covered(n)))
+        assert eff == [] and replace(r, reason=before.reason) == before  # only the reason changed
+        seen.append(r.reason)
+    assert seen == [
+        "holding: 0/50 canary requests, 29s left in the step",
+        "holding: 3/50 canary requests, 28s left in the step",
+        "holding: 12/50 canary requests, 20s left in the step",
+        "holding: 30/50 canary requests, 10s left in the step",
+        "holding: 49/50 canary requests; the step's 30s interval is over",
+    ]
+    r, eff = apply(r, Tick(32.0, analysis=covered(50)))
+    assert (r.step, r.reason) == (1, "step 1 passed analysis") and eff  # a transition, audited
+
+
+def test_a_step_with_no_signal_for_canary_failures_says_so_while_it_holds() -> None:
+    short = replace(BLIND, canary_requests=60, window_s=INCONCLUSIVE_AFTER_S - 1)
+    r, _ = apply(at_step(), Tick(31.0, analysis=short))
+    assert r.reason == (
+        "holding: a signal that counts the canary's failures (no load reports yet); "
+        "the step's 30s interval is over"
+    )
+    r, _ = apply(at_step(), Tick(3.0, analysis=replace(short, canary_requests=7)))
+    assert r.reason == (
+        "holding: 7/50 canary requests, a signal that counts the canary's failures (no load reports yet), "
+        "27s left in the step"
+    )
+
+
+@pytest.mark.parametrize(
+    ("analysis", "reason"),
+    [
+        (None, "holding: `cpctl rollout promote` (manual gates); 0/50 canary requests"),
+        (covered(12), "holding: `cpctl rollout promote` (manual gates); 12/50 canary requests"),
+        (
+            covered(0, 0),
+            "holding: `cpctl rollout promote` (manual gates); "
+            "0/50 canary requests (no requests to chat in this step)",
+        ),
+        (
+            covered(80),
+            "holding: `cpctl rollout promote` (manual gates); 80 canary requests, within the limits so far",
+        ),
+    ],
+)
+def test_a_manual_step_waits_for_promote_and_shows_its_requests(
+    analysis: Analysis | None, reason: str
+) -> None:
+    r, eff = apply(at_step(replace(WAIT, interval_s=None)), Tick(5000.0, analysis=analysis))
+    assert (r.phase, r.step, eff, r.reason) == ("Progressing", 0, [], reason)
+
+
+def test_a_promoted_step_counts_its_time_left_from_the_promote() -> None:
+    r, _ = apply(at_step(), Tick(20.0, analysis=covered(10)))
+    r, _ = apply(r, Promote())
+    assert r.reason == "promoted by operator"
+    r, eff = apply(r, Tick(25.0, analysis=None))  # the step's clock starts here
+    assert (r.step, r.step_started_at) == (1, 25.0) and eff == []
+    assert r.reason == "holding: 0/50 canary requests, 30s left in the step"
+    r, _ = apply(r, Tick(40.0, analysis=covered(20)))
+    assert r.reason == "holding: 20/50 canary requests, 15s left in the step"
+
+
+def test_finishing_names_the_proxies_that_still_route_to_the_old_stable() -> None:
+    r, _ = run(SPEC, [Tick(0.0), *(Tick(t, analysis=GOOD) for t in (10.0, 20.0, 30.0, 40.0))])
+    assert r.finishing
+    r, eff = apply(r, Tick(41.0, still_routed=("stuck",)))
+    assert (
+        eff == []
+        and r.reason == "holding: 1 proxy (stuck) still routes to v1, 30s left before the rollout pauses"
+    )
+    r, eff = apply(r, Tick(61.0, still_routed=("b", "a", "c", "d")))
+    assert eff == [] and r.reason == (
+        "holding: 4 proxies (a, b, c and 1 more) still route to v1, 10s left before the rollout pauses"
+    )
+    r, eff = apply(r, Tick(71.0, still_routed=("stuck",)))
+    assert r.phase == "Paused" and not r.reason.startswith(HOLDING)
+
+
+def test_a_paused_or_finished_rollout_keeps_its_reason() -> None:
+    r, _ = apply(at_step(), Tick(5.0, analysis=covered(3)))
+    assert r.reason.startswith(HOLDING)
+    p, _ = apply(r, Pause("look at the dashboards"))
+    assert apply(p, Tick(6.0, analysis=covered(4))) == (p, [])
+    r, _ = apply(p, Resume())
+    assert r.reason == "resumed"
+    r, _ = apply(r, Tick(7.0, analysis=covered(5)))
+    assert r.reason == "holding: 5/50 canary requests, 23s left in the step"
+    done, _ = apply(r, Abort())
+    assert apply(done, Tick(8.0, analysis=covered(9))) == (done, [])
+
+
+def test_min_requests_zero_waits_only_for_time() -> None:
+    spec = replace(WAIT, min_requests=0)
+    r, _ = apply(at_step(spec), Tick(10.0, analysis=covered(0, 0)))
+    assert r.reason == "holding: 20s left in the step; 0 canary requests, within the limits so far"
+    r, _ = apply(at_step(spec), Tick(10.0))
+    assert r.reason == "holding: 20s left in the step"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (-3.0, "0s"),
+        (0.0, "0s"),
+        (0.2, "1s"),
+        (18.0, "18s"),
+        (59.5, "1m"),
+        (90.0, "1m30s"),
+        (300.0, "5m"),
+        (271.0, "4m31s"),
+        (3600.0, "1h"),
+        (3720.0, "1h2m"),
+    ],
+)
+def test_duration_text(seconds: float, text: str) -> None:
+    assert duration_text(seconds) == text
+
+
+@settings(max_examples=300, deadline=None)
+@given(commands)
+def test_holding_is_shown_never_audited_and_only_while_progressing(cmds: list[object]) -> None:
+    r, _ = start(SPEC, 0.0)
+    for c in sorted_ticks(cmds):
+        try:
+            new, eff = apply(r, c)  # type: ignore[arg-type]
+        except RolloutRejected:
+            continue
+        assert all(not e.reason.startswith(HOLDING) for e in eff if isinstance(e, Transition))
+        if new.reason.startswith(HOLDING):
+            assert new.phase == "Progressing"
+        if replace(new, reason=r.reason) == r:
+            assert eff == []  # a change of what it waits for alone is nothing to apply or audit
+        r = new
