@@ -167,6 +167,7 @@ class ControlPlane:
                 replica,
                 options.leader_ttl_s,
                 on_change=self._on_leadership,
+                on_store=self.metrics.store_reachable.set,
             )
         self.metrics.rollouts.leader.set(1 if self.rollouts.leader else 0)
         self.health = health.aio.HealthServicer()
@@ -237,7 +238,8 @@ class ControlPlane:
         )
 
     def _on_leadership(self, leads: bool) -> None:
-        self.rollouts.leader = leads
+        self.metrics.rollouts.leader_changes.inc()
+        self.rollouts.set_leader(leads)
         self.metrics.rollouts.leader.set(1 if leads else 0)
 
     def _on_fleet(self, fleet: Fleet) -> None:

@@ -36,11 +36,13 @@ class LeaderElection:
         ttl_s: int = 5,
         on_change: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_store: Callable[[bool], None] | None = None,
     ) -> None:
         self.etcd = etcd
         self.replica = replica
         self.ttl_s = ttl_s
         self.on_change = on_change
+        self.on_store = on_store  # told after each round whether etcd answered it
         self.clock = clock
         self.key = etcd.url.key("leader")
         self._lease: Any = None
@@ -92,18 +94,22 @@ class LeaderElection:
         """Campaign, then keep the lease alive, until cancelled (then resign)."""
         try:
             while True:
+                reached = True
                 try:
                     if self._lease is None:
                         await self._campaign()
                     else:
                         await self._keep_alive()
                 except StoreUnavailable as e:
+                    reached = False
                     if self._lease is not None and not self.is_leader():
                         log.warning("leadership lapsed: etcd unreachable", error=str(e))
                         self._lease = None
                 except Exception as e:  # e.g. the lease is gone: campaign afresh
                     log.warning("leader election round failed", error=repr(e))
                     self._lease = None
+                if self.on_store is not None:
+                    self.on_store(reached)
                 self._report()
                 await asyncio.sleep(self.ttl_s / 3 if self._lease is not None else 0.5)
         finally:

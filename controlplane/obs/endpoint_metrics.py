@@ -36,6 +36,20 @@ class EndpointRow:
     signal_age_s: float
     in_flight: float
     scrape_errors: int  # cumulative, for as long as the endpoint is in the fleet
+    was_ready: bool = False  # it has been ready since it joined (else it is still warming)
+
+    @property
+    def state(self) -> str:
+        """ready; held_out (it was ready, and is not now); warming (not ready yet since it joined)."""
+        return "ready" if self.ready else "held_out" if self.was_ready else "warming"
+
+
+VERSION_STATES = ("ready", "held_out", "warming")
+_VERSION_ENDPOINTS_HELP = (
+    "Endpoints of the version by state: ready, held_out (it was ready since it joined and is not "
+    "now: failing health probes, out of sight), warming (not ready yet since it joined or since "
+    "the control plane started). Every state is present for every version, 0 included."
+)
 
 
 # (metric name, help, row field); weight and ready are rendered from their own fields.
@@ -54,14 +68,14 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("controlplane_endpoint_ready", "1 if the endpoint is ready (/health), else 0.", "ready"),
     ("controlplane_endpoint_running", "Requests the server reports running.", "running"),
     ("controlplane_endpoint_waiting", "Requests the server reports queued.", "waiting"),
-    ("controlplane_endpoint_kv_cache_usage", "KV-cache use the server reports (0-1).", "kv_use"),
+    ("controlplane_endpoint_kv_cache_usage_ratio", "KV-cache use the server reports (0-1).", "kv_use"),
     (
         "controlplane_endpoint_latency_seconds",
         "EWMA of the mean end-to-end request latency the server reports, per scrape interval.",
         "latency_s",
     ),
     (
-        "controlplane_endpoint_error_rate",
+        "controlplane_endpoint_error_ratio",
         "EWMA error share: the worse of the server's counters and the proxies' load reports.",
         "error_rate",
     ),
@@ -101,6 +115,9 @@ class EndpointRows(Collector):
             "Scrapes of the endpoint's /metrics that failed or returned an unreadable page.",
             labels=ENDPOINT_LABELS,
         )
+        yield GaugeMetricFamily(
+            "controlplane_version_endpoints", _VERSION_ENDPOINTS_HELP, labels=["model", "version", "state"]
+        )
 
     def collect(self) -> Iterator[Metric]:
         rows, at = self._rows
@@ -121,3 +138,15 @@ class EndpointRows(Collector):
         for r in rows:
             c.add_metric([r.model, r.version, r.endpoint], float(r.scrape_errors))
         yield c
+        # Per version, what the model-level alerts read (one series per state, not per endpoint).
+        counts: dict[tuple[str, str], dict[str, int]] = {}
+        for r in rows:
+            by_state = counts.setdefault((r.model, r.version), dict.fromkeys(VERSION_STATES, 0))
+            by_state[r.state] += 1
+        v = GaugeMetricFamily(
+            "controlplane_version_endpoints", _VERSION_ENDPOINTS_HELP, labels=["model", "version", "state"]
+        )
+        for (model, version), by_state in counts.items():
+            for state, n in by_state.items():
+                v.add_metric([model, version, state], float(n))
+        yield v

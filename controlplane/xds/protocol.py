@@ -182,6 +182,8 @@ class TypeState:
     keep_resources: bool = True
     # The snapshot generation this type was last found fully in sync with (-1: not known).
     settled: int = -1
+    # When the oldest response not yet answered (ACK or NACK) was sent; None: none awaits.
+    unacked_since: float | None = None
 
     def withholds(self, name: str, version: str) -> bool:
         """Whether `name` at `version` must not go to the proxy now: it rejected it, or it
@@ -373,6 +375,7 @@ class XdsStream:
         self.memory = memory if memory is not None else ClusterMemory()
         self._nonce = 0
         self._unknown_reported: set[str] = set()
+        self._now = 0.0  # the time of the call being handled (set_snapshot, receive)
         # A cluster new to the proxy, or updated, warms on EDS sent after it: name -> CDS nonce.
         self._eds_fresh_after: dict[str, int] = {}
         # Clusters the proxy brought from an earlier stream, kept until a route sent here is
@@ -385,6 +388,7 @@ class XdsStream:
         """A new desired state: send what changed, in make-before-break order."""
         previous = self.snapshot.generation
         self.snapshot = snapshot
+        self._now = now
         return list(self._pump(fast_from=previous if snapshot.parent == previous else None))
 
     def receive(
@@ -394,6 +398,7 @@ class XdsStream:
     ) -> list[Event]:
         """One request from the proxy: subscription change, ACK or NACK."""
         events: list[Event] = []
+        self._now = now
         if request.HasField("node") and len(request.node.id) > limits.XDS_MAX_NODE_ID_CHARS:
             return [
                 Refused(
@@ -578,6 +583,7 @@ class XdsStream:
         if flight is None or nonce != flight.nonce:
             return []
         ts.in_flight = None
+        ts.unacked_since = None
         ts.settled = -1
         if error or code:
             return [self._nack(type_url, ts, flight, error or f"rejected with code {code}")]
@@ -1008,6 +1014,8 @@ class XdsStream:
         ts.latest_nonce = nonce
         ts.responded = True
         ts.answered |= removed
+        if ts.unacked_since is None:
+            ts.unacked_since = self._now
         ts.in_flight = _InFlight(
             nonce=nonce,
             version=version,
@@ -1056,6 +1064,12 @@ class XdsStream:
         if ts.in_flight is not None:
             return "STALE"
         return "SYNCED" if ts.settled == self.snapshot.generation else "STALE"
+
+    def unacked_since(self, type_url: str) -> float | None:
+        """When the oldest response of the type that the proxy has not yet answered (ACK or
+        NACK) was sent, on the clock the calls were given; None when none awaits an answer."""
+        ts = self.types.get(type_url)
+        return None if ts is None else ts.unacked_since
 
     def reason(self, type_url: str) -> str:
         """Why a type is not SYNCED, in an operator's words ('' when it is)."""

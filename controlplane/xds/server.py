@@ -173,7 +173,8 @@ class ProxyRegistry:
         self.streams: dict[int, ConnectedStream] = {}
         self.nodes: dict[str, int] = {}  # node id -> its identified streams here
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._stale: tuple[float, dict[str, int]] = (0.0, {})
+        self._stale: tuple[float, dict[str, tuple[int, float]]] = (0.0, {})
+        self.clock: Callable[[], float] = time.monotonic  # the streams' clock (the server's)
         self._stale_lock = threading.Lock()
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -217,8 +218,9 @@ class ProxyRegistry:
         else:
             self.nodes.pop(node_id, None)
 
-    def stale_counts(self, max_age_s: float = 0.25) -> dict[str, int]:
-        """Connected streams per type whose config is STALE, computed on the loop at most once
+    def stale_counts(self, max_age_s: float = 0.25) -> dict[str, tuple[int, float]]:
+        """Per type: connected streams whose config is STALE, and the age of the oldest
+        response not yet ACKed or NACKed (0: none awaits). Computed on the loop at most once
         per `max_age_s` however many scrapes ask at once."""
         with self._stale_lock:
             at, counts = self._stale
@@ -228,13 +230,21 @@ class ProxyRegistry:
             self._stale = (time.monotonic(), counts)
             return counts
 
-    def _count_stale(self) -> dict[str, int]:
+    def _count_stale(self) -> dict[str, tuple[int, float]]:
+        now = self.clock()
         stale = dict.fromkeys((type_label(t) for t in TYPE_URLS), 0)
+        oldest = dict.fromkeys((type_label(t) for t in TYPE_URLS), 0.0)
         for stream in self.streams.values():
             for t in TYPE_URLS:
-                if t in stream.protocol.types and stream.protocol.status(t) == "STALE":
-                    stale[type_label(t)] += 1
-        return stale
+                if t not in stream.protocol.types:
+                    continue
+                label = type_label(t)
+                if stream.protocol.status(t) == "STALE":
+                    stale[label] += 1
+                since = stream.protocol.unacked_since(t)
+                if since is not None:
+                    oldest[label] = max(oldest[label], now - since)
+        return {label: (stale[label], oldest[label]) for label in stale}
 
 
 class StaleProxiesCollector:
@@ -254,9 +264,18 @@ class StaleProxiesCollector:
             "above 0 for minutes means a proxy is not converging.",
             labels=["type"],
         )
-        for label, n in self.registry.stale_counts().items():
+        age = GaugeMetricFamily(
+            "controlplane_xds_oldest_unacked_response_seconds",
+            "Age of the oldest xDS response of a type that a connected proxy has neither ACKed nor "
+            "NACKed (0: every response answered). A push in flight keeps it under a second; a "
+            "proxy that does not converge makes it grow.",
+            labels=["type"],
+        )
+        for label, (n, oldest) in self.registry.stale_counts().items():
             g.add_metric([label], n)
+            age.add_metric([label], oldest)
         yield g
+        yield age
 
 
 class XdsServer:
@@ -272,6 +291,7 @@ class XdsServer:
         self.cache = cache
         self.metrics = metrics
         self.registry = registry or ProxyRegistry()
+        self.registry.clock = clock
         metrics.registry.register(StaleProxiesCollector(self.registry))
         self.clock = clock
         # What proxies of this process ACKed: reconnecting proxies are resolved against it.

@@ -186,7 +186,7 @@ def test_envoy_load_reports_feed_in_flight_and_errors(rig: Rig) -> None:
         # vLLM's counters only count successes: the 500s are seen through Envoy's load reports.
         wait_until(lambda: cp.metric("controlplane_endpoint_in_flight", model=MODEL) > 0, 10, "LRS in-flight")
         wait_until(
-            lambda: cp.metric("controlplane_endpoint_error_rate", endpoint=bad) > 0.2, 10, "LRS errors"
+            lambda: cp.metric("controlplane_endpoint_error_ratio", endpoint=bad) > 0.2, 10, "LRS errors"
         )
         wait_until(lambda: rig.weights()["bad"] < rig.weights()["a"] / 4, 15, "the erroring server's weight")
         t0 = time.monotonic()
@@ -196,4 +196,4 @@ def test_envoy_load_reports_feed_in_flight_and_errors(rig: Rig) -> None:
     # rarely has requests in flight and least request keeps picking it (outlier detection,
     # which ejects it, is the tier policy's job).
     assert share.get("bad", 0) < 0.9 * share["a"], (share, rig.weights())
-    assert cp.metric("controlplane_endpoint_error_rate", endpoint=rig.servers["a"].address) == 0
+    assert cp.metric("controlplane_endpoint_error_ratio", endpoint=rig.servers["a"].address) == 0

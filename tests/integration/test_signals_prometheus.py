@@ -12,18 +12,15 @@ is skipped, unless CONTROLPLANE_REQUIRE_PROMTOOL=1 (CI), where it fails.
 from __future__ import annotations
 
 import contextlib
-import json
-import shutil
 import threading
 import time
-import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import EmulatedFleet, Emulator, Proc, free_port, http_get, wait_until
-from tests.peers import required
+from tests.integration.harness import EmulatedFleet, Emulator, wait_until
+from tests.integration.prometheus import Prometheus, prometheus_binary
 
 pytestmark = pytest.mark.envoy
 
@@ -36,52 +33,6 @@ SIGNALS = (
     "{{source: prometheus, interval: 1s, stale_after: 3s, stale_full: 8s, "
     "prometheus: {{url: 'http://127.0.0.1:{port}', interval: 1s, timeout: 500ms}}}}"
 )
-
-
-def prometheus_binary() -> str:
-    return required(
-        shutil.which("prometheus"),
-        missing="the prometheus server is missing: install Debian's prometheus package "
-        "(apt-get install --no-install-recommends prometheus), as .ci/run does",
-        env="CONTROLPLANE_REQUIRE_PROMTOOL",
-    )
-
-
-class Prometheus:
-    """A real Prometheus on a free loopback port, scraping `targets` every second."""
-
-    def __init__(self, binary: str, tmp: Path, targets: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = tmp / "prometheus.yml"
-        config.write_text(
-            "global: {scrape_interval: 1s, scrape_timeout: 900ms, evaluation_interval: 1s}\n"
-            "scrape_configs:\n"
-            f"  - {{job_name: vllm, static_configs: [{{targets: {json.dumps(targets)}}}]}}\n"
-        )
-        self.proc = Proc(
-            "prometheus",
-            [
-                binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={tmp / 'prometheus-data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-            ],
-            tmp,
-        )
-
-    def query(self, promql: str) -> list[dict[str, object]]:
-        status, body = http_get(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}")
-        assert status == 200, body
-        return json.loads(body)["data"]["result"]  # type: ignore[no-any-return]
-
-    def alive(self) -> bool:
-        if not self.proc.alive():
-            raise AssertionError(f"prometheus exited:\n{self.proc.log()[-3000:]}")
-        return True
-
-    def stop(self) -> None:
-        self.proc.stop()
 
 
 class Rig(EmulatedFleet):
@@ -141,7 +92,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     try:
         for name in ("a", "b", "d"):
             r.servers[name] = Emulator(name, tmp_path, MODEL, **FAST)
-        r.prometheus = Prometheus(binary, tmp_path, [s.address for s in r.servers.values()])
+        r.prometheus = Prometheus.scraping(binary, tmp_path, [s.address for s in r.servers.values()])
         yield r
     finally:
         r.close()

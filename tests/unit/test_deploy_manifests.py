@@ -532,7 +532,7 @@ def test_the_dashboard_loads_and_every_panel_has_queries_on_the_datasource_varia
         "histogram_quantile(0.99, sum by (le, type) (rate(controlplane_xds_convergence_seconds_bucket",
         "controlplane_endpoint_weight",
         "controlplane_model_load_balance_degree",
-        "controlplane_rollout_version_weight_percent",
+        "controlplane_rollout_version_weight_ratio",
         "controlplane_rollout_phase",
         "envoy_cluster_upstream_rq_total",
         "envoy_cluster_upstream_rq_xx",
@@ -555,3 +555,31 @@ def test_the_keda_example_reaches_the_scaler_port_of_the_control_plane_service()
     fleet = parse_fleet(configmap_file("controlplane-fleet", "fleet.yaml"))
     assert trigger["metadata"]["model"] in {m.name for m in fleet.models}
     assert obj["spec"]["minReplicaCount"] == 0  # scale to zero: IsActive decides
+
+
+def test_the_alertmanager_example_routes_by_severity_and_inhibits_alerts_that_exist() -> None:
+    prom = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
+    am = yaml.safe_load((prom / "alertmanager.yml").read_text())
+    alerts = {
+        r["alert"]
+        for g in yaml.safe_load((prom / "alerts.yml").read_text())["groups"]
+        for r in g["rules"]
+        if "alert" in r
+    }
+    receivers = {r["name"] for r in am["receivers"]}
+    routes = am["route"]["routes"]
+    assert am["route"]["receiver"] in receivers and all(r["receiver"] in receivers for r in routes)
+    assert any('severity="critical"' in r["matchers"] for r in routes)
+    named: set[str] = set()
+    for rule in am["inhibit_rules"]:
+        for m in rule["source_matchers"] + rule["target_matchers"]:
+            found = re.fullmatch(r'alertname=~?"([^"]+)"', m)
+            assert found, m
+            named |= set(found.group(1).split("|"))
+        assert "namespace" in rule["equal"]
+    # A renamed alert would silently stop being inhibited: every name must exist.
+    assert named <= alerts, named - alerts
+    # Webhooks in the example stay on loopback.
+    for r in am["receivers"]:
+        for hook in r.get("webhook_configs", []):
+            assert hook["url"].startswith("http://127.0.0.1:"), hook

@@ -94,3 +94,48 @@ def test_the_sweep_removes_only_models_the_fleet_no_longer_has() -> None:
     page = generate_latest(m.registry).decode()
     assert 'model="gone"' not in page
     assert 'model="kept"' in page and 'model="(gateway)"' in page and 'model=""' in page
+
+
+def test_version_endpoints_count_each_state_and_every_state_is_present() -> None:
+    def row(version: str, n: int, ready: bool, was_ready: bool) -> EndpointRow:
+        return EndpointRow(
+            "m",
+            version,
+            f"127.0.0.{n}:8000",
+            10 if ready else 0,
+            ready,
+            1.0,
+            0,
+            0,
+            0.0,
+            0.1,
+            0.0,
+            0.5,
+            0.0,
+            0,
+            was_ready=was_ready or ready,
+        )
+
+    rows = EndpointRows(clock=lambda: 0.0)
+    rows.publish(
+        (
+            row("v1", 1, True, True),
+            row("v1", 2, False, True),  # was ready, is not now: held out
+            row("v1", 3, False, False),  # never ready since it joined: warming
+            row("v2", 4, False, False),
+        ),
+        at=0.0,
+    )
+    families = {f.name: f for f in rows.collect()}
+    got = {
+        (s.labels["version"], s.labels["state"]): s.value
+        for s in families["controlplane_version_endpoints"].samples
+    }
+    assert got == {
+        ("v1", "ready"): 1,
+        ("v1", "held_out"): 1,
+        ("v1", "warming"): 1,
+        ("v2", "ready"): 0,  # present at 0: "no ready endpoint" is a sample, not an absence
+        ("v2", "held_out"): 0,
+        ("v2", "warming"): 1,
+    }

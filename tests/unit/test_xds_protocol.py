@@ -179,6 +179,28 @@ def test_one_response_in_flight_coalesces_to_the_latest_snapshot() -> None:
     assert latest.generation == 3
 
 
+def test_the_oldest_unanswered_response_is_aged_from_its_send_until_an_ack_or_nack() -> None:
+    s = XdsStream(snap(ONE), delta=False)
+    assert s.unacked_since(CLUSTER) is None  # nothing asked, nothing sent
+    [out] = sends(s.receive(req(CLUSTER), 10.0))
+    assert s.unacked_since(CLUSTER) == 10.0  # when it was sent, not when its snapshot was made
+    s.set_snapshot(snap(TWO, gen=2), 11.0)  # coalesced behind the one in flight: still 10
+    assert s.unacked_since(CLUSTER) == 10.0
+    [latest] = sends(s.receive(req(CLUSTER, nonce=out.nonce), 12.0))
+    # The first one was answered; the response that replaced it waits from its own send.
+    assert s.unacked_since(CLUSTER) == 12.0
+    s.receive(req(CLUSTER, nonce=latest.nonce), 13.0)
+    assert s.unacked_since(CLUSTER) is None and s.status(CLUSTER) == "SYNCED"
+    # A stale nonce does not answer the response in flight; a NACK does.
+    [bad] = sends(s.set_snapshot(snap(ONE, gen=3), 20.0))
+    s.receive(req(CLUSTER, nonce="0"), 21.0)
+    assert s.unacked_since(CLUSTER) == 20.0
+    ev = s.receive(req(CLUSTER, nonce=bad.nonce, error="no"), 22.0)
+    resent = sends(ev)
+    # The NACK answered it; what goes out instead is aged from now.
+    assert s.unacked_since(CLUSTER) == (22.0 if resent else None)
+
+
 @pytest.mark.parametrize(
     ("names", "expected"),
     [
