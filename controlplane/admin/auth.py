@@ -28,6 +28,7 @@ READ_ONLY_METHODS = frozenset(
         "/controlplane.v1.RolloutService/History",
         "/controlplane.v1.EndpointService/List",
         "/controlplane.v1.ProxyService/List",
+        "/controlplane.v1.ProxyService/ServerVersion",
         "/controlplane.v1.AutoscalingService/List",
     }
 )

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+import controlplane
 from controlplane import limits
 from controlplane.admin.auth import USER_METADATA, Tokens
 from controlplane.admin.scaling import scaling_messages
@@ -431,6 +432,12 @@ class ProxyService(_Base, proxy_pb2_grpc.ProxyServiceServicer):
                 )
             out.append(p)
         return proxy_pb2.ListProxiesResponse(proxies=out)
+
+    async def ServerVersion(
+        self, request: proxy_pb2.ServerVersionRequest, context: Any
+    ) -> proxy_pb2.ServerVersionResponse:
+        self.metrics.rollouts.admin_requests.labels("ServerVersion", "OK").inc()
+        return proxy_pb2.ServerVersionResponse(version=controlplane.__version__)
 
 
 class AutoscalingService(_Base, autoscaling_pb2_grpc.AutoscalingServiceServicer):

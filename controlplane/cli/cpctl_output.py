@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -47,6 +48,27 @@ def local_time(unix: float) -> str:
     return datetime.datetime.fromtimestamp(unix).astimezone().isoformat(timespec="seconds")
 
 
+def rfc3339(unix: float) -> str | None:
+    """Unix time -> RFC 3339 in UTC to the second (2026-12-02T07:00:00Z); None for 0 (unset)."""
+    if not unix or not math.isfinite(unix):
+        return None
+    return datetime.datetime.fromtimestamp(unix, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def plain(doc: Any) -> Any:
+    """The document with whole floats as integers (a count of 12, never 12.0) and numbers
+    that are not finite as None (JSON has no NaN); everything else unchanged."""
+    if isinstance(doc, float):
+        if not math.isfinite(doc):
+            return None
+        return int(doc) if doc.is_integer() else doc
+    if isinstance(doc, dict):
+        return {k: plain(v) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        return [plain(v) for v in doc]
+    return doc
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     """Left-aligned columns, two spaces apart; no trailing spaces."""
     all_rows = [list(headers), *(list(r) for r in rows)]
@@ -55,7 +77,9 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 
 def dump(doc: Any, fmt: str, *, one_line: bool = False) -> str:
-    """A document as json (indented, or on one line) or yaml (keys in the order given)."""
+    """A document as json (indented, or on one line) or yaml (keys in the order given), with
+    whole numbers as integers (`plain`)."""
+    doc = plain(doc)
     if fmt == "json":
         return json.dumps(doc, separators=(",", ":")) if one_line else json.dumps(doc, indent=2)
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False).rstrip("\n")
@@ -99,7 +123,7 @@ def rollout_to_dict(r: rollout_pb2.Rollout) -> dict[str, Any]:
         "max_latency_ratio": r.max_latency_ratio,
         "min_requests": r.min_requests,
         "ack_deadline_seconds": r.ack_deadline_seconds,
-        "step_started_at": r.step_started_at,
+        "step_started_at": rfc3339(r.step_started_at),
     }
     if r.HasField("canary"):
         d["canary"] = analysis_to_dict(r.canary)
@@ -133,6 +157,26 @@ def roles(r: rollout_pb2.Rollout) -> tuple[str, str, str]:
     if r.phase == "Completed":
         return r.canary_version, "-", r.stable_version
     return r.stable_version, r.canary_version, ""
+
+
+def watch_state(r: rollout_pb2.Rollout) -> tuple[Any, ...]:
+    """What a line of an unattended watch reports: a new line only when this changes (the
+    analysis figures, which move every second while traffic flows, are left out)."""
+    return (
+        r.phase,
+        r.step,
+        r.finishing,
+        tuple(ordered_weights(r).items()),
+        r.stable_version,
+        r.canary_version,
+        r.reason,
+    )
+
+
+def watch_line(r: rollout_pb2.Rollout, clock: str) -> str:
+    """One line per change of a watch without a terminal:
+    `07:00:01  llama: Progressing, step 1/4 (5%), v1 95%, v2 5%; reason`."""
+    return f"{clock}  {summary_line(r)}" + (f"; {r.reason}" if r.reason else "")
 
 
 def rollout_table(r: rollout_pb2.Rollout, now: float | None = None) -> str:
@@ -195,8 +239,7 @@ def rollouts_table(rollouts: Sequence[rollout_pb2.Rollout]) -> str:
 
 def record_to_dict(a: rollout_pb2.AuditRecord) -> dict[str, Any]:
     return {
-        "at": a.at,
-        "time": local_time(a.at),
+        "at": rfc3339(a.at),
         "who": a.who,
         "phase": a.phase,
         "step": a.step,
@@ -231,7 +274,7 @@ def endpoint_to_dict(e: endpoint_pb2.Endpoint) -> dict[str, Any]:
         "latency_seconds": e.latency_seconds if e.HasField("latency_seconds") else None,
         "error_rate": e.error_rate,
         "signal_age_seconds": e.signal_age_seconds if e.signal_age_seconds >= 0 else None,
-        "drain_started_at": e.drain_started_at or None,
+        "drain_started_at": rfc3339(e.drain_started_at),
         "sight": e.sight,
         "note": e.note,
         "source": e.source or "file",
@@ -413,10 +456,34 @@ def proxies_table(proxies: Sequence[proxy_pb2.Proxy]) -> str:
     return out
 
 
+# ---- version ------------------------------------------------------------------------------
+
+
+def version_doc(client: str, server: str | None, address: str) -> dict[str, Any]:
+    """`cpctl version -o json|yaml`: the client's build, and the server's when it answered."""
+    doc: dict[str, Any] = {"client": {"version": client}}
+    if server is not None:
+        doc["server"] = {"version": server, "address": address}
+    return doc
+
+
+def version_text(client: str, server: str | None, address: str) -> str:
+    """`cpctl version`, as kubectl prints it: the client line, then the server's if it answered."""
+    lines = [f"Client Version: {client}"]
+    if server is not None:
+        lines.append(f"Server Version: {server} ({address})")
+    return "\n".join(lines)
+
+
 # ---- shell completion ---------------------------------------------------------------------
 
+# What `cpctl __complete KIND` lists for an argument, by the argument's dest: names asked of
+# the control plane as the user types (the fleet's models, a model's versions, endpoints).
+DYNAMIC = {"model": "models", "to_version": "versions", "address": "addresses"}
 
-def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser's subcommands by name (none for a leaf command)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
@@ -427,7 +494,7 @@ def _walk(
     parser: argparse.ArgumentParser, path: str = ""
 ) -> Iterable[tuple[str, argparse.ArgumentParser, list[str]]]:
     """(command path, its parser, its subcommand names) for the parser and every subcommand."""
-    subs = _subcommands(parser)
+    subs = {n: p for n, p in subcommands(parser).items() if not n.startswith("__")}  # hidden
     yield path, parser, list(subs)
     for name, sub in subs.items():
         yield from _walk(sub, f"{path} {name}".strip())
@@ -435,12 +502,15 @@ def _walk(
 
 def completion_script(parser: argparse.ArgumentParser, shell: str) -> str:
     """A bash completion script for every command path, flag and flag value choice of
-    `parser`; for zsh, the same script run through bashcompinit."""
+    `parser`, and for model, version and endpoint names, which it asks the control plane for
+    (`cpctl __complete`, with the --server and --token-file typed so far); for zsh, the same
+    script run through bashcompinit."""
     prog = parser.prog
     fn = "_" + prog.replace("-", "_")
     words: list[str] = []
     flags: list[str] = []
     choices: list[str] = []
+    dynamic: list[str] = []
     takes_value: set[str] = set()
     files: set[str] = set()
     for path, p, subs in _walk(parser):
@@ -448,17 +518,23 @@ def completion_script(parser: argparse.ArgumentParser, shell: str) -> str:
         words.append(f'        "{path}") echo "{" ".join(subs)}" ;;')
         flags.append(f'        "{path}") echo "{" ".join(opts)}" ;;')
         for a in p._actions:
-            if not a.option_strings or a.nargs == 0:
+            kind = DYNAMIC.get(a.dest)
+            if not a.option_strings:
+                if a.choices and not subs:
+                    choices.append(f'        "{path}|") echo "{" ".join(str(c) for c in a.choices)}" ;;')
+                elif kind and not subs:
+                    dynamic.append(f'        "{path}|") echo "{kind}" ;;')
+                continue
+            if a.nargs == 0:
                 continue
             takes_value.update(a.option_strings)
             if a.choices:
                 values = " ".join(str(c) for c in a.choices)
                 choices += [f'        "{path}|{o}") echo "{values}" ;;' for o in a.option_strings]
+            elif kind:
+                dynamic += [f'        "{path}|{o}") echo "{kind}" ;;' for o in a.option_strings]
             elif a.metavar in ("FILE", "DIR"):
                 files.update(a.option_strings)
-        for a in p._actions:
-            if not a.option_strings and a.choices and not subs:
-                choices.append(f'        "{path}|") echo "{" ".join(str(c) for c in a.choices)}" ;;')
     script = f"""\
 # {shell} completion for {prog}; load it with: source <({prog} completion {shell})
 {fn}_words() {{
@@ -476,13 +552,34 @@ def completion_script(parser: argparse.ArgumentParser, shell: str) -> str:
 {chr(10).join(choices)}
     esac
 }}
+{fn}_dynamic() {{
+    case "$1" in
+{chr(10).join(dynamic)}
+    esac
+}}
+{fn}_takes_value() {{
+    case "$1" in
+        {"|".join(sorted(takes_value))}) return 0 ;;
+    esac
+    return 1
+}}
 {fn}() {{
-    local cur="${{COMP_WORDS[COMP_CWORD]}}" prev="" path="" i w kids
+    local cur="${{COMP_WORDS[COMP_CWORD]}}" prev="" path="" i w before kids kind model="" npos=0
+    local conn=()
     (( COMP_CWORD > 0 )) && prev="${{COMP_WORDS[COMP_CWORD-1]}}"
     for (( i = 1; i < COMP_CWORD; i++ )); do
         w="${{COMP_WORDS[i]}}"
+        before="${{COMP_WORDS[i-1]}}"
+        case "$before" in
+            --server|--token-file) conn+=("$before" "$w") ;;
+        esac
         kids=" $({fn}_words "$path") "
-        [[ "$w" != -* && "$kids" == *" $w "* ]] && path="${{path:+$path }}$w"
+        if [[ "$w" != -* && "$kids" == *" $w "* ]]; then
+            path="${{path:+$path }}$w"
+        elif [[ "$w" != -* ]] && ! {fn}_takes_value "$before"; then
+            (( npos == 0 )) && model="$w"  # the command's first argument: the model
+            npos=$(( npos + 1 ))
+        fi
     done
     case "$prev" in
         {"|".join(sorted(files)) or "--no-such-flag"})
@@ -492,16 +589,23 @@ def completion_script(parser: argparse.ArgumentParser, shell: str) -> str:
     if [[ -n "$values" ]]; then
         COMPREPLY=($(compgen -W "$values" -- "$cur")); return
     fi
-    case "$prev" in
-        {"|".join(sorted(takes_value))}) COMPREPLY=(); return ;;
-    esac
-    if [[ "$cur" == -* ]]; then
-        COMPREPLY=($(compgen -W "$({fn}_flags "$path")" -- "$cur"))
-    else
+    kind="$({fn}_dynamic "$path|$prev")"
+    if [[ -z "$kind" ]] && {fn}_takes_value "$prev"; then
+        COMPREPLY=(); return
+    fi
+    if [[ -z "$kind" && "$cur" == -* ]]; then
+        COMPREPLY=($(compgen -W "$({fn}_flags "$path")" -- "$cur")); return
+    fi
+    if [[ -z "$kind" ]]; then
         w="$({fn}_words "$path")"
         [[ -z "$w" ]] && w="$({fn}_choices "$path|")"
-        COMPREPLY=($(compgen -W "$w" -- "$cur"))
+        [[ -z "$w" ]] && (( npos == 0 )) && kind="$({fn}_dynamic "$path|")"
     fi
+    if [[ -n "$kind" ]]; then
+        # Names from the control plane (1s deadline; nothing when it cannot be asked).
+        w="$("${{COMP_WORDS[0]}}" "${{conn[@]}}" __complete "$kind" $model 2>/dev/null)"
+    fi
+    COMPREPLY=($(compgen -W "$w" -- "$cur"))
 }}
 complete -F {fn} {prog}
 """

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63ontrolplane/v1/proxy.proto\x12\x0f\x63ontrolplane.v1\"\x14\n\x12ListProxiesRequest\"w\n\nTypeStatus\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x15\n\racked_version\x18\x03 \x01(\t\x12\x11\n\tlast_nack\x18\x04 \x01(\t\x12\x11\n\tresources\x18\x05 \x01(\r\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\xde\x01\n\x05Proxy\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cnode_cluster\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nuser_agent\x18\x04 \x01(\t\x12\x0f\n\x07service\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x19\n\x11\x63onnected_seconds\x18\x07 \x01(\x01\x12*\n\x05types\x18\x08 \x03(\x0b\x32\x1b.controlplane.v1.TypeStatus\x12\x0f\n\x07version\x18\t \x01(\t\x12\r\n\x05notes\x18\n \x03(\t\">\n\x13ListProxiesResponse\x12\'\n\x07proxies\x18\x01 \x03(\x0b\x32\x16.controlplane.v1.Proxy2a\n\x0cProxyService\x12Q\n\x04List\x12#.controlplane.v1.ListProxiesRequest\x1a$.controlplane.v1.ListProxiesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63ontrolplane/v1/proxy.proto\x12\x0f\x63ontrolplane.v1\"\x14\n\x12ListProxiesRequest\"\x16\n\x14ServerVersionRequest\"(\n\x15ServerVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\"w\n\nTypeStatus\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x15\n\racked_version\x18\x03 \x01(\t\x12\x11\n\tlast_nack\x18\x04 \x01(\t\x12\x11\n\tresources\x18\x05 \x01(\r\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\xde\x01\n\x05Proxy\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cnode_cluster\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nuser_agent\x18\x04 \x01(\t\x12\x0f\n\x07service\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x19\n\x11\x63onnected_seconds\x18\x07 \x01(\x01\x12*\n\x05types\x18\x08 \x03(\x0b\x32\x1b.controlplane.v1.TypeStatus\x12\x0f\n\x07version\x18\t \x01(\t\x12\r\n\x05notes\x18\n \x03(\t\">\n\x13ListProxiesResponse\x12\'\n\x07proxies\x18\x01 \x03(\x0b\x32\x16.controlplane.v1.Proxy2\xc1\x01\n\x0cProxyService\x12Q\n\x04List\x12#.controlplane.v1.ListProxiesRequest\x1a$.controlplane.v1.ListProxiesResponse\x12^\n\rServerVersion\x12%.controlplane.v1.ServerVersionRequest\x1a&.controlplane.v1.ServerVersionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LISTPROXIESREQUEST']._serialized_start=48
   _globals['_LISTPROXIESREQUEST']._serialized_end=68
-  _globals['_TYPESTATUS']._serialized_start=70
-  _globals['_TYPESTATUS']._serialized_end=189
-  _globals['_PROXY']._serialized_start=192
-  _globals['_PROXY']._serialized_end=414
-  _globals['_LISTPROXIESRESPONSE']._serialized_start=416
-  _globals['_LISTPROXIESRESPONSE']._serialized_end=478
-  _globals['_PROXYSERVICE']._serialized_start=480
-  _globals['_PROXYSERVICE']._serialized_end=577
+  _globals['_SERVERVERSIONREQUEST']._serialized_start=70
+  _globals['_SERVERVERSIONREQUEST']._serialized_end=92
+  _globals['_SERVERVERSIONRESPONSE']._serialized_start=94
+  _globals['_SERVERVERSIONRESPONSE']._serialized_end=134
+  _globals['_TYPESTATUS']._serialized_start=136
+  _globals['_TYPESTATUS']._serialized_end=255
+  _globals['_PROXY']._serialized_start=258
+  _globals['_PROXY']._serialized_end=480
+  _globals['_LISTPROXIESRESPONSE']._serialized_start=482
+  _globals['_LISTPROXIESRESPONSE']._serialized_end=544
+  _globals['_PROXYSERVICE']._serialized_start=547
+  _globals['_PROXYSERVICE']._serialized_end=740
 # @@protoc_insertion_point(module_scope)

@@ -10,6 +10,16 @@ class ListProxiesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ServerVersionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerVersionResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    def __init__(self, version: _Optional[str] = ...) -> None: ...
+
 class TypeStatus(_message.Message):
     __slots__ = ("type", "status", "acked_version", "last_nack", "resources", "reason")
     TYPE_FIELD_NUMBER: _ClassVar[int]

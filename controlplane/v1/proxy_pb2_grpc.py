@@ -39,6 +39,11 @@ class ProxyServiceStub:
                 request_serializer=controlplane_dot_v1_dot_proxy__pb2.ListProxiesRequest.SerializeToString,
                 response_deserializer=controlplane_dot_v1_dot_proxy__pb2.ListProxiesResponse.FromString,
                 _registered_method=True)
+        self.ServerVersion = channel.unary_unary(
+                '/controlplane.v1.ProxyService/ServerVersion',
+                request_serializer=controlplane_dot_v1_dot_proxy__pb2.ServerVersionRequest.SerializeToString,
+                response_deserializer=controlplane_dot_v1_dot_proxy__pb2.ServerVersionResponse.FromString,
+                _registered_method=True)
 
 
 class ProxyServiceServicer:
@@ -50,6 +55,13 @@ class ProxyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ServerVersion(self, request, context):
+        """The control plane's own build, which the proxies talk to (`cpctl version`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ProxyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +69,11 @@ def add_ProxyServiceServicer_to_server(servicer, server):
                     servicer.List,
                     request_deserializer=controlplane_dot_v1_dot_proxy__pb2.ListProxiesRequest.FromString,
                     response_serializer=controlplane_dot_v1_dot_proxy__pb2.ListProxiesResponse.SerializeToString,
+            ),
+            'ServerVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.ServerVersion,
+                    request_deserializer=controlplane_dot_v1_dot_proxy__pb2.ServerVersionRequest.FromString,
+                    response_serializer=controlplane_dot_v1_dot_proxy__pb2.ServerVersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +103,33 @@ class ProxyService:
             '/controlplane.v1.ProxyService/List',
             controlplane_dot_v1_dot_proxy__pb2.ListProxiesRequest.SerializeToString,
             controlplane_dot_v1_dot_proxy__pb2.ListProxiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ServerVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/controlplane.v1.ProxyService/ServerVersion',
+            controlplane_dot_v1_dot_proxy__pb2.ServerVersionRequest.SerializeToString,
+            controlplane_dot_v1_dot_proxy__pb2.ServerVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,9 +9,11 @@ failure.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -42,6 +44,7 @@ models:
       v1: {{endpoints: ['{c}', {{address: '{d}', gpu: A100}}]}}
 """
 USER = "cpctl-tester"
+RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 
 
 @dataclass
@@ -63,22 +66,31 @@ class Cpctl:
     def token_file(self) -> Path:
         return self.cp.state_dir / "admin-token"
 
-    def __call__(self, *args: str, auth: bool = True, env: dict[str, str] | None = None) -> Run:
+    def command(self, *args: str, auth: bool = True) -> list[str]:
         script = BIN / "cpctl"
         command = [str(script)] if script.exists() else [sys.executable, "-m", "controlplane.cli.cpctl"]
         flags = ["--server", self.cp.admin]
         if auth:
             flags += ["--token-file", str(self.token_file)]
+        return [*command, *flags, *args]
+
+    @staticmethod
+    def env(extra: dict[str, str] | None = None) -> dict[str, str]:
         base = {k: v for k, v in os.environ.items() if not k.startswith("CPCTL_")}
+        return {**base, "USER": USER, **(extra or {})}
+
+    def __call__(self, *args: str, auth: bool = True, env: dict[str, str] | None = None) -> Run:
         p = subprocess.run(
-            [*command, *flags, *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**base, "USER": USER, **(env or {})},
+            self.command(*args, auth=auth), capture_output=True, text=True, timeout=60, env=self.env(env)
         )
         assert "Traceback" not in p.stderr, p.stderr
         return Run(p.returncode, p.stdout, p.stderr)
+
+    def usage_error(self, *args: str) -> str:
+        """Run, expect exit 2 with argparse's usage and error; return the error line."""
+        r = self(*args)
+        assert r.code == 2 and r.err.startswith("usage: cpctl "), (r.code, r.out, r.err)
+        return r.err.splitlines()[-1]
 
     def fails(self, code: int, status: str, *args: str, **kw: Any) -> str:
         """Run, expect exit `code` and one stderr line `cpctl: STATUS: ...`; return that line."""
@@ -108,14 +120,28 @@ def cpctl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cpctl]:
         cp.stop()
 
 
-def test_rollout_lifecycle(cpctl: Cpctl) -> None:
-    # Steps out of order: the server's rule, answered INVALID_ARGUMENT (exit 1).
-    line = cpctl.fails(1, "INVALID_ARGUMENT", "rollout", "start", "llama", "--to", "v2", "--steps", "50,25")
-    assert "--steps 50,25" in line
+def test_rollout_lifecycle(cpctl: Cpctl, request: pytest.FixtureRequest) -> None:
+    # Steps out of order: the server's rule, found before any call: a usage error (exit 2).
+    line = cpctl.usage_error("rollout", "start", "llama", "--to", "v2", "--steps", "50,25,100")
+    assert line == "cpctl rollout start: error: --steps 50,25,100: must increase, each 1-100"
+    # What only the server knows (v1 is llama's stable version): its INVALID_ARGUMENT exits 2 too.
+    line = cpctl.fails(2, "INVALID_ARGUMENT", "rollout", "start", "llama", "--to", "v1")
+    assert "--to v1: that is already the stable version" in line
 
-    r = cpctl("rollout", "start", "llama", "--to", "v2", "--manual", "--max-error-rate", "0.05")
+    r = cpctl("rollout", "start", "llama", "--to", "v2", "--manual", "--max-error-rate", "0.05", "-o", "json")
     assert r.code == 0, r.err
-    assert r.out.startswith("llama: Progressing, step 0/4")
+    started = r.json()
+    assert (started["phase"], started["step"], started["canary_version"]) == ("Progressing", 0, "v2")
+    assert started["step_started_at"] is None or RFC3339.match(started["step_started_at"])
+    # A watch without a terminal, left running through the whole rollout: a line per change.
+    watch = subprocess.Popen(
+        cpctl.command("rollout", "status", "llama", "-w"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cpctl.env(),
+    )
+    request.addfinalizer(watch.kill)  # a no-op once it has ended
     s = cpctl.status()
     assert s["phase"] == "Progressing" and s["model"] == "llama"
     assert set(s["weights"]) == {"v1", "v2"} and sum(s["weights"].values()) == 100
@@ -133,6 +159,10 @@ def test_rollout_lifecycle(cpctl: Cpctl) -> None:
     assert s["weights"] == {"v1": 95, "v2": 5}
     assert s["canary"] == {"version": "v2", "requests": 0, "error_rate": 0, "p99_seconds": None}
     assert s["stable"]["version"] == "v1"
+    # JSON: counts are integers, times RFC 3339 (UTC).
+    raw = cpctl("rollout", "status", "llama", "-o", "json").out
+    assert '"requests": 0,' in raw and '"min_requests": 50,' in raw and '"interval_seconds": 0,' in raw
+    assert RFC3339.match(s["step_started_at"]), s["step_started_at"]
     table = cpctl("rollout", "status", "llama").out
     assert "Phase:    Progressing" in table and "Weights:  v1 95%, v2 5%" in table
 
@@ -141,43 +171,68 @@ def test_rollout_lifecycle(cpctl: Cpctl) -> None:
         "llama: Paused, step 1/4"
     )
     assert cpctl.status()["reason"] == "look at the dashboards"
-    assert cpctl("rollout", "resume", "llama").code == 0
+    resumed = cpctl("rollout", "resume", "llama", "-o", "yaml")
+    assert resumed.code == 0 and "phase: Progressing" in resumed.out and "model: llama" in resumed.out
     assert (
         cpctl("rollout", "promote", "llama").out.strip()
         == "llama: Progressing, step 2/4 (25%), v1 75%, v2 25%"
     )
-    assert cpctl("rollout", "promote", "llama", "--full").code == 0
+    promoted = cpctl("rollout", "promote", "llama", "--full", "-o", "json")
+    assert promoted.code == 0 and promoted.json()["model"] == "llama", promoted.err
     # At 100% v1 leaves first; the rollout completes once no proxy's routes name it.
     wait_until(lambda: cpctl.status()["phase"] == "Completed", 10, "the rollout to complete")
     s = cpctl.status()
     assert s["weights"] == {"v1": 0, "v2": 100}
+
+    # The watch ended with the rollout (exit 0: Completed), one line per change of state,
+    # although the server sent the rollout every second.
+    out, err = watch.communicate(timeout=20)
+    assert watch.returncode == 0, err
+    lines = out.splitlines()
+    assert all(re.fullmatch(r"\d\d:\d\d:\d\d  llama: .+", x) for x in lines), lines
+    states = [x.split("  ", 1)[1] for x in lines]
+    assert all(a != b for a, b in itertools.pairwise(states)), lines  # only changes
+    assert any(": Paused, step 1/4 (5%)" in x and x.endswith("; look at the dashboards") for x in lines)
+    assert "llama: Completed" in lines[-1] and len(lines) < 15, lines
 
     # Watching a finished rollout prints it once; Completed exits 0.
     w = cpctl("rollout", "status", "llama", "-w", "-o", "json")
     assert w.code == 0 and [json.loads(x)["phase"] for x in w.out.splitlines()] == ["Completed"]
 
     # Undo: a new rollout back to v1, then abort it; watching it exits 3.
-    r = cpctl("rollout", "undo", "llama")
-    assert r.code == 0 and r.out.startswith("llama: Progressing"), r
+    r = cpctl("rollout", "undo", "llama", "-o", "json")
+    assert r.code == 0 and r.json()["phase"] == "Progressing", r
     s = cpctl.status()
     assert (s["stable_version"], s["canary_version"]) == ("v2", "v1")
-    assert cpctl("rollout", "abort", "llama", "--reason", "cpctl test").code == 0
+    aborted = cpctl("rollout", "abort", "llama", "--reason", "cpctl test", "-o", "json")
+    assert aborted.code == 0 and aborted.json()["phase"] == "Aborted", aborted.err
     w = cpctl("rollout", "status", "llama", "--watch")
-    assert w.code == 3 and "Phase:    Aborted" in w.out and "Reason:   cpctl test" in w.out
+    assert w.code == 3 and w.out.count("\n") == 1, w.out  # one line: it had ended already
+    assert "  llama: Aborted, " in w.out and w.out.rstrip().endswith("; cpctl test"), w.out
 
     listed = cpctl("rollout", "list", "-o", "yaml")
     assert listed.code == 0 and "phase: Aborted" in listed.out and "model: llama" in listed.out
     history = cpctl("rollout", "history", "llama", "-o", "json").json()
+    assert all(RFC3339.match(a["at"]) for a in history["records"]), history
     phases = [a["phase"] for a in history["records"]]
     assert phases[0] == "Progressing" and "Paused" in phases and "Completed" in phases
-    assert phases[-1] == "Aborted"
+    # The last rollout record; the aborted canary's drain may already follow it.
+    assert [x for x in phases if x not in ("Draining", "Drained", "Retired")][-1] == "Aborted", phases
     assert any(a["who"].startswith(f"{USER} (admin token") for a in history["records"])
     assert "look at the dashboards" in cpctl("rollout", "history", "llama").out
 
 
-def test_credentials(cpctl: Cpctl) -> None:
+def test_credentials(cpctl: Cpctl, tmp_path: Path) -> None:
     line = cpctl.fails(4, "UNAUTHENTICATED", "rollout", "list", auth=False, env={"CPCTL_TOKEN": "wrong"})
-    assert "token" in line
+    assert "token" in line and "cpctl sent the token from $CPCTL_TOKEN" in line
+    # A stale token file (from another run's state dir): the hint names the file read.
+    stale = tmp_path / "old-state" / "admin-token"
+    stale.parent.mkdir()
+    stale.write_text("a-token-from-another-run\n")
+    line = cpctl.fails(4, "UNAUTHENTICATED", "proxies", auth=False, env={"CPCTL_TOKEN_FILE": str(stale)})
+    assert f"cpctl sent the token from {stale}: is it the one {cpctl.cp.admin} uses?" in line
+    line = cpctl.fails(4, "UNAUTHENTICATED", "--token-file", str(stale), "proxies", auth=False)
+    assert f"from {stale}:" in line
     cpctl.fails(
         4, "UNAUTHENTICATED", "rollout", "status", "llama", "-w", auth=False, env={"CPCTL_TOKEN": "x"}
     )
@@ -233,20 +288,29 @@ def test_endpoints(cpctl: Cpctl) -> None:
     )
 
     # Nothing is in flight at d: it is DRAINED once the drain has settled (a few seconds).
+    # (--timeout, the drain's old name for --drain-timeout, still works.)
     r = cpctl("endpoints", "drain", d, "--timeout", "20s", "--reason", "cpctl test", "--wait")
     assert r.code == 0, r.err
     assert r.out.splitlines()[0] == f"{d} (mistral v1): DRAINING"
     assert r.out.splitlines()[-1].startswith(f"{d}: DRAINED after ")
     drained = {e["address"]: e for e in cpctl("endpoints", "list", "-o", "json").json()["endpoints"]}
-    assert drained[d]["state"] == "DRAINED" and drained[d]["drain_started_at"]
+    assert drained[d]["state"] == "DRAINED" and RFC3339.match(drained[d]["drain_started_at"])
     assert drained[c]["state"] != "DRAINED"
+    r = cpctl("endpoints", "undrain", d, "-o", "json")
+    assert r.code == 0 and r.json()["address"] == d and r.json()["state"] != "DRAINED", r
+    # Again with the new names, as JSON (without --wait: the endpoint as the drain began).
+    r = cpctl("--request-timeout", "5s", "endpoints", "drain", d, "--drain-timeout", "20s", "-o", "json")
+    assert r.code == 0 and r.json()["state"] == "DRAINING", r
+    assert RFC3339.match(r.json()["drain_started_at"]), r.out
     r = cpctl("endpoints", "undrain", d)
     assert r.code == 0 and r.out.startswith(f"{d} (mistral v1): "), r
     back = {e["address"]: e for e in cpctl("endpoints", "list", "-o", "json").json()["endpoints"]}
     assert back[d]["state"] != "DRAINED" and back[d]["drain_started_at"] is None
     cpctl.fails(1, "FAILED_PRECONDITION", "endpoints", "undrain", d)
     history = cpctl("rollout", "history", "mistral", "-o", "json").json()["records"]
-    assert [x["phase"] for x in history] == ["Draining", "Drained", "Undrained"]
+    phases = [x["phase"] for x in history]
+    # (The second drain may have settled to Drained before the undrain on a busy machine.)
+    assert phases[:4] == ["Draining", "Drained", "Undrained", "Draining"] and phases[-1] == "Undrained"
 
 
 def test_autoscaling_list_shows_desired_replicas_and_why(cpctl: Cpctl) -> None:
@@ -348,3 +412,32 @@ def test_proxies(cpctl: Cpctl) -> None:
         assert any("CDS: cpctl test: cluster rejected" in line for line in lines)
     finally:
         stream.close()
+
+
+def test_version(cpctl: Cpctl) -> None:
+    from controlplane import __version__
+
+    r = cpctl("version")
+    assert r.code == 0, r.err
+    assert r.out.splitlines() == [
+        f"Client Version: {__version__}",
+        f"Server Version: {__version__} ({cpctl.cp.admin})",
+    ]
+    doc = cpctl("version", "-o", "json").json()
+    assert doc == {
+        "client": {"version": __version__},
+        "server": {"version": __version__, "address": cpctl.cp.admin},
+    }
+    # No server: the client's version all the same, then the error, exit 1 (as kubectl).
+    down = f"127.0.0.1:{free_port()}"
+    r = cpctl("--server", down, "version", "-o", "json")
+    assert r.code == 1 and r.json() == {"client": {"version": __version__}}, r
+    assert r.err.startswith("cpctl: UNAVAILABLE: ") and r.err.count("\n") == 1
+
+
+def test_completion_names_come_from_the_control_plane(cpctl: Cpctl) -> None:
+    assert cpctl("__complete", "models").out.split() == ["llama", "mistral"]
+    assert cpctl("__complete", "versions", "llama").out.split() == ["v1", "v2"]
+    assert cpctl("__complete", "addresses").out.split() == list(cpctl.addresses)
+    r = cpctl("__complete", "models", auth=False, env={"CPCTL_TOKEN": "wrong"})
+    assert (r.code, r.out, r.err) == (1, "", "")  # nothing lands in the user's command line

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import shutil
 import socket
@@ -57,7 +58,7 @@ def test_bad_durations(text: str) -> None:
 def test_steps() -> None:
     assert cpctl.parse_steps("5,25,50,100") == [5, 25, 50, 100]
     assert cpctl.parse_steps(" 10, 100") == [10, 100]
-    # The order is the server's to judge (INVALID_ARGUMENT), not a parse error.
+    # Parsing takes any percents; their order is judged with the rest (start_problem).
     assert cpctl.parse_steps("50,25") == [50, 25]
 
 
@@ -106,21 +107,52 @@ def test_bad_output_format_and_shell(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_global_flags_before_or_after_the_subcommand() -> None:
     p = cpctl.build_parser()
-    before = p.parse_args(["--server", "a:1", "--timeout", "2s", "rollout", "status", "m"])
-    assert (before.server, before.timeout, before.model) == ("a:1", 2.0, "m")
+    before = p.parse_args(["--server", "a:1", "--request-timeout", "2s", "rollout", "status", "m"])
+    assert (before.server, before.request_timeout, before.model) == ("a:1", 2.0, "m")
     after = p.parse_args(["rollout", "status", "m", "--server", "b:2", "--token-file", "/t"])
     assert (after.server, after.token_file) == ("b:2", Path("/t"))
+    late = p.parse_args(["proxies", "--request-timeout", "500ms"])
+    assert late.request_timeout == 0.5
     unset = p.parse_args(["proxies"])
-    assert not hasattr(unset, "server") and not hasattr(unset, "timeout")
+    assert not hasattr(unset, "server") and not hasattr(unset, "request_timeout")
 
 
-def test_drain_timeout_is_the_drains_own() -> None:
-    args = cpctl.build_parser().parse_args(
-        ["--timeout", "3", "endpoints", "drain", "10.0.0.1:80", "--timeout", "2m", "--wait"]
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--timeout", "3", "proxies"],
+        ["proxies", "--timeout", "3"],
+        ["rollout", "status", "m", "--timeout", "3s"],
+        ["--timeout", "3", "endpoints", "drain", "127.0.0.1:80"],
+    ],
+)
+def test_timeout_is_still_the_request_timeout_outside_drain(argv: list[str]) -> None:
+    args = cpctl.build_parser().parse_args(argv)
+    assert args.request_timeout == 3.0
+    assert getattr(args, "drain_timeout", None) is None
+
+
+def test_the_rpc_deadline_and_the_drain_timeout_have_their_own_names() -> None:
+    p = cpctl.build_parser()
+    args = p.parse_args(
+        ["endpoints", "drain", "127.0.0.1:80", "--request-timeout", "3", "--drain-timeout", "2m", "--wait"]
     )
-    assert args.timeout == 3.0  # the call deadline, given before the subcommand
-    assert args.drain_timeout == 120.0
-    assert args.wait
+    assert (args.request_timeout, args.drain_timeout, args.wait) == (3.0, 120.0, True)
+    # The old spelling on drain is still the drain's own timeout; before `endpoints` it is
+    # the call deadline.
+    old = p.parse_args(["--timeout", "3", "endpoints", "drain", "127.0.0.1:80", "--timeout", "2m"])
+    assert (old.request_timeout, old.drain_timeout) == (3.0, 120.0)
+    default = p.parse_args(["endpoints", "drain", "127.0.0.1:80"])
+    assert default.drain_timeout is None and not hasattr(default, "request_timeout")
+
+
+def test_help_names_the_new_flags_and_the_old_one_as_deprecated(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cpctl.main(["endpoints", "drain", "-h"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--request-timeout DURATION" in text and "--drain-timeout DURATION" in text
+    assert "--timeout, its old name, still works but is deprecated" in text
+    assert "--timeout DURATION" not in text  # hidden: kept only for old scripts
 
 
 def test_start_sets_only_the_fields_given() -> None:
@@ -147,11 +179,17 @@ def test_start_sets_only_the_fields_given() -> None:
 # ---- token and errors ---------------------------------------------------------------------
 
 
+def _token(token_file: Path | None, env: dict[str, str]) -> str:
+    return cpctl.resolve_token(token_file, env).token
+
+
 def test_token_sources(tmp_path: Path) -> None:
     f = tmp_path / "tok"
     f.write_text("  from-file\n")
-    assert cpctl.resolve_token(f, {"CPCTL_TOKEN": "from-env"}) == "from-file"  # the flag wins
-    assert cpctl.resolve_token(None, {"CPCTL_TOKEN": " from-env "}) == "from-env"
+    assert cpctl.resolve_token(f, {"CPCTL_TOKEN": "from-env"}) == cpctl.Credential("from-file", str(f))
+    assert cpctl.resolve_token(None, {"CPCTL_TOKEN": " from-env "}) == cpctl.Credential(
+        "from-env", "$CPCTL_TOKEN"
+    )
     with pytest.raises(cpctl.CliError) as e:
         cpctl.resolve_token(tmp_path / "missing", {})
     assert e.value.code == 4
@@ -161,9 +199,11 @@ def test_token_sources(tmp_path: Path) -> None:
     other = tmp_path / "state" / "admin-token"  # serve --state-dir DIR
     other.parent.mkdir()
     other.write_text("from-state-dir\n")
-    assert cpctl.resolve_token(None, {"CPCTL_TOKEN_FILE": str(other)}) == "from-state-dir"
-    assert cpctl.resolve_token(f, {"CPCTL_TOKEN_FILE": str(other)}) == "from-file"  # the flag wins
-    assert cpctl.resolve_token(None, {"CPCTL_TOKEN_FILE": str(other), "CPCTL_TOKEN": "t"}) == "t"
+    assert cpctl.resolve_token(None, {"CPCTL_TOKEN_FILE": str(other)}) == cpctl.Credential(
+        "from-state-dir", str(other)
+    )
+    assert _token(f, {"CPCTL_TOKEN_FILE": str(other)}) == "from-file"  # the flag wins
+    assert _token(None, {"CPCTL_TOKEN_FILE": str(other), "CPCTL_TOKEN": "t"}) == "t"
     with pytest.raises(cpctl.CliError) as e:
         cpctl.resolve_token(None, {"CPCTL_TOKEN_FILE": str(tmp_path / "nope")})
     assert str(tmp_path / "nope") in str(e.value)
@@ -220,7 +260,7 @@ class _Failed(grpc.RpcError, grpc.Call):  # type: ignore[misc]
         (grpc.StatusCode.UNAUTHENTICATED, 4),
         (grpc.StatusCode.PERMISSION_DENIED, 4),
         (grpc.StatusCode.NOT_FOUND, 1),
-        (grpc.StatusCode.INVALID_ARGUMENT, 1),
+        (grpc.StatusCode.INVALID_ARGUMENT, 2),  # a bad argument, found by the server
         (grpc.StatusCode.FAILED_PRECONDITION, 1),
     ],
 )
@@ -234,7 +274,7 @@ def test_rpc_error_hints() -> None:
     line, code = cpctl.rpc_error_line(_Failed(grpc.StatusCode.UNAVAILABLE, "refused"), "h:1")
     assert code == 1 and "is the control plane running at h:1? (--server" in line
     line, _ = cpctl.rpc_error_line(_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "slow"), "h:1")
-    assert "--timeout" in line
+    assert "(raise --request-timeout?)" in line
 
 
 # ---- rollouts -----------------------------------------------------------------------------
@@ -362,17 +402,26 @@ def test_watch_exit_codes_and_json_lines(
     assert stream.cancelled
 
 
-def test_watch_table_without_a_tty_separates_updates(capsys: pytest.CaptureFixture[str]) -> None:
+def test_watch_table_without_a_tty_prints_a_line_per_change(capsys: pytest.CaptureFixture[str]) -> None:
+    later = _rollout()
+    later.canary.requests = 180  # the figures moved, the state did not: no line
+    paused = _rollout("Paused")
+    paused.reason = "look at the dashboards"
+
     class Stub:
         def Watch(self, req: rollout_pb2.GetRolloutRequest) -> _FakeStream:
-            return _FakeStream([_rollout(), _rollout("Completed", 4, analysis=False)])
+            return _FakeStream([_rollout(), later, paused, paused, _rollout("Completed", 4, analysis=False)])
 
     args = cpctl.build_parser().parse_args(["rollout", "status", "llama", "--watch"])
     assert cpctl.cmd_status(_FakeClient(rollouts=Stub()), args) == 0  # type: ignore[arg-type]
     text = capsys.readouterr().out
     assert cpctl.CLEAR_SCREEN not in text
-    first, second = text.split("\n\n")
-    assert "Phase:    Progressing" in first and "Phase:    Completed" in second
+    lines = text.splitlines()
+    assert len(lines) == 3, lines
+    assert all(re.fullmatch(r"\d\d:\d\d:\d\d  llama: .*", line) for line in lines), lines
+    assert lines[0].endswith("llama: Progressing, step 2/4 (25%), v1 75%, v2 25%; promoted by operator")
+    assert lines[1].endswith("llama: Paused, step 2/4 (25%), v1 75%, v2 25%; look at the dashboards")
+    assert "llama: Completed, step 4/4 (100%)" in lines[2]
 
 
 def test_watch_table_on_a_tty_redraws(
@@ -574,7 +623,7 @@ def test_completion_script_mentions_every_command(capsys: pytest.CaptureFixture[
     script = capsys.readouterr().out
     assert "complete -F _cpctl cpctl" in script
     for words in (
-        "rollout endpoints autoscaling proxies completion",
+        "rollout endpoints autoscaling proxies version completion",
         "start status pause resume abort undo promote list history",
         "list drain undrain",
     ):
@@ -590,7 +639,7 @@ def test_completion_script_mentions_every_command(capsys: pytest.CaptureFixture[
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
-        ("cpctl ", "rollout endpoints autoscaling proxies completion"),
+        ("cpctl ", "rollout endpoints autoscaling proxies version completion"),
         ("cpctl autoscaling list llama -o ", "table json yaml"),
         ("cpctl rollout st", "start status"),
         ("cpctl --server h:1 endpoints ", "list drain undrain"),
@@ -608,3 +657,478 @@ def test_bash_completion_completes(line: str, expected: str) -> None:
     )
     got = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True).stdout
     assert got.strip() == expected
+
+
+# ---- usage errors found before any call (exit 2) ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "50,25,100"], "--steps 50,25,100: must increase, each 1-100"),
+        (["--steps", "25,25,100"], "--steps 25,25,100: must increase, each 1-100"),
+        (["--steps", "10,50"], "--steps: the last step must be 100, got 50"),
+        (["--steps", "100,50"], "--steps 100,50: must increase, each 1-100"),
+        (["--max-error-rate", "1.5"], "--max-error-rate: must be between 0 and 1"),
+        (["--max-latency-ratio", "0.5"], "--max-latency-ratio: must be at least 1"),
+    ],
+)
+def test_start_settings_the_server_would_refuse_exit_2_first(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No token and no server are needed to find a usage error.
+    monkeypatch.setenv("CPCTL_TOKEN_FILE", "/nonexistent/admin-token")
+    monkeypatch.setenv("CPCTL_SERVER", f"127.0.0.1:{free_port()}")
+    err = _usage_error(["rollout", "start", "llama", "--to", "v2", *argv], capsys)
+    assert err.startswith("usage: cpctl rollout start ")
+    assert err.splitlines()[-1] == f"cpctl rollout start: error: {message}"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--steps", "100"],
+        ["--steps", "1,2,3,100", "--manual"],
+        ["--max-error-rate", "0", "--max-latency-ratio", "1", "--min-requests", "0"],
+        ["--interval", "500ms", "--ack-deadline", "1s", "--shadow", "100"],
+    ],
+)
+def test_start_settings_the_server_accepts_pass(argv: list[str]) -> None:
+    args = cpctl.build_parser().parse_args(["rollout", "start", "llama", "--to", "v2", *argv])
+    assert cpctl.start_problem(args) is None
+
+
+def test_the_client_check_is_the_servers_rule() -> None:
+    """Whatever start_problem lets through, the server's RolloutSpec check takes, and the
+    reverse, over the request cpctl would send (the same defaults on both sides)."""
+    from controlplane.admin.service import _start_request
+    from controlplane.rollout.machine import RolloutRejected
+
+    p = cpctl.build_parser()
+    for argv in (
+        ["--steps", "50,25,100"],
+        ["--steps", "5,100"],
+        ["--steps", "10,50"],
+        ["--max-error-rate", "3"],
+        ["--max-latency-ratio", "0.9"],
+        ["--manual", "--min-requests", "0"],
+        [],
+    ):
+        args = p.parse_args(["rollout", "start", "llama", "--to", "v2", *argv])
+        spec = _start_request(cpctl.start_request(args))
+        try:
+            spec.check()
+            server = None
+        except RolloutRejected as e:
+            server = str(e)
+        assert cpctl.start_problem(args) == server, argv
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["rollout", "status", ""], "argument MODEL: must not be empty"),
+        (["rollout", "start", "llama", "--to", ""], "argument --to: must not be empty"),
+        (["rollout", "history", "m" * 257], "argument MODEL: at most 256 characters, got 257"),
+        (["endpoints", "drain", "x" * 300], "argument ADDRESS: at most 256 characters, got 300"),
+        (["endpoints", "list", "--model", "m" * 257], "argument --model: at most 256 characters, got 257"),
+        (["rollout", "pause", "llama", "--reason", "r" * 1025], "argument --reason: at most 1024"),
+        (["autoscaling", "list", "m" * 257], "argument MODEL: at most 256 characters"),
+        (["version", "-o", "xml"], "argument -o/--output: invalid choice"),
+        (["rollout", "promote", "llama", "-o", "csv"], "argument -o/--output: invalid choice"),
+    ],
+)
+def test_names_and_reasons_beyond_the_apis_bounds_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert message in _usage_error(argv, capsys)
+
+
+def test_a_server_without_a_port_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--server: expected HOST:PORT" in _usage_error(["--server", "localhost", "proxies"], capsys)
+
+
+def test_subcommand_parser_finds_the_leaf() -> None:
+    p = cpctl.build_parser()
+    assert cpctl.subcommand_parser(p, p.parse_args(["rollout", "start", "m", "--to", "v"])).prog == (
+        "cpctl rollout start"
+    )
+    assert cpctl.subcommand_parser(p, p.parse_args(["proxies"])).prog == "cpctl proxies"
+
+
+def test_every_command_that_prints_data_takes_output() -> None:
+    """-o table|json|yaml (and --output) on every command but `completion`."""
+    p = cpctl.build_parser()
+    for path, sub, subs in out._walk(p):
+        if subs or path in ("completion",):
+            continue
+        flags = {o for a in sub._actions for o in a.option_strings if a.dest == "output"}
+        assert flags == {"-o", "--output"}, path
+        action = next(a for a in sub._actions if a.dest == "output")
+        assert tuple(action.choices or ()) == ("table", "json", "yaml"), path
+
+
+# ---- JSON: RFC 3339 times and integer counts ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("unix", "text"),
+    [
+        (1796194800.0, "2026-12-02T07:00:00Z"),
+        (1796194800.75, "2026-12-02T07:00:00Z"),
+        (1700000000.0, "2023-11-14T22:13:20Z"),
+        (0.0, None),
+        (float("nan"), None),
+    ],
+)
+def test_rfc3339(unix: float, text: str | None) -> None:
+    assert out.rfc3339(unix) == text
+
+
+def test_plain_makes_whole_numbers_integers() -> None:
+    doc = {"a": 12.0, "b": [1.5, 2.0, {"c": 0.0}], "d": True, "e": "12.0", "f": float("inf"), "g": 3}
+    assert out.plain(doc) == {"a": 12, "b": [1.5, 2, {"c": 0}], "d": True, "e": "12.0", "f": None, "g": 3}
+    assert type(out.plain(doc)["a"]) is int and out.plain(doc)["d"] is True
+    assert json.dumps(out.plain((1.0, 2.5))) == "[1, 2.5]"
+
+
+def test_rollout_json_has_rfc3339_times_and_integer_counts() -> None:
+    r = _rollout()
+    r.step_started_at = 1796194800.25
+    text = out.dump(out.rollout_to_dict(r), "json")
+    doc = json.loads(text)
+    assert doc["step_started_at"] == "2026-12-02T07:00:00Z"
+    assert doc["canary"]["requests"] == 120 and '"requests": 120,' in text
+    assert '"requests": 900,' in text and ".0," not in text and ".0\n" not in text
+    assert doc["ack_deadline_seconds"] == 30 and doc["max_latency_ratio"] == 1.5
+    never = out.rollout_to_dict(rollout_pb2.Rollout(model="m"))
+    assert never["step_started_at"] is None
+    assert "step_started_at: '2026-12-02T07:00:00Z'" in out.dump(out.rollout_to_dict(r), "yaml")
+
+
+def test_history_json_gives_rfc3339_utc() -> None:
+    a = rollout_pb2.AuditRecord(
+        model="llama", at=1796194800.0, who="ann", phase="Paused", step=2, weight=25, reason="x"
+    )
+    assert out.record_to_dict(a) == {
+        "at": "2026-12-02T07:00:00Z",
+        "who": "ann",
+        "phase": "Paused",
+        "step": 2,
+        "weight": 25,
+        "reason": "x",
+    }
+
+
+def test_endpoint_json_counts_are_integers_and_drain_time_rfc3339() -> None:
+    e = endpoint_pb2.Endpoint(
+        model="llama", version="v1", address="127.0.0.1:8000", running=3, waiting=1.5, in_flight=4,
+        capacity=8, drain_started_at=1796194800.0, signal_age_seconds=0.5,
+    )  # fmt: skip
+    doc = json.loads(out.dump(out.endpoint_to_dict(e), "json"))
+    assert (doc["running"], doc["waiting"], doc["in_flight"], doc["capacity"]) == (3, 1.5, 4, 8)
+    assert all(type(doc[k]) is int for k in ("running", "in_flight", "capacity", "weight"))
+    assert doc["drain_started_at"] == "2026-12-02T07:00:00Z" and doc["signal_age_seconds"] == 0.5
+
+
+def test_scaling_and_proxy_json_counts_are_integers() -> None:
+    text = out.dump({"scaling": [out.scaling_to_dict(s) for s in _scaling()]}, "json")
+    rows = json.loads(text)["scaling"]
+    assert type(rows[0]["target_per_replica"]) is int and rows[0]["demand"] == 2.5
+    assert type(rows[3]["demand"]) is int and rows[3]["predicted_demand"] == 5.2
+    p = proxy_pb2.Proxy(node_id="n", connected_seconds=12.0)
+    p.types.add(type="cds", status="SYNCED", resources=3)
+    doc = json.loads(out.dump(out.proxy_to_dict(p), "json"))
+    assert type(doc["connected_seconds"]) is int and doc["types"]["cds"]["resources"] == 3
+
+
+# ---- output of the commands that change something -----------------------------------------
+
+
+class _RolloutStub:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def __getattr__(self, method: str) -> Any:
+        def call(req: Any) -> rollout_pb2.Rollout:
+            self.calls.append((method, req))
+            return _rollout()
+
+        return call
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["rollout", "start", "llama", "--to", "v2"],
+        ["rollout", "pause", "llama", "--reason", "x"],
+        ["rollout", "resume", "llama"],
+        ["rollout", "promote", "llama", "--full"],
+        ["rollout", "abort", "llama"],
+        ["rollout", "undo", "llama"],
+    ],
+)
+@pytest.mark.parametrize("fmt", ["table", "json", "yaml"])
+def test_rollout_commands_print_the_rollout_in_each_format(
+    argv: list[str], fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = cpctl.build_parser().parse_args([*argv, "-o", fmt])
+    assert args.func(_FakeClient(rollouts=_RolloutStub()), args) == 0
+    text = capsys.readouterr().out
+    if fmt == "table":
+        assert text == "llama: Progressing, step 2/4 (25%), v1 75%, v2 25%\n"
+    else:
+        doc = json.loads(text) if fmt == "json" else yaml.safe_load(text)
+        assert doc["model"] == "llama" and doc["weights"] == {"v1": 75, "v2": 25}
+        assert doc["step_started_at"] == "2023-11-14T22:13:20Z"
+
+
+class _EndpointStub:
+    def __init__(self, states: list[str]) -> None:
+        self.states = states
+
+    def _endpoint(self) -> endpoint_pb2.Endpoint:
+        state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        return endpoint_pb2.Endpoint(
+            model="mistral", version="v1", address="127.0.0.1:9", state=state, in_flight=0
+        )
+
+    def Drain(self, req: endpoint_pb2.DrainRequest) -> endpoint_pb2.Endpoint:
+        assert req.timeout_seconds == 20.0 and req.address == "127.0.0.1:9"
+        return self._endpoint()
+
+    def Undrain(self, req: endpoint_pb2.DrainRequest) -> endpoint_pb2.Endpoint:
+        return self._endpoint()
+
+    def List(self, req: endpoint_pb2.ListEndpointsRequest) -> endpoint_pb2.ListEndpointsResponse:
+        return endpoint_pb2.ListEndpointsResponse(endpoints=[self._endpoint()])
+
+
+@pytest.mark.parametrize("fmt", ["json", "yaml"])
+def test_drain_wait_as_a_document_prints_the_drained_endpoint_once(
+    fmt: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpctl, "DRAIN_POLL_S", 0.0)
+    stub = _EndpointStub(["DRAINING", "DRAINING", "DRAINED"])
+    args = cpctl.build_parser().parse_args(
+        ["endpoints", "drain", "127.0.0.1:9", "--drain-timeout", "20s", "--wait", "-o", fmt]
+    )
+    assert cpctl.cmd_drain(_FakeClient(endpoints=stub), args) == 0  # type: ignore[arg-type]
+    text = capsys.readouterr().out
+    doc = json.loads(text) if fmt == "json" else yaml.safe_load(text)
+    assert doc["state"] == "DRAINED" and doc["address"] == "127.0.0.1:9"
+
+
+def test_drain_and_undrain_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    p = cpctl.build_parser()
+    args = p.parse_args(["endpoints", "drain", "127.0.0.1:9", "--timeout", "20s", "-o", "json"])
+    assert cpctl.cmd_drain(_FakeClient(endpoints=_EndpointStub(["DRAINING"])), args) == 0  # type: ignore[arg-type]
+    assert json.loads(capsys.readouterr().out)["state"] == "DRAINING"
+    args = p.parse_args(["endpoints", "undrain", "127.0.0.1:9", "-o", "json"])
+    assert cpctl.cmd_undrain(_FakeClient(endpoints=_EndpointStub(["SERVING"])), args) == 0  # type: ignore[arg-type]
+    assert json.loads(capsys.readouterr().out)["state"] == "SERVING"
+
+
+# ---- watching -----------------------------------------------------------------------------
+
+
+def test_watch_state_ignores_the_figures_but_not_the_reason() -> None:
+    a, b = _rollout(), _rollout()
+    b.canary.requests, b.stable.error_rate = 999, 0.5
+    assert out.watch_state(a) == out.watch_state(b)
+    b.reason = "holding: 12/50 canary requests"
+    assert out.watch_state(a) != out.watch_state(b)
+    c = _rollout(step=3)
+    c.weights["v2"], c.weights["v1"] = 50, 50
+    assert out.watch_state(a) != out.watch_state(c)
+
+
+def test_watch_line() -> None:
+    assert out.watch_line(_rollout(), "07:00:01") == (
+        "07:00:01  llama: Progressing, step 2/4 (25%), v1 75%, v2 25%; promoted by operator"
+    )
+    quiet = _rollout()
+    quiet.reason = ""
+    assert out.watch_line(quiet, "07:00:01").endswith("v2 25%")
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_watch_json_prints_a_document_per_change_on_one_line(tty: bool) -> None:
+    watch = cpctl.RolloutWatch("json", tty)
+    same = [watch.text(_rollout(), 0.0), watch.text(_rollout(), 1.0)]
+    assert same[0] is not None and "\n" not in same[0] and same[1] is None
+    moved = _rollout()
+    moved.canary.requests = 121  # a document shows the figures: a change
+    assert json.loads(watch.text(moved, 2.0) or "")["canary"]["requests"] == 121
+
+
+def test_watch_yaml_separates_documents() -> None:
+    watch = cpctl.RolloutWatch("yaml", False)
+    text = watch.text(_rollout(), 0.0)
+    assert text is not None and text.startswith("---\n")
+    assert yaml.safe_load(text)["phase"] == "Progressing"
+
+
+def test_watch_on_a_tty_redraws_every_time() -> None:
+    watch = cpctl.RolloutWatch("table", True)
+    first, second = watch.text(_rollout(), 0.0), watch.text(_rollout(), 1.0)
+    assert first is not None and second is not None
+    assert first.startswith(cpctl.CLEAR_SCREEN) and "Phase:    Progressing" in first
+    assert "(watching; updated " in second
+
+
+# ---- version ------------------------------------------------------------------------------
+
+
+def test_version_client_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from controlplane import __version__
+
+    assert cpctl.main(["version", "--client"]) == 0
+    assert capsys.readouterr().out == f"Client Version: {__version__}\n"
+    assert cpctl.main(["version", "--client", "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"client": {"version": __version__}}
+
+
+def test_version_text_and_doc() -> None:
+    assert out.version_text("1.0", "0.9", "h:1") == "Client Version: 1.0\nServer Version: 0.9 (h:1)"
+    assert out.version_doc("1.0", "0.9", "h:1") == {
+        "client": {"version": "1.0"},
+        "server": {"version": "0.9", "address": "h:1"},
+    }
+    assert out.version_text("1.0", None, "h:1") == "Client Version: 1.0"
+
+
+def test_version_with_no_server_prints_the_client_then_the_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CPCTL_TOKEN", "t")
+    down = f"127.0.0.1:{free_port()}"
+    assert cpctl.main(["--server", down, "--request-timeout", "5", "version", "-o", "json"]) == 1
+    captured = capsys.readouterr()
+    assert list(json.loads(captured.out)) == ["client"]
+    assert captured.err.startswith("cpctl: UNAVAILABLE: ") and captured.err.count("\n") == 1
+
+
+def test_version_without_a_token_prints_the_client_then_exits_4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("CPCTL_TOKEN", raising=False)
+    assert cpctl.main(["--token-file", str(tmp_path / "none"), "version"]) == 4
+    captured = capsys.readouterr()
+    assert captured.out.startswith("Client Version: ") and "Server" not in captured.out
+    assert str(tmp_path / "none") in captured.err
+
+
+# ---- a refused token names where it came from ---------------------------------------------
+
+
+def test_unauthenticated_names_the_token_file() -> None:
+    e = _Failed(grpc.StatusCode.UNAUTHENTICATED, "the token is not valid")
+    line, code = cpctl.rpc_error_line(e, "127.0.0.1:18001", "/tmp/state/admin-token")
+    assert code == 4
+    assert line.startswith("cpctl: UNAUTHENTICATED: the token is not valid; cpctl sent the token from ")
+    assert "/tmp/state/admin-token: is it the one 127.0.0.1:18001 uses?" in line
+    assert "DIR/admin-token" in line and "\n" not in line
+    line, _ = cpctl.rpc_error_line(e, "h:1", "$CPCTL_TOKEN")
+    assert "from $CPCTL_TOKEN" in line
+    denied = _Failed(grpc.StatusCode.PERMISSION_DENIED, "Pause changes state")
+    assert cpctl.rpc_error_line(denied, "h:1", "/ro-token")[0].endswith("(the token from /ro-token)")
+
+
+# ---- completion of names through the API --------------------------------------------------
+
+
+def test_completion_names() -> None:
+    eps = [
+        endpoint_pb2.Endpoint(model="llama", version="v1", address="127.0.0.1:1"),
+        endpoint_pb2.Endpoint(model="llama", version="v2", address="127.0.0.1:2"),
+        endpoint_pb2.Endpoint(model="mistral", version="v1", address="127.0.0.1:3"),
+        endpoint_pb2.Endpoint(model="llama", version="v1", address="127.0.0.1:4"),
+    ]
+
+    class Stub:
+        def List(self, req: endpoint_pb2.ListEndpointsRequest) -> endpoint_pb2.ListEndpointsResponse:
+            return endpoint_pb2.ListEndpointsResponse(endpoints=eps)
+
+    c = _FakeClient(endpoints=Stub())
+    assert cpctl.completion_names(c, "models", "") == ["llama", "mistral"]  # type: ignore[arg-type]
+    assert cpctl.completion_names(c, "versions", "llama") == ["v1", "v2"]  # type: ignore[arg-type]
+    assert cpctl.completion_names(c, "versions", "gpt-9") == []  # type: ignore[arg-type]
+    assert cpctl.completion_names(c, "addresses", "")[-1] == "127.0.0.1:4"  # type: ignore[arg-type]
+
+
+def test_complete_prints_nothing_when_it_cannot_ask(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CPCTL_TOKEN", "t")
+    assert cpctl.main(["--server", f"127.0.0.1:{free_port()}", "__complete", "models"]) == 1
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.delenv("CPCTL_TOKEN")
+    assert cpctl.main(["--token-file", "/nonexistent", "__complete", "versions", "llama"]) == 1
+    assert capsys.readouterr() == ("", "")
+
+
+def test_the_complete_command_is_hidden(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cpctl.main(["--help"])
+    assert "__complete" not in capsys.readouterr().out
+    script = out.completion_script(cpctl.build_parser(), "bash")
+    assert '"__complete' not in script  # no case for it: the shell never offers it
+
+
+def _complete_with_fake_cpctl(line: str) -> tuple[str, str]:
+    """Run the bash completion for `line` with `cpctl` a shell function that records its
+    arguments and answers like `cpctl __complete`; (COMPREPLY, the arguments it got)."""
+    script = out.completion_script(cpctl.build_parser(), "bash")
+    words = line.split(" ")
+    fake = """
+cpctl() {
+    echo "$*" > "$ASKED"
+    case "$*" in
+        *"__complete models"*) printf 'llama\\nmistral\\n' ;;
+        *"__complete versions llama"*) printf 'v1\\nv2\\n' ;;
+        *"__complete addresses"*) printf '127.0.0.1:8001\\n127.0.0.1:8002\\n' ;;
+    esac
+}
+"""
+    program = (
+        f"{script}\n{fake}\nASKED=$(mktemp)\n"
+        f"COMP_WORDS=({' '.join(shlex.quote(w) for w in words)}); COMP_CWORD={len(words) - 1}\n"
+        '_cpctl; echo "${COMPREPLY[*]}"; cat "$ASKED"; rm -f "$ASKED"'
+    )
+    got = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True).stdout
+    reply, _, asked = got.partition("\n")
+    return reply, asked.strip()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize(
+    ("line", "expected", "asked"),
+    [
+        ("cpctl rollout status ", "llama mistral", "__complete models"),
+        ("cpctl rollout status m", "mistral", "__complete models"),
+        ("cpctl rollout start llama --to ", "v1 v2", "__complete versions llama"),
+        ("cpctl rollout start --manual llama --to v", "v1 v2", "__complete versions llama"),
+        ("cpctl autoscaling list ", "llama mistral", "__complete models"),
+        ("cpctl endpoints list --model ", "llama mistral", "__complete models"),
+        ("cpctl endpoints drain ", "127.0.0.1:8001 127.0.0.1:8002", "__complete addresses"),
+        ("cpctl endpoints undrain 127.0.0.1:8002 --reason x ", "", ""),
+        (
+            "cpctl --server 127.0.0.1:9 rollout pause ",
+            "llama mistral",
+            "--server 127.0.0.1:9 __complete models",
+        ),
+        (
+            "cpctl rollout history --token-file /t/admin-token ",
+            "llama mistral",
+            "--token-file /t/admin-token __complete models",
+        ),
+        ("cpctl rollout status llama ", "", ""),  # the model is given: nothing more to name
+        ("cpctl rollout status llama -o ", "table json yaml", ""),
+        ("cpctl rollout pause llama --reason ", "", ""),
+        ("cpctl proxies ", "", ""),
+    ],
+)
+def test_bash_completion_asks_the_control_plane_for_names(line: str, expected: str, asked: str) -> None:
+    assert _complete_with_fake_cpctl(line) == (expected, asked)
