@@ -10,7 +10,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from tests.integration.harness import Proc, free_port, http_get
+from tests.integration.harness import EmulatedFleet, Proc, free_port, http_get
 from tests.peers import required
 
 
@@ -79,3 +79,16 @@ class Prometheus:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+class PrometheusFleet(EmulatedFleet):
+    """Emulated servers, a control plane, an Envoy and a Prometheus; close() stops them all."""
+
+    prometheus: Prometheus | None = None
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.prometheus is not None:
+                self.prometheus.stop()

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.harness import ControlPlane, Emulator, EmulatedFleet, Envoy, LoadLoop, wait_until
-from tests.integration.prometheus import Prometheus, prometheus_binary
+from tests.integration.harness import ControlPlane, Emulator, Envoy, LoadLoop, wait_until
+from tests.integration.prometheus import Prometheus, PrometheusFleet, prometheus_binary
 
 pytestmark = pytest.mark.envoy
 
@@ -51,15 +51,8 @@ def prometheus_config(cp: ControlPlane, envoy: Envoy) -> str:
     return yaml.safe_dump(config)
 
 
-class Rig(EmulatedFleet):
-    prometheus: Prometheus | None = None
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            if self.prometheus is not None:
-                self.prometheus.stop()
+class Rig(PrometheusFleet):
+    pass
 
 
 @pytest.fixture

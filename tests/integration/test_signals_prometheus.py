@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import EmulatedFleet, Emulator, wait_until
-from tests.integration.prometheus import Prometheus, prometheus_binary
+from tests.integration.harness import Emulator, wait_until
+from tests.integration.prometheus import Prometheus, PrometheusFleet, prometheus_binary
 
 pytestmark = pytest.mark.envoy
 
@@ -35,10 +35,9 @@ SIGNALS = (
 )
 
 
-class Rig(EmulatedFleet):
+class Rig(PrometheusFleet):
     def __init__(self, tmp: Path) -> None:
         super().__init__(tmp)
-        self.prometheus: Prometheus | None = None
         self.seen: list[tuple[float, dict[str, int]]] = []  # Envoy's weights, sampled throughout
         self._sampling = threading.Event()
         self._sampler: threading.Thread | None = None
@@ -78,11 +77,7 @@ class Rig(EmulatedFleet):
         self._sampling.clear()
         if self._sampler is not None:
             self._sampler.join(5)
-        try:
-            super().close()
-        finally:
-            if self.prometheus is not None:
-                self.prometheus.stop()
+        super().close()
 
 
 @pytest.fixture

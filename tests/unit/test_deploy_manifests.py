@@ -509,7 +509,7 @@ def test_the_dashboard_loads_and_every_panel_has_queries_on_the_datasource_varia
     assert (source["type"], source["query"]) == ("datasource", "prometheus")
     panels = dash["panels"]
     rows = [p["title"] for p in panels if p["type"] == "row"]
-    assert rows == ["xDS", "Balancing", "Rollouts and drains", "Traffic (Envoy)"]
+    assert rows == ["Golden signals", "Is it us? (control plane)", "Envoy", "Servers", "Rollouts and drains"]
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
     for p in panels:
@@ -534,7 +534,6 @@ def test_the_dashboard_loads_and_every_panel_has_queries_on_the_datasource_varia
         "controlplane_model_load_balance_degree",
         "controlplane_rollout_version_weight_ratio",
         "controlplane_rollout_phase",
-        "envoy_cluster_upstream_rq_total",
         "envoy_cluster_upstream_rq_xx",
         "envoy_cluster_upstream_rq_time_bucket",
     ):
