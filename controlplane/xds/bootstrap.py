@@ -37,7 +37,8 @@ def envoy_bootstrap(
     """An Envoy bootstrap YAML that connects to the control plane over ADS and, unless
     `load_reports` is off, sends it load reports (LRS) over the same connection. `tls_ca`:
     over TLS, verifying the control plane against that CA; `tls_cert`/`tls_key`: presenting
-    that certificate (mutual TLS). Paths are the Envoy's."""
+    that certificate (mutual TLS). Paths are the Envoy's. Its stats_matcher makes Envoy create
+    only the stats deploy/ and the tests read (docs/deploy.md#prometheus)."""
     if not node_id:
         raise ValueError("--node-id: must not be empty")
     if (tls_cert is None) != (tls_key is None):

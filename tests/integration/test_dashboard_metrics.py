@@ -7,12 +7,15 @@ endpoint is drained and a proxy NACKs, so that every family has samples. Then ev
 name used by deploy/grafana/*.json and deploy/prometheus/alerts.yml must be in the control
 plane's /metrics or in Envoy's /stats/prometheus (scraped through the stats listener that
 Prometheus scrapes in Kubernetes), and the Envoy metrics kept by prometheus.yml must exist.
+Envoy creates exactly the stats its bootstrap's stats_matcher keeps, and the page Prometheus
+scrapes (?usedonly) has those that traffic and config wrote; every one it leaves out is zero.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import threading
 import time
@@ -20,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import grpc
 import pytest
@@ -39,6 +43,7 @@ from tests.integration.harness import (
     http_get,
     wait_until,
 )
+from tests.unit.test_deploy_prometheus import ENVOY_ADMIN_ONLY, ENVOY_STATS, prometheus_names
 
 pytestmark = pytest.mark.envoy
 
@@ -288,7 +293,9 @@ def test_every_metric_of_the_dashboard_and_alerts_is_exported(rig: Rig) -> None:
     rig.start_rollout()
     assert rig.command("Abort").phase == "Aborted"
     rig.start_rollout()
-    wait_until(lambda: "controlplane_rollout_error_rate{" in cp.metrics_text(), 10, "the step's analysis")
+    wait_until(
+        lambda: "controlplane_rollout_analysis_error_ratio{" in cp.metrics_text(), 10, "the step's analysis"
+    )
     rig.command("Promote", full=True)
     wait_until(lambda: rig.rollout().phase == "Completed", 10, "the rollout to complete")
     # An endpoint drained by hand, and a proxy that rejects config.
@@ -309,9 +316,12 @@ def test_every_metric_of_the_dashboard_and_alerts_is_exported(rig: Rig) -> None:
 
     used: dict[str, set[str]] = {}
     sources = [(p, dashboard_expressions(p)) for p in sorted((DEPLOY / "grafana").glob("*.json"))]
-    sources.append(
-        (DEPLOY / "prometheus" / "alerts.yml", alert_expressions(DEPLOY / "prometheus" / "alerts.yml"))
-    )
+    for rules in ("alerts.yml", "slo-rules.yml"):
+        sources.append((DEPLOY / "prometheus" / rules, alert_expressions(DEPLOY / "prometheus" / rules)))
+    # The recording rules' own names (model:inference_*) are made by Prometheus from the
+    # slo-rules.yml expressions, whose metrics are checked like the others.
+    slo_groups = yaml.safe_load((DEPLOY / "prometheus" / "slo-rules.yml").read_text())["groups"]
+    recorded = {r["record"] for g in slo_groups for r in g["rules"]}
     for path, exprs in sources:
         assert exprs, path
         for expr in exprs:
@@ -321,7 +331,7 @@ def test_every_metric_of_the_dashboard_and_alerts_is_exported(rig: Rig) -> None:
 
     missing = []
     for name, where in sorted(used.items()):
-        if name in PROMETHEUS_SERIES:
+        if name in PROMETHEUS_SERIES or name in recorded:
             continue
         if name.startswith("envoy_"):
             ok = name in envoy_samples
@@ -342,6 +352,7 @@ def test_every_metric_of_the_dashboard_and_alerts_is_exported(rig: Rig) -> None:
     keep = envoy_keep_list()
     assert [n for n in keep if n not in envoy_samples] == []
     assert sorted(n for n in used if n.startswith("envoy_") and n not in keep) == []
+    check_envoy_stats_as_scraped(envoy, rig.listener, envoy_samples, keep)
 
     # The gateway's preStop hook drains through the admin API (drain time 1 s here), and
     # returns once the listeners have stopped and nothing is in flight.
@@ -352,6 +363,83 @@ def test_every_metric_of_the_dashboard_and_alerts_is_exported(rig: Rig) -> None:
     assert envoy.stat("listener_manager.listener_stopped") >= 1
     with pytest.raises(OSError):
         http_get(f"http://127.0.0.1:{rig.listener}/v1/models")
+
+
+def envoy_scrape_path() -> str:
+    """The path and query prometheus.yml scrapes Envoys on (/stats/prometheus?usedonly=)."""
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "envoy"]
+    return f"{job['metrics_path']}?{urlencode(job.get('params', {}), doseq=True)}"
+
+
+def reset_mid_request(listener: int) -> None:
+    """A client that sends a long completion and hangs up before the answer: Envoy counts a
+    downstream reset and closes the upstream connection under its request."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2000}).encode()
+    with socket.create_connection(("127.0.0.1", listener), timeout=5) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(0.3)
+
+
+def check_envoy_stats_as_scraped(
+    envoy: DeployedEnvoy, listener: int, envoy_samples: set[str], keep: list[str]
+) -> None:
+    """The bootstrap's stats_matcher and the scrape's usedonly, on the Envoy after traffic.
+    `envoy_samples`: the names at /stats/prometheus without usedonly."""
+    # Envoy creates the stats the matcher keeps (each has its Prometheus name, as listed in
+    # tests/unit/test_deploy_prometheus.py) and no others.
+    listed = {n for v in ENVOY_STATS.values() for n in prometheus_names(v)}
+    assert sorted(listed - envoy_samples) == []
+    assert sorted(envoy_samples - listed) == []
+    assert sorted(envoy_samples - set(keep)) == sorted(ENVOY_ADMIN_ONLY)
+
+    reset_mid_request(listener)
+    stats = f"http://127.0.0.1:{envoy.stats_port}"
+
+    def scraped() -> tuple[str, set[str]]:
+        status, page = http_get(stats + envoy_scrape_path())
+        assert status == 200
+        return page, exposition(page)[0]
+
+    # Histograms count as used once merged (Envoy's stats flush, every 5 s).
+    wait_until(
+        lambda: (
+            {"envoy_cluster_upstream_rq_time_bucket", "envoy_http_downstream_rq_rx_reset"} <= scraped()[1]
+        ),
+        10,
+        "the histograms and the reset in the usedonly page",
+    )
+    full = http_get(stats + "/stats/prometheus")[1]  # first: a stat written later shows in both
+    page, names = scraped()
+    assert names <= envoy_samples and len(page) < len(full)
+    # What traffic, config and a client's reset write is there; every stat left out by
+    # usedonly is all zeros on the full page (nothing has written it yet).
+    written = {
+        "envoy_cluster_upstream_rq_total", "envoy_cluster_upstream_rq_xx", "envoy_cluster_upstream_rq_active",
+        "envoy_cluster_upstream_rq_time_bucket", "envoy_cluster_upstream_rq_time_sum",
+        "envoy_cluster_upstream_rq_time_count", "envoy_cluster_membership_healthy",
+        "envoy_cluster_membership_total", "envoy_cluster_upstream_cx_destroy_local_with_active_rq",
+        "envoy_http_downstream_rq_total", "envoy_http_downstream_rq_xx", "envoy_http_downstream_rq_active",
+        "envoy_http_downstream_rq_time_bucket", "envoy_http_downstream_rq_time_sum",
+        "envoy_http_downstream_rq_time_count", "envoy_http_downstream_rq_rx_reset",
+        "envoy_cluster_manager_cds_update_time", "envoy_cluster_manager_cds_update_success",
+        "envoy_cluster_manager_cds_version", "envoy_listener_manager_lds_update_time",
+        "envoy_listener_manager_lds_update_success", "envoy_listener_manager_lds_version",
+        "envoy_http_rds_update_time", "envoy_http_rds_update_success", "envoy_http_rds_version",
+        "envoy_cluster_manager_warming_clusters", "envoy_control_plane_connected_state",
+        "envoy_server_live", "envoy_server_uptime", "envoy_server_memory_allocated",
+        "envoy_server_concurrency",
+    }  # fmt: skip
+    assert written <= set(keep)
+    assert sorted(written - names) == []
+    for line in full.splitlines():
+        name, _, value = line.rpartition(" ")
+        if line and not line.startswith("#") and re.split(r"[{\s]", name)[0] not in names:
+            assert float(value) == 0, f"{line}: written, yet not in the usedonly page"
 
 
 def test_promql_metric_names_reads_names_not_functions_labels_or_variables() -> None:

@@ -54,6 +54,7 @@ NOT_RUN = {
     ("docs/benchmarks.md", ".venv/bin/python bench/lb_quality/prefix.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/python bench/autoscaling/simulate.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/python bench/autoscaling/real.py"): BENCH,
+    ("docs/benchmarks.md", ".venv/bin/python bench/envoy_stats/series.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/pip install -e '.[bench]'"): "installs the optional bench extra",
     ("docs/ha.md", "controlplane import --from fleet.yaml --to etcd://"): (
         "needs an etcd cluster; tests/integration/test_ha.py runs import, serve --store and bootstrap "
