@@ -64,9 +64,7 @@ def test_promtool_accepts_the_scrape_config_and_its_rule_file(promtool: str) -> 
 
 def test_promtool_accepts_the_alert_rules(promtool: str) -> None:
     out = run(promtool, "check", "rules", str(PROM / "alerts.yml"), str(PROM / "slo-rules.yml"))
-    recorded = [
-        r for g in yaml.safe_load((PROM / "slo-rules.yml").read_text())["groups"] for r in g["rules"]
-    ]
+    recorded = [r for g in yaml.safe_load((PROM / "slo-rules.yml").read_text())["groups"] for r in g["rules"]]
     assert all("record" in r for r in recorded)
     assert f"SUCCESS: {len(alert_rules())} rules found" in out
     assert f"SUCCESS: {len(recorded)} rules found" in out
