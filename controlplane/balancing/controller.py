@@ -66,6 +66,7 @@ class WeightController:
         self._round = asyncio.Event()  # set (and replaced) when a round ends
         self._source: SignalSource | None = None
         self._ready: dict[tuple[str, str], bool] = {}
+        self._was_ready: set[tuple[str, str]] = set()  # endpoints ready at least once since they joined
         self._models_exported: set[str] = set()
         self._fail_static: set[str] = set()  # clusters keeping endpoints out of sight in service
         self._sight_exported: set[tuple[str, str]] = set()
@@ -110,6 +111,8 @@ class WeightController:
             now = time.monotonic()
             for key, result in results.items():
                 self.store.record_scrape(key, result, now)
+            # Servers' TTFT/TPOT histograms, merged per version when /metrics is read: O(1) here.
+            self.metrics.model_latency.observe(fleet, ((k, self.store.sample(k)) for k in results))
         else:
             loops.idle(SIGNALS)
             if self._source is not None:
@@ -174,6 +177,7 @@ class WeightController:
         self._export(fleet, now)
         # Series of models the fleet no longer has, whichever room exported them.
         self.metrics.retain_models({m.name for m in fleet.models})
+        self.metrics.model_latency.retain(fleet)
         self.rounds += 1
 
     def _observe_cold_starts(self, targets: set[tuple[str, str]], now: float) -> None:
@@ -306,9 +310,11 @@ class WeightController:
                 b.shed.labels(m.name, c.name).set(1 if c.name in after else 0)
 
     def _log_readiness(self) -> None:
+        seen: set[tuple[str, str]] = set()
         for view in self.weigher.views.values():
             for load in view.loads:
                 key = (view.model, load.address)
+                seen.add(key)
                 was = self._ready.get(key)
                 if (was is None and not load.ready) or (was is not None and was != load.ready):
                     sig = self.store.endpoints.get(key)
@@ -320,6 +326,11 @@ class WeightController:
                         reason=None if load.ready or sig is None else sig.last_error or "health check",
                     )
                 self._ready[key] = load.ready
+                if load.ready:
+                    self._was_ready.add(key)
+        # An endpoint that leaves and joins again starts warming again.
+        self._was_ready &= seen
+        self._ready = {k: v for k, v in self._ready.items() if k in seen}
 
     def _watch_sight(self) -> None:
         """Count and log each cluster's entry into fail static (and its end); export how many
@@ -378,6 +389,7 @@ class WeightController:
                         load.age_s,
                         self.store.lrs_totals(key, now)[0] if sig is not None and sig.lrs else 0.0,
                         sig.scrape_errors if sig is not None else 0,
+                        was_ready=key in self._was_ready,
                     )
                 )
         b.endpoints.publish(tuple(rows), at=now)

@@ -131,6 +131,42 @@ class Metrics:
             "1 if the config file on disk is valid and served; 0 if the last edit was refused.",
             registry=r,
         )
+        self.version_traffic = Gauge(
+            "controlplane_version_traffic_ratio",
+            "Share (0-1) of the model's traffic the routes send to the version now: 1 for the "
+            "stable version outside a rollout, the step's split during one, 0 for the others.",
+            ["model", "version"],
+            registry=r,
+        )
+        self.cluster_info = Gauge(
+            "controlplane_cluster_info",
+            "Always 1: maps the Envoy cluster name of a model version (envoy_cluster_name, as "
+            "Envoy's stats label it) to its model and version, for joins in queries "
+            "(`* on (envoy_cluster_name) group_left (model, version)`).",
+            ["envoy_cluster_name", "model", "version"],
+            registry=r,
+        )
+        self.slo_objective = Gauge(
+            "controlplane_model_slo_objective",
+            "The model's objective (0-1: the share of requests that must be good) for each "
+            "indicator: availability, ttft, tpot (the fleet file's slo, else its tier's, else the "
+            "defaults). The burn-rate alerts divide by 1 - this.",
+            ["model", "sli"],
+            registry=r,
+        )
+        self.slo_threshold = Gauge(
+            "controlplane_model_slo_threshold_seconds",
+            "The latency a good request stays under, for ttft and tpot; `le` is the same value "
+            "spelt as the histogram bucket it selects in controlplane_model_time_*_seconds.",
+            ["model", "sli", "le"],
+            registry=r,
+        )
+        self.store_reachable = Gauge(
+            "controlplane_store_reachable",
+            "1 while the shared store (etcd, with --store) answered this replica's latest "
+            "leader-election round (every ttl/3 s); 0 while it does not. Absent without --store.",
+            registry=r,
+        )
         self.balancing = BalancingMetrics(r)
         self.collectors = CollectorMetrics(r)
         self.prometheus_source = PrometheusSourceMetrics(r)
@@ -139,6 +175,10 @@ class Metrics:
         self.discovery = DiscoveryMetrics(r)
         self.hold = HoldMetrics(r)
         self.loops = LoopMetrics(r)
+        from controlplane.obs.latency_metrics import ModelLatency
+
+        # Per model version TTFT and TPOT histograms, merged from the servers' own when read.
+        self.model_latency = ModelLatency(r)
         self.build_info = Gauge(
             "controlplane_build_info",
             "Always 1; the labels say which build of the control plane runs.",
@@ -347,8 +387,8 @@ class RolloutMetrics:
             registry=r,
         )
         self.version_weight = Gauge(
-            "controlplane_rollout_version_weight_percent",
-            "Percent of the model's traffic routed to each version of its latest rollout.",
+            "controlplane_rollout_version_weight_ratio",
+            "Share (0-1) of the model's traffic routed to each version of its latest rollout.",
             ["model", "version"],
             registry=r,
         )
@@ -370,10 +410,25 @@ class RolloutMetrics:
             ["model", "cause"],
             registry=r,
         )
-        self.canary_error_rate = Gauge(
-            "controlplane_rollout_error_rate",
-            "Error rate of each version of a running rollout since its step began.",
-            ["model", "version"],
+        self.analysis_error_ratio = Gauge(
+            "controlplane_rollout_analysis_error_ratio",
+            "Share (0-1) of failed requests of the canary and of the stable version of a running "
+            "rollout since its step began: what the step's analysis judges (role canary or stable).",
+            ["model", "version", "role"],
+            registry=r,
+        )
+        self.analysis_p99 = Gauge(
+            "controlplane_rollout_analysis_p99_seconds",
+            "p99 request latency of the canary and of the stable version of a running rollout since "
+            "its step began, from the servers' histograms: what the step's analysis compares.",
+            ["model", "version", "role"],
+            registry=r,
+        )
+        self.analysis_requests = Gauge(
+            "controlplane_rollout_analysis_requests",
+            "Requests the canary and the stable version of a running rollout served since its step "
+            "began (the step's analysis needs min_requests on the canary).",
+            ["model", "version", "role"],
             registry=r,
         )
         self.draining = Gauge(
@@ -385,7 +440,13 @@ class RolloutMetrics:
         self.leader = Gauge(
             "controlplane_leader",
             "1 while this replica drives rollouts and drains (always, with one replica; with "
-            "several on etcd, the holder of the leader lease).",
+            "several on etcd, the holder of the leader lease). Only the leader exports the rollout "
+            "and drain series (controlplane_rollout_*, controlplane_endpoints_draining).",
+            registry=r,
+        )
+        self.leader_changes = Counter(
+            "controlplane_leader_changes_total",
+            "Times this replica gained or lost the leader lease (several replicas on etcd).",
             registry=r,
         )
         self.admin_requests = Counter(

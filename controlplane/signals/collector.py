@@ -4,8 +4,9 @@ The process that serves xDS never scrapes or parses. `CollectorPool` starts coll
 processes (`collector_worker.py`, sized to the cores: one per core but one, at least one,
 at most `MAX_WORKERS`) and gives each a share of the endpoints (by a hash of the address,
 stable as the fleet changes). Each scrapes its share on its own schedule and sends back
-compact records (a parsed `ServerSample` per endpoint); a reader thread per process puts
-them in an inbox, and each weight round takes what arrived (`collect`), at once.
+compact records (a parsed `ServerSample` per endpoint, its latency histograms only when
+they changed); a reader thread per process puts them in an inbox, and each weight round
+takes what arrived (`collect`), at once: the latest record per endpoint.
 
 A collector that dies is started again (its endpoints' signals age meanwhile and fade to
 capacity, as for an unreadable page); one that stops reporting for `STUCK_AFTER_S` (or
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import os
 import socket
 import subprocess
@@ -57,6 +59,20 @@ def default_workers() -> int:
 def settings_of(fleet: Fleet) -> Settings:
     s = fleet.signals
     return Settings(s.interval_s, s.timeout_s, s.metrics_path, s.health_path, CONCURRENCY)
+
+
+def _later(earlier: ScrapeResult, later: ScrapeResult) -> ScrapeResult:
+    """Two records of one endpoint in one round: the later stands, with the earlier's TTFT and
+    TPOT histograms where it has none (a collector leaves out histograms unchanged since its
+    previous record, which here is `earlier`)."""
+    a, b = earlier.sample, later.sample
+    if a is None or b is None:
+        return later
+    ttft = b.ttft if b.ttft is not None else a.ttft
+    tpot = b.tpot if b.tpot is not None else a.tpot
+    if ttft is b.ttft and tpot is b.tpot:
+        return later
+    return dataclasses.replace(later, sample=dataclasses.replace(b, ttft=ttft, tpot=tpot))
 
 
 class _Worker:
@@ -246,7 +262,8 @@ class CollectorPool:
                 key, result = self._inbox.popleft()
             except IndexError:
                 break
-            out[key] = result
+            earlier = out.get(key)
+            out[key] = result if earlier is None else _later(earlier, result)
             n += 1
         if n:
             self.metrics.records.inc(n)

@@ -10,6 +10,13 @@ parsed here (`parse_metrics`, only the families read), so the control plane rece
 `ScrapeResult` with a `ServerSample`, never a page. Records go out in batches every
 `FLUSH_S`, with the process's counters (CPU seconds, pages, bytes, lag, back-off).
 
+A sample's TTFT and TPOT histograms (about 40 buckets, most of a record's bytes) are sent
+only when they changed since the endpoint's previous record, and whole every `REFRESH_S`
+in any case, so a record lost on the way (or collapsed into a later one) costs at most that
+long; None on the control plane's side means "unchanged" (obs/latency_metrics.py). Each is
+stamped with a lifetime id (`ServerHistogram.life`, new when a counter went down), so the
+control plane need not compare buckets to tell a restarted server.
+
 The process runs at a lower scheduling priority (`NICE`) than the control plane: when the
 machine is short of CPU, serving xDS wins. It exits when the control plane goes away.
 """
@@ -19,7 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import os
+import random
 import resource
 import signal
 import threading
@@ -30,13 +40,20 @@ from typing import Any
 
 import aiohttp
 
-from controlplane.signals.parse import MetricsPageInvalid, parse_metrics
+from controlplane.signals.parse import (
+    MetricsPageInvalid,
+    ServerHistogram,
+    ServerSample,
+    parse_metrics,
+    same_life,
+)
 from controlplane.signals.probe import Probe, Prober, at_port
 from controlplane.signals.schedule import Schedule
 from controlplane.signals.store import EndpointKey, ScrapeResult
 
 FLUSH_S = 0.05  # records are sent at most this long after their scrape ended
 NICE = 10  # collectors yield the CPU to the xDS process
+REFRESH_S = 10.0  # unchanged latency histograms are sent again after this long
 
 
 @dataclass(frozen=True)
@@ -63,6 +80,53 @@ class Stats:
     backing_off: int = 0
     endpoints: int = 0
     cpu_s: float = 0.0
+
+
+# What a collector keeps of one histogram of an endpoint: the last read, its lifetime id.
+_Kept = tuple[ServerHistogram, int]
+
+
+class SentHistograms:
+    """Per endpoint, the TTFT and TPOT histograms last read, with their lifetime ids, and when
+    they were last sent whole: what `changed_only` leaves out of a record."""
+
+    def __init__(self) -> None:
+        self._last: dict[EndpointKey, tuple[_Kept | None, _Kept | None, float]] = {}
+        # Lifetime ids, unique to this process (a collector started again never reuses one).
+        self._lives = itertools.count(random.getrandbits(40) << 20 | 1)
+
+    def retain(self, keys: set[EndpointKey]) -> None:
+        """Forget endpoints no longer scraped (one that comes back is sent whole)."""
+        self._last = {k: v for k, v in self._last.items() if k in keys}
+
+    def changed_only(self, key: EndpointKey, sample: ServerSample, now: float) -> ServerSample:
+        """The sample with each histogram None where unchanged since the endpoint's previous
+        record (both whole every REFRESH_S), and stamped with its lifetime id: a new one
+        whenever it is not `same_life` with the previous one read."""
+        if sample.ttft is None and sample.tpot is None:
+            self._last.pop(key, None)
+            return sample
+        last = self._last.get(key)
+        whole = last is None or now - last[2] >= REFRESH_S
+        ttft, kept_ttft = self._one(sample.ttft, last[0] if last else None, whole)
+        tpot, kept_tpot = self._one(sample.tpot, last[1] if last else None, whole)
+        self._last[key] = (kept_ttft, kept_tpot, last[2] if last is not None and not whole else now)
+        return dataclasses.replace(sample, ttft=ttft, tpot=tpot)
+
+    def _one(
+        self, h: ServerHistogram | None, kept: _Kept | None, whole: bool
+    ) -> tuple[ServerHistogram | None, _Kept | None]:
+        if h is None:
+            return None, None
+        if kept is not None and h == kept[0]:
+            life = kept[1]
+            if not whole:
+                return None, kept
+        elif kept is not None and same_life(kept[0], h):
+            life = kept[1]
+        else:
+            life = next(self._lives)
+        return ServerHistogram(h.bounds, h.counts, h.count, h.sum, life), (h, life)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,6 +161,7 @@ class _Worker:
         self.probes: dict[EndpointKey, Probe] = {}  # targets probed otherwise than by default
         self.default_probe = Probe()  # the fleet's signals paths on the serving port
         self.tasks: set[asyncio.Task[None]] = set()
+        self.histograms = SentHistograms()
 
     # -- messages from the control plane (a reader thread hands them to the loop)
 
@@ -122,6 +187,7 @@ class _Worker:
             self.default_probe = Probe(health_path=settings.health_path, metrics_path=settings.metrics_path)
             self.schedule.set_interval(settings.interval_s, now)
             self.schedule.set_targets(targets, now, first=first)
+            self.histograms.retain(set(targets))
             if self.prober is not None:  # close gRPC channels to servers no longer probed
                 keep = {at_port(k[1], p.health_port) for k, p in self.probes.items() if p.health == "grpc"}
                 task = asyncio.ensure_future(self.prober.forget(keep))
@@ -194,6 +260,8 @@ class _Worker:
                 m_err = f"unreadable metrics page: {e}"
                 self.stats.unreadable += 1
             self.stats.parse_s += time.perf_counter() - t0
+            if sample is not None:
+                sample = self.histograms.changed_only(key, sample, time.monotonic())
         self.outbox.append(
             (
                 key,

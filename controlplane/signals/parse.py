@@ -6,10 +6,17 @@ maps each dialect's metric names to running, waiting, KV use (0-1), latency sum/
 success/failure counters; a dialect that does not export a quantity leaves it None.
 Counters are cumulative; `derive` turns two samples into interval rates.
 
+The time-to-first-token and time-per-output-token histograms are read whole (`_HISTOGRAMS`:
+cumulative buckets, _count, _sum, summed over the model's label sets) into `ServerHistogram`s,
+which the control plane merges per model version (obs/latency_metrics.py). vLLM and SGLang
+export both; TGI only a per-request mean time per token (read as TPOT); Triton neither.
+
 Only the lines of the families read are parsed (`_select`): plain lines with string
 operations, any other with prometheus_client's own text parser, so the text format's
-semantics are prometheus_client's (a property test checks both paths agree). On a 33 KB
-vLLM page that is about 20x cheaper than prometheus_client's parse of the whole page.
+semantics are prometheus_client's (a property test checks both paths agree). A line whose
+`name{labels}` head was parsed before costs a split and a float() (`_HEADS`): a server's
+page repeats its heads every scrape, only the values change. On a 33 KB vLLM page that is
+about 20x cheaper than prometheus_client's parse of the whole page.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import gt
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,6 +35,41 @@ DIALECTS = ("vllm", "sglang", "tgi", "triton")
 
 class MetricsPageInvalid(ValueError):
     """The page is not Prometheus text, or carries none of the metrics a dialect needs."""
+
+
+@dataclass(frozen=True)
+class ServerHistogram:
+    """A server's cumulative histogram as its page gives it (summed over the model's label
+    sets): the finite bucket bounds (ascending) with their cumulative counts, the total count
+    (_count, else the +Inf bucket) and the sum (None: not on the page)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[float, ...]
+    count: float
+    sum: float | None = None
+    # Set by the collector process: which counting lifetime of the server this is. Two
+    # histograms of one endpoint with the same non-zero `life` are `same_life`, and so is
+    # everything the collector read between them: the control plane may keep only the
+    # newer. 0: not known.
+    life: int = 0
+
+
+def continues(prev: ServerHistogram, cur: ServerHistogram) -> bool:
+    """Whether `cur` continues `prev` (the same server's, later): the same bounds, and no
+    count, bucket or sum went down. Otherwise the server was restarted (or reconfigured) in
+    between: all of `cur` is new, as Prometheus' rate() takes a counter reset."""
+    return (
+        (cur.bounds is prev.bounds or cur.bounds == prev.bounds)
+        and cur.count >= prev.count
+        and (cur.sum is None or prev.sum is None or cur.sum >= prev.sum)
+        and not any(map(gt, prev.counts, cur.counts))
+    )
+
+
+def same_life(prev: ServerHistogram, cur: ServerHistogram) -> bool:
+    """`continues`, with the same parts (a sum, or none): what was counted from `prev` to
+    `cur` is the same whatever histograms came between them."""
+    return (cur.sum is None) == (prev.sum is None) and continues(prev, cur)
 
 
 @dataclass(frozen=True)
@@ -45,6 +88,11 @@ class ServerSample:
     token_latency_count: float | None = None
     # The request latency histogram: (upper bound, cumulative count), for quantiles (p99).
     latency_buckets: tuple[tuple[float, float], ...] = ()
+    # Time to first token and time per output token, whole (None: not on the page; from a
+    # collector process also: unchanged since that endpoint's last record, see
+    # collector_worker.py).
+    ttft: ServerHistogram | None = None
+    tpot: ServerHistogram | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +151,6 @@ _FIELDS: dict[str, dict[str, tuple[str, float]]] = {
         "nv_inference_request_failure_total": ("failures", 1.0),
     },
 }
-_MODEL_LABELS = ("model_name", "model")
 _DETECT = {
     "vllm": "vllm:",
     "sglang": "sglang:",
@@ -112,12 +159,48 @@ _DETECT = {
 }
 
 
-# The request latency histogram's bucket samples per dialect (Triton exports none).
-_BUCKETS = {
-    "vllm": "vllm:e2e_request_latency_seconds_bucket",
-    "sglang": "sglang:e2e_request_latency_seconds_bucket",
-    "tgi": "tgi_request_duration_bucket",
+# The histograms read whole, per dialect: which -> the family's name. "e2e" is the request
+# latency histogram: only its buckets (its sum and count are `_FIELDS`), for
+# `latency_buckets`; "ttft" and "tpot" are read with their _count and _sum into
+# `ServerHistogram`s. "tpot_alt" stands in for "tpot" when that is not on the page (vLLM
+# 0.11 renamed the per-token histogram inter_token_latency). TGI has no first-token
+# histogram; its per-token one is each request's mean time per token (one observation per
+# request, not per token). Triton exports neither.
+_HISTOGRAMS: dict[str, dict[str, str]] = {
+    "vllm": {
+        "e2e": "vllm:e2e_request_latency_seconds",
+        "ttft": "vllm:time_to_first_token_seconds",
+        "tpot": "vllm:time_per_output_token_seconds",
+        "tpot_alt": "vllm:inter_token_latency_seconds",
+    },
+    "sglang": {
+        "e2e": "sglang:e2e_request_latency_seconds",
+        "ttft": "sglang:time_to_first_token_seconds",
+        "tpot": "sglang:time_per_output_token_seconds",
+    },
+    "tgi": {
+        "e2e": "tgi_request_duration",
+        "tpot": "tgi_request_mean_time_per_token_duration",
+    },
+    "triton": {},
 }
+
+# What a sample name feeds: (a `_FIELDS` field or None, its scale, a histogram or None, the
+# histogram's part: bucket, count or sum). One lookup per sample.
+_Read = tuple[str | None, float, str | None, str | None]
+
+
+def _read_table(dialect: str) -> dict[str, _Read]:
+    out: dict[str, _Read] = {name: (f, scale, None, None) for name, (f, scale) in _FIELDS[dialect].items()}
+    for which, base in _HISTOGRAMS[dialect].items():
+        for part in ("bucket",) if which == "e2e" else ("bucket", "count", "sum"):
+            name = f"{base}_{part}"
+            f, scale = _FIELDS[dialect].get(name, (None, 1.0))
+            out[name] = (f, scale, which, part)
+    return out
+
+
+_READ: dict[str, dict[str, _Read]] = {d: _read_table(d) for d in DIALECTS}
 
 
 Sample = tuple[str, dict[str, str], float]
@@ -126,11 +209,7 @@ Sample = tuple[str, dict[str, str], float]
 # Per dialect, the shortest distinct prefixes of the names read (a name that extends
 # another is found with it).
 _PREFIXES: dict[str, tuple[str, ...]] = {
-    d: tuple(
-        n
-        for n in sorted({*_FIELDS[d], *([_BUCKETS[d]] if d in _BUCKETS else [])})
-        if not any(n != o and n.startswith(o) for o in {*_FIELDS[d], _BUCKETS.get(d, "")} if o)
-    )
+    d: tuple(n for n in sorted(_READ[d]) if not any(n != o and n.startswith(o) for o in _READ[d]))
     for d in DIALECTS
 }
 
@@ -141,10 +220,23 @@ _RESTS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _by_start(rests: tuple[str, ...]) -> tuple[int, dict[str, tuple[str, ...]]]:
+    """(n, the rests by their first n characters), n the shortest rest's length: most lines
+    of a page are ruled out by one slice and one lookup, not a startswith per name read."""
+    n = min((len(r) for r in rests), default=0)
+    out: dict[str, tuple[str, ...]] = {}
+    for r in rests:
+        out[r[:n]] = (*out.get(r[:n], ()), r)
+    return n, out
+
+
+_RESTS_BY_START = {d: _by_start(rests) for d, rests in _RESTS.items()}
+
+
 def _select(text: str) -> tuple[list[str], str | None]:
     """(the lines of the families read, the dialect with most of them).
 
-    A vLLM page is 30-60 KB of a dozen histograms; the load needs about 40 of its lines.
+    A vLLM page is 30-60 KB of a dozen histograms; what is read is about 100 of its lines.
     For each dialect whose prefix the page has, the page is split (in C) at every line
     that starts with the prefix, and only the pieces that go on with a name read are
     kept, cut at their line's end, before any per-sample parsing. Comments (HELP/TYPE)
@@ -156,13 +248,15 @@ def _select(text: str) -> tuple[list[str], str | None]:
         if mark not in text:
             continue
         rests = _RESTS[dialect]
+        n, by_start = _RESTS_BY_START[dialect]
         found: list[str] = []
         pieces = text.split("\n" + mark)
         head = pieces[0]
         if head.startswith(mark) and head.startswith(rests, len(mark)):
             found.append(head.partition("\n")[0])
         for piece in pieces[1:]:
-            if piece.startswith(rests):
+            candidates = by_start.get(piece[:n])
+            if candidates is not None and piece.startswith(candidates):
                 end = piece.find("\n")
                 found.append(mark + (piece if end == -1 else piece[:end]))
         out += found
@@ -186,7 +280,28 @@ def _selected_samples(lines: list[str]) -> list[Sample]:
     return out
 
 
+# Heads (`name{labels}`, what precedes the value) of plain lines parsed before, with their
+# name and labels. A server's page repeats the same heads every scrape, only the values
+# change, so after its first page a line costs a split, a lookup and a float(). The labels
+# dicts are shared between samples and never mutated. Bounded: cleared when full.
+_HEADS: dict[str, tuple[str, dict[str, str]]] = {}
+HEADS_MAX = 16384
+
+
 def _plain(line: str) -> Sample | None:
+    head, _, value = line.rpartition(" ")
+    known = _HEADS.get(head)
+    # A known head ends its line's labels (or is a bare name): `value` is the one field after
+    # one space, exactly what the full parse below accepts when it caches the head.
+    if known is not None and value and "_" not in value and "\t" not in value:
+        try:
+            return known[0], known[1], float(value)
+        except ValueError:
+            return None
+    return _plain_uncached(line)
+
+
+def _plain_uncached(line: str) -> Sample | None:
     if "\\" in line or " # " in line or "__name__" in line:
         return None
     brace = line.find("{")
@@ -220,9 +335,14 @@ def _plain(line: str) -> Sample | None:
     if (len(fields) == 2 and not fields[1].lstrip("-").isdigit()) or "_" in fields[0]:
         return None
     try:
-        return name, labels, float(fields[0])
+        number = float(fields[0])
     except ValueError:
         return None
+    if len(fields) == 1 and rest == " " + fields[0]:
+        if len(_HEADS) >= HEADS_MAX:
+            _HEADS.clear()
+        _HEADS[line[: len(line) - len(rest)]] = (name, labels)
+    return name, labels, number
 
 
 def _parsed(text: str) -> list[Sample]:
@@ -253,47 +373,62 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
             f"{', '.join(repr(p) for p in _DETECT.values())})"
         )
     fields = _FIELDS[dialect]
-    labelled_models = {
-        next((labels[k] for k in _MODEL_LABELS if k in labels), None)
-        for name, labels, _ in samples
-        if name in fields
-    } - {None}
+    labelled_models: set[str] = set()
+    for name, labels, _ in samples:
+        if name in fields:
+            labelled = labels.get("model_name")
+            if labelled is None:
+                labelled = labels.get("model")
+            if labelled is not None:
+                labelled_models.add(labelled)
     if model is not None and model not in labelled_models:
         if len(labelled_models) > 1:
             raise MetricsPageInvalid(
-                f"the page labels models {', '.join(sorted(str(m) for m in labelled_models))}, "
-                f"none of them {model!r}"
+                f"the page labels models {', '.join(sorted(labelled_models))}, none of them {model!r}"
             )
         # One model on the page under another name (vLLM's --served-model-name is often the
         # Hugging Face id, the fleet's name a short one): the server serves just that model.
         model = None
     values: dict[str, float] = {}
-    buckets: dict[float, float] = {}
-    bucket_name = _BUCKETS.get(dialect)
+    buckets: dict[str, dict[float, float]] = {}  # histogram -> le -> cumulative count
+    totals: dict[tuple[str, str | None], float] = {}  # (histogram, count or sum) -> value
+    read = _READ[dialect]
     for name, labels, value in samples:
-        target = fields.get(name)
-        if target is None and name != bucket_name:
+        what = read.get(name)
+        if what is None:
             continue
-        labelled = next((labels[k] for k in _MODEL_LABELS if k in labels), None)
+        # The model label: model_name, else model.
+        labelled = labels.get("model_name")
+        if labelled is None:
+            labelled = labels.get("model")
         if model is not None and labelled is not None and labelled != model:
             continue
-        if value != value or value in (float("inf"), float("-inf")):
+        if value != value or value in (math.inf, -math.inf):
             raise MetricsPageInvalid(f"{name}: value {value} is not a finite number")
-        if target is not None and target[0] in ("running", "waiting") and value > limits.METRICS_MAX_QUEUE:
+        field, scale, which, part = what
+        if field in ("running", "waiting") and value > limits.METRICS_MAX_QUEUE:
             raise MetricsPageInvalid(f"{name}: value {value:g} is over the {limits.METRICS_MAX_QUEUE} limit")
         if value < 0:
             # Every family read is a count, a duration or a share: a negative one is a lie or
             # a bug, and would steer the weights (a negative latency wins every comparison).
             raise MetricsPageInvalid(f"{name}: value {value:g} is negative")
-        if target is None:
+        if field is not None:
+            values[field] = values.get(field, 0.0) + value * scale
+        if which is None:
+            continue
+        if part == "bucket":
             try:
                 le = float(labels["le"])
             except (KeyError, ValueError):
                 raise MetricsPageInvalid(f"{name}: a bucket without a numeric 'le' label") from None
-            buckets[le] = buckets.get(le, 0.0) + value
-            continue
-        field, scale = target
-        values[field] = values.get(field, 0.0) + value * scale
+            if le != le:
+                raise MetricsPageInvalid(f"{name}: a bucket without a numeric 'le' label (NaN)")
+            counts = buckets.get(which)
+            if counts is None:
+                counts = buckets[which] = {}
+            counts[le] = counts.get(le, 0.0) + value
+        else:
+            totals[which, part] = totals.get((which, part), 0.0) + value
     if "kv_use" not in values and "kv_use_legacy" in values:
         values["kv_use"] = values["kv_use_legacy"]
     values.pop("kv_use_legacy", None)
@@ -310,7 +445,36 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
         values["kv_use"] = values["kv_use"] / 100.0  # some exporters report percent
     if not values:
         raise MetricsPageInvalid(f"{dialect} page has none of its load metrics for model {model!r}")
-    return ServerSample(dialect=dialect, latency_buckets=tuple(sorted(buckets.items())), **values)
+    return ServerSample(
+        dialect=dialect,
+        latency_buckets=tuple(sorted(buckets.get("e2e", {}).items())),
+        ttft=_histogram("ttft", buckets, totals),
+        tpot=_histogram("tpot", buckets, totals) or _histogram("tpot_alt", buckets, totals),
+        **values,
+    )
+
+
+# Bucket bounds tuples, one object per distinct value: a batch of records pickles each
+# distinct tuple once (pickle's memo), and the control plane compares them by identity first.
+_BOUNDS: dict[tuple[float, ...], tuple[float, ...]] = {}
+
+
+def _histogram(
+    which: str, buckets: dict[str, dict[float, float]], totals: dict[tuple[str, str | None], float]
+) -> ServerHistogram | None:
+    """The histogram `which` of the page, or None if the page has neither its _count nor a
+    +Inf bucket."""
+    counts = buckets.get(which, {})
+    count = totals.get((which, "count"), counts.get(math.inf))
+    if count is None:
+        return None
+    finite = tuple(sorted(le for le in counts if le != math.inf))
+    bounds = _BOUNDS.get(finite)
+    if bounds is None:
+        if len(_BOUNDS) >= 256:
+            _BOUNDS.clear()
+        bounds = _BOUNDS[finite] = finite
+    return ServerHistogram(bounds, tuple(counts[le] for le in bounds), count, totals.get((which, "sum")))
 
 
 def _detect(names: Iterable[str]) -> str | None:

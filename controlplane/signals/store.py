@@ -199,6 +199,12 @@ class SignalStore:
             return sig.completed_total
         return sig.lrs_ok_total + sig.lrs_failed_total
 
+    def sample(self, key: EndpointKey) -> ServerSample | None:
+        """The endpoint's newest sample (its TTFT/TPOT histograms: None when a collector found
+        them unchanged since its previous record)."""
+        sig = self.endpoints.get(key)
+        return sig.sample if sig is not None else None
+
     def slots(self, key: EndpointKey) -> float | None:
         """How many requests the endpoint runs at once, once seen full (requests waiting)."""
         sig = self.endpoints.get(key)

@@ -4,7 +4,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.signals.parse import MetricsPageInvalid, ServerSample, derive, parse_metrics
+from controlplane.signals import parse
+from controlplane.signals.parse import (
+    MetricsPageInvalid,
+    ServerHistogram,
+    ServerSample,
+    derive,
+    parse_metrics,
+)
 
 # Metric names and types as vLLM documents them (production metrics, with model_name).
 VLLM = """\
@@ -188,6 +195,11 @@ _NAMES = st.sampled_from(
         "vllm:request_success_total",
         "vllm:time_per_output_token_seconds_sum",
         "vllm:time_per_output_token_seconds_count",
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:time_to_first_token_seconds_sum",
+        "vllm:inter_token_latency_seconds_bucket",
         "vllm:iteration_tokens_total_bucket",  # a family not read
     ]
 )
@@ -294,3 +306,185 @@ def test_a_page_with_too_many_series_or_an_absurd_queue_is_unreadable() -> None:
     with pytest.raises(MetricsPageInvalid, match="vllm:num_requests_running: value 1e\\+06 is over"):
         parse_metrics('vllm:num_requests_running{model_name="m"} 1000000\n', "m")
     assert parse_metrics('vllm:num_requests_running{model_name="m"} 100000\n', "m").running == 100000
+
+
+# ---- TTFT and TPOT histograms, whole -----------------------------------------------------------
+
+TTFT_V1 = """\
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="llama-3-8b"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="llama-3-8b"} 40.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="1.0",model_name="llama-3-8b"} 90.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="llama-3-8b"} 100.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="llama-3-8b"} 100.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="llama-3-8b"} 31.5
+vllm:time_to_first_token_seconds_bucket{engine="1",le="0.001",model_name="llama-3-8b"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="1",le="0.1",model_name="llama-3-8b"} 2.0
+vllm:time_to_first_token_seconds_bucket{engine="1",le="1.0",model_name="llama-3-8b"} 3.0
+vllm:time_to_first_token_seconds_bucket{engine="1",le="+Inf",model_name="llama-3-8b"} 4.0
+vllm:time_to_first_token_seconds_count{engine="1",model_name="llama-3-8b"} 4.0
+vllm:time_to_first_token_seconds_sum{engine="1",model_name="llama-3-8b"} 2.5
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="other"} 7.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="other"} 7.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="1.0",model_name="other"} 7.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="other"} 7.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="other"} 7.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="other"} 0.007
+vllm:time_to_first_token_seconds_created{engine="0",model_name="llama-3-8b"} 1.7e9
+"""
+
+
+def test_ttft_is_read_whole_summed_over_the_models_label_sets() -> None:
+    s = parse_metrics(VLLM + TTFT_V1, "llama-3-8b")
+    assert s.ttft == ServerHistogram((0.001, 0.1, 1.0), (1.0, 42.0, 93.0), 104.0, 34.0)
+    assert s.tpot is None  # not on the page
+    # Without a model: every label set.
+    assert parse_metrics(VLLM + TTFT_V1).ttft == ServerHistogram(
+        (0.001, 0.1, 1.0), (8.0, 49.0, 100.0), 111.0, 34.007
+    )
+    assert parse_metrics(VLLM, "llama-3-8b").ttft is None
+
+
+def test_the_full_vllm_page_gives_both_histograms_with_the_servers_buckets() -> None:
+    from controlplane.sim.emulator_metrics import TPOT_BUCKETS, TTFT_BUCKETS, sample_full_page
+
+    page = sample_full_page("m", seed=5)
+    s = parse_metrics(page, "m")
+    assert s.ttft is not None and s.tpot is not None
+    assert s.ttft.bounds == TTFT_BUCKETS and s.tpot.bounds == TPOT_BUCKETS
+    assert list(s.ttft.counts) == sorted(s.ttft.counts) and s.ttft.counts[-1] <= s.ttft.count
+    # _count and _sum as the page has them, and the TPOT ones are the per-token fields too.
+    assert s.ttft.count == s.latency_count
+    assert (s.tpot.count, s.tpot.sum) == (s.token_latency_count, s.token_latency_sum_s)
+    # The same bounds tuple for every page: records of a batch share it.
+    assert parse_metrics(sample_full_page("m", seed=6), "m").ttft.bounds is s.ttft.bounds  # type: ignore[union-attr]
+
+
+def test_the_renamed_inter_token_histogram_stands_in_for_tpot_only_when_tpot_is_absent() -> None:
+    itl = """\
+vllm:inter_token_latency_seconds_bucket{le="0.01",model_name="llama-3-8b"} 5.0
+vllm:inter_token_latency_seconds_bucket{le="+Inf",model_name="llama-3-8b"} 9.0
+vllm:inter_token_latency_seconds_count{model_name="llama-3-8b"} 9.0
+vllm:inter_token_latency_seconds_sum{model_name="llama-3-8b"} 0.2
+"""
+    assert parse_metrics(VLLM + itl, "llama-3-8b").tpot == ServerHistogram((0.01,), (5.0,), 9.0, 0.2)
+    both = parse_metrics(VLLM + TPOT + itl, "llama-3-8b")
+    assert both.tpot == ServerHistogram((), (), 400.0, 8.0)
+
+
+def test_a_histogram_without_count_takes_its_inf_bucket_and_one_without_either_is_none() -> None:
+    no_count = TTFT_V1.replace("_count{", "_nocount{")
+    assert parse_metrics(VLLM + no_count, "llama-3-8b").ttft == ServerHistogram(
+        (0.001, 0.1, 1.0), (1.0, 42.0, 93.0), 104.0, 34.0
+    )
+    no_sum = TTFT_V1.replace("_sum{", "_nosum{")
+    assert parse_metrics(VLLM + no_sum, "llama-3-8b").ttft.sum is None  # type: ignore[union-attr]
+    neither = "\n".join(x for x in no_count.splitlines() if 'le="+Inf"' not in x) + "\n"
+    assert parse_metrics(VLLM + neither, "llama-3-8b").ttft is None
+
+
+def test_sglang_and_tgi_latency_histograms() -> None:
+    sglang = (
+        'sglang:num_running_reqs{model_name="m"} 2\n'
+        'sglang:time_to_first_token_seconds_bucket{le="0.5",model_name="m"} 3\n'
+        'sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 4\n'
+        'sglang:time_to_first_token_seconds_count{model_name="m"} 4\n'
+        'sglang:time_to_first_token_seconds_sum{model_name="m"} 1.5\n'
+        'sglang:time_per_output_token_seconds_bucket{le="0.05",model_name="m"} 30\n'
+        'sglang:time_per_output_token_seconds_bucket{le="+Inf",model_name="m"} 40\n'
+        'sglang:time_per_output_token_seconds_count{model_name="m"} 40\n'
+        'sglang:time_per_output_token_seconds_sum{model_name="m"} 1.2\n'
+    )
+    s = parse_metrics(sglang, "m")
+    assert s.ttft == ServerHistogram((0.5,), (3.0,), 4.0, 1.5)
+    assert s.tpot == ServerHistogram((0.05,), (30.0,), 40.0, 1.2)
+    tgi = (
+        "tgi_queue_size 4\n"
+        'tgi_request_mean_time_per_token_duration_bucket{le="0.01"} 7\n'
+        'tgi_request_mean_time_per_token_duration_bucket{le="+Inf"} 10\n'
+        "tgi_request_mean_time_per_token_duration_count 10\n"
+        "tgi_request_mean_time_per_token_duration_sum 0.3\n"
+    )
+    t = parse_metrics(tgi)
+    assert t.ttft is None  # TGI has no first-token histogram
+    assert t.tpot == ServerHistogram((0.01,), (7.0,), 10.0, 0.3)
+
+
+@pytest.mark.parametrize(
+    ("line", "error"),
+    [
+        ('vllm:time_to_first_token_seconds_bucket{le="NaN",model_name="llama-3-8b"} 1\n', "numeric 'le'"),
+        ('vllm:time_to_first_token_seconds_bucket{model_name="llama-3-8b"} 1\n', "numeric 'le'"),
+        ('vllm:time_to_first_token_seconds_bucket{le="1",model_name="llama-3-8b"} -1\n', "negative"),
+        ('vllm:time_to_first_token_seconds_count{model_name="llama-3-8b"} +Inf\n', "not a finite"),
+    ],
+)
+def test_a_bad_latency_histogram_makes_the_page_unreadable(line: str, error: str) -> None:
+    with pytest.raises(MetricsPageInvalid, match=error):
+        parse_metrics(VLLM + line, "llama-3-8b")
+
+
+# ---- a known line head costs a lookup and reads exactly as the full parse ----------------------
+
+_HEAD = st.sampled_from(
+    [
+        'vllm:num_requests_running{model_name="m"}',
+        'vllm:e2e_request_latency_seconds_bucket{le="0.5",model_name="m"}',
+        'vllm:x{a="1 2"}',
+        'vllm:y{a="b"} 1}',
+        "vllm:bare",
+        "vllm:bare ",
+        "vllm:z{}",
+        'vllm:w{a="b",}',
+    ]
+)
+_TAIL = st.one_of(
+    st.sampled_from(
+        [
+            "1",
+            "1.5",
+            "+Inf",
+            "NaN",
+            "1e3",
+            "1_0",
+            "1\t",
+            "\t1",
+            "",
+            "0x10",
+            "1 2",
+            "1 -3",
+            "1 x",
+            "\u0661",
+            "\\1",
+        ]
+    ),
+    st.sampled_from([' # {a="b"} 1', " 1700000000000", "  1", "__name__", "1}"]),
+    st.text(alphabet=' 1.e_\t#{}"', max_size=5),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    seen=st.lists(st.tuples(_HEAD, _TAIL), max_size=6), lines=st.lists(st.tuples(_HEAD, _TAIL), max_size=6)
+)
+def test_a_cached_head_reads_the_same_as_the_full_parse(
+    seen: list[tuple[str, str]], lines: list[tuple[str, str]]
+) -> None:
+    parse._HEADS.clear()
+    for head, tail in seen:
+        parse._plain(f"{head} {tail}")
+    for head, tail in lines:
+        line = f"{head} {tail}"
+        cached = parse._plain(line)
+        parse._HEADS.clear()
+        assert repr(cached) == repr(parse._plain_uncached(line)), line  # NaN == NaN here
+        for h, t in seen:  # the cache as it was
+            parse._plain(f"{h} {t}")
+
+
+def test_the_head_cache_is_bounded() -> None:
+    parse._HEADS.clear()
+    for i in range(parse.HEADS_MAX + 5):
+        parse._plain(f'vllm:num_requests_running{{model_name="m{i}"}} 1')
+    assert len(parse._HEADS) <= parse.HEADS_MAX
