@@ -48,8 +48,8 @@ def test_unknown_key_names_path_and_line() -> None:
     assert errs == [
         "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: affinity, autoscaling, balancing, "
         "circuit_breakers, cluster_overrides, dtype, health, max_body_bytes, memory_gb, metrics, "
-        "outlier_detection, params_b, preferred_gpus, protocol, retries, slo, stable, stream_idle_timeout, tier, "
-        "timeout, versions, zones)"
+        "outlier_detection, params_b, preferred_gpus, protocol, retries, slo, stable, stream_idle_timeout, "
+        "tier, timeout, versions, zones)"
     ]
 
 
