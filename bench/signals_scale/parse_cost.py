@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import subprocess
 import sys
 import time
@@ -88,29 +89,32 @@ def part_parse(rev: str, reps: int) -> None:
         parse._HEADS.clear()
         parse.parse_metrics(page, "m")
 
-    # Interleaved, so a busy moment of this shared machine hits every variant alike.
+    # Interleaved, so a busy moment of this shared machine hits every variant alike; the
+    # ratios are taken per pass (the variants timed back to back), their median printed.
     results: dict[str, float] = {}
+    ratios: dict[str, list[float]] = {"steady": [], "cold": []}
     variants: list[tuple[str, Callable[[str], Any], int]] = [
         ("baseline", lambda p: old.parse_metrics(p, "m"), reps),
         ("steady", lambda p: parse.parse_metrics(p, "m"), reps),
         ("cold", cold, reps),
         ("full", full, max(1, reps // 10)),
     ]
-    for _ in range(3):
-        for name, fn, n in variants:
-            results[name] = min(results.get(name, float("inf")), best_per_page(fn, pages, n, rounds=3))
+    for _ in range(7):
+        times = {name: best_per_page(fn, pages, n, rounds=1) for name, fn, n in variants}
+        for name, t in times.items():
+            results[name] = min(results.get(name, float("inf")), t)
+        for name, got in ratios.items():
+            got.append(times[name] / times["baseline"])
     base = results["baseline"]
     print(f"page: {len(pages[0].encode()) / 1024:.1f} KB; lines read: {old_lines} before, {new_lines} now")
-    print(f"  prometheus_client, whole page      {results['full'] * 1e3:7.3f} ms/page")
+    print(f"  prometheus_client, whole page      {results['full'] * 1e3:7.3f} ms/page (best pass)")
     print(f"  parse_metrics at {rev:<12}      {base * 1e3:7.3f} ms/page   (baseline)")
-    print(
-        f"  parse_metrics now, steady          {results['steady'] * 1e3:7.3f} ms/page   "
-        f"{results['steady'] / base:.2f}x the baseline"
-    )
-    print(
-        f"  parse_metrics now, cold heads      {results['cold'] * 1e3:7.3f} ms/page   "
-        f"{results['cold'] / base:.2f}x the baseline"
-    )
+    for name, what in (("steady", "steady"), ("cold", "cold heads")):
+        r = sorted(ratios[name])
+        print(
+            f"  parse_metrics now, {what:<15} {results[name] * 1e3:7.3f} ms/page   "
+            f"{statistics.median(r):.2f}x the baseline (passes: {r[0]:.2f}-{r[-1]:.2f})"
+        )
 
 
 def part_ipc(endpoints: int) -> None:
@@ -169,7 +173,7 @@ def part_merge(endpoints: int) -> None:
     base = parse.parse_metrics(sample_full_page("m", seed=1), "m")
     keys = [(f"m{i // 20}", a) for i, a in enumerate(addresses)]
 
-    def round_sample(r: int) -> ServerSample:
+    def round_sample(r: int, life: int) -> ServerSample:
         """Round r's page of a busy server: every count grown, bounds a tuple of its own (as
         after unpickling: records of different batches never share one)."""
 
@@ -177,31 +181,35 @@ def part_merge(endpoints: int) -> None:
             assert h is not None
             k = 1.0 + r / 10
             return ServerHistogram(
-                tuple(list(h.bounds)), tuple(c * k for c in h.counts), h.count * k, (h.sum or 0.0) * k
+                tuple(list(h.bounds)), tuple(c * k for c in h.counts), h.count * k, (h.sum or 0.0) * k, life
             )
 
         return dataclasses.replace(base, ttft=grown(base.ttft), tpot=grown(base.tpot))
 
-    lat = ModelLatency()
-    lat.observe(fleet, [(k, round_sample(0)) for k in keys])
-    lat.fold()
-    rounds, loop_s, fold_s = 8, 0.0, 0.0
-    for r in range(1, rounds + 1):
-        sample = round_sample(r)
-        batch = [(k, sample) for k in keys]
-        t = time.process_time()
-        lat.observe(fleet, batch)
-        loop_s += time.process_time() - t
-        if r % 4 == 0:  # a /metrics read every few rounds
+    def run(life: int) -> tuple[float, float]:
+        """(loop seconds per round, seconds per /metrics read's fold)."""
+        lat = ModelLatency()
+        lat.observe(fleet, [(k, round_sample(0, life)) for k in keys])
+        lat.fold()
+        rounds, loop_s, fold_s = 8, 0.0, 0.0
+        for r in range(1, rounds + 1):
+            sample = round_sample(r, life)
+            batch = [(k, sample) for k in keys]
             t = time.process_time()
-            lat.fold()
-            fold_s += time.process_time() - t
-    print(
-        f"weight loop, {endpoints} endpoints with both histograms changed: "
-        f"{loop_s / rounds * 1e3:.1f} ms per round "
-        f"({loop_s / rounds / endpoints * 1e6:.2f} us per endpoint); "
-        f"a /metrics read's fold after 4 rounds: {fold_s / (rounds // 4) * 1e3:.1f} ms (the reader's thread)"
-    )
+            lat.observe(fleet, batch)
+            loop_s += time.process_time() - t
+            if r % 4 == 0:  # a /metrics read every few rounds
+                t = time.process_time()
+                lat.fold()
+                fold_s += time.process_time() - t
+        return loop_s / rounds, fold_s / (rounds // 4)
+
+    for life, what in ((7, "from the collectors (lifetime ids)"), (0, "without lifetime ids (inline)")):
+        loop, fold = run(life)
+        print(
+            f"  {what:<36} weight loop {loop * 1e3:5.1f} ms per round ({loop / endpoints * 1e6:.2f} us "
+            f"per endpoint); a /metrics read's fold after 4 rounds {fold * 1e3:5.1f} ms (reader's thread)"
+        )
 
 
 def main() -> None:
@@ -214,7 +222,9 @@ def main() -> None:
     part_parse(a.baseline_rev, a.reps)
     print("\n== 2. records from the collectors")
     part_ipc(a.endpoints)
-    print("\n== 3. merging in the control plane")
+    print(
+        f"\n== 3. merging in the control plane: {a.endpoints} endpoints, both histograms changed each round"
+    )
     part_merge(a.endpoints)
 
 

@@ -10,8 +10,10 @@ they are merged into one cumulative histogram per (model, version):
   saw it (before this process started, or before it joined the version) is not added, as
   rate() ignores a series' first sample. Afterwards, its increase since its previous
   histogram is added.
-- A counter reset (a restarted server: its count, a bucket or its sum went down, or its
-  bounds changed) takes the new histogram whole as the increase, as Prometheus' rate() does.
+- A counter reset (a restarted server: the new histogram does not `continue` the previous
+  one, as a count, a bucket or the sum went down, the increase is not one requests could
+  make, or the bounds changed) takes the new histogram whole as the increase, as
+  Prometheus' rate() does.
 - A server that leaves keeps its past counts in the total: the merged series only grow.
 - Bounds: those every server that has reported for the version has (plus +Inf). A server with
   other bounds narrows them for good, so every bucket exported counts every contribution;
@@ -213,13 +215,21 @@ class ModelLatency(Collector):
                 if entry is None:
                     self._accounted.pop((key, field), None)
                 else:
-                    self._fold_one(key, field, entry[0], entry[1], live)
+                    self._fold_one(key, field, *entry, live)
         for gone in [k for k in self._merged if (k[1], k[2]) not in live]:
             del self._merged[gone]
 
     def _fold_one(
-        self, key: EndpointKey, field: str, version: str, h: ServerHistogram, live: frozenset[tuple[str, str]]
+        self,
+        key: EndpointKey,
+        field: str,
+        version: str,
+        h: ServerHistogram,
+        anchor: bool,
+        live: frozenset[tuple[str, str]],
     ) -> None:
+        """Add `h`'s increase over the endpoint's previous histogram. Only an anchor can be a
+        reset: any other entry was queued as the same lifetime as the one before it."""
         before = self._accounted.get((key, field))
         self._accounted[key, field] = (version, h)
         model = key[0]
@@ -237,7 +247,7 @@ class ModelLatency(Collector):
                 merged.sum = None
             return  # the baseline
         prev = before[1]
-        if not continues(prev, h):  # a reset: all of it is new
+        if anchor and not continues(prev, h):  # a reset: all of it is new
             merged.add(h.bounds, h.counts, h.count, h.sum)
         elif h.bounds is merged.bounds or h.bounds == merged.bounds:  # the usual case, in one pass
             merged.counts = [m + b - a for m, a, b in zip(merged.counts, prev.counts, h.counts, strict=True)]

@@ -2,17 +2,23 @@
 
 No Envoy here: what is under test is that collection runs in other processes, that the
 first round waits at most one scrape timeout however many servers hang, that unreachable
-servers are backed off, and that a collector that dies is replaced.
+servers are backed off, and that a collector that dies is replaced; and, with the real
+`controlplane serve` and emulated servers, that the servers' TTFT and TPOT histograms come
+out merged per model version on the control plane's /metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -21,8 +27,9 @@ from controlplane.obs.metrics import Metrics
 from controlplane.signals.collector import CollectorPool
 from controlplane.signals.scrape import scrape_targets
 from controlplane.signals.store import UNREACHABLE_AFTER
+from controlplane.sim.emulator_metrics import TTFT_BUCKETS
 from tests.fleets import fleet_yaml
-from tests.integration.harness import free_port
+from tests.integration.harness import Client, ControlPlane, Emulator, free_port, http_get, wait_until
 
 PAGE = (
     'vllm:num_requests_running{{model_name="m"}} 2\n'
@@ -187,3 +194,64 @@ def test_collectors_scrape_outside_wait_one_timeout_back_off_and_are_replaced(se
         assert all(w.proc is None for w in pool._workers)
 
     asyncio.run(run())
+
+
+def _count_on(server: Emulator, name: str) -> float:
+    """`name`'s _count on an emulated server's own /metrics page."""
+    found = re.search(rf"^{name}_count\S* (\S+)$", http_get(f"http://{server.address}/metrics")[1], re.M)
+    return float(found.group(1)) if found else math.nan
+
+
+def test_the_version_ttft_histogram_is_merged_from_its_servers(tmp_path: Path) -> None:
+    """The real `controlplane serve` scraping two real emulated servers of one version (vLLM's
+    full page, through the collector processes): after some requests, its own /metrics has
+    the version's TTFT and TPOT histograms with the counts the servers served."""
+    servers = [
+        Emulator(f"srv{i}", tmp_path, "m", decode_ms_per_token=1, prefill_ms_per_token=0.01, slots=4)
+        for i in range(2)
+    ]
+    cp = ControlPlane(tmp_path / "fleet.yaml", tmp_path)
+    try:
+        yaml = fleet_yaml({"m": {"v1": [s.address for s in servers]}}, port=free_port())
+        (tmp_path / "fleet.yaml").write_text(
+            yaml.replace("tiers:", "signals: {interval: 250ms, timeout: 250ms}\ntiers:")
+        )
+        cp.start()
+        version = {"model": "m", "version": "v1"}
+        ttft = "controlplane_model_time_to_first_token_seconds"
+        tpot = "controlplane_model_time_per_output_token_seconds"
+        # The servers seen (their first histograms are baselines: nothing served yet).
+        wait_until(
+            lambda: f'{ttft}_count{{model="m",version="v1"}} 0.0' in cp.metrics_text(),
+            10,
+            "the version's TTFT histogram to be exported",
+        )
+        served = 0
+        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3}).encode()
+        for i in range(24):
+            client = Client(servers[i % 2].port)
+            reply = client.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+            client.close()
+            served += reply.status == 200
+        assert served == 24
+        # Within scrape timing: a scrape each 250 ms, its record in the next weight round.
+        wait_until(
+            lambda: cp.metric(f"{ttft}_count", **version) == served, 5, "TTFT _count = requests served"
+        )
+        assert cp.metric(f"{ttft}_bucket", le="+Inf", **version) == served
+        assert sum(_count_on(s, "vllm:time_to_first_token_seconds") for s in servers) == served
+        assert cp.metric(f"{ttft}_sum", **version) > 0
+        # vLLM's buckets (the emulator's), common to both servers, cumulative.
+        text = cp.metrics_text()
+        les = re.findall(rf'{ttft}_bucket{{le="([^"+]+)",model="m",version="v1"}}', text)
+        assert [float(le) for le in les] == list(TTFT_BUCKETS)
+        counts = [cp.metric(f"{ttft}_bucket", le=le, **version) for le in les]
+        assert counts == sorted(counts) and counts[-1] <= served
+        # TPOT: one observation per output token after the first, as the servers count them.
+        per_token = sum(_count_on(s, "vllm:time_per_output_token_seconds") for s in servers)
+        assert per_token == served * 2
+        wait_until(lambda: cp.metric(f"{tpot}_count", **version) == per_token, 5, "TPOT _count")
+    finally:
+        cp.stop()
+        for s in servers:
+            s.stop()

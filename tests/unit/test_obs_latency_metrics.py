@@ -17,7 +17,7 @@ from controlplane.fleet import parse_fleet
 from controlplane.fleet.model import Fleet
 from controlplane.obs.latency_metrics import FOLD_AFTER_S, ModelLatency
 from controlplane.signals.collector_worker import SentHistograms
-from controlplane.signals.parse import ServerHistogram, ServerSample
+from controlplane.signals.parse import ServerHistogram, ServerSample, continues
 from tests.fleets import fleet_yaml
 
 A, B, C = "127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"
@@ -62,10 +62,10 @@ def test_first_sight_is_a_baseline_then_increases_add_and_a_restart_counts_whole
     assert r[f"{TTFT}_count", "m", "v1", ""] == 0
     assert r[f"{TTFT}_bucket", "m", "v1", "+Inf"] == 0
     lat.observe(f, [(("m", A), sample(hist((6, 10, 11), 12, 5.0)))])
-    lat.observe(f, [(("m", A), sample(hist((7, 10, 12), 13, 5.5)))])
+    lat.observe(f, [(("m", A), sample(hist((7, 11, 12), 13, 5.5)))])
     r = rendered(lat)
     assert r[f"{TTFT}_bucket", "m", "v1", "0.1"] == 2
-    assert r[f"{TTFT}_bucket", "m", "v1", "0.5"] == 2
+    assert r[f"{TTFT}_bucket", "m", "v1", "0.5"] == 3
     assert r[f"{TTFT}_bucket", "m", "v1", "1.0"] == 3
     assert r[f"{TTFT}_bucket", "m", "v1", "+Inf"] == 3
     assert r[f"{TTFT}_count", "m", "v1", ""] == 3
@@ -250,12 +250,7 @@ class Reference:
             self.merged[series] = (counts, count, None if h.sum is None else total)
             return
         p = prev[1]
-        reset = (
-            p.bounds != h.bounds
-            or h.count < p.count
-            or any(a > b for a, b in zip(p.counts, h.counts, strict=True))
-            or (h.sum is not None and p.sum is not None and h.sum < p.sum)
-        )
+        reset = not continues(p, h)
         base = dict.fromkeys(h.bounds, 0.0) if reset else dict(zip(p.bounds, p.counts, strict=True))
         for b, c in zip(h.bounds, h.counts, strict=True):
             counts[b] = counts.get(b, 0.0) + c - base[b]
@@ -442,3 +437,15 @@ def test_reading_while_the_loop_observes_loses_nothing() -> None:
     assert (got.counts, got.count) == (want.counts, want.count)
     assert got.sum == pytest.approx(want.sum)
     assert not math.isnan(got.count) and got.count > 0
+
+
+def test_a_restart_that_counted_past_the_old_counts_is_still_a_restart() -> None:
+    """Found by the property test: 1 slow request, restarted, 5 fast ones by the next scrape.
+    The counts all rose, but the fast bucket by more than the count: a new lifetime."""
+    f = fleet({"v1": [A]})
+    lat = ModelLatency()
+    lat.observe(f, [(("m", A), sample(hist((0, 1, 1), 1, 0.5)))])
+    lat.observe(f, [(("m", A), sample(hist((5, 5, 5), 5, 0.5)))])
+    r = rendered(lat)
+    assert r[f"{TTFT}_count", "m", "v1", ""] == 5
+    assert r[f"{TTFT}_bucket", "m", "v1", "0.1"] == 5

@@ -488,3 +488,33 @@ def test_the_head_cache_is_bounded() -> None:
     for i in range(parse.HEADS_MAX + 5):
         parse._plain(f'vllm:num_requests_running{{model_name="m{i}"}} 1')
     assert len(parse._HEADS) <= parse.HEADS_MAX
+
+
+def h(
+    counts: tuple[float, ...], count: float, total: float | None = None, bounds=(0.1, 1.0)
+) -> ServerHistogram:  # type: ignore[no-untyped-def]
+    return ServerHistogram(bounds, counts, count, total)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "continues_"),
+    [
+        (h((1, 2), 3, 1.0), h((1, 2), 3, 1.0), True),  # nothing new
+        (h((1, 2), 3, 1.0), h((2, 4), 6, 1.5), True),  # rises 1, 2, 3
+        (h((1, 2), 3), h((1, 2), 4), True),  # one slow request
+        (h((1, 2), 3, 1.0), h((0, 2), 3, 1.0), False),  # a bucket went down
+        (h((1, 2), 3, 1.0), h((1, 2), 2, 1.0), False),  # the count went down
+        (h((1, 2), 3, 1.0), h((1, 2), 3, 0.5), False),  # the sum went down
+        (h((0, 1), 1), h((5, 5), 5), False),  # past the old counts, but fast bucket +5, count +4
+        (h((1, 2), 3), h((1, 2), 3, bounds=(0.1, 2.0)), False),  # other bounds
+        (h((), 3), h((), 5), True),  # only a count
+    ],
+)
+def test_a_histogram_continues_its_predecessor_only_if_the_increase_is_a_histogram(
+    before: ServerHistogram, after: ServerHistogram, continues_: bool
+) -> None:
+    from controlplane.signals.parse import continues, same_life
+
+    assert continues(before, after) is continues_
+    assert same_life(before, after) is continues_
+    assert not same_life(h((1, 2), 3, 1.0), h((1, 2), 4, None))  # the sum came and went
