@@ -345,8 +345,11 @@ class EmulatedFleet:
     def serve(self, fleet_yaml: str) -> None:
         """Write the fleet file, then start the control plane and Envoy on it."""
         (self.tmp / "fleet.yaml").write_text(fleet_yaml)
-        self.cp = ControlPlane(self.tmp / "fleet.yaml", self.tmp).start()
-        self.envoy = Envoy("envoy-1", self.cp.xds, self.tmp, self.listener).start()
+        # Kept before starting: close() stops a process whose start timed out, too.
+        self.cp = ControlPlane(self.tmp / "fleet.yaml", self.tmp)
+        self.cp.start()
+        self.envoy = Envoy("envoy-1", self.cp.xds, self.tmp, self.listener)
+        self.envoy.start()
 
     def names(self) -> dict[str, str]:
         """Server address -> name."""
