@@ -56,11 +56,11 @@ models:
     versions:
       v1:
         endpoints:
-          - {address: 10.0.0.1:8000, gpu: H100}
-          - {address: 10.0.0.2:8000, gpu: A100, capacity: 0.5}
-          - {address: 10.0.0.3:8000}
+          - {address: 127.0.10.1:8000, gpu: H100}
+          - {address: 127.0.10.2:8000, gpu: A100, capacity: 0.5}
+          - {address: 127.0.10.3:8000}
       v2:
-        endpoints: [{address: 10.0.0.4:8000, gpu: H100}]
+        endpoints: [{address: 127.0.10.4:8000, gpu: H100}]
   big:
     params_b: 70
     dtype: int4
@@ -135,7 +135,7 @@ def test_memory_need_and_eds_placement() -> None:
     assert chat["memory"]["need_gb"] == pytest.approx(19.2)  # 8B x 2 bytes (fp16) x 1.2
     assert chat["memory"]["source"] == "derived"
     v1 = {ep["address"]: ep for ep in chat["versions"][0]["endpoints"]}
-    h100, a100, unknown = v1["10.0.0.1:8000"], v1["10.0.0.2:8000"], v1["10.0.0.3:8000"]
+    h100, a100, unknown = v1["127.0.10.1:8000"], v1["127.0.10.2:8000"], v1["127.0.10.3:8000"]
     assert (h100["eds_priority"], h100["placement"]) == (0, "preferred")
     assert (h100["gpu_memory_gb"], h100["gpu_memory_source"]) == (80, "gpu_class")
     assert (h100["capacity"], h100["capacity_source"]) == (1.0, "gpu_class")
@@ -673,9 +673,9 @@ def traffic(e: dict[str, Any]) -> dict[str, tuple[str, int | None]]:
 
 
 FLEET3 = FLEET.replace(
-    "      v2:\n        endpoints: [{address: 10.0.0.4:8000, gpu: H100}]\n",
-    "      v2:\n        endpoints: [{address: 10.0.0.4:8000, gpu: H100}]\n"
-    "      v3:\n        endpoints: [{address: 10.0.0.5:8000, gpu: H100}]\n",
+    "      v2:\n        endpoints: [{address: 127.0.10.4:8000, gpu: H100}]\n",
+    "      v2:\n        endpoints: [{address: 127.0.10.4:8000, gpu: H100}]\n"
+    "      v3:\n        endpoints: [{address: 127.0.10.5:8000, gpu: H100}]\n",
 )
 
 
