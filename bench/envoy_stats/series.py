@@ -29,7 +29,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
+from bench.ports import free_port, free_ports  # noqa: E402
 from controlplane.fleet import parse_fleet  # noqa: E402
 from controlplane.routing.translate import CLUSTER, translate  # noqa: E402
 from controlplane.xds.bootstrap import envoy_bootstrap  # noqa: E402
@@ -52,33 +52,6 @@ from controlplane.xds.bootstrap import envoy_bootstrap  # noqa: E402
 ENDPOINTS_PER_MODEL = 2
 SCRAPE_INTERVAL_S = 15  # deploy/prometheus/prometheus.yml
 FLUSH_S = 5.5  # Envoy merges histograms at its stats flush (every 5 s); usedonly shows them after
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_ports(n: int) -> int:
-    """A base port with n consecutive free ports (for `controlplane emulate --count`)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,38 +29,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))  # the repository: bench.ports
 
 from loadgen import mean_output_tokens  # noqa: E402
 from simulate import REAL_BENCH_WORK  # noqa: E402
 
+from bench.ports import free_port, free_ports  # noqa: E402
+
 PROMPT_TOKENS = 32  # the load generator's prompt: "bench " x 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_ports(n: int) -> int:
-    """A base port with n consecutive free ports after it (for `emulate --count`)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def wait_http(url: str, timeout: float, what: str, procs: list[subprocess.Popen[bytes]]) -> None:
