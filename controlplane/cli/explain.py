@@ -1036,7 +1036,7 @@ def run(
     rollout asked of the control plane through `fetch` (fetch_rollout; tests pass their own)."""
     import yaml
 
-    from controlplane.cli.main import read_fleet_input
+    from controlplane.cli.fleet_input import read_fleet_input
     from controlplane.fleet.loader import FleetConfigInvalid, decode_fleet, parse_fleet
 
     name = str(config)

@@ -10,11 +10,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane import __version__, limits
+from controlplane import __version__
 from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR
+from controlplane.cli.fleet_input import STDIN, read_fleet_input
 
 OUTPUT_FORMATS = ("table", "json", "yaml")  # -o, as cpctl's
-STDIN = "-"  # a fleet file argument that reads standard input
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -541,16 +541,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "emulate":
         return _emulate(args)
     return 2
-
-
-def read_fleet_input(path: Path) -> tuple[str, bytes]:
-    """(the name errors give it, its bytes): the file, or standard input for `-`, read no
-    further than one byte past the size limit; raise FleetConfigInvalid if it cannot be read."""
-    from controlplane.fleet.loader import read_fleet_bytes
-
-    if str(path) == STDIN:
-        return "<stdin>", sys.stdin.buffer.read(limits.FLEET_FILE_MAX_BYTES + 1)
-    return str(path), read_fleet_bytes(path)
 
 
 def check_config_doc(name: str, verdict: object) -> dict[str, object]:

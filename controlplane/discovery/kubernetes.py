@@ -24,7 +24,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx2
 import structlog
@@ -32,11 +32,9 @@ from lightkube import AsyncClient, KubeConfig
 from lightkube.resources.core_v1 import Pod
 from lightkube.resources.discovery_v1 import EndpointSlice
 
+from controlplane.discovery.source import SourceKey, SourceReports
 from controlplane.discovery.state import Found
 from controlplane.fleet.model import Discover, DiscoverySettings
-
-if TYPE_CHECKING:
-    from controlplane.discovery.manager import Discovery, SourceKey
 
 log = structlog.get_logger("controlplane.discovery")
 
@@ -194,7 +192,7 @@ async def _watch(
             await resp.aclose()
 
 
-async def watch_source(discovery: Discovery, key: SourceKey, d: Discover) -> None:
+async def watch_source(discovery: SourceReports, key: SourceKey, d: Discover) -> None:
     """List, then watch until a 410 or a failure; list again; for as long as the task runs."""
     failures = 0
     while True:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import structlog
 
 from controlplane.discovery.dns import DnsFailure, resolve, resolver_for
+from controlplane.discovery.source import SourceKey
 from controlplane.discovery.state import Found, SourceState
 from controlplane.fleet.model import Discover, Endpoint, Fleet, Model
 from controlplane.obs.metrics import DISCOVERY, Metrics
@@ -33,7 +34,6 @@ from controlplane.rollout.controller import CommandRejected, RolloutController
 log = structlog.get_logger("controlplane.discovery")
 
 WHO = "discovery"
-SourceKey = tuple[str, str]  # (model, version)
 
 
 @dataclass
