@@ -975,7 +975,14 @@ TRAFFIC_KEYS = {
     "balancing",
 }
 _BREAKER_KEYS = {"max_requests", "max_pending"}
-_OUTLIER_KEYS = {"consecutive_5xx", "interval", "base_ejection_time", "max_ejection_percent"}
+_OUTLIER_KEYS = {
+    "consecutive_5xx",
+    "interval",
+    "base_ejection_time",
+    "max_ejection_percent",
+    "failure_percentage",
+    "failure_percentage_min_requests",
+}
 
 
 def _int(value: Any, path: str, errs: _Errors, lo: int, hi: int) -> int | None:
@@ -1035,6 +1042,18 @@ def _traffic(m: dict[str, Any], path: str, base: TrafficPolicy, errs: _Errors) -
             if "max_ejection_percent" in od:
                 kw["outlier_max_ejection_percent"] = _int(
                     od["max_ejection_percent"], f"{opath}.max_ejection_percent", errs, 0, 100
+                )
+            if "failure_percentage" in od:
+                kw["outlier_failure_percentage"] = _int(
+                    od["failure_percentage"], f"{opath}.failure_percentage", errs, 0, 100
+                )
+            if "failure_percentage_min_requests" in od:
+                kw["outlier_failure_min_requests"] = _int(
+                    od["failure_percentage_min_requests"],
+                    f"{opath}.failure_percentage_min_requests",
+                    errs,
+                    1,
+                    1_000_000,
                 )
     if len(errs.items) != before:
         return None
@@ -1518,6 +1537,15 @@ def _check_cluster_overrides(value: Any, path: str, errs: _Errors) -> None:
     forbidden = {"name", "type", "eds_cluster_config", "load_assignment"} & set(value)
     for key in sorted(forbidden):
         errs.add(f"{path}.{key}", "is managed by the control plane and cannot be overridden")
+    # Proxyless gRPC clients get the same clusters and refuse an LRS server other than the
+    # xDS server itself ("ConfigSource is not self"): every cluster already names it.
+    for key in ("lrs_server", "lrsServer"):
+        if key in value:
+            errs.add(
+                f"{path}.{key}",
+                "is managed by the control plane (load reports go to the xDS server itself, "
+                "`self`, the only LRS server proxyless gRPC clients accept) and cannot be overridden",
+            )
     try:
         json_format.ParseDict(value, cluster_pb2.Cluster())
     except json_format.ParseError as e:

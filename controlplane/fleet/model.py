@@ -119,6 +119,10 @@ class TrafficPolicy:
     outlier_interval_s: float = 5.0
     outlier_base_ejection_s: float = 30.0
     outlier_max_ejection_percent: int = 50
+    # Ejection by failure share in one interval: the rule proxyless gRPC clients apply (they
+    # ignore consecutive 5xx, gRFC A50); Envoy applies it too. 0 turns it off.
+    outlier_failure_percentage: int = 50
+    outlier_failure_min_requests: int = 10  # a server's requests in the interval to be judged
     balancing: str = "adaptive"
 
 

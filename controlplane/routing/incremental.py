@@ -51,10 +51,11 @@ from controlplane.routing.translate import (
     build_gateway_routes,
     build_hold_cluster,
     holds,
+    ring_hashed,
 )
 
 _ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None]
-_PlacementKey = tuple[tuple[str, ...], tuple[str, ...], float | None, tuple[GpuClass, ...]]
+_PlacementKey = tuple[tuple[str, ...], tuple[str, ...], float | None, tuple[GpuClass, ...], bool]
 _ModelRouteKey = tuple[
     str,
     str,
@@ -98,7 +99,12 @@ class IncrementalTranslator:
         self._assignments: dict[
             str, tuple[tuple[Endpoint, ...], _PlacementKey, dict[str, int], frozenset[str], Message]
         ] = {}
-        self._api: dict[str, tuple[tuple[str, str, TrafficPolicy, Affinity | None], Message, Message]] = {}
+        self._api: dict[
+            str,
+            tuple[
+                tuple[str, str, TrafficPolicy, Affinity | None, tuple[tuple[str, int], ...]], Message, Message
+            ],
+        ] = {}
         self._gateway: tuple[_RouteKey, Message, Message] | None = None
         self._hold: tuple[str, Message] | None = None  # the holding service's cluster, by address
         self.built = 0  # messages built by the last translate() call, for tests and benchmarks
@@ -200,11 +206,17 @@ class IncrementalTranslator:
             assignments[cname] = self._assignment(
                 fleet, model, cname, version, weights.get(cname, {}), overlay.draining
             )
-        akey = (model.stable, model.tier, fleet.traffic_of(model), model.affinity)
+        akey = (
+            model.stable,
+            model.tier,
+            fleet.traffic_of(model),
+            model.affinity,
+            overlay.splits.get(model.name, ()),
+        )
         cached = self._api.get(model.name)
         if cached is None or cached[0] != akey:
             self.built += 2
-            cached = (akey, build_api_listener(model), build_api_routes(fleet, model))
+            cached = (akey, build_api_listener(model), build_api_routes(fleet, model, overlay))
             self._api[model.name] = cached
         return _ModelResources(clusters, assignments, cached[1], cached[2])
 
@@ -232,6 +244,7 @@ class IncrementalTranslator:
             model.zones,
             fleet.memory_need_of(model),
             fleet.gpu_classes,
+            ring_hashed(model),
         )
         mine = (
             frozenset(ep.address for ep in version.endpoints if ep.address in draining)
@@ -249,7 +262,12 @@ class IncrementalTranslator:
             return cached[4]
         self.built += 1
         msg = build_assignment(
-            cname, version, weights, functools.partial(fleet.endpoint_priority, model), mine
+            cname,
+            version,
+            weights,
+            functools.partial(fleet.endpoint_priority, model),
+            mine,
+            ring_hash=pkey[4],
         )
         self._assignments[cname] = (version.endpoints, pkey, dict(weights), mine, msg)
         return msg

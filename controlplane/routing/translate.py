@@ -101,9 +101,12 @@ ERR_SHED = {
     }
 }
 
-# Weights per cluster name, then per endpoint address; missing entries weigh DEFAULT_WEIGHT.
-# A weight of 0 holds the endpoint out: it is sent with health status UNHEALTHY, so neither
-# Envoy nor proxyless gRPC sends it new requests (a not-ready, still-warming server).
+# Weights per cluster name, then per endpoint address. A weight of 0 holds the endpoint out:
+# it is sent with health status UNHEALTHY, so neither Envoy nor proxyless gRPC sends it new
+# requests (a not-ready, still-warming server). An address with no weight yet is new (the
+# signals have not weighed it): held out the same way while its cluster has a weighed server
+# to send to, else (nothing weighed: a control plane that just started, a new version) sent
+# with DEFAULT_WEIGHT, since serving something beats serving nothing.
 EndpointWeights = Mapping[str, Mapping[str, int]]
 DEFAULT_WEIGHT = 1
 
@@ -167,6 +170,7 @@ def translate(
                 weights.get(cname, {}),
                 functools.partial(fleet.endpoint_priority, model),
                 overlay.draining,
+                ring_hash=ring_hashed(model),
             )
     if overlay.hold_address is not None:
         clusters[names.HOLD_CLUSTER] = build_hold_cluster(overlay.hold_address)
@@ -175,7 +179,7 @@ def translate(
     routes: dict[str, Message] = {names.GATEWAY_ROUTES: gateway_routes}
     for model in fleet.models:
         listeners[names.api_listener_name(model.name)] = build_api_listener(model)
-        routes[names.api_route_name(model.name)] = build_api_routes(fleet, model)
+        routes[names.api_route_name(model.name)] = build_api_routes(fleet, model, overlay)
     return DesiredResources(
         by_type={CLUSTER: clusters, ENDPOINT: assignments, LISTENER: listeners, ROUTE: routes},
         # API listeners are only for proxyless gRPC clients, which ask for them by name.
@@ -199,6 +203,14 @@ def _ads() -> config_source_pb2.ConfigSource:
     return config_source_pb2.ConfigSource(
         ads=config_source_pb2.AggregatedConfigSource(),
         resource_api_version=config_source_pb2.V3,
+    )
+
+
+def _self_source() -> config_source_pb2.ConfigSource:
+    """The xDS server itself: where proxyless gRPC clients send their load reports (the only
+    LRS server they accept). Envoy ignores a cluster's lrs_server (its bootstrap names one)."""
+    return config_source_pb2.ConfigSource(
+        self=config_source_pb2.SelfConfigSource(), resource_api_version=config_source_pb2.V3
     )
 
 
@@ -232,11 +244,21 @@ def build_cluster(model: Model, cname: str, traffic: TrafficPolicy | None = None
             # Only 5xx in a row eject; gateway failures and success rate are not used here.
             enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=0),
             enforcing_success_rate=wrappers_pb2.UInt32Value(value=0),
+            # Failure share per interval: what proxyless gRPC applies (gRFC A50 has no
+            # consecutive 5xx); Envoy applies it too. Two servers at least, so that the rule
+            # never ejects the only one.
+            failure_percentage_threshold=wrappers_pb2.UInt32Value(value=t.outlier_failure_percentage or 100),
+            enforcing_failure_percentage=wrappers_pb2.UInt32Value(
+                value=100 if t.outlier_failure_percentage else 0
+            ),
+            failure_percentage_minimum_hosts=wrappers_pb2.UInt32Value(value=2),
+            failure_percentage_request_volume=wrappers_pb2.UInt32Value(value=t.outlier_failure_min_requests),
             interval=_duration(t.outlier_interval_s),
             base_ejection_time=_duration(t.outlier_base_ejection_s),
             max_ejection_percent=wrappers_pb2.UInt32Value(value=t.outlier_max_ejection_percent),
         ),
     )
+    c.lrs_server.CopyFrom(_self_source())
     # No panic mode: Envoy's default (below 50% healthy, ignore health) would send traffic
     # to servers that said they are not ready. All held out means 503, which is the truth.
     c.common_lb_config.healthy_panic_threshold.value = 0.0
@@ -365,49 +387,65 @@ def _lb_policy(name: str, msg: Message) -> cluster_pb2.LoadBalancingPolicy.Polic
     )
 
 
+def ring_hashed(model: Model) -> bool:
+    """Whether the model's clusters hash with a ring (gRPC's ring_hash weighs an endpoint by
+    its locality's weight times its own, so its locality weighs 1)."""
+    return model.affinity is not None and model.affinity.algorithm == "ring_hash"
+
+
 def build_assignment(
     cname: str,
     version: Version,
     weights: Mapping[str, int],
     priority_of: Callable[[Endpoint], int | None] = lambda ep: 0,
     draining: frozenset[str] = frozenset(),
+    *,
+    ring_hash: bool = False,
 ) -> endpoint_pb2.ClusterLoadAssignment:
-    """The version's endpoints with their weights, grouped by EDS priority and locality
-    (region, zone), each locality weighted by its endpoint count.
+    """The version's endpoints with their weights, by EDS priority, one locality each.
 
     `priority_of` ranks each endpoint (lower first; None: left out because the model does
     not fit its GPU memory); ranks become priorities 0, 1... Weight 0 is sent as UNHEALTHY
     (held out) with weight 1, since EDS weights must be at least 1. Addresses in `draining`
-    are sent as DRAINING: no new requests, in-flight ones finish."""
+    are sent as DRAINING: no new requests, in-flight ones finish. An address not in `weights`
+    (new to the cluster) is held out too while another of the version's servers is weighed
+    above 0; with none, it gets DEFAULT_WEIGHT (see EndpointWeights).
+
+    Each endpoint is its own locality (its region and zone, sub_zone its address), weighted
+    with the endpoint's weight: Envoy reads the endpoint weight (it ignores locality weights
+    unless told otherwise), and gRPC's xds_wrr_locality, which ignores endpoint weights, reads
+    the locality's. gRPC's load reports, per locality, so name the endpoint too."""
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cname)
-    by_rank: dict[int, dict[tuple[str, str], list[Endpoint]]] = {}
+    by_rank: dict[int, list[Endpoint]] = {}
     for ep in version.endpoints:
         rank = priority_of(ep)
         if rank is not None:
-            by_rank.setdefault(rank, {}).setdefault((ep.region or "", ep.zone or ""), []).append(ep)
+            by_rank.setdefault(rank, []).append(ep)
+    weighed = any(weights.get(ep.address, 0) > 0 and ep.address not in draining for ep in version.endpoints)
     # EDS priorities must be 0, 1, 2... without gaps: renumber the ranks in use.
     for prio, rank in enumerate(sorted(by_rank)):
-        for (region, zone), eps in sorted(by_rank[rank].items()):
+        for ep in sorted(by_rank[rank], key=lambda e: (e.region or "", e.zone or "")):
+            fallback = 0 if weighed else DEFAULT_WEIGHT  # not weighed yet: new to the cluster
+            w = int(weights.get(ep.address, fallback))
             # gRPC ignores a locality without a weight, so always give one.
             loc = cla.endpoints.add(
-                load_balancing_weight=wrappers_pb2.UInt32Value(value=len(eps)), priority=prio
+                load_balancing_weight=wrappers_pb2.UInt32Value(value=1 if ring_hash else max(1, w)),
+                priority=prio,
             )
-            loc.locality.SetInParent()  # gRPC requires the locality to be present, even empty
-            if region:
-                loc.locality.region = region
-            if zone:
-                loc.locality.zone = zone
-            for ep in eps:
-                lb = loc.lb_endpoints.add()
-                lb.endpoint.address.socket_address.CopyFrom(
-                    address_pb2.SocketAddress(address=ep.host, port_value=ep.port)
-                )
-                w = int(weights.get(ep.address, DEFAULT_WEIGHT))
-                if ep.address in draining:
-                    lb.health_status = health_check_pb2.DRAINING
-                elif w <= 0:
-                    lb.health_status = health_check_pb2.UNHEALTHY
-                lb.load_balancing_weight.value = max(1, w)
+            loc.locality.sub_zone = ep.address  # unique: gRPC refuses duplicate localities
+            if ep.region:
+                loc.locality.region = ep.region
+            if ep.zone:
+                loc.locality.zone = ep.zone
+            lb = loc.lb_endpoints.add()
+            lb.endpoint.address.socket_address.CopyFrom(
+                address_pb2.SocketAddress(address=ep.host, port_value=ep.port)
+            )
+            if ep.address in draining:
+                lb.health_status = health_check_pb2.DRAINING
+            elif w <= 0:
+                lb.health_status = health_check_pb2.UNHEALTHY
+            lb.load_balancing_weight.value = max(1, w)
     return cla
 
 
@@ -632,7 +670,7 @@ def _model_action(
         action.cluster = names.HOLD_CLUSTER
         action.idle_timeout.CopyFrom(_duration(t.stream_idle_timeout_s or t.timeout_s))
         return action
-    split = () if version is not None or proxyless else overlay.splits.get(model.name, ())
+    split = () if version is not None else overlay.splits.get(model.name, ())
     if len(split) > 1:
         for v, percent in split:
             action.weighted_clusters.clusters.add(
@@ -662,7 +700,7 @@ def _model_action(
         keyed.terminal = True
         action.hash_policy.add().header.header_name = "x-request-id"
     if proxyless:
-        return action  # gRPC's xDS client takes gRPC status codes only; it keeps its own retries
+        return _proxyless_action(action, t)
     # Always set: Envoy's own default (5 min, from the listener) would cut a long generation.
     action.idle_timeout.CopyFrom(_duration(t.stream_idle_timeout_s or t.timeout_s))
     if t.retries:
@@ -685,6 +723,32 @@ def _model_action(
                     typed_config=_any(
                         previous_priorities_config_pb2.PreviousPrioritiesConfig(update_frequency=2)
                     ),
+                ),
+            )
+        )
+    return action
+
+
+# Retried for proxyless gRPC: UNAVAILABLE, what a call gets when no server took it (a refused
+# or lost connection, a server going away). gRPC retries only before the response headers
+# arrive, so a started generation is never sent again.
+PROXYLESS_RETRY_ON = "unavailable"
+
+
+def _proxyless_action(
+    action: route_components_pb2.RouteAction, t: TrafficPolicy
+) -> route_components_pb2.RouteAction:
+    """The same route action in gRPC's terms: gRPC ignores `timeout` and reads
+    max_stream_duration as the call's deadline (gRFC A31), takes gRPC status codes as retry
+    conditions (gRFC A44), and has no idle timeout or retry predicates."""
+    action.max_stream_duration.max_stream_duration.CopyFrom(_duration(t.timeout_s))
+    if t.retries:
+        action.retry_policy.CopyFrom(
+            route_components_pb2.RetryPolicy(
+                retry_on=PROXYLESS_RETRY_ON,
+                num_retries=wrappers_pb2.UInt32Value(value=t.retries),
+                retry_back_off=route_components_pb2.RetryPolicy.RetryBackOff(
+                    base_interval=_duration(0.025), max_interval=_duration(0.25)
                 ),
             )
         )
@@ -886,8 +950,12 @@ def build_gateway_routes(
     )
 
 
-def build_api_routes(fleet: Fleet, model: Model) -> route_pb2.RouteConfiguration:
-    """Routes for a proxyless gRPC client of one model: everything to the stable cluster."""
+def build_api_routes(
+    fleet: Fleet, model: Model, overlay: RoutingOverlay = NO_OVERLAY
+) -> route_pb2.RouteConfiguration:
+    """Routes for a proxyless gRPC client of one model: to the stable cluster, or a rollout's
+    split as weighted clusters (gRPC subscribes to each cluster a route names and switches
+    routes once it has them all)."""
     return route_pb2.RouteConfiguration(
         name=names.api_route_name(model.name),
         virtual_hosts=[
@@ -897,7 +965,7 @@ def build_api_routes(fleet: Fleet, model: Model) -> route_pb2.RouteConfiguration
                 routes=[
                     route_components_pb2.Route(
                         match=route_components_pb2.RouteMatch(prefix=""),
-                        route=_model_action(fleet, model, proxyless=True),
+                        route=_model_action(fleet, model, proxyless=True, overlay=overlay),
                     )
                 ],
             )

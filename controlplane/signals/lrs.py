@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import structlog
+from envoy.config.endpoint.v3 import load_report_pb2
 from envoy.service.load_stats.v3 import lrs_pb2, lrs_pb2_grpc
 from google.protobuf import duration_pb2
 from prometheus_client import Counter, Gauge
@@ -109,24 +111,18 @@ class LoadReportingServer(lrs_pb2_grpc.LoadReportingServiceServicer):  # type: i
                 continue  # not one of ours (a static cluster)
             self.reports += 1
             for loc in cs.upstream_locality_stats:
-                for es in loc.upstream_endpoint_stats:
-                    sa = es.address.socket_address
-                    counts = (
-                        es.total_requests_in_progress,
-                        es.total_issued_requests,
-                        es.total_successful_requests,
-                        es.total_error_requests,
-                    )
+                for address, counts in _endpoint_stats(loc):
                     if max(counts) > limits.LRS_MAX_COUNT:
                         # No endpoint serves a million requests a second: a bug or a lie,
                         # which would otherwise set error rates and in-flight gauges at will.
                         self.clamped += 1
                         if self.clamped_counter is not None:
                             self.clamped_counter.inc()
-                        counts = tuple(min(c, limits.LRS_MAX_COUNT) for c in counts)
-                    in_progress, issued, succeeded, failed = (float(c) for c in counts)
+                    in_progress, issued, succeeded, failed = (
+                        float(min(c, limits.LRS_MAX_COUNT)) for c in counts
+                    )
                     self.store.record_lrs(
-                        (model, format_address(sa.address, sa.port_value)),
+                        (model, address),
                         node,
                         in_progress=in_progress,
                         issued=issued,
@@ -134,3 +130,33 @@ class LoadReportingServer(lrs_pb2_grpc.LoadReportingServiceServicer):  # type: i
                         failed=failed,
                         now=now,
                     )
+
+
+def _endpoint_stats(
+    loc: load_report_pb2.UpstreamLocalityStats,
+) -> list[tuple[str, tuple[int, int, int, int]]]:
+    """(address, (in progress, issued, succeeded, failed)) per endpoint of one locality's
+    report. Envoy reports endpoints (report_endpoint_granularity); gRPC reports localities
+    only, and each of ours is one endpoint named by its sub_zone (routing/translate.py), so
+    the locality's counts are that endpoint's."""
+
+    def counts(s: Any) -> tuple[int, int, int, int]:
+        return (
+            s.total_requests_in_progress,
+            s.total_issued_requests,
+            s.total_successful_requests,
+            s.total_error_requests,
+        )
+
+    if loc.upstream_endpoint_stats:
+        return [
+            (
+                format_address(es.address.socket_address.address, es.address.socket_address.port_value),
+                counts(es),
+            )
+            for es in loc.upstream_endpoint_stats
+        ]
+    host, sep, port = loc.locality.sub_zone.rpartition(":")
+    if not sep or not port.isdigit():
+        return []
+    return [(format_address(host.strip("[]"), int(port)), counts(loc))]

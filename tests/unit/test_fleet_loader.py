@@ -697,3 +697,13 @@ def test_slos_default_then_tier_then_model_key_by_key() -> None:
 def test_a_bad_slo_is_refused_naming_the_key(slo: str, error: str) -> None:
     errs = errors_of(BASIC.replace("    params_b: 8\n", f"    params_b: 8\n    slo: {slo}\n"))
     assert any(error in e for e in errs), errs
+
+
+def test_cluster_overrides_may_not_name_another_lrs_server() -> None:
+    # Proxyless gRPC clients NACK a cluster whose LRS server is not the xDS server itself.
+    for key in ("lrs_server", "lrsServer"):
+        errs = errors_of(
+            BASIC.replace("stable: v1", f"stable: v1\n    cluster_overrides: {{{key}: {{ads: {{}}}}}}")
+        )
+        assert f"models.llama-3-8b.cluster_overrides.{key}: is managed by the control plane" in errs[0]
+        assert "proxyless gRPC" in errs[0]

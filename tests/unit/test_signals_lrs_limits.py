@@ -36,3 +36,23 @@ def test_absurd_counts_are_cut_and_counted() -> None:
     assert server.clamped == 1 and counter._value.get() == 1
     server._record("n1", report(failed=3, in_progress=2))
     assert server.clamped == 1  # honest reports pass untouched
+
+
+def test_a_grpc_clients_locality_report_counts_for_the_endpoint_it_names() -> None:
+    """gRPC reports per locality, never per endpoint; each locality of ours is one endpoint,
+    named by its sub_zone, so a proxyless client's traffic counts like an Envoy's."""
+    store = SignalStore()
+    server = LoadReportingServer(store)
+    r = lrs_pb2.LoadStatsRequest()
+    cs = r.cluster_stats.add(cluster_name="llama@v1")
+    loc = cs.upstream_locality_stats.add()
+    loc.locality.sub_zone = "127.0.0.1:8000"
+    loc.total_successful_requests, loc.total_error_requests, loc.total_requests_in_progress = 40, 2, 3
+    six = cs.upstream_locality_stats.add()
+    six.locality.sub_zone = "[::1]:8001"
+    six.total_successful_requests = 7
+    cs.upstream_locality_stats.add().locality.zone = "z1"  # no endpoint named: nothing counted
+    server._record("grpc-1", r)
+    now = time.monotonic()
+    assert store.lrs_totals(("llama", "127.0.0.1:8000"), now=now) == (3, 0, 40, 2)
+    assert store.lrs_totals(("llama", "[::1]:8001"), now=now)[2] == 7

@@ -20,6 +20,7 @@ from controlplane.routing.translate import (
     ENDPOINT,
     LISTENER,
     ROUTE,
+    RoutingOverlay,
     cluster_refs,
     rds_names,
     translate,
@@ -43,22 +44,63 @@ def test_one_cluster_and_assignment_per_model_version() -> None:
     assert not c.typed_extension_protocol_options  # HTTP/1.1 by default
 
 
-def test_assignment_has_a_weighted_locality_and_every_endpoint() -> None:
-    d = translate(parse_fleet(BASIC), {"llama-3-8b@v1": {"127.0.0.1:8102": 7}})
-    cla = d.by_type[ENDPOINT]["llama-3-8b@v1"]
+def _lb(cla: object) -> list[tuple[str, int, int, int, int]]:
+    """(address, port, locality weight, endpoint weight, health status) per endpoint."""
     assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
-    [loc] = cla.endpoints
-    assert loc.HasField("locality")  # gRPC rejects an assignment without it
-    assert loc.load_balancing_weight.value == 2  # a locality weighs its endpoint count
-    got = [
+    return [
         (
             e.endpoint.address.socket_address.address,
             e.endpoint.address.socket_address.port_value,
+            loc.load_balancing_weight.value,
             e.load_balancing_weight.value,
+            e.health_status,
         )
+        for loc in cla.endpoints
         for e in loc.lb_endpoints
     ]
-    assert got == [("127.0.0.1", 8101, 1), ("127.0.0.1", 8102, 7)]
+
+
+def test_every_endpoint_is_a_locality_weighted_like_the_endpoint() -> None:
+    # gRPC's xds_wrr_locality reads locality weights only; Envoy reads endpoint weights.
+    d = translate(parse_fleet(BASIC), {"llama-3-8b@v1": {"127.0.0.1:8101": 3, "127.0.0.1:8102": 7}})
+    cla = d.by_type[ENDPOINT]["llama-3-8b@v1"]
+    assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
+    assert all(loc.HasField("locality") and len(loc.lb_endpoints) == 1 for loc in cla.endpoints)
+    # Unique localities (gRPC refuses duplicates), naming the endpoint for gRPC's load reports.
+    assert [loc.locality.sub_zone for loc in cla.endpoints] == ["127.0.0.1:8101", "127.0.0.1:8102"]
+    assert _lb(cla) == [("127.0.0.1", 8101, 3, 3, 0), ("127.0.0.1", 8102, 7, 7, 0)]
+
+
+def test_a_ring_hashed_models_localities_weigh_one() -> None:
+    # gRPC's ring_hash weighs an endpoint by locality weight x endpoint weight.
+    fleet = parse_fleet(
+        BASIC.replace("stable: v1", "stable: v1\n    affinity: {header: x-session, algorithm: ring_hash}", 1)
+    )
+    d = translate(fleet, {"llama-3-8b@v1": {"127.0.0.1:8101": 3, "127.0.0.1:8102": 7}})
+    assert [(w_loc, w) for _, _, w_loc, w, _ in _lb(d.by_type[ENDPOINT]["llama-3-8b@v1"])] == [(1, 3), (1, 7)]
+    # gRPC has no maglev and falls back to xds_wrr_locality: the locality weight is the weight.
+    maglev = parse_fleet(BASIC.replace("stable: v1", "stable: v1\n    affinity: {header: x-session}", 1))
+    d = translate(maglev, {"llama-3-8b@v1": {"127.0.0.1:8101": 3, "127.0.0.1:8102": 7}})
+    assert [(w_loc, w) for _, _, w_loc, w, _ in _lb(d.by_type[ENDPOINT]["llama-3-8b@v1"])] == [(3, 3), (7, 7)]
+
+
+def test_an_address_new_to_a_weighed_cluster_is_held_out_until_weighed() -> None:
+    """No client may pick a server no probe has seen ready: a fleet edit that adds one to a
+    cluster with weighed servers sends it UNHEALTHY, not at the default weight."""
+    fleet = parse_fleet(BASIC)
+    d = translate(fleet, {"llama-3-8b@v1": {"127.0.0.1:8101": 50}})
+    assert _lb(d.by_type[ENDPOINT]["llama-3-8b@v1"]) == [
+        ("127.0.0.1", 8101, 50, 50, health_check_pb2.UNKNOWN),
+        ("127.0.0.1", 8102, 1, 1, health_check_pb2.UNHEALTHY),
+    ]
+    # Nothing weighed yet (a control plane that just started, a new version): all are sent.
+    assert [h for *_, h in _lb(translate(fleet).by_type[ENDPOINT]["llama-3-8b@v1"])] == [0, 0]
+    # Weighed servers all held out or draining: the new one is all there could be.
+    d = translate(fleet, {"llama-3-8b@v1": {"127.0.0.1:8101": 0}})
+    assert [h for *_, h in _lb(d.by_type[ENDPOINT]["llama-3-8b@v1"])] == [health_check_pb2.UNHEALTHY, 0]
+    overlay = RoutingOverlay(draining=frozenset({"127.0.0.1:8101"}))
+    d = translate(fleet, {"llama-3-8b@v1": {"127.0.0.1:8101": 50}}, overlay=overlay)
+    assert [h for *_, h in _lb(d.by_type[ENDPOINT]["llama-3-8b@v1"])] == [health_check_pb2.DRAINING, 0]
 
 
 def test_routes_header_then_body_then_404_then_400() -> None:
@@ -177,7 +219,7 @@ def test_weight_zero_holds_an_endpoint_out_and_panic_mode_is_off() -> None:
     d = translate(parse_fleet(BASIC), {"llama-3-8b@v1": {"127.0.0.1:8101": 0, "127.0.0.1:8102": 5}})
     cla = d.by_type[ENDPOINT]["llama-3-8b@v1"]
     assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
-    got = [(e.health_status, e.load_balancing_weight.value) for e in cla.endpoints[0].lb_endpoints]
+    got = [(h, w) for _, _, _, w, h in _lb(cla)]
     assert got == [(health_check_pb2.UNHEALTHY, 1), (health_check_pb2.UNKNOWN, 5)]
     c = d.by_type[CLUSTER]["llama-3-8b@v1"]
     assert isinstance(c, cluster_pb2.Cluster)
@@ -245,11 +287,52 @@ def test_a_model_overrides_single_keys_of_its_tier() -> None:
     assert not a.HasField("retry_policy")
 
 
-def test_proxyless_routes_get_the_timeout_but_no_envoy_retry_policy() -> None:
+def test_proxyless_routes_say_the_timeout_and_retries_in_grpcs_terms() -> None:
     rc = translate(parse_fleet(TIERED)).by_type[ROUTE]["grpc/llama-3-8b"]
     assert isinstance(rc, route_pb2.RouteConfiguration)
     a = rc.virtual_hosts[0].routes[0].route
-    assert a.timeout.seconds == 60 and not a.HasField("retry_policy")
+    # gRPC ignores `timeout` and takes max_stream_duration as the call's deadline (gRFC A31).
+    assert a.timeout.seconds == 60 and a.max_stream_duration.max_stream_duration.seconds == 60
+    # gRPC status codes only, no Envoy predicates (gRPC would ignore them, or refuse them).
+    assert a.retry_policy.retry_on == "unavailable" and a.retry_policy.num_retries.value == 3
+    assert not a.retry_policy.retry_host_predicate and not a.retry_policy.retriable_status_codes
+    assert a.retry_policy.retry_back_off.base_interval.ToMilliseconds() == 25
+    assert not a.HasField("idle_timeout")
+    rc = translate(parse_fleet(BASIC.replace("timeout: 60s}", "timeout: 60s, retries: 0}"))).by_type[ROUTE]
+    assert not rc["grpc/llama-3-8b"].virtual_hosts[0].routes[0].route.HasField("retry_policy")
+
+
+def test_proxyless_routes_carry_a_rollouts_split() -> None:
+    overlay = RoutingOverlay(splits={"llama-3-8b": (("v1", 80), ("v2", 20))})
+    rc = translate(parse_fleet(BASIC), overlay=overlay).by_type[ROUTE]["grpc/llama-3-8b"]
+    assert isinstance(rc, route_pb2.RouteConfiguration)
+    a = rc.virtual_hosts[0].routes[0].route
+    assert [(c.name, c.weight.value) for c in a.weighted_clusters.clusters] == [
+        ("llama-3-8b@v1", 80),
+        ("llama-3-8b@v2", 20),
+    ]
+    assert not a.cluster
+    one = RoutingOverlay(splits={"llama-3-8b": (("v2", 100),)})
+    rc = translate(parse_fleet(BASIC), overlay=one).by_type[ROUTE]["grpc/llama-3-8b"]
+    assert rc.virtual_hosts[0].routes[0].route.cluster == "llama-3-8b@v2"
+
+
+def test_clusters_send_load_reports_to_the_xds_server_and_eject_by_failure_share() -> None:
+    c = translate(parse_fleet(BASIC)).by_type[CLUSTER]["llama-3-8b@v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    assert c.lrs_server.HasField("self")  # the only LRS server proxyless gRPC accepts
+    od = c.outlier_detection
+    # gRPC implements only success-rate and failure-percentage ejection (gRFC A50).
+    assert (od.failure_percentage_threshold.value, od.enforcing_failure_percentage.value) == (50, 100)
+    assert od.failure_percentage_minimum_hosts.value == 2
+    assert od.failure_percentage_request_volume.value == 10
+    assert od.consecutive_5xx.value == 5  # Envoy's rule stays
+    off = parse_fleet(
+        BASIC.replace("timeout: 60s}", "timeout: 60s, outlier_detection: {failure_percentage: 0}}")
+    )
+    c = translate(off).by_type[CLUSTER]["llama-3-8b@v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    assert c.outlier_detection.enforcing_failure_percentage.value == 0
 
 
 def test_preferred_gpu_classes_get_priority_0_and_endpoints_too_small_are_left_out() -> None:
@@ -262,9 +345,9 @@ def test_preferred_gpu_classes_get_priority_0_and_endpoints_too_small_are_left_o
         "    params_b: 30\n"
         "    preferred_gpus: [H100]\n"
         "    stable: v1\n"
-        "    versions: {v1: {endpoints: [{address: '10.0.0.1:80', gpu: H100},"
-        " {address: '10.0.0.2:80', gpu: L4}, {address: '10.0.0.3:80', gpu: A100},"
-        " {address: '10.0.0.4:80'}]}}\n"
+        "    versions: {v1: {endpoints: [{address: '127.0.0.1:80', gpu: H100},"
+        " {address: '127.0.0.2:80', gpu: L4}, {address: '127.0.0.3:80', gpu: A100},"
+        " {address: '127.0.0.4:80'}]}}\n"
     )
     cla = translate(fleet).by_type[ENDPOINT]["chat@v1"]
     assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
@@ -273,8 +356,8 @@ def test_preferred_gpu_classes_get_priority_0_and_endpoints_too_small_are_left_o
         for loc in cla.endpoints
     ]
     # The L4 cannot hold 72 GB; the endpoint of unknown class falls back with the A100.
-    assert got == [(0, ["10.0.0.1"]), (1, ["10.0.0.3", "10.0.0.4"])]
-    assert [loc.load_balancing_weight.value for loc in cla.endpoints] == [1, 2]
+    assert got == [(0, ["127.0.0.1"]), (1, ["127.0.0.3"]), (1, ["127.0.0.4"])]
+    assert [loc.load_balancing_weight.value for loc in cla.endpoints] == [1, 1, 1]
     assert all(loc.HasField("locality") for loc in cla.endpoints)
 
 
