@@ -11,6 +11,7 @@ import datetime
 import json
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -97,16 +98,39 @@ def analysis_to_dict(va: rollout_pb2.VersionAnalysis) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Roles:
+    """Which version plays which part in a rollout, as an operator reads it."""
+
+    stable: str  # takes the traffic the canary does not
+    canary: str | None  # None once Completed: it has become the stable version
+    previous: str | None  # the stable version a Completed rollout replaced; else None
+
+
+def roles(r: rollout_pb2.Rollout) -> Roles:
+    """The versions' parts, for the table and for json/yaml alike. The server's
+    stable_version and canary_version are where the rollout started from and went to; once
+    Completed the canary is the stable version, there is no canary, and the old stable is the
+    one it replaced. An Aborted rollout keeps its canary (at 0%): the version it gave up on."""
+    if r.phase == "Completed":
+        return Roles(stable=r.canary_version, canary=None, previous=r.stable_version)
+    return Roles(stable=r.stable_version, canary=r.canary_version or None, previous=None)
+
+
 def ordered_weights(r: rollout_pb2.Rollout) -> dict[str, int]:
-    """version -> percent: stable first, then the canary, then any other version by name."""
-    first = [v for v in (r.stable_version, r.canary_version) if v in r.weights]
+    """version -> percent: stable first, then the canary, the version it replaced, then any
+    other version by name."""
+    role = roles(r)
+    first = [v for v in (role.stable, role.canary, role.previous) if v is not None and v in r.weights]
     rest = sorted(v for v in r.weights if v not in first)
     return {v: int(r.weights[v]) for v in (*dict.fromkeys(first), *rest)}
 
 
 def rollout_to_dict(r: rollout_pb2.Rollout) -> dict[str, Any]:
-    """The rollout as a plain dict with snake_case keys; `canary` and `stable` only when the
-    server sent analysis figures (while the rollout runs)."""
+    """The rollout as a plain dict with snake_case keys; the versions' parts as `roles` gives
+    them (the table's); `canary` and `stable` only when the server sent analysis figures
+    (while the rollout runs)."""
+    role = roles(r)
     d: dict[str, Any] = {
         "model": r.model,
         "phase": r.phase,
@@ -114,8 +138,9 @@ def rollout_to_dict(r: rollout_pb2.Rollout) -> dict[str, Any]:
         "finishing": r.finishing,
         "steps": list(r.steps),
         "weights": ordered_weights(r),
-        "stable_version": r.stable_version,
-        "canary_version": r.canary_version,
+        "stable_version": role.stable,
+        "canary_version": role.canary,
+        "previous_version": role.previous,
         "reason": r.reason,
         "manual": r.manual,
         "interval_seconds": r.interval_seconds,
@@ -151,14 +176,6 @@ def summary_line(r: rollout_pb2.Rollout) -> str:
     return f"{r.model}: {r.phase}, step {step_text(r)}, {weights_text(r)}"
 
 
-def roles(r: rollout_pb2.Rollout) -> tuple[str, str, str]:
-    """(stable, canary, previous) as an operator reads them: once Completed the canary is
-    the stable version and there is no canary; the version it replaced is `previous`."""
-    if r.phase == "Completed":
-        return r.canary_version, "-", r.stable_version
-    return r.stable_version, r.canary_version, ""
-
-
 def watch_state(r: rollout_pb2.Rollout) -> tuple[Any, ...]:
     """What a line of an unattended watch reports: a new line only when this changes (the
     analysis figures, which move every second while traffic flows, are left out)."""
@@ -184,14 +201,14 @@ def rollout_table(r: rollout_pb2.Rollout, now: float | None = None) -> str:
     gates = (
         "manual gates (cpctl rollout promote)" if r.manual else f"every {seconds_text(r.interval_seconds)}"
     )
-    stable, canary, previous = roles(r)
+    role = roles(r)
     lines = [
         f"Model:    {r.model}",
         f"Phase:    {r.phase}",
         f"Step:     {step_text(r)}  [{', '.join(f'{s}%' for s in r.steps)}; {gates}]",
         f"Weights:  {weights_text(r)}",
-        f"Stable:   {stable}" + (f"  (replaced {previous})" if previous else ""),
-        f"Canary:   {canary}",
+        f"Stable:   {role.stable}" + (f"  (replaced {role.previous})" if role.previous else ""),
+        f"Canary:   {role.canary or '-'}",
         f"Reason:   {r.reason or '-'}",
     ]
     if r.step_started_at and now is not None and r.phase in ("Progressing", "Paused"):
@@ -229,10 +246,11 @@ def rollouts_table(rollouts: Sequence[rollout_pb2.Rollout]) -> str:
             r.phase,
             step_text(r).split(" ")[0],
             weights_text(r),
-            *roles(r)[:2],
+            role.stable,
+            role.canary or "-",
             r.reason,
         ]
-        for r in rollouts
+        for r, role in ((r, roles(r)) for r in rollouts)
     ]
     return table(["MODEL", "PHASE", "STEP", "WEIGHTS", "STABLE", "CANARY", "REASON"], rows)
 

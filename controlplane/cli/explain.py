@@ -525,15 +525,22 @@ def live_split(model: Model, live: LiveRollout | None) -> tuple[Mapping[str, Any
         return None, False
     r = live.state
     versions = {v.name for v in model.versions}
-    if not {r["stable_version"], r["canary_version"]} <= versions:
+    named = {r["stable_version"], r["canary_version"], r.get("previous_version")} - {None}
+    if not named <= versions:
         return None, False  # about versions the file no longer has
     if r["phase"] in RUNNING_PHASES:
         return r, False
-    if r["stable_version"] == model.stable:
+    if started_from(r) == model.stable:
         return r, False  # Aborted: back on the file's stable; Completed: the file not updated yet
-    if r["phase"] == "Completed" and r["canary_version"] == model.stable:
+    if r["phase"] == "Completed" and r["stable_version"] == model.stable:
         return None, False  # the file names the new stable
     return None, True
+
+
+def started_from(r: Mapping[str, Any]) -> str:
+    """The stable version a rollout (cpctl's JSON form) started from: once Completed that is
+    the version the new stable replaced."""
+    return str(r["previous_version"] if r["phase"] == "Completed" else r["stable_version"])
 
 
 def _traffic(model: Model, live: LiveRollout | None) -> dict[str, int] | None:
@@ -545,7 +552,7 @@ def _traffic(model: Model, live: LiveRollout | None) -> dict[str, int] | None:
     if r is not None and r["phase"] in RUNNING_PHASES:
         shares = {v: int(r["weights"].get(v, 0)) for v in shares}
     elif r is not None and r["phase"] == "Completed":
-        shares = {v: 100 if v == r["canary_version"] else 0 for v in shares}
+        shares = {v: 100 if v == r["stable_version"] else 0 for v in shares}
     return shares
 
 
@@ -559,9 +566,10 @@ def _role(version: str, model: Model, live: LiveRollout | None) -> str:
         return "stable" if version == model.stable else "unknown"
     if r is None:
         return "stable" if version == model.stable else "unrouted"
-    stable, canary = r["stable_version"], r["canary_version"]
+    # The parts as cpctl shows them: once Completed, stable_version is the new stable.
+    stable, canary, previous = r["stable_version"], r["canary_version"], r.get("previous_version")
     roles = {
-        "Completed": {canary: "stable", stable: "replaced"},
+        "Completed": {previous: "replaced", stable: "stable"},
         "Aborted": {canary: "aborted", stable: "stable"},
     }.get(r["phase"], {canary: "canary", stable: "stable"})
     return roles.get(version, "unrouted")
@@ -923,7 +931,7 @@ def _rollout_text(e: Mapping[str, Any]) -> str | None:
     summary = str(r["summary"] or r["state"]["phase"]).removeprefix(f"{model}: ")
     if any(v["traffic_percent"] is None for v in e["versions"]):
         return (
-            f"{summary}  (live from {r['server']}); it started from {r['state']['stable_version']}, not "
+            f"{summary}  (live from {r['server']}); it started from {started_from(r['state'])}, not "
             f"the file's stable {e['stable']}: `cpctl endpoints list --model {model}` shows what serves"
         )
     return f"{summary}  (live from {r['server']}; {see})"

@@ -183,6 +183,9 @@ def test_rollout_lifecycle(cpctl: Cpctl, request: pytest.FixtureRequest) -> None
     wait_until(lambda: cpctl.status()["phase"] == "Completed", 10, "the rollout to complete")
     s = cpctl.status()
     assert s["weights"] == {"v1": 0, "v2": 100}
+    # The JSON names the parts as the table does: v2 is stable now, and replaced v1.
+    assert (s["stable_version"], s["canary_version"], s["previous_version"]) == ("v2", None, "v1")
+    assert "Stable:   v2  (replaced v1)" in cpctl("rollout", "status", "llama").out
 
     # The watch ended with the rollout (exit 0: Completed), one line per change of state,
     # although the server sent the rollout every second.

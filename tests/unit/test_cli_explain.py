@@ -18,6 +18,7 @@ import grpc
 import pytest
 import yaml
 
+from controlplane.cli import cpctl_output as out
 from controlplane.cli.explain import (
     LIVE_DEADLINE_S,
     LiveRollout,
@@ -655,17 +656,18 @@ def test_every_subcommand_that_reads_a_fleet_file_takes_config() -> None:
 def live(
     phase: str, stable: str = "v1", canary: str = "v2", weights: dict[str, int] | None = None
 ) -> LiveRollout:
-    state: dict[str, Any] = {
-        "model": "chat",
-        "phase": phase,
-        "step": 1,
-        "steps": [20, 50, 100],
-        "weights": weights if weights is not None else {stable: 80, canary: 20},
-        "stable_version": stable,
-        "canary_version": canary,
-    }
-    summary = f"chat: {phase}, step 1/3 (20%), {', '.join(f'{v} {w}%' for v, w in state['weights'].items())}"
-    return LiveRollout("127.0.0.1:18001", state, summary)
+    """What fetch_rollout makes of the server's rollout from `stable` to `canary` (as the
+    server names them: where it started and where it went), in cpctl's JSON form."""
+    r = rollout_pb2.Rollout(
+        model="chat",
+        phase=phase,
+        step=1,
+        steps=[20, 50, 100],
+        weights=weights if weights is not None else {stable: 80, canary: 20},
+        stable_version=stable,
+        canary_version=canary,
+    )
+    return LiveRollout("127.0.0.1:18001", out.rollout_to_dict(r), out.summary_line(r))
 
 
 def traffic(e: dict[str, Any]) -> dict[str, tuple[str, int | None]]:
@@ -715,6 +717,10 @@ FLEET3 = FLEET.replace(
         (
             # Ended from another stable than the file's: which one serves cannot be told.
             live("Aborted", stable="v2", canary="v3", weights={"v2": 100, "v3": 0}),
+            {"v1": ("stable", None), "v2": ("unknown", None), "v3": ("unknown", None)},
+        ),
+        (
+            live("Completed", stable="v2", canary="v3", weights={"v2": 0, "v3": 100}),
             {"v1": ("stable", None), "v2": ("unknown", None), "v3": ("unknown", None)},
         ),
         (
@@ -802,6 +808,14 @@ def test_text_with_no_rollout_and_with_an_ambiguous_one() -> None:
     rollout = next(line for line in lines_of(e) if line.startswith("  rollout "))
     assert "it started from v2, not the file's stable v1: `cpctl endpoints list --model chat`" in rollout
     assert e["rollout"]["applies"] is False
+    # Completed: cpctl's JSON names v3 stable and v2 the one it replaced; it started from v2.
+    e = explained_live(FLEET3, live("Completed", stable="v2", canary="v3", weights={"v2": 0, "v3": 100}))
+    rollout = next(line for line in lines_of(e) if line.startswith("  rollout "))
+    assert "it started from v2, not the file's stable v1" in rollout
+    assert (e["rollout"]["state"]["stable_version"], e["rollout"]["state"]["previous_version"]) == (
+        "v3",
+        "v2",
+    )
 
 
 def test_a_single_version_model_never_asks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
