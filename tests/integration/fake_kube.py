@@ -33,7 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
-from controlplane.sim.procs import free_port
+from tests.ports import free_port
 
 KINDS = {
     "pods": ("/api/v1/namespaces/{ns}/pods", "Pod", "v1"),

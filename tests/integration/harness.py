@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from tests.ports import free_port
+
 BIN = Path(sys.executable).parent
 
 # Outage tests run their outage for OUTAGE_S in the default suite (several times the detection
@@ -32,22 +34,6 @@ BIN = Path(sys.executable).parent
 OUTAGE_S = 12
 SOAK_OUTAGE_S = 30
 OUTAGES = [OUTAGE_S, pytest.param(SOAK_OUTAGE_S, marks=pytest.mark.soak)]
-
-
-_GIVEN_PORTS: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now and never handed out before by this process: the kernel
-    may return a just-released port twice, and two processes of one rig told the same port
-    fail in ways that look like anything but a port clash (an Envoy whose admin cannot bind)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _GIVEN_PORTS:
-            _GIVEN_PORTS.add(port)
-            return port
 
 
 def envoy_binary() -> str:

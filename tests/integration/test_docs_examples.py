@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import BIN, free_port
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.envoy
 
@@ -140,27 +140,6 @@ def blocks() -> list[Block]:
     return out
 
 
-def _free_run(n: int) -> int:
-    """A port p with p..p+n-1 all free."""
-    for _ in range(200):
-        base = free_port()
-        if base + n > 65000:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
-
-
 @dataclass
 class Session:
     tmp: Path
@@ -171,7 +150,7 @@ class Session:
     log: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        servers, emu = _free_run(4), _free_run(4)
+        servers, emu = free_ports(4), free_ports(4)
         self.ports = {
             "10000": free_port(),
             "18000": free_port(),

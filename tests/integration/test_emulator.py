@@ -31,6 +31,7 @@ from controlplane.sim.emulator import (
     FaultsInvalid,
     start_emulators,
 )
+from tests.ports import free_ports
 
 MODEL = "llama-3-8b"
 # Fast enough for tests, slow enough that queueing and pacing are measurable.
@@ -545,24 +546,8 @@ def test_thread_runner_serves_synchronous_callers() -> None:
 # --- the command -------------------------------------------------------------------------
 
 
-def two_free_consecutive_ports() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return int(port)
-    raise RuntimeError("no two consecutive free ports")
-
-
 def test_cli_emulate_runs_count_servers_until_sigterm() -> None:
-    port = two_free_consecutive_ports()
+    port = free_ports(2)
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "controlplane", "emulate", "--listen", f"127.0.0.1:{port}"),
