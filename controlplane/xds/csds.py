@@ -264,7 +264,7 @@ def client_config(stream: ConnectedStream, with_contents: bool = True) -> csds_p
             g = cfg.generic_xds_configs.add(
                 type_url=type_url,
                 name=name,
-                version_info=version,
+                version_info=ts.version_info(name, proto.delta),
                 config_status=config_status,
                 client_status=config_dump_shared_pb2.ACKED,
             )

@@ -161,6 +161,10 @@ class TypeState:
     acked: dict[str, str] = field(default_factory=dict)
     acked_res: dict[str, SnapshotResource] = field(default_factory=dict)
     acked_version: str = ""  # also the content key of what the proxy holds
+    # SotW, types a response may carry part of (RDS, EDS): name -> the version_info of the
+    # ACKed response that last carried it, which is what the client's own CSDS reports. (A
+    # full-state type's every response carries all: acked_version. Delta: the resource's.)
+    carried: dict[str, str] = field(default_factory=dict)
     last_subscription: tuple[bool, frozenset[str]] = (False, frozenset())
     # NACK memory: name -> the version the proxy rejected (never sent to it again).
     rejected: dict[str, str] = field(default_factory=dict)
@@ -220,6 +224,15 @@ class TypeState:
         if old is not None:
             self.state_xor ^= pair_hash(name, old)
         self.acked_res.pop(name, None)
+        self.carried.pop(name, None)
+
+    def version_info(self, name: str, delta: bool) -> str:
+        """The version the proxy's own CSDS gives `name`: the resource's version on delta,
+        else the version_info of the response it came in (what a reconnected proxy held
+        before, unknown here, reads as the last response it ACKed here)."""
+        if delta:
+            return self.acked.get(name, "")
+        return self.carried.get(name) or self.acked_version
 
     def state_after(self, updates: dict[str, SnapshotResource], removed: Iterable[str]) -> str:
         """The state version once `updates` and `removed` are applied, without a full scan."""
@@ -609,6 +622,8 @@ class XdsStream:
                     if not self._eds_fresh_after:
                         self._eds_fresh_after = {}  # dicts never shrink; let the table go
                 ts.hold(name, res.version, res)
+                if not self.delta:
+                    ts.carried[name] = flight.version
                 ts.rejected.pop(name, None)
                 ts.unconfirmed.discard(name)
             for name in flight.removed:
