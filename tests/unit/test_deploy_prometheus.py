@@ -84,6 +84,7 @@ def test_the_alerts_fire_as_their_unit_tests_expect(promtool: str) -> None:
     assert {
         "ModelAvailabilityBudgetBurn",
         "ModelLatencyBudgetBurn",
+        "GatewayAvailabilityBudgetBurn",
         "ModelVersionNoReadyEndpoints",
         "ControlPlaneProxiesNacked",
     } <= fired
@@ -389,6 +390,41 @@ def test_the_scrape_keeps_what_envoy_keeps_less_the_admin_only_stats() -> None:
     # podmonitors.yaml keeps the same (test_the_alerts_select_the_jobs_the_scrape_config_defines).
 
 
+# Envoy's tags that become labels: named in the rules, but not metrics.
+ENVOY_LABELS = {"envoy_cluster_name", "envoy_response_code_class", "envoy_http_conn_manager_prefix"}
+
+
+def rule_expressions() -> list[str]:
+    """Every expression of alerts.yml and slo-rules.yml."""
+    return [
+        r["expr"]
+        for name in ("alerts.yml", "slo-rules.yml")
+        for g in yaml.safe_load((PROM / name).read_text())["groups"]
+        for r in g["rules"]
+    ]
+
+
+def test_every_envoy_stat_the_rules_read_is_kept_by_the_bootstrap_and_the_scrape() -> None:
+    # A stat the matcher or the keep-list drops has no series: an alert on it never fires.
+    used = {n for e in rule_expressions() for n in re.findall(r"(?<![\w:])envoy_\w+", e)} - ENVOY_LABELS
+    # The gateways' own errors read the model listener's downstream responses.
+    assert {"envoy_http_downstream_rq_xx", "envoy_cluster_upstream_rq_xx", "envoy_server_live"} <= used
+    assert sorted(used - envoy_scraped_names()) == []
+    assert envoy_kept("http.inference.downstream_rq_5xx") and envoy_kept("server.live")
+
+
+def test_the_gateway_objective_falls_back_to_the_fleet_files_default() -> None:
+    import importlib.util
+
+    from controlplane.fleet.model import Slo
+
+    spec = importlib.util.spec_from_file_location("slo_rules", PROM / "slo_rules.py")
+    assert spec is not None and spec.loader is not None
+    slo_rules = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(slo_rules)
+    assert Slo().availability == slo_rules.DEFAULT_AVAILABILITY
+
+
 def test_both_scrapes_ask_envoy_for_the_stats_in_use_only() -> None:
     config = yaml.safe_load((PROM / "prometheus.yml").read_text())
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "envoy"]
@@ -403,7 +439,12 @@ def test_both_scrapes_ask_envoy_for_the_stats_in_use_only() -> None:
 
 RUNBOOK_BASE = "https://github.com/inference-controlplane/inference-controlplane/blob/main/docs/alerts.md"
 # Symptoms users feel page; causes (the control plane, signals, rollouts) are tickets.
-PAGES = {"ModelAvailabilityBudgetBurn", "ModelLatencyBudgetBurn", "ModelVersionNoReadyEndpoints"}
+PAGES = {
+    "ModelAvailabilityBudgetBurn",
+    "ModelLatencyBudgetBurn",
+    "GatewayAvailabilityBudgetBurn",
+    "ModelVersionNoReadyEndpoints",
+}
 
 
 def promtool_cases() -> list[dict[str, Any]]:
