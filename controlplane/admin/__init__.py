@@ -1,1 +1,2 @@
-"""The operator gRPC API (controlplane.v1): authentication and the thin servicers."""
+"""The operator gRPC API (controlplane.v1) and KEDA's external scaler: authentication and the
+thin servicers."""

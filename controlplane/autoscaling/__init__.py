@@ -1,1 +1,3 @@
-"""How many replicas each model wants (pure): Knative-style windows over its demand."""
+"""How many replicas each model and version wants (pure): Knative-style windows over demand,
+forecasts for pre-warm, and which replicas to drain and stop; persist.py keeps the forecasts'
+history on disk."""

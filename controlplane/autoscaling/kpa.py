@@ -1,7 +1,7 @@
 """Desired replicas from demand, in the style of Knative's KPA (pure: no I/O, no clock).
 
-Demand is the work a model has: requests running or waiting on its servers (plus, later,
-requests held for it while no server is ready). Every round the controller hands a sample
+Demand is the work a model has: requests running or waiting on its servers, plus requests
+held for it while no server is ready (autoscaler.py adds them). Every round the controller hands a sample
 to the model's `Scaler`, which keeps two sliding windows of them:
 
 - the **stable** window (60 s): its mean over the target per replica, rounded up, is what

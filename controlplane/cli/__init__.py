@@ -1,1 +1,2 @@
-"""The `controlplane` command line."""
+"""The command lines: `controlplane` (serve, check-config, explain, bootstrap, import, export,
+demo, emulate) and `cpctl`, the operator API's client."""

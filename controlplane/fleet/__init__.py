@@ -1,4 +1,5 @@
-"""The world as configured: models, tiers, versions, endpoints; YAML loading with exact errors."""
+"""The world as configured: models, tiers, versions, endpoints; the fleet file read and checked
+with exact errors, and watched for edits."""
 
 from controlplane.fleet.loader import ConfigError, FleetConfigInvalid, load_fleet, parse_fleet
 from controlplane.fleet.model import Endpoint, Fleet, ListenerSpec, Model, Tier, Version

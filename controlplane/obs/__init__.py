@@ -1,1 +1,2 @@
-"""Observability: Prometheus metrics, the status HTTP server, structlog setup."""
+"""Observability: Prometheus metrics (per endpoint and per version rendered when scraped), the
+status HTTP server, the event loop's lag, structlog setup."""

@@ -1,1 +1,3 @@
-"""Model version rollouts: the pure state machine and its SQLite store (the controller and API come next)."""
+"""Model version rollouts: the state machine and the step analysis (pure), the API layer over
+the fleet file (overlay), the SQLite store, and the controller that drives them from operator
+commands and ticks (the operator API over it: admin/; the etcd store: ha/)."""
