@@ -219,7 +219,7 @@ def test_envoy_side_is_read_from_the_generated_resources() -> None:
     # The model's own limit for x-model requests; the listener's (largest of any model) otherwise.
     assert e["body_limit"]["header_routed_bytes"] == 8 << 20
     assert e["body_limit"]["body_routed_bytes"] == 8 << 20
-    assert e["proxyless_grpc"] == {"timeout_s": 10.0, "idle_timeout_s": None, "retries": 0}
+    assert e["proxyless_grpc"] == {"timeout_s": 10.0, "idle_timeout_s": None, "retries": 3}
 
     big = explained(FLEET, "big")
     assert big["envoy"]["body_limit"]["header_routed_bytes"] == 1000
