@@ -273,7 +273,9 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
         names = [n for _, _, versions in MODELS.values() for ns in versions.values() for n in ns] + [
             "llama-d"
         ]
-        cold_s = max(4.0, 0.12 * duration_s)
+        # At least 8 s: on a busy machine the stack takes seconds to come up, and the cold
+        # server must still be loading when the first weights are shown.
+        cold_s = max(8.0, 0.12 * duration_s)
         configs = [
             EmulatorConfig(
                 model=next(
