@@ -422,11 +422,11 @@ def build_assignment(
         if rank is not None:
             by_rank.setdefault(rank, []).append(ep)
     weighed = any(weights.get(ep.address, 0) > 0 and ep.address not in draining for ep in version.endpoints)
+    unweighed = 0 if weighed else DEFAULT_WEIGHT  # the weight of an address new to the cluster
     # EDS priorities must be 0, 1, 2... without gaps: renumber the ranks in use.
     for prio, rank in enumerate(sorted(by_rank)):
         for ep in sorted(by_rank[rank], key=lambda e: (e.region or "", e.zone or "")):
-            fallback = 0 if weighed else DEFAULT_WEIGHT  # not weighed yet: new to the cluster
-            w = int(weights.get(ep.address, fallback))
+            w = int(weights.get(ep.address, unweighed))
             # gRPC ignores a locality without a weight, so always give one.
             loc = cla.endpoints.add(
                 load_balancing_weight=wrappers_pb2.UInt32Value(value=1 if ring_hash else max(1, w)),
