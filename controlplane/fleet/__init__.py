@@ -1,7 +1,8 @@
 """The world as configured: models, tiers, versions, endpoints; the fleet file read and checked
 with exact errors, and watched for edits."""
 
-from controlplane.fleet.loader import ConfigError, FleetConfigInvalid, load_fleet, parse_fleet
+from controlplane.fleet.errors import ConfigError, FleetConfigInvalid
+from controlplane.fleet.loader import load_fleet, parse_fleet
 from controlplane.fleet.model import Endpoint, Fleet, ListenerSpec, Model, Tier, Version
 
 __all__ = [

@@ -21,13 +21,8 @@ from pathlib import Path
 import structlog
 
 from controlplane import limits
-from controlplane.fleet.loader import (
-    ConfigError,
-    FleetConfigInvalid,
-    decode_fleet,
-    parse_fleet,
-    read_fleet_bytes,
-)
+from controlplane.fleet.errors import ConfigError, FleetConfigInvalid
+from controlplane.fleet.loader import decode_fleet, parse_fleet, read_fleet_bytes
 from controlplane.fleet.model import Fleet
 
 log = structlog.get_logger("controlplane.fleet")

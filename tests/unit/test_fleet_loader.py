@@ -6,8 +6,8 @@ import pytest
 
 from controlplane.cli.main import main
 from controlplane.fleet import FleetConfigInvalid, load_fleet, parse_fleet
-from controlplane.fleet.loader import parse_address, parse_duration
 from controlplane.fleet.model import HealthProbe, MetricsProbe, PrometheusSpec
+from controlplane.fleet.values import parse_address, parse_duration
 from tests.fleets import BASIC
 
 
@@ -537,7 +537,7 @@ def _gpu_fleet(gpu: str, extra: str = "") -> str:
     [("A100", "A100"), ("a100", "A100"), ("A100", "A100"), ("l4", "L4"), ("L4", "L4")],
 )
 def test_a_gpu_names_its_class_whatever_the_case(written: str, cls: str) -> None:
-    from controlplane.fleet.loader import match_gpu_class
+    from controlplane.fleet.schema_gpus import match_gpu_class
 
     assert match_gpu_class(written, ["A100", "L4"]) == cls
     fleet = parse_fleet(_gpu_fleet(written))
@@ -562,7 +562,7 @@ def test_a_gpu_names_its_class_whatever_the_case(written: str, cls: str) -> None
 def test_a_near_miss_of_a_class_is_an_error_naming_the_path_and_the_classes(
     written: str, suggested: str
 ) -> None:
-    from controlplane.fleet.loader import match_gpu_class
+    from controlplane.fleet.schema_gpus import match_gpu_class
 
     with pytest.raises(ValueError, match=f"did you mean '{suggested}'"):
         match_gpu_class(written, ["A100", "L4"])
@@ -579,7 +579,7 @@ def test_a_near_miss_of_a_class_is_an_error_naming_the_path_and_the_classes(
     ["A10", "a10g", "L40", "L40S", "H100", "h200", "T4", "MI300X", "nvidia-a100", "A100-40GB", "X"],
 )
 def test_a_gpu_that_is_no_near_miss_keeps_its_name_and_gets_no_class(written: str) -> None:
-    from controlplane.fleet.loader import match_gpu_class
+    from controlplane.fleet.schema_gpus import match_gpu_class
 
     assert match_gpu_class(written, ["A100", "L4"]) is None
     fleet = parse_fleet(_gpu_fleet(written))
@@ -589,7 +589,7 @@ def test_a_gpu_that_is_no_near_miss_keeps_its_name_and_gets_no_class(written: st
 
 
 def test_without_gpu_classes_nothing_is_a_near_miss() -> None:
-    from controlplane.fleet.loader import match_gpu_class
+    from controlplane.fleet.schema_gpus import match_gpu_class
 
     assert match_gpu_class("a10O", []) is None
     text = _gpu_fleet("a10O").replace(

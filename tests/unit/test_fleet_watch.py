@@ -10,7 +10,7 @@ import pytest
 
 from controlplane import limits
 from controlplane.fleet import parse_fleet
-from controlplane.fleet.loader import FleetConfigInvalid
+from controlplane.fleet.errors import FleetConfigInvalid
 from controlplane.fleet.model import Fleet
 from controlplane.fleet.watch import FleetFileWatcher, removals
 from tests.fleets import fleet_yaml
