@@ -2,6 +2,8 @@
 
 Feed it requests (`receive`) and snapshots (`set_snapshot`); it returns events: bytes to
 send, ACKs, NACKs, stale nonces. It never does I/O, so every protocol corner is unit-tested.
+The per-type bookkeeping it keeps is in typestate.py, the events it returns in events.py, and
+the per-proxy variants of resources it sends (shared by streams) in variants.py.
 
 Rules it keeps (docs/xds.md states them for operators):
 - one response in flight per type: the next goes out only after the ACK or NACK, so a slow
@@ -27,30 +29,44 @@ Rules it keeps (docs/xds.md states them for operators):
 
 from __future__ import annotations
 
-import hashlib
 import re
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 
 from envoy.config.core.v3 import base_pb2
-from envoy.config.route.v3 import route_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from controlplane import limits
-from controlplane.routing.blend import blend_routes
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
-from controlplane.xds import capabilities, wire
+from controlplane.xds import capabilities, variants, wire
 from controlplane.xds.capabilities import Capabilities
+from controlplane.xds.events import (
+    Ack,
+    Event,
+    Nack,
+    NackCleared,
+    NodeIdentified,
+    Refused,
+    Send,
+    StaleNonce,
+    UnknownType,
+)
 from controlplane.xds.memory import ClusterMemory
-from controlplane.xds.snapshot import Placeholder, Snapshot, SnapshotResource, encode_resource, pair_hash
+from controlplane.xds.snapshot import Placeholder, Snapshot, SnapshotResource, pair_hash
+from controlplane.xds.typestate import InFlight, TypeState, content_key
 
 FULL_STATE_TYPES = frozenset({LISTENER, CLUSTER})
 WILDCARD = "*"
 # Bounds on what one client can make a stream hold (docs/limits.md).
 MAX_NAMES_PER_TYPE = limits.XDS_MAX_NAMES_PER_TYPE
 MAX_UNKNOWN_TYPES_REPORTED = 8
+# How long a cluster stays on an Envoy after the last route naming it was replaced (or, after
+# a reconnect, after a route sent here was ACKed). Envoy ACKs a route at once, but a request
+# keeps the route table it started with until its router picks a cluster (after the filters
+# before it, the body read for model routing, and its retries): removing the cluster at the
+# ACK failed such a request with `no_cluster` 503 (6 ms after the ACK, seen under load).
+CLUSTER_REMOVAL_GRACE_S = 2.0
 
 
 def bounded(text: str, limit: int) -> str:
@@ -59,192 +75,6 @@ def bounded(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text) - limit} more characters)"
-
-
-@dataclass(frozen=True)
-class Send:
-    """Write `payload` (a serialised response) to the stream."""
-
-    type_url: str
-    nonce: str
-    version: str
-    payload: bytes
-    names: tuple[str, ...]
-    removed: tuple[str, ...]
-    generation: int
-
-
-@dataclass(frozen=True)
-class Ack:
-    """The proxy applied a response. `latency_s` runs from the snapshot's creation."""
-
-    type_url: str
-    nonce: str
-    version: str
-    generation: int
-    latency_s: float
-
-
-@dataclass(frozen=True)
-class Nack:
-    """The proxy rejected a response (or part of it); it keeps its previous config of what
-    it rejected. `rejected` names the resources blamed (all the changed ones if Envoy's
-    message names none of them)."""
-
-    type_url: str
-    nonce: str
-    version: str
-    message: str
-    rejected: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class NackCleared:
-    """Nothing the proxy rejected is wanted any more (the config moved on, or went back)."""
-
-    type_url: str
-
-
-@dataclass(frozen=True)
-class StaleNonce:
-    type_url: str
-    nonce: str
-
-
-@dataclass(frozen=True)
-class UnknownType:
-    type_url: str
-
-
-@dataclass(frozen=True)
-class NodeIdentified:
-    node_id: str
-    cluster: str
-    user_agent: str
-    node: base_pb2.Node | None = field(default=None, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class Refused:
-    """The client asked for more than a stream may hold; the caller ends the stream."""
-
-    code: str  # a grpc.StatusCode name
-    message: str
-
-
-Event = Send | Ack | Nack | NackCleared | StaleNonce | UnknownType | NodeIdentified | Refused
-
-
-@dataclass
-class _InFlight:
-    nonce: str
-    version: str
-    resources: dict[str, SnapshotResource]
-    removed: frozenset[str]
-    generation: int
-    created_at: float
-    complete: bool = True  # it carried everything desired at `generation` (nothing held back)
-
-
-@dataclass
-class TypeState:
-    """What one stream knows about one resource type."""
-
-    requested: bool = False
-    wildcard: bool = False
-    names: frozenset[str] = frozenset()
-    latest_nonce: str = ""
-    in_flight: _InFlight | None = None
-    responded: bool = False
-    acked_here: bool = False  # an ACK of this type arrived on this stream
-    # What the proxy has, as far as we know: name -> version, and the resource when we know it.
-    acked: dict[str, str] = field(default_factory=dict)
-    acked_res: dict[str, SnapshotResource] = field(default_factory=dict)
-    acked_version: str = ""  # also the content key of what the proxy holds
-    # SotW, types a response may carry part of (RDS, EDS): name -> the version_info of the
-    # ACKed response that last carried it, which is what the client's own CSDS reports. (A
-    # full-state type's every response carries all: acked_version. Delta: the resource's.)
-    carried: dict[str, str] = field(default_factory=dict)
-    last_subscription: tuple[bool, frozenset[str]] = (False, frozenset())
-    # NACK memory: name -> the version the proxy rejected (never sent to it again).
-    rejected: dict[str, str] = field(default_factory=dict)
-    # A NACK that names no resource blames every change it carried: they become suspects,
-    # re-sent `probe` at a time (a bisection) until the rejected ones are found.
-    suspects: dict[str, str] = field(default_factory=dict)
-    probing: frozenset[str] = frozenset()  # the suspects the next response may carry
-    rejected_key: str = ""  # SotW full state: the content key of the last NACKed response
-    last_error: str = ""
-    last_nacked: bool = False  # something the proxy rejected (or a suspect) is still wanted
-    answered: set[str] = field(default_factory=set)
-    # Held from an earlier stream, content unknown: not confirmed until ACKed here.
-    unconfirmed: set[str] = field(default_factory=set)
-    # XOR of per-(name, version) hashes of `acked`: the proxy's state version in O(1).
-    state_xor: int = 0
-    last_names: tuple[int, int] = (0, 0)  # length and hash of the last SotW names list
-    # Whether to keep the resource objects the proxy holds (routes and clusters need them
-    # for make-before-break; endpoint assignments do not, and are the bulk).
-    keep_resources: bool = True
-    # The snapshot generation this type was last found fully in sync with (-1: not known).
-    settled: int = -1
-    # When the oldest response not yet answered (ACK or NACK) was sent; None: none awaits.
-    unacked_since: float | None = None
-
-    def withholds(self, name: str, version: str) -> bool:
-        """Whether `name` at `version` must not go to the proxy now: it rejected it, or it
-        is a suspect outside the current probe."""
-        if self.rejected.get(name) == version:
-            return True
-        return self.suspects.get(name) == version and name not in self.probing
-
-    def probe(self, n: int) -> None:
-        """Let the next response carry the first `n` suspects (at least one, if any)."""
-        self.probing = frozenset(list(self.suspects)[: max(1, n)] if self.suspects else ())
-
-    def unsettle(self) -> None:
-        """The subscription changed: recompute on the next pump, even after an ACK."""
-        self.settled = -1
-        if self.in_flight is not None:
-            self.in_flight.complete = False
-
-    def hold(self, name: str, version: str, res: SnapshotResource | None = None) -> None:
-        """Record that the proxy holds `name` at `version`."""
-        old = self.acked.get(name)
-        if old is not None:
-            self.state_xor ^= pair_hash(name, old)
-        self.acked[name] = version
-        self.state_xor ^= pair_hash(name, version)
-        if res is not None and self.keep_resources:
-            self.acked_res[name] = res
-        else:
-            self.acked_res.pop(name, None)
-
-    def drop(self, name: str) -> None:
-        """Record that the proxy no longer holds `name`."""
-        old = self.acked.pop(name, None)
-        if old is not None:
-            self.state_xor ^= pair_hash(name, old)
-        self.acked_res.pop(name, None)
-        self.carried.pop(name, None)
-
-    def version_info(self, name: str, delta: bool) -> str:
-        """The version the proxy's own CSDS gives `name`: the resource's version on delta,
-        else the version_info of the response it came in (what a reconnected proxy held
-        before, unknown here, reads as the last response it ACKed here)."""
-        if delta:
-            return self.acked.get(name, "")
-        return self.carried.get(name) or self.acked_version
-
-    def state_after(self, updates: dict[str, SnapshotResource], removed: Iterable[str]) -> str:
-        """The state version once `updates` and `removed` are applied, without a full scan."""
-        x = self.state_xor
-        for name in removed:
-            if name in self.acked:
-                x ^= pair_hash(name, self.acked[name])
-        for name, res in updates.items():
-            if name in self.acked:
-                x ^= pair_hash(name, self.acked[name])
-            x ^= pair_hash(name, res.version)
-        return f"{x:016x}"
 
 
 _SHARED_NAMES: OrderedDict[frozenset[str], frozenset[str]] = OrderedDict()
@@ -271,16 +101,6 @@ def shared_names(names: Iterable[str]) -> frozenset[str]:
     return key
 
 
-def _key(resources: Iterable[tuple[str, str]]) -> str:
-    h = hashlib.blake2b(digest_size=6)
-    for name, version in sorted(resources):
-        h.update(name.encode())
-        h.update(b"\0")
-        h.update(version.encode())
-        h.update(b"\n")
-    return h.hexdigest()
-
-
 def attribute_nack(message: str, names: Iterable[str]) -> set[str]:
     """The resources an Envoy error message blames, among `names`.
 
@@ -294,75 +114,6 @@ def attribute_nack(message: str, names: Iterable[str]) -> set[str]:
     return found
 
 
-_ADAPTED: OrderedDict[tuple[str, str, frozenset[str]], SnapshotResource] = OrderedDict()
-
-
-def _adapted(res: SnapshotResource, missing: frozenset[str]) -> SnapshotResource:
-    """`res` without the features a proxy lacks, serialised once per (resource, lack)."""
-    lacking = res.needs & missing
-    if not lacking or res.message is None:
-        return res
-    key = (res.type_url, res.version, frozenset(lacking))
-    found = _ADAPTED.get(key)
-    if found is None:
-        found = encode_resource(
-            res.type_url, res.name, capabilities.adapt(res.type_url, res.message, lacking)
-        )
-        _ADAPTED[key] = found
-        if len(_ADAPTED) > 4096:
-            _ADAPTED.popitem(last=False)
-    return found
-
-
-# Per (snapshot dict, what a proxy lacks): that dict adapted, shared by every stream of that
-# kind (the dict is kept alive by the entry, so its id cannot be reused while cached).
-_ADAPTED_ALL: OrderedDict[
-    tuple[int, frozenset[str]], tuple[Mapping[str, SnapshotResource], dict[str, SnapshotResource]]
-] = OrderedDict()
-
-
-def _adapted_all(
-    every: Mapping[str, SnapshotResource], missing: frozenset[str]
-) -> dict[str, SnapshotResource]:
-    """Every resource of a type as a proxy lacking `missing` can take them, built once per
-    snapshot and lack rather than once per stream and response."""
-    key = (id(every), missing)
-    found = _ADAPTED_ALL.get(key)
-    if found is not None and found[0] is every:
-        _ADAPTED_ALL.move_to_end(key)
-        return found[1]
-    adapted = {n: _adapted(r, missing) for n, r in every.items()}
-    _ADAPTED_ALL[key] = (every, adapted)
-    if len(_ADAPTED_ALL) > 16:
-        _ADAPTED_ALL.popitem(last=False)
-    return adapted
-
-
-_BLENDS: OrderedDict[tuple[str, str, frozenset[str]], SnapshotResource] = OrderedDict()
-
-
-def _blended(desired: SnapshotResource, held: SnapshotResource | None, ready: set[str]) -> SnapshotResource:
-    """`desired` with its not-ready entries held back (routing/blend.py), serialised once
-    per (desired, held, missing clusters) and shared by every stream in that state."""
-    missing = frozenset(desired.refs - ready)
-    key = (desired.version, held.version if held is not None else "", missing)
-    found = _BLENDS.get(key)
-    if found is not None:
-        _BLENDS.move_to_end(key)
-        return found
-    assert isinstance(desired.message, route_pb2.RouteConfiguration)
-    held_msg = held.message if held is not None else None
-    assert held_msg is None or isinstance(held_msg, route_pb2.RouteConfiguration)
-    msg = blend_routes(desired.message, held_msg, ready)
-    res = encode_resource(ROUTE, desired.name, msg)
-    if held is not None and res.version == held.version:
-        res = held
-    _BLENDS[key] = res
-    if len(_BLENDS) > 256:
-        _BLENDS.popitem(last=False)
-    return res
-
-
 class XdsStream:
     """Protocol state of one xDS stream (ADS carries every type; other services one)."""
 
@@ -374,6 +125,7 @@ class XdsStream:
         ads: bool = True,
         type_url: str | None = None,
         memory: ClusterMemory | None = None,
+        removal_grace_s: float = 0.0,
     ) -> None:
         if not ads and type_url is None:
             raise ValueError("a non-ADS stream serves exactly one type_url")
@@ -394,6 +146,10 @@ class XdsStream:
         # Clusters the proxy brought from an earlier stream, kept until a route sent here is
         # ACKed (delta: the names it declared; None: unknown, a SotW reconnect).
         self._inherited_clusters: frozenset[str] | None = frozenset()
+        # Clusters no route names any more, kept until a time on the calls' clock (a route
+        # ACKed is not yet a route every request uses): name -> until.
+        self.removal_grace_s = removal_grace_s
+        self._retiring: dict[str, float] = {}
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -403,6 +159,20 @@ class XdsStream:
         self.snapshot = snapshot
         self._now = now
         return list(self._pump(fast_from=previous if snapshot.parent == previous else None))
+
+    def next_deadline(self) -> float | None:
+        """When a cluster kept for requests on an old route may go: call `tick` then."""
+        return min(self._retiring.values()) if self._retiring else None
+
+    def tick(self, now: float) -> list[Event]:
+        """Time passed: send the removals whose grace ended."""
+        self._now = now
+        expired = [n for n, until in self._retiring.items() if until <= now]
+        if not expired:
+            return []
+        for name in expired:
+            del self._retiring[name]
+        return list(self._pump())
 
     def receive(
         self,
@@ -601,6 +371,8 @@ class XdsStream:
         if error or code:
             return [self._nack(type_url, ts, flight, error or f"rejected with code {code}")]
         ts.acked_here = True
+        retire = self.removal_grace_s > 0 and type_url in (ROUTE, LISTENER) and self._gating()
+        refs_before = self._acked_refs() if retire else frozenset()
         for name, res in flight.resources.items():
             if ts.suspects.get(name) == res.version:
                 del ts.suspects[name]  # carried and accepted: not the culprit
@@ -636,6 +408,8 @@ class XdsStream:
         ts.acked_version = flight.version
         ts.last_nacked = bool(ts.rejected or ts.suspects)
         ts.settled = flight.generation if flight.complete else -1
+        if retire:
+            self._retire(refs_before - self._acked_refs())
         return [
             Ack(
                 type_url,
@@ -646,7 +420,7 @@ class XdsStream:
             )
         ]
 
-    def _nack(self, type_url: str, ts: TypeState, flight: _InFlight, message: str) -> Nack:
+    def _nack(self, type_url: str, ts: TypeState, flight: InFlight, message: str) -> Nack:
         """Blame the resources Envoy names; if it names none (a response refused whole, as
         Envoy does when a resource fails to decode), bisect the changes it carried. Apply
         what Envoy applies anyway (removals); valid changes are sent again."""
@@ -746,16 +520,29 @@ class XdsStream:
             return False
         return not any(res.routes or isinstance(res, Placeholder) for res in lds.acked_res.values())
 
-    def _referenced_clusters(self) -> set[str]:
-        """Clusters named by routes the proxy has or is being sent (or may have, from before)."""
+    def _acked_refs(self) -> frozenset[str]:
+        """Clusters named by the routes and listeners the proxy has ACKed."""
         out: set[str] = set()
         for t in (ROUTE, LISTENER):
             ts = self.types.get(t)
-            if ts is None:
-                continue
-            for res in ts.acked_res.values():
-                out |= res.refs
-            if ts.in_flight is not None:
+            if ts is not None:
+                for res in ts.acked_res.values():
+                    out |= res.refs
+        return frozenset(out)
+
+    def _retire(self, names: Iterable[str]) -> None:
+        """No route the proxy has names these any more: keep them for the grace."""
+        until = self._now + self.removal_grace_s
+        for name in names:
+            if self._retiring.get(name, 0.0) < until:
+                self._retiring[name] = until
+
+    def _referenced_clusters(self) -> set[str]:
+        """Clusters named by routes the proxy has or is being sent (or may have, from before)."""
+        out: set[str] = set(self._acked_refs())
+        for t in (ROUTE, LISTENER):
+            ts = self.types.get(t)
+            if ts is not None and ts.in_flight is not None:
                 for res in ts.in_flight.resources.values():
                     out |= res.refs
         inherited = self._inherited_clusters
@@ -764,6 +551,17 @@ class XdsStream:
                 out |= set(self.snapshot.lingering) if inherited is None else inherited
             else:
                 self._inherited_clusters = frozenset()
+                if self.removal_grace_s > 0:
+                    # The routes it brought are replaced: requests may still be on them.
+                    self._retire(set(self.snapshot.lingering) if inherited is None else inherited)
+        return out
+
+    def _kept_clusters(self) -> set[str]:
+        """Clusters the proxy must keep: those its routes name, and those a replaced route
+        named, until their grace ends (requests on the old route may still pick them)."""
+        out = self._referenced_clusters()
+        if self._retiring:
+            out |= {n for n, until in self._retiring.items() if until > self._now}
         return out
 
     def desired(self, type_url: str) -> dict[str, SnapshotResource]:
@@ -776,7 +574,7 @@ class XdsStream:
         wildcard_names = self.snapshot.wildcard_names(type_url)
         missing = self.capabilities.missing if type_url in (CLUSTER, LISTENER) else frozenset()
         if missing:
-            every = _adapted_all(every, missing)  # as this proxy can take them (shared)
+            every = variants.adapted_all(every, missing)  # as this proxy can take them (shared)
         if ts.wildcard and len(wildcard_names) == len(every) and all(n in every for n in ts.names):
             # A dict shared by every stream: callers copy it before any change.
             return every if isinstance(every, dict) else dict(every)
@@ -826,7 +624,7 @@ class XdsStream:
         if not self._gating():
             return out, held_back
         if type_url == CLUSTER:
-            kept_names = [n for n in self._referenced_clusters() if n not in out]
+            kept_names = [n for n in self._kept_clusters() if n not in out]
             if kept_names:
                 out = dict(out)
             for name in kept_names:
@@ -861,7 +659,7 @@ class XdsStream:
                 else:
                     # Entry by entry: ready ones go out; the others stay as the proxy has them
                     # (or, for clusters the proxy refused, stay out).
-                    out[name] = _blended(res, held, ready)
+                    out[name] = variants.blended(res, held, ready)
         return out, held_back
 
     def _last_good(self, type_url: str, name: str, refused: str) -> SnapshotResource | None:
@@ -919,7 +717,7 @@ class XdsStream:
             for name in list(memory):
                 res = every.get(name)
                 if res is not None and missing:
-                    res = _adapted(res, missing)
+                    res = variants.adapted(res, missing)
                 if res is None or res.version != memory[name] or not self._interested(type_url, ts, name):
                     del memory[name]
         ts.probe(len(ts.probing & ts.suspects.keys()))
@@ -957,7 +755,7 @@ class XdsStream:
         complete = not held_back
         full = type_url in FULL_STATE_TYPES and not self.delta
         if full:
-            key = _key((n, r.version) for n, r in desired.items())
+            key = content_key((n, r.version) for n, r in desired.items())
             subscription = (ts.wildcard, frozenset(ts.names))
             if ts.responded and key == ts.acked_version and subscription == ts.last_subscription:
                 return None
@@ -967,7 +765,7 @@ class XdsStream:
                 ts.suspects.clear()
                 ts.probe(0)
                 desired, held_back = self._desired(type_url)
-                key = _key((n, r.version) for n, r in desired.items())
+                key = content_key((n, r.version) for n, r in desired.items())
             if key == ts.rejected_key:
                 return None  # exactly what it refused
             ts.last_subscription = subscription
@@ -1031,7 +829,7 @@ class XdsStream:
         ts.answered |= removed
         if ts.unacked_since is None:
             ts.unacked_since = self._now
-        ts.in_flight = _InFlight(
+        ts.in_flight = InFlight(
             nonce=nonce,
             version=version,
             resources=resources,

@@ -29,8 +29,7 @@ from controlplane.obs.metrics import Metrics, type_label
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
 from controlplane.xds import memory as xds_memory
 from controlplane.xds.cache import SnapshotCache
-from controlplane.xds.memory import ClusterMemory
-from controlplane.xds.protocol import (
+from controlplane.xds.events import (
     Ack,
     Event,
     Nack,
@@ -40,8 +39,9 @@ from controlplane.xds.protocol import (
     Send,
     StaleNonce,
     UnknownType,
-    XdsStream,
 )
+from controlplane.xds.memory import ClusterMemory
+from controlplane.xds.protocol import CLUSTER_REMOVAL_GRACE_S, XdsStream
 from controlplane.xds.snapshot import Snapshot
 from controlplane.xds.tls import identity_mismatch
 
@@ -396,7 +396,14 @@ class XdsServer:
         transport = "delta" if delta else "sotw"
         if self.registry.loop is None:
             self.registry.bind(asyncio.get_running_loop())
-        proto = XdsStream(snapshot, delta=delta, ads=type_url is None, type_url=type_url, memory=self.memory)
+        proto = XdsStream(
+            snapshot,
+            delta=delta,
+            ads=type_url is None,
+            type_url=type_url,
+            memory=self.memory,
+            removal_grace_s=CLUSTER_REMOVAL_GRACE_S,
+        )
         conn = ConnectedStream(
             stream_id=next(self._ids),
             peer=context.peer() or "",
@@ -431,7 +438,12 @@ class XdsServer:
         self.cache.subscribe(wake.set)
         try:
             while True:
-                await wake.wait()
+                deadline = proto.next_deadline()
+                if deadline is None:
+                    await wake.wait()
+                else:  # a cluster kept for requests on a replaced route may go then
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(wake.wait(), max(0.0, deadline - self.clock()))
                 wake.clear()
                 events: list[Event] = []
                 current = self.cache.current
@@ -445,6 +457,8 @@ class XdsServer:
                         break
                     events.extend(proto.receive(request, self.clock()))
                 inbox.drained()
+                if (deadline := proto.next_deadline()) is not None and deadline <= self.clock():
+                    events.extend(proto.tick(self.clock()))
                 if self.check_identity:
                     for ev in events:
                         if isinstance(ev, NodeIdentified) and (why := identity_mismatch(context, ev.node_id)):

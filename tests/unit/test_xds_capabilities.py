@@ -13,7 +13,8 @@ from envoy.service.discovery.v3 import discovery_pb2
 from controlplane.fleet import parse_fleet
 from controlplane.routing.translate import CLUSTER, LISTENER, translate
 from controlplane.xds import capabilities
-from controlplane.xds.protocol import Send, XdsStream
+from controlplane.xds.events import Send
+from controlplane.xds.protocol import XdsStream
 from controlplane.xds.snapshot import build_snapshot
 from tests.fleets import BASIC
 

@@ -11,8 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE
-from controlplane.xds.protocol import (
-    MAX_NAMES_PER_TYPE,
+from controlplane.xds.events import (
     Ack,
     Nack,
     NackCleared,
@@ -21,8 +20,8 @@ from controlplane.xds.protocol import (
     Send,
     StaleNonce,
     UnknownType,
-    XdsStream,
 )
+from controlplane.xds.protocol import MAX_NAMES_PER_TYPE, XdsStream
 from tests.unit.test_xds_protocol import ONE, TWO, snap
 
 N = int(os.environ.get("FUZZ_EXAMPLES", "200"))

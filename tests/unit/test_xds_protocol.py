@@ -15,11 +15,7 @@ from controlplane import limits
 from controlplane.fleet import parse_fleet
 from controlplane.routing.blend import entry_refs
 from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, translate
-from controlplane.xds.memory import ClusterMemory, dump_named
-from controlplane.xds.memory import load as memory_load
-from controlplane.xds.protocol import (
-    MAX_NAMES_PER_TYPE,
-    MAX_UNKNOWN_TYPES_REPORTED,
+from controlplane.xds.events import (
     Ack,
     Event,
     Nack,
@@ -29,8 +25,10 @@ from controlplane.xds.protocol import (
     Send,
     StaleNonce,
     UnknownType,
-    XdsStream,
 )
+from controlplane.xds.memory import ClusterMemory, dump_named
+from controlplane.xds.memory import load as memory_load
+from controlplane.xds.protocol import MAX_NAMES_PER_TYPE, MAX_UNKNOWN_TYPES_REPORTED, XdsStream
 from controlplane.xds.snapshot import Lingering, Snapshot, build_snapshot
 from tests.fleets import fleet_yaml
 from tests.unit.fake_envoy import FakeEnvoy
@@ -363,6 +361,84 @@ def test_rejected_cluster_keeps_routes_on_the_old_config(delta: bool) -> None:
     publish(s, envoy, snap(TWO, gen=3))
     run(s, envoy)
     assert envoy.responses == before  # not re-sent
+
+
+def _tick(stream: XdsStream, envoy: FakeEnvoy, now: float) -> None:
+    for ev in stream.tick(now):
+        if isinstance(ev, Send):
+            envoy.receive(ev.payload)
+    run(stream, envoy, now)
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_cluster_no_route_names_goes_only_after_the_grace(delta: bool) -> None:
+    """Envoy ACKs a route at once, but a request started on the old one picks its cluster
+    later: the replaced version's cluster stays for the grace, then goes."""
+    s = XdsStream(snap({"a": {"v1": ["127.10.0.1:80"]}}), delta=delta, removal_grace_s=2.0)
+    envoy = FakeEnvoy(delta=delta)
+    envoy.start()
+    run(s, envoy)
+    assert s.next_deadline() is None
+    publish(s, envoy, snap({"a": {"v2": ["127.10.0.2:80"]}}, gen=2))
+    run(s, envoy, now=10.0)
+    assert envoy.violations == []
+    assert envoy.routed_clusters() == {"a@v2"}
+    assert set(envoy.clusters) == {"a@v1", "a@v2"}  # routed to by nothing, still there
+    assert not s.routes_to("a@v1")  # a rollout waiting for its routes to move goes on now
+    assert s.next_deadline() == 12.0
+    assert s.status(CLUSTER) == "STALE"
+    _tick(s, envoy, 11.9)
+    assert set(envoy.clusters) == {"a@v1", "a@v2"}
+    _tick(s, envoy, 12.0)
+    assert set(envoy.clusters) == {"a@v2"}
+    assert envoy.violations == []
+    assert s.next_deadline() is None
+    assert s.status(CLUSTER) == "SYNCED"
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_without_a_grace_the_cluster_goes_at_the_route_ack(delta: bool) -> None:
+    s = XdsStream(snap({"a": {"v1": ["127.10.0.1:80"]}}), delta=delta)
+    envoy = FakeEnvoy(delta=delta)
+    envoy.start()
+    run(s, envoy)
+    publish(s, envoy, snap({"a": {"v2": ["127.10.0.2:80"]}}, gen=2))
+    run(s, envoy, now=10.0)
+    assert set(envoy.clusters) == {"a@v2"} and s.next_deadline() is None
+
+
+def test_a_cluster_named_again_within_the_grace_stays() -> None:
+    s = XdsStream(snap({"a": {"v1": ["127.10.0.1:80"]}}), delta=True, removal_grace_s=2.0)
+    envoy = FakeEnvoy(delta=True)
+    envoy.start()
+    run(s, envoy)
+    g2 = snap({"a": {"v1": ["127.10.0.1:80"], "v2": ["127.10.0.2:80"]}}, gen=2, stable={"a": "v2"})
+    publish(s, envoy, snap({"a": {"v2": ["127.10.0.2:80"]}}, gen=2))
+    run(s, envoy, now=10.0)
+    publish(s, envoy, g2)
+    run(s, envoy, now=11.0)
+    _tick(s, envoy, 12.0)
+    assert set(envoy.clusters) == {"a@v1", "a@v2"}  # named by its x-model-version route again
+    assert envoy.violations == []
+
+
+def test_after_a_restart_the_declared_clusters_get_the_grace_once_a_route_is_acked() -> None:
+    """kill -9, the version replaced in the file meanwhile, a new process: the proxy's old
+    route named v1, and a request on it may still pick v1 after the new route's ACK."""
+    envoy = FakeEnvoy(delta=True)
+    first = XdsStream(snap({"a": {"v1": ["127.10.0.1:80"]}}), delta=True, removal_grace_s=2.0)
+    envoy.start()
+    run(first, envoy)
+    s = XdsStream(snap({"a": {"v2": ["127.10.0.2:80"]}}), delta=True, removal_grace_s=2.0)
+    envoy.reconnect()
+    run(s, envoy, now=5.0)
+    assert envoy.violations == []
+    assert envoy.routed_clusters() == {"a@v2"}
+    assert set(envoy.clusters) == {"a@v1", "a@v2"}
+    assert s.next_deadline() == 7.0
+    _tick(s, envoy, 7.0)
+    assert set(envoy.clusters) == {"a@v2"}
+    assert envoy.violations == []
 
 
 def test_delta_initial_versions_skip_unchanged_resources_and_remove_gone_ones() -> None:
