@@ -91,6 +91,23 @@ ERR_NO_MODEL = {
     }
 }
 
+HEALTH_BODY = {"status": "ok"}  # llama.cpp's answer; vLLM's is an empty 200
+
+# A request Envoy sends on a pooled connection just as the server closes it is lost: a 503
+# (upstream_cx_destroy_remote_with_active_rq) that is not retried, since the server may have
+# seen it. Servers close connections without a `Connection: close` first in two ways:
+# - idle ones, after their keep-alive timeout (cpp-httplib in llama.cpp, uvicorn in vLLM and
+#   SGLang: 5 s), where Envoy would keep them an hour. Envoy closes them first; 2 s of margin
+#   covers the two timers starting a latency apart. Cost: a new connection after 3 s idle.
+# - llama.cpp's server, right after every streamed response, although the response said
+#   `Keep-Alive`; Envoy hands a connection to a waiting request as soon as its response ends,
+#   and 5% of streamed requests failed so under closed-loop load here. So HTTP/1 connections
+#   carry one request each: a connect per request (0.2 ms here), nothing next to inference.
+#   HTTP/2 connections are kept (a server closes those with GOAWAY, which Envoy heeds).
+UPSTREAM_IDLE_TIMEOUT_S = 3.0
+UPSTREAM_HTTP1_REQUESTS_PER_CONNECTION = 1
+HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
 PRIORITY_HEADER = "x-priority"
 RETRY_AFTER_S = 1
 ERR_SHED = {
@@ -215,7 +232,8 @@ def _self_source() -> config_source_pb2.ConfigSource:
 
 
 def build_cluster(model: Model, cname: str, traffic: TrafficPolicy | None = None) -> cluster_pb2.Cluster:
-    """One EDS cluster per model version, HTTP/1.1 unless configured. Weighted least request,
+    """One EDS cluster per model version, HTTP/1.1 (one request per connection) unless
+    configured, idle connections closed after UPSTREAM_IDLE_TIMEOUT_S. Weighted least request,
     except for the `round_robin` balancing policy, which gets Envoy's round robin. Circuit
     breakers per routing priority and outlier detection come from the model's traffic policy."""
     t = traffic or TrafficPolicy()
@@ -262,19 +280,32 @@ def build_cluster(model: Model, cname: str, traffic: TrafficPolicy | None = None
     # No panic mode: Envoy's default (below 50% healthy, ignore health) would send traffic
     # to servers that said they are not ready. All held out means 503, which is the truth.
     c.common_lb_config.healthy_panic_threshold.value = 0.0
-    if model.protocol == "http2":
-        opts = http_protocol_options_pb2.HttpProtocolOptions(
-            explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
-                http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
-            )
-        )
-        c.typed_extension_protocol_options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(
-            _any(opts)
-        )
+    c.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(
+        _any(upstream_http_options(http2=model.protocol == "http2"))
+    )
     if model.cluster_overrides:
         override = json_format.ParseDict(dict(model.cluster_overrides), cluster_pb2.Cluster())
         c.MergeFrom(override)
     return c
+
+
+def upstream_http_options(
+    *, http2: bool = False, reuse: bool = False
+) -> http_protocol_options_pb2.HttpProtocolOptions:
+    """HTTP/1.1 (or HTTP/2) to the servers, idle connections closed by Envoy before the servers
+    close them (UPSTREAM_IDLE_TIMEOUT_S) and, for HTTP/1.1 unless `reuse`, one request per
+    connection (UPSTREAM_HTTP1_REQUESTS_PER_CONNECTION)."""
+    common = protocol_pb2.HttpProtocolOptions(idle_timeout=_duration(UPSTREAM_IDLE_TIMEOUT_S))
+    explicit = http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig()
+    if http2:
+        explicit.http2_protocol_options.SetInParent()
+    else:
+        explicit.http_protocol_options.SetInParent()
+        if not reuse:
+            common.max_requests_per_connection.value = UPSTREAM_HTTP1_REQUESTS_PER_CONNECTION
+    return http_protocol_options_pb2.HttpProtocolOptions(
+        common_http_protocol_options=common, explicit_http_config=explicit
+    )
 
 
 def build_hold_cluster(address: str) -> cluster_pb2.Cluster:
@@ -293,6 +324,11 @@ def build_hold_cluster(address: str) -> cluster_pb2.Cluster:
         type=kind,
         connect_timeout=_duration(1.0),
         load_assignment=endpoint_pb2.ClusterLoadAssignment(cluster_name=names.HOLD_CLUSTER),
+    )
+    # Connections reused: the holding service (aiohttp) keeps them after every response, and
+    # idle for 3630 s; the idle timeout as for every generated cluster.
+    c.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(
+        _any(upstream_http_options(reuse=True))
     )
     lb = c.load_assignment.endpoints.add().lb_endpoints.add()
     lb.endpoint.address.socket_address.address = host
@@ -875,6 +911,27 @@ def build_gateway_routes(
         name=MODEL_HEADER, present_match=True, invert_match=True
     )
     routes: list[route_components_pb2.Route] = [
+        # The gateway's own health, as a model server answers it (vLLM, llama.cpp, TGI serve
+        # GET /health): benchmark tools check it before they start (guidellm refused the
+        # gateway on the 400 below), load balancers probe it. With x-model set, the request
+        # goes on to that model's servers, whose own /health answers.
+        *(
+            _direct(
+                f"health-{method.lower()}",
+                200,
+                HEALTH_BODY,
+                route_components_pb2.RouteMatch(
+                    path="/health",
+                    headers=[
+                        route_components_pb2.HeaderMatcher(
+                            name=":method", string_match=string_pb2.StringMatcher(exact=method)
+                        ),
+                        header_absent,
+                    ],
+                ),
+            )
+            for method in ("GET", "HEAD")
+        ),
         _direct(
             "list-models",
             200,
@@ -891,7 +948,7 @@ def build_gateway_routes(
                     )
                 ],
             ),
-        )
+        ),
     ]
     for model in fleet.models:
         routes += _class_routes(

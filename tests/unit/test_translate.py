@@ -41,7 +41,9 @@ def test_one_cluster_and_assignment_per_model_version() -> None:
     assert c.alt_stat_name == "llama-3-8b_v1"
     policies = [p.typed_extension_config.name for p in c.load_balancing_policy.policies]
     assert policies[0] == "envoy.load_balancing_policies.least_request"
-    assert not c.typed_extension_protocol_options  # HTTP/1.1 by default
+    opts = http_protocol_options_pb2.HttpProtocolOptions()
+    c.typed_extension_protocol_options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].Unpack(opts)
+    assert opts.explicit_http_config.HasField("http_protocol_options")  # HTTP/1.1 by default
 
 
 def _lb(cla: object) -> list[tuple[str, int, int, int, int]]:
@@ -109,6 +111,8 @@ def test_routes_header_then_body_then_404_then_400() -> None:
     assert isinstance(rc, route_pb2.RouteConfiguration)
     routes = rc.virtual_hosts[0].routes
     assert [r.name for r in routes] == [
+        "health-get",
+        "health-head",
         "list-models",
         "header/llama-3-8b@v1",  # x-model-version reaches each version (the model has two)
         "header/llama-3-8b@v2",
@@ -120,6 +124,13 @@ def test_routes_header_then_body_then_404_then_400() -> None:
         "unknown-model-body",
         "no-model",
     ]
+    health = routes[0]
+    assert health.match.path == "/health" and health.direct_response.status == 200
+    assert [(h.name, h.string_match.exact, h.invert_match) for h in health.match.headers] == [
+        (":method", "GET", False),
+        ("x-model", "", True),  # with x-model, the model's servers answer
+    ]
+    routes = routes[2:]
     assert routes[2].match.headers[1].name == "x-model-version"
     assert routes[2].match.headers[1].string_match.exact == "v2"
     assert routes[2].route.cluster == "llama-3-8b@v2"
