@@ -8,6 +8,10 @@ its model"), held out until warm, then ramped up. While traffic flows:
 - midway, a canary rollout of llama-3-8b to v2 runs through `cpctl`, step by step, and the
   old version drains and is removed once it completes.
 
+The servers are emulated by default; `--servers llama.cpp` runs real `llama-server`
+processes instead (demo_servers.py says how the L4s' slowness and the cold start are made
+real), and skips the surge: the control plane starts servers itself only as emulators.
+
 A live view (rich) shows endpoints, weights, load and latency by tier; `--no-live` prints
 plain progress lines instead. At the end a summary table gives requests, errors, p50 and
 p99 by tier and the load-balance degree L per model. Everything runs on 127.0.0.1 with
@@ -31,8 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from controlplane.sim import llamacpp
+from controlplane.sim.demo_servers import COLD, EmulatedServers, LlamaCppServers
 from controlplane.sim.demo_view import DemoState, EndpointRow, plain_lines, render, rollout_line, summary
-from controlplane.sim.emulator import SERVER_HEADER, EmulatorConfig, EmulatorsThread
+from controlplane.sim.emulator import SERVER_HEADER
 from controlplane.sim.procs import die_with_parent as _die_with_parent
 from controlplane.sim.procs import free_port
 from controlplane.xds.bootstrap import envoy_bootstrap
@@ -54,9 +60,14 @@ ROLLOUT_MODEL, ROLLOUT_TO = "llama-3-8b", "v2"
 # surge of clients, replicas up while it lasts, drained back to zero after it.
 SURGE_MODEL, SURGE_CLIENTS = "phi-3-mini", 6
 SURGE_FROM, SURGE_UNTIL = 0.35, 0.6  # shares of the run
+SERVERS = ("emulator", "llama.cpp")  # --servers
+SURGE_SKIPPED = (
+    f"surge skipped with --servers llama.cpp: the control plane starts servers itself only as "
+    f"emulators (autoscaling provider: emulator), so {SURGE_MODEL} is left out"
+)
 
 
-def _fleet_yaml(port: int, addrs: dict[str, str], extra: dict[str, list[str]]) -> str:
+def _fleet_yaml(port: int, addrs: dict[str, str], extra: dict[str, list[str]], surge: bool = True) -> str:
     lines = [
         f"listener: {{port: {port}}}",
         "tiers:",
@@ -65,15 +76,21 @@ def _fleet_yaml(port: int, addrs: dict[str, str], extra: dict[str, list[str]]) -
         "  large:  {timeout: 600s}",
         GPU_CLASSES,
         "signals: {slow_start: 5s}",
-        "autoscaling: {provider: emulator, emulator: {cold_start: 2s, slots: 2, decode_ms_per_token: 4}}",
-        "models:",
-        f"  {SURGE_MODEL}:",
-        "    params_b: 4",
-        "    stable: v1",
-        "    autoscaling: {min: 0, max: 4, target_per_replica: 2, idle_grace: 5s, stable_window: 10s,",
-        "                  panic_window: 3s}",
-        "    versions: {v1: {endpoints: []}}",
     ]
+    if surge:
+        lines += [
+            "autoscaling: {provider: emulator, emulator: {cold_start: 2s, slots: 2, decode_ms_per_token: 4}}",
+        ]
+    lines.append("models:")
+    if surge:
+        lines += [
+            f"  {SURGE_MODEL}:",
+            "    params_b: 4",
+            "    stable: v1",
+            "    autoscaling: {min: 0, max: 4, target_per_replica: 2, idle_grace: 5s, stable_window: 10s,",
+            "                  panic_window: 3s}",
+            "    versions: {v1: {endpoints: []}}",
+        ]
     for model, (params, _, versions) in MODELS.items():
         lines += [f"  {model}:", f"    params_b: {params}", "    stable: v1", "    versions:"]
         for version, names in versions.items():
@@ -101,7 +118,18 @@ def _get(url: str) -> int:
         return int(r.status)
 
 
-def _traffic(port: int, state: DemoState, names: dict[str, str], stop: threading.Event, worker: int) -> None:
+ServedBy = Callable[[http.client.HTTPResponse, bytes], str]
+
+
+def _failure(r: http.client.HTTPResponse, body: bytes, started: float) -> str:
+    """What a failed answer said, for the summary: how long it took, who answered (a server,
+    or Envoy itself) and the start of its body (Envoy's local replies name their cause)."""
+    who = r.getheader(SERVER_HEADER) or ("envoy" if r.getheader("server") == "envoy" else "?")
+    text = body[:160].decode(errors="replace").replace("\n", " ")
+    return f"after {time.perf_counter() - started:.2f}s from {who}: {text}"
+
+
+def _traffic(port: int, state: DemoState, served_by: ServedBy, stop: threading.Event, worker: int) -> None:
     """One closed-loop client: models in turn, named half by x-model header, half by body."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     models = list(MODELS)
@@ -118,8 +146,10 @@ def _traffic(port: int, state: DemoState, names: dict[str, str], stop: threading
         try:
             conn.request("POST", "/v1/completions", body=body, headers=headers)
             r = conn.getresponse()
-            r.read()
-            status, server = r.status, names.get(r.getheader(SERVER_HEADER) or "", "?")
+            data = r.read()
+            status, server = r.status, served_by(r, data)
+            if status != 200:
+                error = _failure(r, data, started)
         except Exception as e:
             conn.close()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -159,8 +189,8 @@ class _Operator:
                 e.gpu,
                 e.state,
                 e.weight,
-                e.running,
-                e.waiting,
+                e.running if e.HasField("running") else None,
+                e.waiting if e.HasField("waiting") else None,
                 e.latency_seconds if e.HasField("latency_seconds") else None,
             )
             for e in eps
@@ -227,8 +257,10 @@ def _surge(port: int, state: DemoState, stop: threading.Event, until: float) -> 
         try:
             conn.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
             r = conn.getresponse()
-            r.read()
+            data = r.read()
             status, server = r.status, r.getheader(SERVER_HEADER) or "?"
+            if status != 200:
+                error = _failure(r, data, started)
         except Exception as e:
             conn.close()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -237,7 +269,14 @@ def _surge(port: int, state: DemoState, stop: threading.Event, until: float) -> 
     conn.close()
 
 
+# Set by SIGINT and SIGTERM. The main loop checks it too, so that the demo stops even when a
+# library call the signal landed in swallowed the KeyboardInterrupt (a Ctrl-C once left the
+# demo running to its end, in one of several test runs).
+_INTERRUPTED = threading.Event()
+
+
 def _interrupt(signum: int, frame: object) -> None:
+    _INTERRUPTED.set()
     raise KeyboardInterrupt
 
 
@@ -246,11 +285,22 @@ def _cpctl(admin: str, token_file: Path, *args: str) -> subprocess.CompletedProc
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=30)
 
 
-def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = None) -> int:
-    """Run the scenario; return the exit code (0 when every request succeeded)."""
+def run_demo(
+    duration_s: float = 75.0, delta: bool = False, live: bool | None = None, servers: str = "emulator"
+) -> int:
+    """Run the scenario on `servers` (emulator | llama.cpp); return the exit code (0 when
+    every request succeeded and the rollout completed, 2 when something to run is missing)."""
     from rich.console import Console
     from rich.live import Live
 
+    if servers not in SERVERS:
+        print(f"demo: --servers must be one of {', '.join(SERVERS)}, got {servers!r}", file=sys.stderr)
+        return 2
+    real = servers == "llama.cpp"
+    lacking = llamacpp.missing() if real else None
+    if lacking is not None:
+        print(f"demo: --servers llama.cpp runs real llama.cpp servers, but {lacking}", file=sys.stderr)
+        return 2
     console = Console()
     live = console.is_terminal if live is None else live
     envoy_bin = shutil.which("envoy") or shutil.which("envoy", path=str(Path(sys.executable).parent))
@@ -262,13 +312,15 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
         return 2
     work = Path(tempfile.mkdtemp(prefix="controlplane-demo-"))
     procs: list[subprocess.Popen[bytes]] = []
-    emulators: EmulatorsThread | None = None
+    fleet: EmulatedServers | LlamaCppServers | None = None
     stop = threading.Event()
     threads: list[threading.Thread] = []
     op: _Operator | None = None
-    tiers = {m: tier for m, (_, tier, _) in MODELS.items()} | {SURGE_MODEL: "small"}
+    tiers = {m: tier for m, (_, tier, _) in MODELS.items()} | ({} if real else {SURGE_MODEL: "small"})
     state = DemoState(tiers=tiers, duration_s=duration_s)
+    _INTERRUPTED.clear()
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous_int = signal.signal(signal.SIGINT, _interrupt)  # also where SIGINT was ignored
     try:
         names = [n for _, _, versions in MODELS.values() for ns in versions.values() for n in ns] + [
             "llama-d"
@@ -276,34 +328,34 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
         # At least 8 s: on a busy machine the stack takes seconds to come up, and the cold
         # server must still be loading when the first weights are shown.
         cold_s = max(8.0, 0.12 * duration_s)
-        configs = [
-            EmulatorConfig(
-                model=next(
+        server_specs = {
+            name: (
+                next(
                     (m for m, (_, _, vs) in MODELS.items() if any(name in ns for ns in vs.values())),
                     ROLLOUT_MODEL,
                 ),
-                gpu=GPU.get(name, "A100"),
-                speed=0.35 if GPU.get(name) == "L4" else 1.0,
-                slots=4,
-                decode_s_per_token=0.004,
-                prefill_s_per_token=0.0001,
-                cold_start_s=cold_s if name == "llama-cold" else 0.0,
-                seed=i,
+                GPU.get(name, "A100"),
             )
-            for i, name in enumerate(names)
-        ]
-        emulators = EmulatorsThread(configs).start()
-        addrs = dict(zip(names, emulators.addresses, strict=True))
+            for name in names
+        }
+        if real:
+            binary = llamacpp.llama_server_binary()
+            assert binary is not None  # missing() said so
+            fleet = LlamaCppServers(server_specs, cold_s, binary, work)
+        else:
+            fleet = EmulatedServers(server_specs, cold_s)
+        config = work / "fleet.yaml"
+        print(f"demo: fleet config {config}")
+        fleet.start()
+        fleet_started = time.monotonic()
+        addrs = fleet.addresses
         by_addr = {a: n for n, a in addrs.items()}
         listener, xds, metrics, envoy_admin, admin_port = (free_port() for _ in range(5))
         admin = f"127.0.0.1:{admin_port}"
-        config = work / "fleet.yaml"
-        config.write_text(_fleet_yaml(listener, addrs, {}))
-        print(f"demo: fleet config {config}")
-        print(
-            f"demo: {len(MODELS)} models in 3 tiers, {len(names) - 1} emulated GPU servers "
-            f"(A100 and 3x slower L4; llama-cold is loading its model for {cold_s:.0f}s)"
-        )
+        config.write_text(_fleet_yaml(listener, addrs, {}, surge=not real))
+        print(f"demo: {len(MODELS)} models in 3 tiers, {fleet.describe()}")
+        if isinstance(fleet, LlamaCppServers):
+            print(f"demo: llama-server pids {fleet.pids()}")
         cp_log = (work / "controlplane.log").open("wb")
         procs.append(
             subprocess.Popen(
@@ -360,7 +412,7 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
 
         state.started = state.now = time.monotonic()
         threads = [
-            threading.Thread(target=_traffic, args=(listener, state, by_addr, stop, w), daemon=True)
+            threading.Thread(target=_traffic, args=(listener, state, fleet.served_by, stop, w), daemon=True)
             for w in range(4)
         ]
         for t in threads:
@@ -378,7 +430,7 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
             return f"$ cpctl {' '.join(rollout_args)}"
 
         def add_server() -> str:
-            config.write_text(_fleet_yaml(listener, addrs, {"llama-3-8b@v1": ["llama-d"]}))
+            config.write_text(_fleet_yaml(listener, addrs, {"llama-3-8b@v1": ["llama-d"]}, surge=not real))
             return "fleet edit: add server llama-d to llama-3-8b v1"
 
         def break_file() -> str:
@@ -390,6 +442,8 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
             return "fleet edit: the broken edit mended"
 
         def start_surge() -> str:
+            if real:
+                return SURGE_SKIPPED
             until = state.started + SURGE_UNTIL * duration_s
             for _ in range(SURGE_CLIENTS):
                 t = threading.Thread(target=_surge, args=(listener, state, stop, until), daemon=True)
@@ -401,6 +455,8 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
             )
 
         def end_surge() -> str:
+            if real:
+                return ""
             return f"surge over: {SURGE_MODEL}'s servers drain and stop once it is idle"
 
         edits: list[tuple[float, Callable[[], str]]] = [
@@ -412,7 +468,7 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
             (SURGE_UNTIL, end_surge),
         ]
         scaling = (0, 0)
-        state.event(f"traffic started: 4 clients over {len(MODELS)} models; llama-cold is warming up")
+        state.event(f"traffic started: 4 clients over {len(MODELS)} models; {COLD} is warming up")
         last_plain = -10.0
 
         def refresh() -> None:
@@ -429,7 +485,7 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
                 for model, value in _balance(metrics).items():
                     state.balance[model].append(value)
                 nonlocal scaling
-                now_scaling = _scaling(metrics, SURGE_MODEL)
+                now_scaling = scaling if real else _scaling(metrics, SURGE_MODEL)
                 if now_scaling != scaling:
                     scaling = now_scaling
                     state.event(f"autoscaling: {SURGE_MODEL} wants {scaling[0]} replicas, {scaling[1]} ready")
@@ -441,7 +497,10 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
             elapsed = time.monotonic() - state.started
             while edits and elapsed >= edits[0][0] * duration_s:
                 _, apply = edits.pop(0)
-                state.event(apply())
+                if text := apply():
+                    state.event(text)
+            for text in fleet.tick(time.monotonic() - fleet_started):
+                state.event(text)
             refresh()
             if not live:
                 for line in state.take_unprinted():  # the edits, the rollout, the surge: as they happen
@@ -453,14 +512,16 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
 
         if live:
             with Live(render(state), console=console, refresh_per_second=4, transient=False) as view:
-                while time.monotonic() - state.started < duration_s:
+                while time.monotonic() - state.started < duration_s and not _INTERRUPTED.is_set():
                     step()
                     view.update(render(state))
                     time.sleep(0.5)
         else:
-            while time.monotonic() - state.started < duration_s:
+            while time.monotonic() - state.started < duration_s and not _INTERRUPTED.is_set():
                 step()
                 time.sleep(0.5)
+        if _INTERRUPTED.is_set():
+            raise KeyboardInterrupt
         stop.set()
         for t in threads:
             t.join(15)
@@ -469,6 +530,8 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
             for line in state.take_unprinted():  # what the last poll saw: the rollout's end, say
                 print(f"demo: {line}", flush=True)
         console.print(summary(state))
+        for line in fleet.report():  # the real servers' own pages: they served
+            print(f"demo: {line}")
         failed = sum(state.errors.values())
         completed = state.rollout is not None and state.rollout.get("phase") == "Completed"
         if not completed:
@@ -482,6 +545,7 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
         stop.set()
         if op is not None:
             op.close()
@@ -494,6 +558,6 @@ def run_demo(duration_s: float = 75.0, delta: bool = False, live: bool | None = 
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
-        if emulators is not None:
-            emulators.stop()
+        if fleet is not None:
+            fleet.stop()
         print(f"demo: logs kept in {work}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +28,8 @@ class EndpointRow:
     gpu: str
     state: str
     weight: int
-    running: float
-    waiting: float
+    running: float | None  # None: never read (the server's page not read yet)
+    waiting: float | None
     latency_s: float | None
 
 
@@ -61,7 +62,8 @@ class DemoState:
             else:
                 self.errors[model] += 1
                 if len(self.error_samples) < 20:
-                    self.error_samples.append(f"{model}: {status} {error}".strip())
+                    when = f"t={time.monotonic() - self.started:5.1f}s"
+                    self.error_samples.append(f"{when}  {model}: {status} {error}".strip())
 
     def event(self, text: str) -> None:
         with self.lock:
@@ -138,8 +140,8 @@ def _endpoint_table(state: DemoState) -> Table:
             e.gpu,
             Text(e.state, style=_STATE_STYLE.get(e.state, "")),
             str(e.weight),
-            f"{e.running:.0f}",
-            f"{e.waiting:.0f}",
+            "-" if e.running is None else f"{e.running:.0f}",
+            "-" if e.waiting is None else f"{e.waiting:.0f}",
             "-" if e.latency_s is None else f"{e.latency_s * 1000:.0f} ms",
             str(state.by_server.get(e.name, 0)),
         )
@@ -169,6 +171,10 @@ def render(state: DemoState) -> Group:
     return Group(header, _endpoint_table(state), _tier_table(state, "traffic by tier"), events)
 
 
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def plain_lines(state: DemoState) -> list[str]:
     """A compact progress report for --no-live (CI logs)."""
     elapsed = state.now - state.started
@@ -177,12 +183,14 @@ def plain_lines(state: DemoState) -> list[str]:
         for tier, (n, e, lat) in state.by_tier().items()
     )
     weights = ", ".join(f"{e.name}={e.weight}" for e in state.endpoints)
+    loads = ", ".join(f"{e.name}={_figure(e.running)}+{_figure(e.waiting)}" for e in state.endpoints)
     states = (
         ", ".join(f"{e.name}={e.state}" for e in state.endpoints if e.state != "SERVING") or "all serving"
     )
     return [
         f"demo: t={elapsed:5.1f}s  {tiers}",
         f"demo: t={elapsed:5.1f}s  weights {weights}",
+        f"demo: t={elapsed:5.1f}s  load (running+waiting; - never read) {loads}",
         f"demo: t={elapsed:5.1f}s  states {states}",
         f"demo: t={elapsed:5.1f}s  rollout {rollout_line(state.rollout)}",
     ]

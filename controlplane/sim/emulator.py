@@ -83,7 +83,7 @@ class EmulatorConfig:
     phantom_output_tokens: int = 256
     faults: Faults = field(default_factory=Faults)  # in force from the start
     seed: int | None = None  # seeds the error/OOM draws, for repeatable runs
-    metrics_page: MetricsPage = "full"  # "compact": only the families the emulator first served
+    metrics_page: MetricsPage = "full"  # "compact": only the families the control plane reads
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():

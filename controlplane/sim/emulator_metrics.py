@@ -1,12 +1,14 @@
-"""An emulated server's /metrics page, in vLLM's Prometheus dialect.
+"""An emulated server's /metrics page, in vLLM 0.32's Prometheus dialect.
 
-Names, label (`model_name`), 0-1 KV fractions and histogram buckets follow vLLM's
-production metrics, so the control plane's scraper reads the emulator as it reads vLLM.
-Each server has its own `VllmMetrics`; a restarted server starts a new one, so its
-counters reset as a restarted vLLM's do.
+Names, types, labels (`engine` and `model_name` on every series, as a one-engine vLLM
+prints them), 0-1 KV fractions and histogram buckets follow vLLM 0.32's production metrics
+(vllm/v1/metrics/loggers.py), checked against a real 0.32 page in tests/fixtures/pages/vllm/
+(tests/unit/test_sim_emulator_metrics.py), so the control plane's scraper reads the
+emulator as it reads vLLM. Each server has its own `VllmMetrics`; a restarted server
+starts a new one, so its counters reset as a restarted vLLM's do.
 
-Two pages: `compact` has the eleven families the emulator always served; `full` adds the
-rest of a vLLM v1 server's families (about 33 KB, 13 histograms, as a real page), each
+Two pages: `compact` has the eleven families the control plane reads or may read; `full`
+adds more of a vLLM 0.32 server's families (30-60 KB, 16 histograms, as a real page), each
 fed by what the emulated engine did. The families the control plane parses are the same
 in both. `sample_full_page` renders the full page of a server that has served a
 workload, for benchmarks that need a realistic page without running a server.
@@ -36,29 +38,30 @@ LATENCY_BUCKETS = (
     *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
     *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
 )
-# Finer at the low end than vLLM's (which start at 10 ms), for the emulator's fast test
-# configurations; the inter-token histogram of the full page has vLLM's own.
+# The per-token histograms' buckets (vLLM's `inter_token_latency` bucket family): finer at
+# the low end than vLLM's defaults (which start at 10 ms), for the emulator's fast test
+# configurations, as a vLLM started with `--custom-histogram-buckets
+# '{"inter_token_latency": [...]}'` has them.
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 TTFT_BUCKETS = (
     *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5),
     *(10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
 )
-TOKEN_STEP_BUCKETS = (
-    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5),
-    *(10.0, 20.0, 40.0, 80.0),
-)
 N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
-# Tokens per engine step: vLLM v0.10 buckets them at its default CUDA-graph capture sizes
-# (1, 2, 4, then every 8 up to 512 for 256 sequences).
-ITERATION_BUCKETS = (1.0, 2.0, 4.0, *(float(n) for n in range(8, 513, 8)))
+PREEMPTION_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
+# Tokens per engine step (vLLM 0.32's `iteration_tokens` bucket family).
+ITERATION_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
 # The emulator refuses no prompt for its length; the token-count buckets assume a server
 # started with --max-model-len 32768, prefill chunked at 8192 tokens per step.
 MAX_MODEL_LEN = 32768
 MAX_NUM_BATCHED_TOKENS = 8192
 BLOCK_SIZE = 16  # tokens per KV block, for the cache_config_info gauge
-ENGINE = "0"  # vLLM v1 labels its engine-core families with the engine's index
+ENGINE = "0"  # vLLM v1 labels every series with its engine's index
 
-FINISH_REASONS = ("stop", "length")
+# vLLM 0.32's FinishReason, each printed (zeros included). The emulator finishes requests
+# with stop or length only; a stream its client closes is counted nowhere, as on vLLM 0.32
+# (tests/fixtures/pages/vllm/README.md).
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 GARBAGE_PAGE = (
     b"<html><head><title>502 Bad Gateway</title></head><body>upstream exporter crashed</body></html>\n"
@@ -98,7 +101,10 @@ class _Histogram:
         for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
             cumulative += count
             family.add_sample(
-                f"{name}_bucket", {**labels, "le": "+Inf" if bound == math.inf else repr(bound)}, cumulative
+                # In name order, as vLLM prints them (engine, le, model_name).
+                f"{name}_bucket",
+                dict(sorted({**labels, "le": "+Inf" if bound == math.inf else repr(bound)}.items())),
+                cumulative,
             )
         family.add_sample(f"{name}_count", dict(labels), cumulative)
         family.add_sample(f"{name}_sum", dict(labels), self.total)
@@ -142,7 +148,8 @@ class VllmMetrics(Collector):
         # The compact page's families.
         self._e2e = _Histogram(LATENCY_BUCKETS)
         self._ttft = _Histogram(TTFT_BUCKETS)
-        self._tpot = _Histogram(TPOT_BUCKETS)
+        self._itl = _Histogram(TPOT_BUCKETS)
+        self._request_tpot = _Histogram(TPOT_BUCKETS)
         self._queue = _Histogram(LATENCY_BUCKETS)
         self._success = dict.fromkeys(FINISH_REASONS, 0)
         self._prefix_queries = 0.0  # prompt tokens looked up in the prefix cache
@@ -151,13 +158,15 @@ class VllmMetrics(Collector):
         self._generation = 0
         # The full page's.
         tokens = one_two_five(max_model_len)
-        self._itl = _Histogram(TOKEN_STEP_BUCKETS)
         self._inference = _Histogram(LATENCY_BUCKETS)
         self._prefill = _Histogram(LATENCY_BUCKETS)
         self._decode = _Histogram(LATENCY_BUCKETS)
         self._prompt_tokens = _Histogram(tokens)
         self._generation_tokens = _Histogram(tokens)
         self._max_tokens = _Histogram(tokens)
+        self._max_generation = _Histogram(tokens)
+        self._prefill_computed = _Histogram(tokens)
+        self._preemptions = _Histogram(PREEMPTION_BUCKETS)
         self._n = _Histogram(N_BUCKETS)
         self._iteration = _Histogram(ITERATION_BUCKETS)
 
@@ -172,18 +181,22 @@ class VllmMetrics(Collector):
         self._e2e.observe(seq.latency_s)
         self._ttft.observe(seq.ttft_s)
         self._queue.observe(seq.queue_s)
-        # As vLLM: one observation per gap between output tokens, all equal here.
-        self._tpot.observe(seq.decode_s_per_token, out - 1)
+        # As vLLM: one observation per gap between output tokens, all equal here, and one
+        # per request of its mean (0 for a request of one token).
+        self._itl.observe(seq.decode_s_per_token, out - 1)
+        self._request_tpot.observe(seq.decode_s_per_token if out > 1 else 0.0)
         self._success[finish_reason] += 1
         self._prompt += seq.prompt_tokens
         self._generation += out
-        self._itl.observe(seq.decode_s_per_token, out - 1)
         self._inference.observe(seq.finished - seq.started)
         self._prefill.observe(seq.first_token - seq.started)
         self._decode.observe(seq.finished - seq.first_token)
         self._prompt_tokens.observe(seq.prompt_tokens)
         self._generation_tokens.observe(out)
         self._max_tokens.observe(out if max_tokens is None else max_tokens)
+        self._max_generation.observe(out if max_tokens is None else max_tokens)
+        self._prefill_computed.observe(seq.prompt_tokens - seq.cached_tokens)
+        self._preemptions.observe(0)  # the emulator never preempts
         self._n.observe(1)  # the emulator answers n=1 only
         self._observe_steps(seq.prompt_tokens, out, max(1, batch_size))
 
@@ -215,7 +228,7 @@ class VllmMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """The families of the page, in prometheus_client's form."""
-        m, at = {"model_name": self.model}, self.created
+        m, at = {"engine": ENGINE, "model_name": self.model}, self.created
         yield _gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches.", m, self._running
         )
@@ -223,20 +236,20 @@ class VllmMetrics(Collector):
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.", m, self._waiting
         )
         yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m, self._kv)
-        yield _gauge(
-            "vllm:gpu_cache_usage_perc",
-            "GPU KV-cache usage. 1 means 100 percent usage. Deprecated: use vllm:kv_cache_usage_perc.",
-            m,
-            self._kv,
-        )
         yield self._e2e.metric(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m, at
         )
         yield self._ttft.metric(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m, at
         )
-        yield self._tpot.metric(
-            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", m, at
+        yield self._itl.metric(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m, at
+        )
+        yield self._request_tpot.metric(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            m,
+            at,
         )
         yield self._queue.metric(
             "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", m, at
@@ -244,7 +257,10 @@ class VllmMetrics(Collector):
         yield _counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            [({**m, "finished_reason": r}, n) for r, n in self._success.items()],
+            [
+                ({"engine": ENGINE, "finished_reason": r, "model_name": self.model}, n)
+                for r, n in self._success.items()
+            ],
             at,
         )
         yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", [(m, self._prompt)], at)
@@ -255,11 +271,27 @@ class VllmMetrics(Collector):
             yield from self._full_only()
 
     def _full_only(self) -> Iterator[Metric]:
-        # New families carry vLLM v1's `engine` label; the ones above keep the labels the
-        # control plane and the compact page have always had.
         e, at = {"engine": ENGINE, "model_name": self.model}, self.created
-        yield self._itl.metric(
-            "vllm:inter_token_latency_seconds", "Seconds between consecutive output tokens.", e, at
+        yield _gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason (the emulator's wait for capacity only).",
+            {"engine": ENGINE, "model_name": self.model, "reason": "capacity"},
+            self._waiting,
+        )
+        yield self._max_generation.metric(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            e,
+            at,
+        )
+        yield self._preemptions.metric(
+            "vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.", e, at
+        )
+        yield self._prefill_computed.metric(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            e,
+            at,
         )
         yield self._inference.metric(
             "vllm:request_inference_time_seconds",
@@ -293,24 +325,24 @@ class VllmMetrics(Collector):
             at,
         )
         # The prefix cache (sim/prefix_cache.py): prompt tokens looked up, and found.
-        for prefix, note in (("", ""), ("gpu_", " Deprecated: use vllm:prefix_cache_*.")):
-            yield _counter(
-                f"vllm:{prefix}prefix_cache_queries",
-                f"Prompt tokens looked up in the prefix cache.{note}",
-                [(e, self._prefix_queries)],
-                at,
-            )
-            yield _counter(
-                f"vllm:{prefix}prefix_cache_hits",
-                f"Prompt tokens found in the prefix cache.{note}",
-                [(e, self._prefix_hits)],
-                at,
-            )
+        yield _counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            [(e, self._prefix_queries)],
+            at,
+        )
+        yield _counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            [(e, self._prefix_hits)],
+            at,
+        )
+        # A few of vLLM 0.32's many labels (the real page's has 38).
         config = {
-            "engine": ENGINE,
             "block_size": str(BLOCK_SIZE),
             "cache_dtype": "auto",
             "enable_prefix_caching": "True",
+            "engine": ENGINE,
             "num_gpu_blocks": str(math.ceil(self.kv_capacity_tokens / BLOCK_SIZE)),
         }
         yield _gauge("vllm:cache_config_info", "The engine's KV-cache configuration (always 1).", config, 1.0)
@@ -375,7 +407,7 @@ class TritonMetrics(VllmMetrics):
 
 def sample_full_page(model: str = "m", *, seed: int = 0, requests: int = 5000) -> str:
     """The full page of a server that has served `requests` requests (see `sample_page`):
-    30-60 KB, 13 histograms, every one populated. For benchmarks of scraping and parsing."""
+    30-60 KB, 16 histograms (as vLLM 0.32's), every one populated. For benchmarks of scraping and parsing."""
     return sample_page(model, seed=seed, requests=requests, page="full")
 
 

@@ -88,7 +88,13 @@ def test_ctrl_c_stops_every_process_the_demo_started() -> None:
         work = _until_traffic(p)
         assert work and _processes_mentioning(work), "the control plane and Envoy should be running"
         p.send_signal(signal.SIGINT)
-        rest = p.communicate(timeout=30)[0]
+        try:
+            rest = p.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            p.kill()  # say where it hung: what it printed after the signal
+            raise AssertionError(
+                f"the demo did not stop 30 s after SIGINT:\n{p.communicate()[0][-3000:]}"
+            ) from None
     finally:
         if p.poll() is None:
             p.kill()

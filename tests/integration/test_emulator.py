@@ -289,7 +289,7 @@ def test_metrics_page_parses_and_shows_the_queue_under_load() -> None:
             assert (busy.running, busy.waiting) == (2, 3)
             # 2 x (100 prompt + up to 50 generated) of 1000.
             assert busy.kv_use is not None and 0.2 <= busy.kv_use <= 0.3
-            assert 'vllm:gpu_cache_usage_perc{model_name="llama-3-8b"}' in page
+            assert 'vllm:kv_cache_usage_perc{engine="0",model_name="llama-3-8b"}' in page
             latencies = sorted(t for _, _, t in await asyncio.gather(*requests))
             for got, want in zip(latencies, [0.5, 0.5, 1.0, 1.0, 1.5], strict=True):
                 assert want - 0.01 <= got <= want + 0.3  # loose above: a busy machine adds, never takes
@@ -298,11 +298,15 @@ def test_metrics_page_parses_and_shows_the_queue_under_load() -> None:
             assert done.successes == 5 and done.latency_count == 5
             assert done.latency_sum_s == pytest.approx(4.5, abs=0.15)  # the server's own view
             page = await metrics(s, em[0])
-            assert 'vllm:request_success_total{finished_reason="length",model_name="llama-3-8b"} 5.0' in page
-            assert 'vllm:prompt_tokens_total{model_name="llama-3-8b"} 500.0' in page
-            assert 'vllm:generation_tokens_total{model_name="llama-3-8b"} 250.0' in page
-            assert 'vllm:request_queue_time_seconds_count{model_name="llama-3-8b"} 5.0' in page
-            assert 'vllm:time_to_first_token_seconds_count{model_name="llama-3-8b"} 5.0' in page
+            labels = 'engine="0",model_name="llama-3-8b"'  # vLLM 0.32's labels, in its order
+            assert (
+                'vllm:request_success_total{engine="0",finished_reason="length",model_name="llama-3-8b"} 5.0'
+                in page
+            )
+            assert f"vllm:prompt_tokens_total{{{labels}}} 500.0" in page
+            assert f"vllm:generation_tokens_total{{{labels}}} 250.0" in page
+            assert f"vllm:request_queue_time_seconds_count{{{labels}}} 5.0" in page
+            assert f"vllm:time_to_first_token_seconds_count{{{labels}}} 5.0" in page
             # A page that serves one model under another name is that server's model.
             assert parse_metrics(page, "another-model") == parse_metrics(page, "llama-3-8b")
 
