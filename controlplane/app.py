@@ -30,7 +30,7 @@ from controlplane.admin.service import (
 from controlplane.autoscaling.persist import HistoryFile
 from controlplane.balancing.controller import WeightController
 from controlplane.discovery.manager import Discovery
-from controlplane.fleet.loader import FleetConfigInvalid
+from controlplane.fleet.errors import FleetConfigInvalid
 from controlplane.fleet.model import Fleet, Model
 from controlplane.fleet.watch import FleetFileWatcher
 from controlplane.ha.election import LeaderElection

@@ -16,6 +16,7 @@ from controlplane.autoscaling.scale_down import READY, Replica, removal_order
 from controlplane.fleet.model import Fleet, Model
 from controlplane.routing.names import cluster_name
 from controlplane.signals.load import EndpointLoad
+from controlplane.signals.load import counted as figure_or_zero
 from controlplane.v1 import autoscaling_pb2
 
 
@@ -48,7 +49,13 @@ def next_to_remove(
         return ()
     replicas = [
         # Only the order of start times matters: the one ready for the shortest time is newest.
-        Replica(ld.address, READY, ld.running + ld.waiting, ld.preferred or not prefers_gpus, -ld.ready_for_s)
+        Replica(
+            ld.address,
+            READY,
+            figure_or_zero(ld.running) + figure_or_zero(ld.waiting),
+            ld.preferred or not prefers_gpus,
+            -ld.ready_for_s,
+        )
         for ld in _serving(drains_from, draining)
     ]
     return tuple(r.address for r in removal_order(replicas)[:excess])

@@ -321,6 +321,7 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
                         state = "HELD_OUT"
                     else:
                         state = "SERVING"
+                    sig = c.signals.endpoints.get((m.name, ep.address))
                     msg = endpoint_pb2.Endpoint(
                         model=m.name,
                         version=v.name,
@@ -329,18 +330,25 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
                         state=state,
                         weight=max(w, 0) if state in ("SERVING", "LEAVING", "DRAINING", "HELD_OUT") else 0,
                         capacity=load.capacity,
-                        running=load.running,
-                        waiting=load.waiting,
                         in_flight=in_flight,
-                        kv_use=load.kv_use,
-                        error_rate=load.error_rate,
                         signal_age_seconds=load.age_s if math.isfinite(load.age_s) else -1.0,
                         drain_started_at=d.started_at if d is not None else 0.0,
                         sight="SEEN" if load.in_sight else "OUT_OF_SIGHT",
-                        note=_endpoint_note(c.signals.endpoints.get((m.name, ep.address)), state, now_mono),
+                        note=_endpoint_note(sig, state, now_mono),
                     )
-                    if load.latency_s is not None:
-                        msg.latency_seconds = load.latency_s
+                    # A figure never read stays unset: unknown, not idle.
+                    for name, figure in (
+                        ("running", load.running),
+                        ("waiting", load.waiting),
+                        ("kv_use", load.kv_use),
+                        ("latency_seconds", load.latency_s),
+                        ("error_rate", load.error_rate),
+                    ):
+                        if figure is not None:
+                            setattr(msg, name, figure)
+                    if sig is not None and sig.scrape_error is not None:
+                        msg.scrape_error = sig.scrape_error
+                        msg.scrape_error_reason = sig.scrape_error_reason or ""
                     msg.source, seen = self.source_of(m.name, v.name, ep.address)
                     if seen is not None:
                         msg.last_seen_seconds = seen

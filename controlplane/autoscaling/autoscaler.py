@@ -20,7 +20,7 @@ from typing import Protocol
 from controlplane.autoscaling.forecast import Forecaster, Settings
 from controlplane.autoscaling.kpa import Decision, Scaler
 from controlplane.fleet.model import Fleet, ScalingPolicy
-from controlplane.signals.load import EndpointLoad
+from controlplane.signals.load import EndpointLoad, counted
 
 MODEL = ""  # the version key of a whole model's decision
 
@@ -77,8 +77,8 @@ class Autoscaler:
             total_ready = 0
             total_running = 0.0
             for c in mine:
-                demand = sum(ld.running + ld.waiting for ld in c.loads)
-                total_running += sum(ld.running for ld in c.loads)
+                demand = sum(counted(ld.running) + counted(ld.waiting) for ld in c.loads)
+                total_running += sum(counted(ld.running) for ld in c.loads)
                 ready = sum(1 for ld in c.loads if ld.ready and c.weights.get(ld.address, 0) > 0)
                 total_demand += demand
                 total_ready += ready

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -31,7 +30,7 @@ from controlplane.routing.names import cluster_name
 from controlplane.signals.load import EndpointLoad
 from controlplane.signals.scrape import scrape_targets
 from controlplane.signals.source import SignalSource, make_source
-from controlplane.signals.store import SignalStore
+from controlplane.signals.store import SCRAPE_ERROR_REASONS, EndpointSignals, SignalStore
 from controlplane.xds.reconciler import Reconciler
 
 log = structlog.get_logger("controlplane.balancing")
@@ -70,6 +69,11 @@ class WeightController:
         self._models_exported: set[str] = set()
         self._fail_static: set[str] = set()  # clusters keeping endpoints out of sight in service
         self._sight_exported: set[tuple[str, str]] = set()
+        # (model, version, address) -> its signals and their scrape errors by reason already
+        # counted for the version (a new EndpointSignals, after the endpoint left and came back,
+        # counts from 0 again)
+        self._scrape_errors_counted: dict[tuple[str, str, str], tuple[EndpointSignals, dict[str, int]]] = {}
+        self._versions_exported: set[tuple[str, str]] = set()
         self.rounds = 0
 
     async def _source_for(self, fleet: Fleet) -> SignalSource:
@@ -127,12 +131,17 @@ class WeightController:
                     {ep.address: self.store.learnt_throughput((m.name, ep.address)) for ep in v.endpoints},
                 )
                 capacity.update({(m.name, a): c for a, c in rel.items()})
-        # A server that joined after the first round, and that the probes have not heard from
-        # yet (it may be loading; the collectors scrape it from this round on), is held out
-        # until they have, while its cluster has other servers ready: no request is sent to a
-        # server no one has seen ready. Servers there from the first round, and servers without
-        # probes, keep the benefit of the doubt (fail static: at start, the control plane may be
-        # the one that cannot see).
+        # No request is sent to a server no one has seen ready, as far as the data plane can
+        # do without us: a server the probes have not seen ready (it may be loading) is held
+        # out while its cluster has another server seen ready. Heard is not enough: its
+        # /metrics may answer while its health probe times out (a CI run sent 30 requests to
+        # a loading server that way). A cluster with no server seen ready keeps the benefit
+        # of the doubt (a version replaced in one edit; a control plane that cannot see):
+        # holding its requests on an unknown would tie the data plane to us being there.
+        # Servers there from the first round (the first snapshot waits only one scrape
+        # timeout for them) are held so only while they are at most half of their cluster,
+        # as for servers out of sight (balancing/sight.py): a control plane restarted into a
+        # fleet it half sees must not pile the traffic onto the half it does.
         targets_now = set(scrape_targets(fleet)) if fleet.signals.enabled else set()
         for key in targets_now:
             if key not in self._first_round:
@@ -142,24 +151,26 @@ class WeightController:
         for key in [k for k in self._first_round if k not in targets_now]:
             del self._first_round[key]
         self._observe_cold_starts(targets_now, now)
-        unheard = {k for k in targets_now if self._first_round[k] > 0 and not self.store.heard(k)}
-        if unheard:
-            # ...unless that would leave its cluster with no server to send to (a version
-            # replaced in one edit, old removed: its new servers are all unheard). Then the
-            # benefit of the doubt stands, as at start: holding the model's requests on an
-            # unknown would tie the data plane to the control plane being there.
+        unproven = {k for k in targets_now if not self.store.seen_ready(k)}
+        if unproven:
             for m in fleet.models:
                 for v in m.versions:
                     keys = [(m.name, ep.address) for ep in v.endpoints]
-                    if any(k in unheard for k in keys) and not any(
-                        k not in unheard and self.store.load(k, 1.0, now).ready for k in keys
-                    ):
-                        unheard.difference_update(keys)
+                    if not any(k in unproven for k in keys):
+                        continue
+                    ready = {k for k in keys if self.store.load(k, 1.0, now).ready}
+                    if not any(k not in unproven for k in ready):
+                        unproven.difference_update(keys)
+                        continue
+                    # First-round servers that only the benefit of the doubt would serve.
+                    doubted = [k for k in keys if k in unproven and k in ready and self._first_round[k] == 0]
+                    if 2 * len(doubted) > len(keys):
+                        unproven.difference_update(doubted)
 
         def load_of(m: Model, ep: Endpoint) -> EndpointLoad:
             key = (m.name, ep.address)
             load = self.store.load(key, capacity.get(key, 1.0), now)
-            return dataclasses.replace(load, ready=False) if key in unheard else load
+            return dataclasses.replace(load, ready=False) if key in unproven else load
 
         changed = self.weigher.update(fleet, load_of)
         for cname, why in self.weigher.errors.items():
@@ -384,7 +395,7 @@ class WeightController:
                         load.running,
                         load.waiting,
                         load.kv_use,
-                        load.latency_s if load.latency_s is not None else math.nan,
+                        load.latency_s,
                         load.error_rate,
                         load.age_s,
                         self.store.lrs_totals(key, now)[0] if sig is not None and sig.lrs else 0.0,
@@ -393,6 +404,7 @@ class WeightController:
                     )
                 )
         b.endpoints.publish(tuple(rows), at=now)
+        self._export_scrape_errors()
         models: set[str] = set()
         for m in fleet.models:
             stable = self.weigher.views.get(cluster_name(m.name, m.stable))
@@ -402,6 +414,42 @@ class WeightController:
         for gone in self._models_exported - models:
             b.balance_degree.remove(gone)
         self._models_exported = models
+
+    def _export_scrape_errors(self) -> None:
+        """Per version, the scrape errors of its endpoints by reason: each endpoint's new
+        errors since the last round are added, so the counter never goes down when an
+        endpoint leaves."""
+        b = self.metrics.balancing
+        endpoints = self.store.endpoints
+        counted = {
+            k: (sig, n)
+            for k, (sig, n) in self._scrape_errors_counted.items()
+            if endpoints.get((k[0], k[2])) is sig
+        }
+        versions: set[tuple[str, str]] = set()
+        for view in self.weigher.views.values():
+            mv = (view.model, view.version)
+            if mv not in self._versions_exported:
+                for reason in SCRAPE_ERROR_REASONS:
+                    b.version_scrape_errors.labels(view.model, view.version, reason)
+            versions.add(mv)
+            for load in view.loads:
+                sig = endpoints.get((view.model, load.address))
+                if sig is None or not sig.scrape_errors_by_reason:
+                    continue
+                key = (view.model, view.version, load.address)
+                held = counted.get(key)
+                before = held[1] if held is not None else {}
+                for reason, n in sig.scrape_errors_by_reason.items():
+                    if n > before.get(reason, 0):
+                        b.version_scrape_errors.labels(*mv, reason).inc(n - before.get(reason, 0))
+                counted[key] = (sig, dict(sig.scrape_errors_by_reason))
+        for model, version in self._versions_exported - versions:
+            for reason in {*SCRAPE_ERROR_REASONS, "other"}:
+                with contextlib.suppress(KeyError):
+                    b.version_scrape_errors.remove(model, version, reason)
+        self._scrape_errors_counted = counted
+        self._versions_exported = versions
 
     def wake(self) -> None:
         """Start the next round now (a request held for a model with no server: wake it)."""

@@ -4,6 +4,8 @@ Every policy has the shape `Policy = Callable[[Sequence[EndpointLoad], PolicyCon
 dict[str, int]]`. A weight of 0 means "hold this endpoint out" (not ready); every ready
 endpoint gets at least `floor`, at most `max_weight`, and if any endpoint is ready the
 weights are never all zero. Smoothing across updates is a separate step (`smooth`).
+A figure never read (None in the load) weighs as 0 (`counted`): unknown is told apart for
+the operator, and the weights stay what they were.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from controlplane.signals.load import EndpointLoad
+from controlplane.signals.load import EndpointLoad, counted
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,13 @@ def round_robin(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, i
 
 def least_connections(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, int]:
     """Inverse to the requests in flight (running + waiting)."""
-    return _scale({e.address: 1.0 / (1.0 + e.running + e.waiting) if e.ready else -1.0 for e in loads}, cfg)
+    return _scale(
+        {
+            e.address: 1.0 / (1.0 + counted(e.running) + counted(e.waiting)) if e.ready else -1.0
+            for e in loads
+        },
+        cfg,
+    )
 
 
 def weighted_response_time(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, int]:
@@ -80,13 +88,13 @@ def backlog_factor(e: EndpointLoad, cfg: PolicyConfig) -> float:
 
 
 def _queue_pressure(e: EndpointLoad, cfg: PolicyConfig) -> float:
-    return e.waiting / max(e.running, 1.0) / cfg.waiting_saturation
+    return counted(e.waiting) / max(counted(e.running), 1.0) / cfg.waiting_saturation
 
 
 def _kv_pressure(e: EndpointLoad, cfg: PolicyConfig) -> float:
     if cfg.kv_saturation >= 1.0:
         return 0.0
-    return max(0.0, e.kv_use - cfg.kv_saturation) / (1.0 - cfg.kv_saturation)
+    return max(0.0, counted(e.kv_use) - cfg.kv_saturation) / (1.0 - cfg.kv_saturation)
 
 
 def speed_factor(own_s: float | None, best_s: float | None, exponent: float, cfg: PolicyConfig) -> float:
@@ -155,7 +163,7 @@ def adaptive(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, int]
             raw[e.address] = steady[e.address] = -1.0
             continue
         base = speed_factor(latency_of(e), best, exponent, cfg) / (
-            1.0 + cfg.error_penalty * 10.0 * e.error_rate
+            1.0 + cfg.error_penalty * 10.0 * counted(e.error_rate)
         )
         trust = freshness(e, cfg)
         # An endpoint whose metrics cannot be read is neither zeroed nor trusted blindly.
@@ -180,11 +188,12 @@ def queue_outliers(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> set[str]
     own counts cannot explain (a server slowing down, or loaded by other clients); the
     ordinary queues of a busy fleet are alike and stay Envoy's business."""
     ready = [e for e in loads if e.ready]
-    total = sum(e.waiting for e in ready)
+    total = sum(counted(e.waiting) for e in ready)
     out = set()
     for e in ready:
-        others = (total - e.waiting) / (len(ready) - 1) if len(ready) > 1 else 0.0
-        if e.waiting > cfg.queue_outlier * others + max(e.running, 1.0):
+        waiting = counted(e.waiting)
+        others = (total - waiting) / (len(ready) - 1) if len(ready) > 1 else 0.0
+        if waiting > cfg.queue_outlier * others + max(counted(e.running), 1.0):
             out.add(e.address)
     return out
 
@@ -211,7 +220,7 @@ def model_aware(loads: Sequence[EndpointLoad], cfg: PolicyConfig) -> dict[str, i
         if not e.ready or not e.fits:
             raw[e.address] = -1.0
             continue
-        headroom = backlog_factor(e, cfg) * max(0.05, 1.0 - e.kv_use)
+        headroom = backlog_factor(e, cfg) * max(0.05, 1.0 - counted(e.kv_use))
         trust = freshness(e, cfg)
         score = e.capacity * (cfg.preferred_bonus if e.preferred else 1.0)
         score *= trust * headroom + (1.0 - trust)

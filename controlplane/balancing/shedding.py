@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from controlplane.fleet.model import PriorityClass
-from controlplane.signals.load import EndpointLoad
+from controlplane.signals.load import EndpointLoad, counted
 
 READMIT_BELOW = 0.5  # a shed class is admitted again below this share of its shed_at
 
@@ -22,7 +22,7 @@ READMIT_BELOW = 0.5  # a shed class is admitted again below this share of its sh
 def saturation(loads: Sequence[EndpointLoad]) -> float:
     """Requests waiting per request running, over the ready endpoints."""
     ready = [e for e in loads if e.ready]
-    return sum(e.waiting for e in ready) / max(sum(e.running for e in ready), 1.0)
+    return sum(counted(e.waiting) for e in ready) / max(sum(counted(e.running) for e in ready), 1.0)
 
 
 def shed_classes(classes: Sequence[PriorityClass], level: float, shed_now: frozenset[str]) -> frozenset[str]:

@@ -23,7 +23,7 @@ from controlplane.balancing.policies import (
 from controlplane.balancing.sight import judge_sight
 from controlplane.fleet.model import Endpoint, Fleet, Model
 from controlplane.routing.names import cluster_name
-from controlplane.signals.load import EndpointLoad
+from controlplane.signals.load import EndpointLoad, counted
 
 LoadOf = Callable[[Model, Endpoint], EndpointLoad]
 
@@ -41,7 +41,7 @@ def policy_config(fleet: Fleet) -> PolicyConfig:
 
 def utilisation(load: EndpointLoad) -> float:
     """Requests in flight (running + waiting) per unit of capacity."""
-    return (load.running + load.waiting) / load.capacity if load.capacity > 0 else 0.0
+    return (counted(load.running) + counted(load.waiting)) / load.capacity if load.capacity > 0 else 0.0
 
 
 def load_balance_degree(loads: Sequence[EndpointLoad]) -> float:

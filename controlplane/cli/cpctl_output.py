@@ -44,6 +44,14 @@ def number_text(x: float) -> str:
     return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
 
 
+UNKNOWN = "unknown"  # a figure never read: not "0", which reads as idle
+
+
+def figure(e: endpoint_pb2.Endpoint, name: str) -> float | None:
+    """An optional field of a message: None when unset (never read)."""
+    return float(getattr(e, name)) if e.HasField(name) else None
+
+
 def local_time(unix: float) -> str:
     """Unix time -> local ISO time with its offset, to the second."""
     return datetime.datetime.fromtimestamp(unix).astimezone().isoformat(timespec="seconds")
@@ -285,19 +293,38 @@ def endpoint_to_dict(e: endpoint_pb2.Endpoint) -> dict[str, Any]:
         "state": e.state,
         "weight": e.weight,
         "capacity": e.capacity,
-        "running": e.running,
-        "waiting": e.waiting,
+        # null: never read (no page yet, or a server that does not report it), not idle
+        "running": figure(e, "running"),
+        "waiting": figure(e, "waiting"),
         "in_flight": e.in_flight,
-        "kv_use": e.kv_use,
-        "latency_seconds": e.latency_seconds if e.HasField("latency_seconds") else None,
-        "error_rate": e.error_rate,
+        "kv_use": figure(e, "kv_use"),
+        "latency_seconds": figure(e, "latency_seconds"),
+        "error_rate": figure(e, "error_rate"),
         "signal_age_seconds": e.signal_age_seconds if e.signal_age_seconds >= 0 else None,
         "drain_started_at": rfc3339(e.drain_started_at),
         "sight": e.sight,
         "note": e.note,
         "source": e.source or "file",
         "last_seen_seconds": e.last_seen_seconds if e.HasField("last_seen_seconds") else None,
+        "scrape_error": e.scrape_error or None,
+        "scrape_error_reason": e.scrape_error_reason or None,
     }
+
+
+def load_notes(note: str | None, scrape_error: str | None, scrape_error_reason: str | None) -> list[str]:
+    """What is said under an endpoint's row (cpctl endpoints list, explain): why it is held
+    out or out of sight (`note`), and why its last scrape read no load when the server answered
+    (a page refused, an HTTP error). No answer is the sight's business: after 3 the note says
+    it is out of sight."""
+    notes = [note] if note else []
+    if scrape_error and scrape_error_reason != "unreachable" and scrape_error not in (note or ""):
+        notes.append(f"last scrape read no load ({scrape_error_reason or 'other'}): {scrape_error}")
+    return notes
+
+
+def endpoint_notes(e: endpoint_pb2.Endpoint) -> list[str]:
+    """load_notes of an endpoint message."""
+    return load_notes(e.note, e.scrape_error, e.scrape_error_reason)
 
 
 def endpoints_table(endpoints: Sequence[endpoint_pb2.Endpoint]) -> str:
@@ -311,17 +338,17 @@ def endpoints_table(endpoints: Sequence[endpoint_pb2.Endpoint]) -> str:
             e.gpu or "-",
             e.state + (" (out of sight)" if e.sight == "OUT_OF_SIGHT" else ""),
             str(e.weight),
-            number_text(e.running),
-            number_text(e.waiting),
+            number_text(e.running) if e.HasField("running") else UNKNOWN,
+            number_text(e.waiting) if e.HasField("waiting") else UNKNOWN,
             number_text(e.in_flight),
-            seconds_text(e.latency_seconds) if e.HasField("latency_seconds") else "-",
-            percent_text(e.error_rate),
+            seconds_text(e.latency_seconds) if e.HasField("latency_seconds") else UNKNOWN,
+            percent_text(e.error_rate) if e.HasField("error_rate") else UNKNOWN,
         ]
         for e in endpoints
     ]
     headers = ["MODEL", "VERSION", "ADDRESS", "GPU", "STATE", "WEIGHT", "RUNNING", "WAITING", "IN-FLIGHT"]
     out = table([*headers, "LATENCY", "ERRORS"], rows)
-    notes = [f"{e.model}/{e.version} {e.address}: {e.note}" for e in endpoints if e.note]
+    notes = [f"{e.model}/{e.version} {e.address}: {n}" for e in endpoints for n in endpoint_notes(e)]
     out += "\n\n" + "\n".join(notes) if notes else ""
     found = [
         f"{e.model}/{e.version} {e.address}: {e.source}"

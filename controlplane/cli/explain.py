@@ -2,10 +2,11 @@
 and what it becomes in Envoy.
 
 `explain()` is pure: fleet (plus, optionally, the raw YAML mapping, to tell a key set in the
-file from an inherited one, and the live rollout state) -> a plain dict. The Envoy half of it
-is read back from the resources `translate()` generates, so it shows what proxies actually
-get, cluster_overrides included. `run()` is the command. Beside it: explain_live.py asks the
-control plane what a rollout is doing (`fetch_rollout()`), since the file alone cannot say;
+file from an inherited one, the live rollout state and the endpoints' live loads) -> a plain
+dict. The Envoy half of it is read back from the resources `translate()` generates, so it
+shows what proxies actually get, cluster_overrides included. `run()` is the command. Beside
+it: explain_live.py asks the control plane what a rollout is doing (`fetch_rollout()`) and
+what the endpoints' loads are (`fetch_loads()`), since the file alone cannot say;
 explain_output.py prints the dict (`render_text()`, `render_json()`, `render_yaml()`). Their
 public names are importable from here too.
 """
@@ -20,12 +21,16 @@ from typing import Any
 from controlplane.cli.explain_live import (
     LIVE_DEADLINE_S,
     RUNNING_PHASES,
+    LiveLoads,
     LiveRollout,
+    fetch_loads,
     fetch_rollout,
     live_split,
+    loads_doc,
     rollout_doc,
     started_from,
     traffic_shares,
+    version_loads,
     version_role,
 )
 from controlplane.cli.explain_output import (
@@ -36,7 +41,6 @@ from controlplane.cli.explain_output import (
     render_text,
     render_yaml,
 )
-from controlplane.fleet.loader import SCALING_KEYS
 from controlplane.fleet.model import (
     DEFAULT_TARGET_PER_REPLICA,
     DTYPE_BYTES,
@@ -48,6 +52,7 @@ from controlplane.fleet.model import (
     Tier,
     TrafficPolicy,
 )
+from controlplane.fleet.schema_policies import SCALING_KEYS
 from controlplane.routing import names
 from controlplane.signals.store import UNREACHABLE_AFTER
 
@@ -56,13 +61,16 @@ __all__ = [
     "OUTPUT_FORMATS",
     "RUNNING_PHASES",
     "SCHEMA_VERSION",
+    "LiveLoads",
     "LiveRollout",
     "UnknownModel",
     "explain",
+    "fetch_loads",
     "fetch_rollout",
     "fmt_bytes",
     "fmt_duration",
     "live_split",
+    "loads_doc",
     "render",
     "render_json",
     "render_text",
@@ -71,6 +79,7 @@ __all__ = [
     "run",
     "started_from",
     "traffic_shares",
+    "version_loads",
     "version_role",
 ]
 
@@ -479,14 +488,20 @@ def _endpoint(
 
 
 def explain(
-    fleet: Fleet, name: str, raw: Mapping[str, Any] | None = None, live: LiveRollout | None = None
+    fleet: Fleet,
+    name: str,
+    raw: Mapping[str, Any] | None = None,
+    live: LiveRollout | None = None,
+    loads: LiveLoads | None = None,
 ) -> dict[str, Any]:
     """Everything that decides how `name` is served, as a JSON-ready dict.
 
     `raw` is the fleet file's YAML mapping; with it, a setting's source is the key actually set
     in the file. Without it, sources are inferred from values (a key set to the value it would
     inherit anyway shows as inherited). `live` is what the control plane said about the model's
-    rollout; without it, the file's stable version takes all the traffic. Raises UnknownModel."""
+    rollout; without it, the file's stable version takes all the traffic. `loads` is what it
+    said about the endpoints' loads (each version's `live`); without it they are not shown.
+    Raises UnknownModel."""
     try:
         model = fleet.model(name)
     except KeyError:
@@ -525,6 +540,7 @@ def explain(
                 "source": version.discover.source() if version.discover is not None else "file",
                 "traffic_percent": None if shares is None else shares[version.name],
                 "role": version_role(version.name, model, live),
+                "live": version_loads(version.name, loads),
             }
         )
         placed = [e for e in eps if e["eds_priority"] is not None]
@@ -629,6 +645,7 @@ def explain(
             else None,
         },
         "rollout": rollout_doc(model, live),
+        "loads": loads_doc(loads),
         "versions": versions,
         "warnings": warnings,
     }
@@ -647,14 +664,17 @@ def run(
     server: str | None = None,
     token_file: Path | None = None,
     fetch: Callable[[str, str | None, Path | None], LiveRollout] | None = None,
+    fetch_live_loads: Callable[[str, str | None, Path | None], LiveLoads] | None = None,
 ) -> int:
     """`controlplane explain`: 0 explained, 1 invalid config (errors on stderr), 2 unknown model.
     `config` `-` reads standard input. With `live`, a model with several versions has its
-    rollout asked of the control plane through `fetch` (fetch_rollout; tests pass their own)."""
+    rollout asked of the control plane through `fetch` (fetch_rollout; tests pass their own),
+    and every model its endpoints' loads through `fetch_live_loads` (fetch_loads)."""
     import yaml
 
     from controlplane.cli.fleet_input import read_fleet_input
-    from controlplane.fleet.loader import FleetConfigInvalid, decode_fleet, parse_fleet
+    from controlplane.fleet.errors import FleetConfigInvalid
+    from controlplane.fleet.loader import decode_fleet, parse_fleet
 
     name = str(config)
     try:
@@ -670,8 +690,10 @@ def run(
     found = next((m for m in fleet.models if m.name == model), None)
     ask = fetch or fetch_rollout
     state = ask(model, server, token_file) if live and found is not None and len(found.versions) > 1 else None
+    ask_loads = fetch_live_loads or fetch_loads
+    loads = ask_loads(model, server, token_file) if live and found is not None else None
     try:
-        explanation = explain(fleet, model, raw if isinstance(raw, Mapping) else None, state)
+        explanation = explain(fleet, model, raw if isinstance(raw, Mapping) else None, state, loads)
     except UnknownModel as e:
         print(f"controlplane explain: {e} (in {name})", file=sys.stderr)
         return 2

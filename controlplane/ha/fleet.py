@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import structlog
 
-from controlplane.fleet.loader import FleetConfigInvalid
+from controlplane.fleet.errors import FleetConfigInvalid
 from controlplane.fleet.model import Fleet
 from controlplane.fleet.watch import parse_file_bytes
 from controlplane.ha.etcd import Etcd

@@ -6,7 +6,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from controlplane.fleet.loader import FleetConfigInvalid, load_fleet
+from controlplane.fleet.errors import FleetConfigInvalid
+from controlplane.fleet.loader import load_fleet
 from controlplane.ha.etcd import Etcd, StoreUrlInvalid, parse_store_url
 from controlplane.ha.fleet import read_fleet_text, write_fleet_text
 from controlplane.rollout.store import StoreUnavailable

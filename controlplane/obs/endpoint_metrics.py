@@ -5,7 +5,9 @@ process about 50 ms of every weight round. The weight loop now hands over one im
 tuple of rows per round (`EndpointRows.publish`, O(1)), and this collector turns the
 latest rows into metric families only when Prometheus (or a test) reads them, in the
 reader's thread. Series of endpoints that left the fleet simply stop appearing. Signal ages
-are rendered as of the read, not of the round.
+are rendered as of the read, not of the round. A figure never read (None: no page yet, or a
+dialect without it) has no sample at all, rather than a 0 that reads as idle or a NaN that
+breaks sums: `absent()` and `unless` tell it apart (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ class EndpointRow:
     weight: int
     ready: bool
     capacity: float
-    running: float
-    waiting: float
-    kv_use: float
-    latency_s: float  # NaN until known
-    error_rate: float
+    running: float | None  # None: never read (no sample)
+    waiting: float | None
+    kv_use: float | None
+    latency_s: float | None
+    error_rate: float | None
     signal_age_s: float
     in_flight: float
     scrape_errors: int  # cumulative, for as long as the endpoint is in the fleet
@@ -66,17 +68,34 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
         "capacity",
     ),
     ("controlplane_endpoint_ready", "1 if the endpoint is ready (/health), else 0.", "ready"),
-    ("controlplane_endpoint_running", "Requests the server reports running.", "running"),
-    ("controlplane_endpoint_waiting", "Requests the server reports queued.", "waiting"),
-    ("controlplane_endpoint_kv_cache_usage_ratio", "KV-cache use the server reports (0-1).", "kv_use"),
+    (
+        "controlplane_endpoint_running",
+        "Requests the server reports running (else in flight by the proxies' load reports); no "
+        "sample while never read.",
+        "running",
+    ),
+    (
+        "controlplane_endpoint_waiting",
+        "Requests the server reports queued; no sample while never read (no page yet, or a "
+        "server that does not report it).",
+        "waiting",
+    ),
+    (
+        "controlplane_endpoint_kv_cache_usage_ratio",
+        "KV-cache use the server reports (0-1); no sample while never read (no page yet, or a "
+        "server that does not report it).",
+        "kv_use",
+    ),
     (
         "controlplane_endpoint_latency_seconds",
-        "EWMA of the mean end-to-end request latency the server reports, per scrape interval.",
+        "EWMA of the mean end-to-end request latency the server reports, per scrape interval; "
+        "no sample until known.",
         "latency_s",
     ),
     (
         "controlplane_endpoint_error_ratio",
-        "EWMA error share: the worse of the server's counters and the proxies' load reports.",
+        "EWMA error share: the worse of the server's counters and the proxies' load reports; no "
+        "sample until either has counted completions.",
         "error_rate",
     ),
     (
@@ -128,7 +147,9 @@ class EndpointRows(Collector):
             g = GaugeMetricFamily(name, doc, labels=ENDPOINT_LABELS)
             extra = since if field == "signal_age_s" else 0.0
             for r in rows:
-                g.add_metric([r.model, r.version, r.endpoint], float(getattr(r, field)) + extra)
+                value = getattr(r, field)
+                if value is not None:
+                    g.add_metric([r.model, r.version, r.endpoint], float(value) + extra)
             yield g
         c = CounterMetricFamily(
             "controlplane_endpoint_scrape_errors",

@@ -363,6 +363,15 @@ class BalancingMetrics:
             ["model", "version", "decision"],
             registry=r,
         )
+        self.version_scrape_errors = Counter(
+            "controlplane_version_scrape_errors",
+            "Scrapes of the version's endpoints that read no load, by reason: unreachable (no HTTP "
+            "answer), http_error (/metrics answered non-200), no_dialect (a page with none of the "
+            "supported servers' metrics), unreadable (any other page refused), no_series (the "
+            "Prometheus source has none for the endpoint). Every reason is present, 0 included.",
+            ["model", "version", "reason"],
+            registry=r,
+        )
         self.sight_lost = Counter(
             "controlplane_loss_of_sight_episodes_total",
             "Times a cluster went into fail static: endpoints out of sight kept serving on their "
@@ -643,6 +652,12 @@ class CollectorMetrics:
         self.parse = Counter(
             "controlplane_signals_parse_seconds",
             "Seconds spent parsing metrics pages (the families read only) in the collectors.",
+            registry=r,
+        )
+        self.stalled = Counter(
+            "controlplane_signals_collector_stalled_seconds",
+            "Seconds the collector processes' event loops stood still (short of CPU, or the "
+            "machine frozen); scrape timeouts count only the time they ran.",
             registry=r,
         )
         self.lag = Gauge(

@@ -49,6 +49,7 @@ from controlplane.rollout.store import (
 )
 from controlplane.routing.names import cluster_name, stat_name
 from controlplane.routing.translate import ENDPOINT, RoutingOverlay
+from controlplane.signals.load import counted
 from controlplane.signals.store import EndpointCounters, EndpointKey, SignalStore
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_LABEL, ProxyRegistry
@@ -586,7 +587,7 @@ class RolloutController:
     def _in_flight(self, model: str, address: str) -> float:
         load = self.signals.load((model, address), 1.0, time.monotonic())
         in_progress = self.signals.lrs_totals((model, address), time.monotonic())[0]
-        return in_progress + load.running + load.waiting
+        return in_progress + counted(load.running) + counted(load.waiting)
 
     def _drained(
         self, models: list[str], addresses: list[str], since: float, timeout_s: float, now: float

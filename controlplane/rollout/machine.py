@@ -427,7 +427,7 @@ def inconclusive(spec: RolloutSpec, weight: int, a: Analysis) -> str | None:
     if _unseen(a):
         dialects = [d for d in a.canary_uncounted if d != UNSCRAPED]
         servers = (
-            f"its servers ({', '.join(dialects)}) count only successes"
+            f"its servers ({', '.join(dialects)}) do not count every failed request"
             if dialects
             else "its servers' failure counts are not read (no metrics scraped)"
         )

@@ -151,6 +151,7 @@ class CollectorPool:
                     w.first_heard_at = w.heard_at
 
     def _stop(self, w: _Worker) -> None:
+        """Stop a collector and wait for it (a thread's work: it may take seconds)."""
         conn, proc = w.conn, w.proc
         w.conn = w.proc = None
         if conn is not None:
@@ -162,7 +163,23 @@ class CollectorPool:
                 proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(timeout=5.0)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5.0)
+
+    def _discard(self, w: _Worker) -> None:
+        """Stop a collector that is being replaced, without blocking the event loop: it
+        exited, or went silent (stuck), so it is killed at once and reaped by a thread. (It
+        used to be waited for here, up to 6 s inside a weight round on a loaded machine,
+        where a process slow to die failed the round.)"""
+        conn, proc = w.conn, w.proc
+        w.conn = w.proc = None
+        if conn is not None:
+            conn.close()
+        if proc is not None:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+            threading.Thread(target=proc.wait, name=f"reap-collector-{w.index}", daemon=True).start()
 
     def _watch(self, interval_s: float) -> None:
         """Start again a collector that died or went silent."""
@@ -180,7 +197,7 @@ class CollectorPool:
                 code = w.proc.returncode if w.proc is not None else None
                 log.warning("collector restarted", collector=w.index, reason=reason, exit_code=code)
                 self.metrics.restarts.labels(reason).inc()
-                self._stop(w)
+                self._discard(w)
                 self._start(w)
 
     # -- SignalSource
@@ -281,6 +298,7 @@ class CollectorPool:
                 lag = max(lag, s.max_lag_s)
                 backing_off += s.backing_off
                 m.cpu.inc(max(0.0, s.cpu_s - c.cpu_s))
+                m.stalled.inc(max(0.0, s.stalled_s - c.stalled_s))
                 ok = (s.scrapes - s.unreachable - s.http_errors - s.unreadable) - (
                     c.scrapes - c.unreachable - c.http_errors - c.unreadable
                 )

@@ -49,7 +49,8 @@ from controlplane.signals.parse import (
 )
 from controlplane.signals.probe import Probe, Prober, at_port
 from controlplane.signals.schedule import Schedule
-from controlplane.signals.store import EndpointKey, ScrapeResult
+from controlplane.signals.stalls import LoopStalls
+from controlplane.signals.store import EndpointKey, ScrapeResult, fetch_error_reason, page_error_reason
 
 FLUSH_S = 0.05  # records are sent at most this long after their scrape ended
 NICE = 10  # collectors yield the CPU to the xDS process
@@ -80,6 +81,7 @@ class Stats:
     backing_off: int = 0
     endpoints: int = 0
     cpu_s: float = 0.0
+    stalled_s: float = 0.0  # seconds the event loop stood still (starved of CPU, or frozen)
 
 
 # What a collector keeps of one histogram of an endpoint: the last read, its lifetime id.
@@ -158,6 +160,7 @@ class _Worker:
         self.sem = asyncio.Semaphore(self.settings.concurrency)
         self.failing_sem = asyncio.Semaphore(self.settings.concurrency)
         self.prober: Prober | None = None
+        self.stalls: LoopStalls | None = None
         self.probes: dict[EndpointKey, Probe] = {}  # targets probed otherwise than by default
         self.default_probe = Probe()  # the fleet's signals paths on the serving port
         self.tasks: set[asyncio.Task[None]] = set()
@@ -206,7 +209,10 @@ class _Worker:
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding",),  # plain text: nothing to decompress
         )
-        self.prober = Prober(session)
+        stalls = LoopStalls(time.monotonic())
+        self.stalls = stalls
+        self.prober = Prober(session, stalls)
+        ticker = asyncio.create_task(stalls.run())
         flusher = asyncio.create_task(self._flush_forever())
         try:
             while not self.stop.is_set():
@@ -221,6 +227,7 @@ class _Worker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), timeout=wait)
         finally:
+            ticker.cancel()
             flusher.cancel()
             for t in list(self.tasks):
                 t.cancel()
@@ -247,8 +254,10 @@ class _Worker:
             self.stats.unreachable += 1
         sample = None
         m_err = r.metrics_error
+        reason = None if m_err is None else fetch_error_reason(r.metrics_status)
         if m_err is None and r.metrics_status is not None and r.metrics_status != 200:
             m_err = f"GET {probe.metrics_path} answered HTTP {r.metrics_status}"
+            reason = "http_error"
             self.stats.http_errors += 1
         if m_err is None and r.body is not None:
             self.stats.pages += 1
@@ -258,6 +267,7 @@ class _Worker:
                 sample = parse_metrics(r.body.decode("utf-8", errors="replace"), key[0])
             except MetricsPageInvalid as e:
                 m_err = f"unreadable metrics page: {e}"
+                reason = page_error_reason(e)
                 self.stats.unreadable += 1
             self.stats.parse_s += time.perf_counter() - t0
             if sample is not None:
@@ -271,6 +281,8 @@ class _Worker:
                     metrics_error=m_err,
                     sample=sample,
                     reached=reached,
+                    error_reason=reason,
+                    serving_refused=r.serving_refused,
                 ),
             )
         )
@@ -285,6 +297,8 @@ class _Worker:
             self.stats.backing_off = self.schedule.backing_off()
             self.stats.endpoints = len(self.schedule)
             self.stats.cpu_s = time.process_time()
+            if self.stalls is not None:
+                self.stats.stalled_s = self.stalls.stalled_s
             stats = Stats(**vars(self.stats))
             self.stats.max_lag_s = 0.0
             try:

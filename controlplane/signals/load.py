@@ -1,7 +1,9 @@
 """The signals' output: what is known about one endpoint's load right now (pure data).
 
 The signal store produces it; the balancing policies, load shedding and the fleet
-simulator consume it. It lives here, below them, so imports flow one way:
+simulator consume it. A figure never read (no page yet, or a dialect without it) is None,
+never 0: an operator must not read "idle" where the truth is "unknown". The policies weigh
+an unknown figure as 0 (docs/signals.md). It lives here, below them, so imports flow one way:
 fleet <- signals <- balancing.
 """
 
@@ -17,11 +19,11 @@ class EndpointLoad:
 
     address: str
     ready: bool = True  # the server's own last verdict (an endpoint never heard from: ready)
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_use: float = 0.0  # 0-1
+    running: float | None = None  # None: never read (no page, no proxy's report)
+    waiting: float | None = None
+    kv_use: float | None = None  # 0-1
     latency_s: float | None = None  # smoothed mean latency
-    error_rate: float = 0.0  # 0-1
+    error_rate: float | None = None  # 0-1; None: no completion counted yet, by either source
     age_s: float = 0.0  # age of the newest signal
     capacity: float = 1.0  # relative throughput (GPU class or learnt)
     ready_for_s: float = math.inf  # seconds since it became ready (slow start)
@@ -32,3 +34,9 @@ class EndpointLoad:
     # control plane cannot see it; whether it is held out is the cluster's call
     # (balancing/sight.py), because the proxies may well reach it.
     in_sight: bool = True
+
+
+def counted(figure: float | None) -> float:
+    """A figure as the weights and the demand counts take it: one never read counts as 0,
+    as it did before unknown was told apart (the weights must not move for it)."""
+    return 0.0 if figure is None else figure

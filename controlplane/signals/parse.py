@@ -1,15 +1,19 @@
 """Parse an inference server's /metrics page into one sample of its load (pure, no I/O).
 
-Four dialects are understood, detected from the metric names on the page: vLLM
-(`vllm:*`), SGLang (`sglang:*`), TGI (`tgi_*`) and Triton (`nv_inference_*`). `_FIELDS`
-maps each dialect's metric names to running, waiting, KV use (0-1), latency sum/count and
-success/failure counters; a dialect that does not export a quantity leaves it None.
-Counters are cumulative; `derive` turns two samples into interval rates.
+Five dialects are understood, detected from the metric names on the page: vLLM
+(`vllm:*`), SGLang (`sglang:*`), TGI (`tgi_*`), Triton (`nv_inference_*`) and llama.cpp
+(`llamacpp:*`, llama-server's `--metrics`). `_FIELDS` maps each dialect's metric names to
+running, waiting, KV use (0-1), latency sum/count, success/failure and token counters; a
+dialect that does not export a quantity leaves it None (unknown, never 0: llama.cpp has no
+KV gauge since its PR #13660, and no per-request counts). Series are summed over their label
+sets (a data-parallel vLLM's engines, say), except KV use, a share of each series' own pool:
+averaged. Counters are cumulative; `derive` turns two samples into interval rates.
 
 The time-to-first-token and time-per-output-token histograms are read whole (`_HISTOGRAMS`:
 cumulative buckets, _count, _sum, summed over the model's label sets) into `ServerHistogram`s,
 which the control plane merges per model version (obs/latency_metrics.py). vLLM and SGLang
-export both; TGI only a per-request mean time per token (read as TPOT); Triton neither.
+export both; TGI only a per-request mean time per token (read as TPOT); Triton and llama.cpp
+neither.
 
 Only the lines of the families read are parsed (`_select`): plain lines with string
 operations, any other with prometheus_client's own text parser, so the text format's
@@ -32,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane import limits
 
-DIALECTS = ("vllm", "sglang", "tgi", "triton")
+DIALECTS = ("vllm", "sglang", "tgi", "triton", "llamacpp")
 
 
 class MetricsPageInvalid(ValueError):
@@ -100,6 +104,10 @@ class ServerSample:
     # collector_worker.py).
     ttft: ServerHistogram | None = None
     tpot: ServerHistogram | None = None
+    # Prefill counters: prompt tokens processed (cached ones excluded) and the seconds spent
+    # on them (llama.cpp; None elsewhere, and where the page lacks them).
+    prompt_tokens: float | None = None
+    prompt_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,9 @@ class LoadDelta:
     error_rate: float | None
     completed: float
     mean_token_latency_s: float | None = None
+    # The token counters moved by less than their printing can tell (llama.cpp): no mean
+    # yet; measure the next one from the same earlier sample.
+    token_latency_pending: bool = False
 
 
 # name -> (field, scale); summed over the samples that match the model.
@@ -121,9 +132,11 @@ _FIELDS: dict[str, dict[str, tuple[str, float]]] = {
         "vllm:gpu_cache_usage_perc": ("kv_use_legacy", 1.0),
         "vllm:e2e_request_latency_seconds_sum": ("latency_sum_s", 1.0),
         "vllm:e2e_request_latency_seconds_count": ("latency_count", 1.0),
-        "vllm:request_success_total": ("successes", 1.0),
+        "vllm:request_success_total": ("successes", 1.0),  # by finished_reason: _BY_LABEL
         "vllm:time_per_output_token_seconds_sum": ("token_latency_sum_s", 1.0),
         "vllm:time_per_output_token_seconds_count": ("token_latency_count", 1.0),
+        "vllm:inter_token_latency_seconds_sum": ("token_latency_sum_itl", 1.0),
+        "vllm:inter_token_latency_seconds_count": ("token_latency_count_itl", 1.0),
         "vllm:request_time_per_output_token_seconds_sum": ("token_latency_sum_alt", 1.0),
         "vllm:request_time_per_output_token_seconds_count": ("token_latency_count_alt", 1.0),
     },
@@ -157,13 +170,48 @@ _FIELDS: dict[str, dict[str, tuple[str, float]]] = {
         "nv_inference_request_failure": ("failures", 1.0),
         "nv_inference_request_failure_total": ("failures", 1.0),
     },
+    # llama-server (tools/server/server-task.cpp, to_metrics): unlabelled, one series each.
+    # Its generation counters time each request from its prompt's end to its last token, so
+    # seconds over tokens is the time per output token (TPOT) of the requests finished: a
+    # request's counts are added when its slot is released. (A request's first token costs no
+    # decode step but is counted: on short answers the mean reads a little low.) No request
+    # count (so no mean latency, no successes) and no slot count: unknown. KV use only from
+    # servers older than llama.cpp PR #13660, which removed `kv_cache_usage_ratio` (used
+    # cells over the context): unknown on newer ones. Its `prompt_tokens_seconds` and
+    # `predicted_tokens_seconds` gauges are not read: each scrape of /metrics resets them,
+    # so two scrapers would each see half a window.
+    "llamacpp": {
+        "llamacpp:requests_processing": ("running", 1.0),
+        "llamacpp:requests_deferred": ("waiting", 1.0),
+        "llamacpp:kv_cache_usage_ratio": ("kv_use", 1.0),
+        "llamacpp:tokens_predicted_seconds_total": ("token_latency_sum_s", 1.0),
+        "llamacpp:tokens_predicted_total": ("token_latency_count", 1.0),
+        "llamacpp:prompt_tokens_total": ("prompt_tokens", 1.0),
+        "llamacpp:prompt_seconds_total": ("prompt_seconds", 1.0),
+    },
 }
+# Families whose series a label splits between fields: name -> (the label, its value -> the
+# field instead of `_FIELDS`', None: not counted). vLLM counts every request that leaves its
+# engine in `request_success_total`, whatever `finished_reason` (vllm/v1/engine/__init__.py,
+# FinishReason: stop, length, abort, error, repetition): "error" is a request-level internal
+# error, answered 500, so a failure; "abort" is a request its client (or the proxy, on a
+# timeout) gave up on, neither a success nor the server's failure (a chat client's stop
+# button would otherwise count against the server). Any other reason is a completion.
+_BY_LABEL: dict[str, tuple[str, dict[str, str | None]]] = {
+    "vllm:request_success_total": ("finished_reason", {"abort": None, "error": "failures"}),
+}
+# Fields that are each series' share of its own capacity (a 0-1 fraction): averaged over the
+# series read, not summed. A data-parallel vLLM prints one series per engine, each engine
+# with its own KV pool (of one size): two engines at 0.6 are 0.6 of the server's KV, not 1.2.
+_MEAN_FIELDS = frozenset({"kv_use", "kv_use_legacy"})
 _DETECT = {
     "vllm": "vllm:",
     "sglang": "sglang:",
     "tgi": "tgi_",
     "triton": "nv_inference_",
+    "llamacpp": "llamacpp:",
 }
+_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI", "triton": "Triton", "llamacpp": "llama.cpp"}
 
 
 # The histograms read whole, per dialect: which -> the family's name. "e2e" is the request
@@ -190,6 +238,7 @@ _HISTOGRAMS: dict[str, dict[str, str]] = {
         "tpot": "tgi_request_mean_time_per_token_duration",
     },
     "triton": {},
+    "llamacpp": {},
 }
 
 # What a sample name feeds: (a `_FIELDS` field or None, its scale, a histogram or None, the
@@ -380,8 +429,9 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
     samples = _selected_samples(chosen) if chosen else _parsed(text)
     dialect = hint if chosen else _detect(name for name, _, _ in samples)
     if dialect is None:
+        names = [_NAMES[d] for d in DIALECTS]
         raise MetricsPageInvalid(
-            "no vLLM, SGLang, TGI or Triton metrics on the page "
+            f"no {', '.join(names[:-1])} or {names[-1]} metrics on the page "
             f"({len(samples)} samples; expected names starting with "
             f"{', '.join(repr(p) for p in _DETECT.values())})"
         )
@@ -405,6 +455,7 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
     values: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = {}  # histogram -> le -> cumulative count
     totals: dict[tuple[str, str | None], float] = {}  # (histogram, count or sum) -> value
+    series: dict[str, int] = {}  # a _MEAN_FIELDS field -> the series summed into it
     read = _READ[dialect]
     for name, labels, value in samples:
         what = read.get(name)
@@ -426,7 +477,14 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
             # a bug, and would steer the weights (a negative latency wins every comparison).
             raise MetricsPageInvalid(f"{name}: value {value:g} is negative")
         if field is not None:
-            values[field] = values.get(field, 0.0) + value * scale
+            split = _BY_LABEL.get(name)
+            if split is not None:
+                label, fields_by_value = split
+                field = fields_by_value.get(labels.get(label, ""), field)
+            if field is not None:
+                values[field] = values.get(field, 0.0) + value * scale
+                if field in _MEAN_FIELDS:
+                    series[field] = series.get(field, 0) + 1
         if which is None:
             continue
         if part == "bucket":
@@ -442,16 +500,19 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
             counts[le] = counts.get(le, 0.0) + value
         else:
             totals[which, part] = totals.get((which, part), 0.0) + value
+    for field, n in series.items():
+        values[field] /= n
     if "kv_use" not in values and "kv_use_legacy" in values:
         values["kv_use"] = values["kv_use_legacy"]
     values.pop("kv_use_legacy", None)
-    # Newer vLLM renames the per-token histogram; when both are exported, use one, not a blend.
-    alt_sum, alt_count = (
-        values.pop("token_latency_sum_alt", None),
-        values.pop("token_latency_count_alt", None),
-    )
-    if "token_latency_count" not in values and alt_sum is not None and alt_count is not None:
-        values["token_latency_sum_s"], values["token_latency_count"] = alt_sum, alt_count
+    # vLLM 0.11 renamed the per-token histogram inter_token_latency (one observation per gap
+    # between tokens, as before); its request_time_per_output_token is each request's mean
+    # (one per request), the last resort. The first on the page is used, never a blend.
+    for suffix in ("_itl", "_alt"):
+        alt_sum = values.pop("token_latency_sum" + suffix, None)
+        alt_count = values.pop("token_latency_count" + suffix, None)
+        if "token_latency_count" not in values and alt_sum is not None and alt_count is not None:
+            values["token_latency_sum_s"], values["token_latency_count"] = alt_sum, alt_count
     if dialect == "triton" and "successes" in values:
         values["latency_count"] = values["successes"]
     if "kv_use" in values and values["kv_use"] > 1.0:
@@ -500,6 +561,20 @@ def _detect(names: Iterable[str]) -> str | None:
     return best if counts[best] else None
 
 
+# llama-server prints its values with 6 significant digits (a C++ stream's default), so a
+# reading is within half a step of the truth, the step being 1e-5 of its leading digit's place
+# (100 tokens past ten million, a second past 100,000 s). A mean is taken from deltas of at
+# least PRINTED_STEPS steps (so within 5%); smaller ones (a long-running server scraped every
+# second) wait for more: an unchanged sum over new tokens would otherwise read as infinitely fast.
+_SIX_DIGITS = frozenset({"llamacpp"})
+PRINTED_STEPS = 20
+
+
+def printed_step(x: float) -> float:
+    """The step between neighbouring values near `x` printed with 6 significant digits."""
+    return 10.0 ** (math.floor(math.log10(x)) - 5) if x > 0 and math.isfinite(x) else 0.0
+
+
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None  # a count delta of almost nothing: no mean to take
 
@@ -537,8 +612,15 @@ def derive(previous: ServerSample | None, current: ServerSample) -> LoadDelta:
         (current.token_latency_sum_s, current.token_latency_count),
     )
     token_mean = _finite(t_sum / t_count) if t_sum is not None and t_count else None
+    pending = False
+    if current.dialect in _SIX_DIGITS and t_sum is not None and t_count is not None:
+        assert current.token_latency_sum_s is not None and current.token_latency_count is not None
+        if t_sum < PRINTED_STEPS * printed_step(current.token_latency_sum_s) or (
+            t_count < PRINTED_STEPS * printed_step(current.token_latency_count)
+        ):
+            token_mean, pending = None, True
     d_ok = delta(previous.successes, current.successes) or 0.0
     d_fail = delta(previous.failures, current.failures) or 0.0
     done = d_ok + d_fail
     error_rate = d_fail / done if done else None
-    return LoadDelta(mean, error_rate, done if done else (d_count or 0.0), token_mean)
+    return LoadDelta(mean, error_rate, done if done else (d_count or 0.0), token_mean, pending)

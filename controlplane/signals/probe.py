@@ -9,7 +9,10 @@ receive with their share of the targets; `Prober` runs one probe.
 A gRPC health answer is mapped to the HTTP status the signal store understands: SERVING
 200, UNIMPLEMENTED (the server has no health service) 404, any other answer 503. No answer
 (refused, timeout, UNAVAILABLE) is an error, as for HTTP: the server is out of sight, not
-unready.
+unready. One refusal is told apart (`ProbeResult.serving_refused`): a connection refused
+on the port requests go to, which the proxies' connections would get too (a vLLM keeps its
+port closed while it loads); the store reads it as "not ready yet" for a server never seen
+ready.
 """
 
 from __future__ import annotations
@@ -24,9 +27,30 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from yarl import URL
 
 from controlplane.fleet.model import Fleet, format_address
+from controlplane.signals.stalls import MAX_EXTRA_S, LoopStalls, ScrapeTimeout
 
 EndpointKey = tuple[str, str]  # (model, address), as in signals.store
 MAX_PAGE_BYTES = 4 << 20  # a metrics page larger than this is refused, not buffered
+
+
+class Refusal(str):
+    """An error text that says the connection was refused: nothing listens on the port."""
+
+
+def _refused(e: BaseException) -> bool:
+    """Whether a connection attempt's error is a refusal (RST: the host is there, the port
+    closed), not a timeout or an unreachable network."""
+    seen: BaseException | None = e
+    for _ in range(4):  # aiohttp wraps the OSError; look a few causes down
+        if seen is None:
+            return False
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        os_error = getattr(seen, "os_error", None)
+        if isinstance(seen, aiohttp.ClientConnectorError) and isinstance(os_error, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,14 @@ def probes_of(fleet: Fleet) -> dict[EndpointKey, Probe]:
     return out
 
 
+def _on_serving_port(p: Probe, health_error: str | None, metrics_error: str | None) -> bool:
+    """Whether the probe that goes to the serving port was refused: health if probed there,
+    else the metrics page if it is served there."""
+    if p.health != "none":
+        return p.health_port is None and isinstance(health_error, Refusal)
+    return p.metrics and p.metrics_port is None and isinstance(metrics_error, Refusal)
+
+
 def at_port(address: str, port: int | None) -> str:
     """The address with its port replaced (`host:port`, `[v6]:port`); unchanged for None."""
     if port is None:
@@ -81,25 +113,43 @@ async def fetch(
     timeout: aiohttp.ClientTimeout,
     *,
     want_body: bool,
+    stalls: LoopStalls | None = None,
+    timeout_s: float | None = None,
 ) -> tuple[int | None, bytes | None, str | None]:
     """One GET: (status, body, error); error is set when no usable HTTP answer came in time.
-    A body over MAX_PAGE_BYTES is refused, not buffered."""
+    A body over MAX_PAGE_BYTES is refused, not buffered. With `stalls`, the GET has
+    `timeout_s` of the time its event loop could run (`timeout` is then the outer bound)."""
+    limit_s = timeout.total if timeout_s is None else timeout_s
     try:
-        async with session.get(url, timeout=timeout, ssl=False) as resp:  # https: not verified
-            if not want_body:
-                return resp.status, None, None
-            if resp.content_length is not None and resp.content_length > MAX_PAGE_BYTES:
-                return resp.status, None, f"page of {resp.content_length} bytes is over the limit"
-            body = await read_page(resp.content, MAX_PAGE_BYTES)
-            if body is None:
-                return resp.status, None, f"page is over the {MAX_PAGE_BYTES} byte limit"
-            return resp.status, body, None
+        if stalls is None:
+            return await _get(session, url, timeout, want_body)
+        result, _ = await stalls.within(_get(session, url, timeout, want_body), limit_s or 0.0)
+        return result
+    except ScrapeTimeout as e:
+        more = f" (and {e.extra_s:.1f}s more while the collector stood still)" if e.extra_s >= 0.05 else ""
+        return None, None, f"GET {path} timed out after {limit_s:g}s{more}"
     except TimeoutError:
-        return None, None, f"GET {path} timed out after {timeout.total:g}s"
+        return None, None, f"GET {path} timed out after {limit_s:g}s"
     except aiohttp.ClientError as e:
-        return None, None, f"GET {path} failed: {e.__class__.__name__}: {e}"
+        text = f"GET {path} failed: {e.__class__.__name__}: {e}"
+        return None, None, Refusal(text) if _refused(e) else text
     except OSError as e:
-        return None, None, f"GET {path} failed: {e}"
+        text = f"GET {path} failed: {e}"
+        return None, None, Refusal(text) if _refused(e) else text
+
+
+async def _get(
+    session: aiohttp.ClientSession, url: URL | str, timeout: aiohttp.ClientTimeout, want_body: bool
+) -> tuple[int | None, bytes | None, str | None]:
+    async with session.get(url, timeout=timeout, ssl=False) as resp:  # https: not verified
+        if not want_body:
+            return resp.status, None, None
+        if resp.content_length is not None and resp.content_length > MAX_PAGE_BYTES:
+            return resp.status, None, f"page of {resp.content_length} bytes is over the limit"
+        body = await read_page(resp.content, MAX_PAGE_BYTES)
+        if body is None:
+            return resp.status, None, f"page is over the {MAX_PAGE_BYTES} byte limit"
+        return resp.status, body, None
 
 
 async def read_page(content: aiohttp.StreamReader, limit: int) -> bytes | None:
@@ -130,6 +180,8 @@ class ProbeResult:
     metrics_status: int | None = None
     body: bytes | None = None
     metrics_error: str | None = None
+    # The probe of the serving port (health, else metrics, when on that port) was refused.
+    serving_refused: bool = False
 
     @property
     def reached(self) -> bool:
@@ -139,10 +191,12 @@ class ProbeResult:
 
 
 class Prober:
-    """Runs probes over one HTTP session and one gRPC channel per health target."""
+    """Runs probes over one HTTP session and one gRPC channel per health target. With
+    `stalls` (a collector's), an HTTP probe's timeout counts only the time the loop ran."""
 
-    def __init__(self, session: aiohttp.ClientSession) -> None:
+    def __init__(self, session: aiohttp.ClientSession, stalls: LoopStalls | None = None) -> None:
         self.session = session
+        self.stalls = stalls
         self._urls: dict[tuple[str, str, str], URL] = {}
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -167,13 +221,15 @@ class Prober:
         if health_first and p.health != "none":
             h_status, h_err = await self.health(address, p, timeout_s)
             if h_status is None:
-                return ProbeResult(None, h_err, None, None, h_err if p.metrics else None)
+                refused = _on_serving_port(p, h_err, None)
+                return ProbeResult(None, h_err, None, None, h_err if p.metrics else None, refused)
             m_status, body, m_err = await self.metrics(address, p, timeout_s)
             return ProbeResult(h_status, None, m_status, body, m_err)
         (h_status, h_err), (m_status, body, m_err) = await asyncio.gather(
             self.health(address, p, timeout_s), self.metrics(address, p, timeout_s)
         )
-        return ProbeResult(h_status, h_err, m_status, body, m_err)
+        refused = h_status is None and m_status is None and _on_serving_port(p, h_err, m_err)
+        return ProbeResult(h_status, h_err, m_status, body, m_err, refused)
 
     async def health(self, address: str, p: Probe, timeout_s: float) -> tuple[int | None, str | None]:
         if p.health == "none":
@@ -183,7 +239,7 @@ class Prober:
             return await self._grpc_health(target, p.grpc_service, timeout_s)
         status, _, error = await fetch(
             self.session, self._url("http", target, p.health_path), p.health_path, self._timeout(timeout_s),
-            want_body=False,
+            want_body=False, stalls=self.stalls, timeout_s=timeout_s,
         )  # fmt: skip
         return status, error
 
@@ -194,7 +250,10 @@ class Prober:
             return None, None, None
         target = at_port(address, p.metrics_port)
         url = self._url(p.metrics_scheme, target, p.metrics_path)
-        return await fetch(self.session, url, p.metrics_path, self._timeout(timeout_s), want_body=True)
+        return await fetch(
+            self.session, url, p.metrics_path, self._timeout(timeout_s), want_body=True,
+            stalls=self.stalls, timeout_s=timeout_s,
+        )  # fmt: skip
 
     async def _grpc_health(
         self, target: str, service: str, timeout_s: float
@@ -207,7 +266,9 @@ class Prober:
             r = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             if e.code() in _NO_ANSWER:
-                return None, f"gRPC health Check failed: {e.code().name}: {e.details()}"
+                text = f"gRPC health Check failed: {e.code().name}: {e.details()}"
+                refused = e.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in text.lower()
+                return None, Refusal(text) if refused else text
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return 404, None  # no health service: ready, as an HTTP server without /health
             return 503, None
@@ -225,5 +286,7 @@ class Prober:
     def _timeout(self, timeout_s: float) -> aiohttp.ClientTimeout:
         t = self._timeouts.get(timeout_s)
         if t is None:
-            t = self._timeouts[timeout_s] = aiohttp.ClientTimeout(total=timeout_s)
+            # With stalls, the running-time timeout is kept by `stalls.within`; this is its cap.
+            total = timeout_s + MAX_EXTRA_S if self.stalls is not None else timeout_s
+            t = self._timeouts[timeout_s] = aiohttp.ClientTimeout(total=total)
         return t

@@ -75,16 +75,24 @@ VLLM_FAMILIES: dict[str, tuple[str, ...]] = {
     "kv_use": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "latency_sum_s": ("vllm:e2e_request_latency_seconds_sum",),
     "latency_count": ("vllm:e2e_request_latency_seconds_count",),
-    "successes": ("vllm:request_success_total",),
+    # Only requests that finished with an answer (parse.py: abort and error are not successes).
+    "successes": ('vllm:request_success_total{finished_reason!~"abort|error"}',),
+    # vLLM 0.11 renamed the per-token histogram inter_token_latency; its per-request mean
+    # (request_time_per_output_token) is the last resort, as in parse.py.
     "token_latency_sum_s": (
         "vllm:time_per_output_token_seconds_sum",
+        "vllm:inter_token_latency_seconds_sum",
         "vllm:request_time_per_output_token_seconds_sum",
     ),
     "token_latency_count": (
         "vllm:time_per_output_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
         "vllm:request_time_per_output_token_seconds_count",
     ),
 }
+# Fields averaged over an endpoint's series rather than summed: a data-parallel vLLM prints
+# one KV gauge per engine, each a share of that engine's own pool (parse.py's _MEAN_FIELDS).
+MEAN_FIELDS = frozenset({"kv_use"})
 ANALYSIS_ONLY = ("successes",)  # asked only for models in a rollout (see analysed_addresses)
 VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 VLLM_BUCKET = "vllm:e2e_request_latency_seconds_bucket"
@@ -115,22 +123,33 @@ def build_queries(address_label: str, analysed: Iterable[str] = ()) -> tuple[Que
     """The round's queries: one per field, the sample times and, for the `analysed`
     addresses only (none asked when empty), the success counter and the latency histogram.
     Sums run in Prometheus, by address and model."""
-    by = f"sum by ({address_label}, {MODEL_LABEL})"
     addresses = sorted(set(analysed))
-    only = f"{{{address_label}=~{_string('|'.join(re.escape(a) for a in addresses))}}}"
+    only = f"{address_label}=~{_string('|'.join(re.escape(a) for a in addresses))}"
     out = []
     for name, metrics in VLLM_FAMILIES.items():
         if name in ANALYSIS_ONLY and not addresses:
             continue
+        by = f"{'avg' if name in MEAN_FIELDS else 'sum'} by ({address_label}, {MODEL_LABEL})"
         where = only if name in ANALYSIS_ONLY else ""
-        out.append(Query(name, " or ".join(f"{by} ({metric}{where})" for metric in metrics)))
+        out.append(Query(name, " or ".join(f"{by} ({_select(metric, where)})" for metric in metrics)))
     # One gauge's timestamp per group, the next where it lacks the first: timestamp() drops
     # the metric name, so several families in one timestamp() would collide.
     stamped = f"max by ({address_label}, {MODEL_LABEL})"
     out.append(Query(SAMPLE_TIME, " or ".join(f"{stamped} (timestamp({g}))" for g in VLLM_GAUGES)))
     if addresses:
-        out.append(Query(BUCKETS, f"sum by ({address_label}, {MODEL_LABEL}, le) ({VLLM_BUCKET}{only})"))
+        out.append(
+            Query(BUCKETS, f"sum by ({address_label}, {MODEL_LABEL}, le) ({_select(VLLM_BUCKET, only)})")
+        )
     return tuple(out)
+
+
+def _select(metric: str, matcher: str) -> str:
+    """A selector: `metric` (maybe with matchers already) with one more `matcher`, if any."""
+    if not matcher:
+        return metric
+    if metric.endswith("}"):
+        return f"{metric[:-1]},{matcher}}}"
+    return f"{metric}{{{matcher}}}"
 
 
 def analysed_addresses(fleet: Fleet) -> list[str]:
@@ -355,12 +374,16 @@ def convert(
                 )
                 if bad is not None:
                     why = f"{bad} is not a finite number"
-                    out.results[key] = ScrapeResult(metrics_error=f"Prometheus series for {addr}: {why}")
+                    out.results[key] = ScrapeResult(
+                        metrics_error=f"Prometheus series for {addr}: {why}", error_reason="unreadable"
+                    )
                     continue
             buckets: dict[float, float] | None = None
             if bad_histograms and any((addr, m) in bad_histograms for m in groups):
                 why = "a latency bucket count that is not a finite number"
-                out.results[key] = ScrapeResult(metrics_error=f"Prometheus series for {addr}: {why}")
+                out.results[key] = ScrapeResult(
+                    metrics_error=f"Prometheus series for {addr}: {why}", error_reason="unreadable"
+                )
                 continue
             if histogram:
                 buckets = {}
@@ -399,11 +422,12 @@ def _no_series(
     model, addr = key
     if any(key_of(addr, m) in c for c in columns for m in (model, None)):
         why = f"Prometheus has no {', '.join(VLLM_GAUGES)} with {address_label}={addr!r}: sample time unknown"
-        return ScrapeResult(metrics_error=why)
+        return ScrapeResult(metrics_error=why, error_reason="no_series")
     out.without_series.append(key)
     return ScrapeResult(
         metrics_error=f"Prometheus has no series with {address_label}={addr!r} "
-        "(not scraped, its scrape failing, or labelled otherwise)"
+        "(not scraped, its scrape failing, or labelled otherwise)",
+        error_reason="no_series",
     )
 
 
@@ -426,7 +450,9 @@ def _labelled(models: set[str | None], model: str, addr: str) -> tuple[str | Non
     labelled = sorted(m for m in models if m is not None)
     if len(labelled) > 1:
         why = f"labels models {', '.join(labelled)}, none of them {model!r}"
-        return None, ScrapeResult(metrics_error=f"Prometheus series for {addr}: {why}")
+        return None, ScrapeResult(
+            metrics_error=f"Prometheus series for {addr}: {why}", error_reason="unreadable"
+        )
     return (labelled[0] if labelled else None), None
 
 

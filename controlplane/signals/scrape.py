@@ -14,7 +14,7 @@ import aiohttp
 
 from controlplane.fleet.model import Fleet
 from controlplane.signals.probe import Probe, Prober, probes_of
-from controlplane.signals.store import EndpointKey, ScrapeResult
+from controlplane.signals.store import EndpointKey, ScrapeResult, fetch_error_reason
 
 
 def scrape_targets(fleet: Fleet) -> list[EndpointKey]:
@@ -62,8 +62,10 @@ class Scraper:
     async def _scrape(self, address: str, probe: Probe) -> ScrapeResult:
         r = await self._client().probe(address, probe, self.timeout_s)
         m_err = r.metrics_error
+        reason = None if m_err is None else fetch_error_reason(r.metrics_status)
         if m_err is None and r.metrics_status is not None and r.metrics_status != 200:
             m_err = f"GET {probe.metrics_path} answered HTTP {r.metrics_status}"
+            reason = "http_error"
         text = r.body.decode("utf-8", errors="replace") if r.body is not None and m_err is None else None
         return ScrapeResult(
             health_status=r.health_status,
@@ -71,6 +73,8 @@ class Scraper:
             metrics_text=text,
             metrics_error=m_err,
             reached=r.reached,
+            error_reason=reason,
+            serving_refused=r.serving_refused,
         )
 
 

@@ -12,12 +12,19 @@ Rules (docs/signals.md):
   after `UNREACHABLE_AFTER` such scrapes in a row the endpoint is *out of sight*
   (`EndpointLoad.in_sight`). Whether an endpoint out of sight is held out is decided per
   cluster (balancing/sight.py): the control plane losing sight of servers must not take
-  them out of the proxies' hands. An endpoint never scraped yet is assumed ready.
+  them out of the proxies' hands. An endpoint never scraped yet is assumed ready. One
+  refusal is a verdict: an endpoint never seen ready whose serving port refuses connections
+  (`ScrapeResult.serving_refused`) is not ready, and in sight: it is not up yet.
 - An answer to either probe (health or metrics, even an HTTP error) brings it back in sight.
 - A ready endpoint seen turning ready (not at first sight) gets `ready_for_s` from that
   moment, for the slow-start ramp.
 - A page that cannot be parsed counts a scrape error and leaves the last good sample in
-  place, so its age grows and the policy fades it towards capacity only.
+  place, so its age grows and the policy fades it towards capacity only. Every scrape error
+  is counted by its reason class (`SCRAPE_ERROR_REASONS`), and the last scrape's error stays
+  shown (`EndpointSignals.scrape_error`) until a page is read again.
+- A figure never read is None in the load, never 0: no sample, or a sample without it (a
+  dialect that has no KV gauge), and for running no proxy's report either. The policies
+  weigh it as 0 (`load.counted`), as they did before unknown was told apart.
 - Latency and error rate are EWMAs over scrape intervals with completions. The error rate
   is the worse of the server's own counters and the proxies' LRS error share.
 """
@@ -38,6 +45,28 @@ PEAK_GROWTH_FLOOR = 8.0  # ...and grows per sample to at most twice itself, or t
 
 EndpointKey = tuple[str, str]  # (model, address)
 
+# Why a scrape read no load (ScrapeResult.error_reason, controlplane_version_scrape_errors_total):
+# unreachable: /metrics gave no HTTP answer (refused, timed out); http_error: it answered a
+# status other than 200; no_dialect: a page with none of the known servers' metrics (a
+# server of no supported kind, or a wrong metrics path that serves another exporter);
+# unreadable: any other page refused (not Prometheus text, a value refused, none of the
+# model's figures, over the size limit); no_series: the Prometheus source has no usable
+# series for the endpoint. A source that does not say counts as "other".
+SCRAPE_ERROR_REASONS = ("unreachable", "http_error", "no_dialect", "unreadable", "no_series")
+
+
+def page_error_reason(e: MetricsPageInvalid) -> str:
+    """The reason class of a page parse_metrics refused: no_dialect or unreadable."""
+    # parse.py says "no vLLM, SGLang, ... metrics on the page (N samples; ...)" (a test holds it).
+    text = str(e)
+    return "no_dialect" if text.startswith("no ") and " metrics on the page (" in text else "unreadable"
+
+
+def fetch_error_reason(metrics_status: int | None) -> str:
+    """The reason class of a metrics fetch that brought no page (the probe's error set): no
+    HTTP answer is unreachable; an answer refused (a page over the size limit) unreadable."""
+    return "unreachable" if metrics_status is None else "unreadable"
+
 
 @dataclass(frozen=True)
 class ScrapeResult:
@@ -55,6 +84,10 @@ class ScrapeResult:
     # Whether any probe got an answer (an HTTP error status counts): the server is in sight.
     # None: the source cannot tell (Prometheus); then only the health probe says.
     reached: bool | None = None
+    # The class of metrics_error (SCRAPE_ERROR_REASONS); None with an error: "other".
+    error_reason: str | None = None
+    # The probe of the port requests go to was refused: nothing listens there yet.
+    serving_refused: bool = False
 
 
 @dataclass
@@ -94,20 +127,31 @@ class EndpointSignals:
     sample_at: float | None = None
     latency_s: float | None = None
     token_latency_s: float | None = None  # time per output token: how fast a request runs here
-    error_rate: float = 0.0
+    error_rate: float = 0.0  # EWMA from 0, as the weights always took it...
+    error_rate_read: bool = False  # ...but unknown (None in the load) until a figure came
     throughput: float | None = None  # learnt: completions/s per running request x peak running
     peak_running: float = 0.0
     slots: float | None = None  # the most seen running while requests also waited (autoscaling)
     ready: bool | None = None  # the server's last verdict; None: none yet
+    seen_ready: bool = False  # it has answered ready at least once
+    health_probed: bool = False  # a health probe was ever sent (answered or not)
     ready_since: float | None = None  # when it was seen turning ready
     unreachable: int = 0  # scrapes in a row that got no answer from any probe
     out_of_sight_since: float | None = None  # when it went out of sight (None: in sight)
     scrape_errors: int = 0
+    scrape_errors_by_reason: dict[str, int] = field(default_factory=dict)
+    # The last scrape's error while it is the last outcome (cleared when a page is read):
+    # what an operator needs to know why the signals age (cpctl endpoints list, explain).
+    scrape_error: str | None = None
+    scrape_error_reason: str | None = None
     last_error: str | None = None
     lrs: dict[str, _LrsEntry] = field(default_factory=dict)  # by proxy node id
     lrs_ok_total: float = 0.0  # summed over every report of every proxy
     lrs_failed_total: float = 0.0
     completed_total: float = 0.0  # requests the server's own counters say it finished
+    # The sample the next time per output token is measured from, when not the last one: its
+    # counters have not yet moved enough to be read precisely (parse.LoadDelta).
+    token_base: ServerSample | None = None
 
 
 class SignalStore:
@@ -132,8 +176,7 @@ class SignalStore:
         sig = self._get(key)
         self._record_health(sig, result, now)
         if result.metrics_error is not None:
-            sig.scrape_errors += 1
-            sig.last_error = result.metrics_error
+            self._scrape_failed(sig, result.metrics_error, result.error_reason or "other")
             return
         sample = result.sample
         if sample is None:
@@ -142,9 +185,9 @@ class SignalStore:
             try:
                 sample = parse_metrics(result.metrics_text, key[0])
             except MetricsPageInvalid as e:
-                sig.scrape_errors += 1
-                sig.last_error = f"unreadable metrics page: {e}"
+                self._scrape_failed(sig, f"unreadable metrics page: {e}", page_error_reason(e))
                 return
+        sig.scrape_error = sig.scrape_error_reason = None
         now -= max(0.0, result.age_s)
         if sig.sample_at is not None and now <= sig.sample_at:
             return  # not newer than what is held (a source that answers with the same sample)
@@ -153,16 +196,29 @@ class SignalStore:
         self._learn_throughput(sig, sample, delta.completed, now)
         if delta.mean_latency_s is not None:
             sig.latency_s = _ewma(sig.latency_s, delta.mean_latency_s)
-        if delta.mean_token_latency_s is not None:
-            sig.token_latency_s = _ewma(sig.token_latency_s, delta.mean_token_latency_s)
+        tokens = delta if sig.token_base is None else derive(sig.token_base, sample)
+        if tokens.mean_token_latency_s is not None:
+            sig.token_latency_s = _ewma(sig.token_latency_s, tokens.mean_token_latency_s)
+        if not tokens.token_latency_pending:
+            sig.token_base = None
+        elif sig.token_base is None:
+            sig.token_base = sig.sample
         if delta.error_rate is not None:
             sig.error_rate = _ewma(sig.error_rate, delta.error_rate) or 0.0
+            sig.error_rate_read = True
         if sample.waiting and sample.running:
             # Requests wait only when every slot is taken: what runs then is its slot count.
             sig.slots = max(sig.slots or 0.0, sample.running)
         sig.sample = sample
         sig.sample_at = now
         sig.last_error = None
+
+    @staticmethod
+    def _scrape_failed(sig: EndpointSignals, error: str, reason: str) -> None:
+        sig.scrape_errors += 1
+        sig.scrape_errors_by_reason[reason] = sig.scrape_errors_by_reason.get(reason, 0) + 1
+        sig.scrape_error, sig.scrape_error_reason = error, reason
+        sig.last_error = error
 
     @staticmethod
     def _learn_throughput(sig: EndpointSignals, sample: ServerSample, completed: float, now: float) -> None:
@@ -217,10 +273,22 @@ class SignalStore:
 
     def _record_health(self, sig: EndpointSignals, result: ScrapeResult, now: float) -> None:
         answered = result.reached
+        if result.health_status is not None or result.health_error is not None:
+            sig.health_probed = True
         if answered is None:
             if result.health_status is None and result.health_error is None:
                 return  # nothing about reachability (probes off, or Prometheus without health)
             answered = result.health_status is not None
+        if not answered and result.serving_refused and not sig.seen_ready:
+            # Never seen ready, and its serving port refuses: it is not up yet (a vLLM
+            # loading), and the proxies' connections would be refused too. Not ready, in sight.
+            sig.unreachable = 0
+            sig.out_of_sight_since = None
+            sig.ready = False
+            sig.ready_since = None
+            why = result.health_error or result.metrics_error
+            sig.last_error = f"not serving yet (never seen ready): {why}"
+            return
         if answered:
             sig.unreachable = 0
             sig.out_of_sight_since = None
@@ -234,6 +302,7 @@ class SignalStore:
         was = sig.ready
         ready = 200 <= result.health_status < 300 or result.health_status == 404
         sig.ready = ready
+        sig.seen_ready = sig.seen_ready or ready
         if ready and was is False:
             sig.ready_since = now
         elif not ready:
@@ -245,6 +314,19 @@ class SignalStore:
         metrics page)."""
         sig = self.endpoints.get(key)
         return sig is not None and (sig.ready is not None or sig.sample_at is not None)
+
+    def seen_ready(self, key: EndpointKey) -> bool:
+        """Whether the server has been seen ready: a ready health answer at least once, or,
+        for a server whose health is not probed (health off, the Prometheus source), a page
+        read. A page read while the health probe goes unanswered is not enough: a server
+        loading its model may serve /metrics before its API (a separate metrics port, the
+        emulator), and its health probe may time out on a loaded machine."""
+        sig = self.endpoints.get(key)
+        if sig is None:
+            return False
+        if sig.health_probed:
+            return sig.seen_ready
+        return sig.seen_ready or sig.sample_at is not None
 
     def out_of_sight(self, key: EndpointKey) -> bool:
         """Whether the endpoint's probes have gone unanswered UNREACHABLE_AFTER times in a row."""
@@ -282,8 +364,12 @@ class SignalStore:
             lrs_failed=sig.lrs_failed_total,
             dialect=s.dialect if s is not None else None,
             # TGI and Triton count failures even before the page has the counter (TGI's
-            # appears with the first failure).
+            # appears with the first failure). vLLM's finished_reason="error" counts only
+            # requests that failed inside the engine, not those answered 500 before (a
+            # crash, a refused body, an emulated fault): a failing canary can still go
+            # unseen, so it is not a failure count the rollout may rely on.
             server_counts_failures=s is not None
+            and s.dialect != "vllm"
             and (s.failures is not None or s.dialect in ("tgi", "triton")),
             lrs_reported_at=max((e.at for e in sig.lrs.values()), default=None),
         )
@@ -307,22 +393,25 @@ class SignalStore:
         )
 
     def load(self, key: EndpointKey, capacity: float, now: float) -> EndpointLoad:
-        """The endpoint's load as the policies see it."""
+        """The endpoint's load as the policies see it; a figure never read is None."""
         sig = self.endpoints.get(key) or EndpointSignals()
         in_progress, _, ok, failed = self.lrs_totals(key, now)
         s = sig.sample
-        lrs_errors = failed / (ok + failed) if ok + failed else 0.0
-        running = s.running if s is not None and s.running is not None else in_progress
+        reported = any(now - e.at <= LRS_MAX_AGE_S for e in sig.lrs.values())
+        running = s.running if s is not None and s.running is not None else in_progress if reported else None
+        rates = [sig.error_rate] if sig.error_rate_read else []
+        if ok + failed:
+            rates.append(failed / (ok + failed))
         ready_for = math.inf if sig.ready_since is None else max(0.0, now - sig.ready_since)
         return EndpointLoad(
             address=key[1],
             ready=sig.ready is not False,
             running=running,
-            waiting=(s.waiting or 0.0) if s is not None else 0.0,
-            kv_use=(s.kv_use or 0.0) if s is not None else 0.0,
+            waiting=s.waiting if s is not None else None,
+            kv_use=s.kv_use if s is not None else None,
             latency_s=sig.latency_s,
             token_latency_s=sig.token_latency_s,
-            error_rate=max(sig.error_rate, lrs_errors),
+            error_rate=max(rates, default=None),
             age_s=math.inf if sig.sample_at is None else max(0.0, now - sig.sample_at),
             capacity=capacity,
             ready_for_s=ready_for,

@@ -126,3 +126,49 @@ def test_requests_for_a_loading_model_wait_and_are_answered_once_it_is_warm(tmp_
         cp.stop()
         warm.stop()
         never.stop()
+
+
+def test_a_server_whose_port_is_closed_at_start_gets_no_request_and_its_requests_are_held(
+    tmp_path: Path,
+) -> None:
+    """A vLLM keeps its port closed while it loads (no 503, unlike llama.cpp). Before, a
+    control plane started beside it kept it in service, "out of sight, serving on its last
+    verdict" though no verdict had ever been given, and requests failed with 503 upstream
+    connect error after two retries. Now it is not ready yet: requests are held and answered
+    once it listens and says it is ready."""
+    port = free_port()
+    listener = free_port()
+    config = tmp_path / "fleet.yaml"
+    config.write_text(
+        f"listener: {{port: {listener}}}\n"
+        "tiers: {small: {}}\n"
+        "models:\n"
+        f"  llama: {{params_b: 8, stable: v1, versions: {{v1: {{endpoints: ['127.0.0.1:{port}']}}}}}}\n"
+    )
+    cp = ControlPlane(config, tmp_path)
+    envoy = Envoy("envoy-1", cp.xds, tmp_path, listener)
+    server: Emulator | None = None
+    try:
+        cp.start()
+        envoy.start()
+        result: list[list[tuple[float, Reply]]] = []
+        asker = threading.Thread(target=lambda: result.append(_concurrently(listener, "llama", 3)))
+        asker.start()
+        time.sleep(3.0)  # the requests wait; nothing listens yet
+        assert asker.is_alive(), "the requests were answered before any server listened"
+        assert cp.metric("controlplane_held_requests", model="llama") == 3
+        assert (
+            cp.metric("controlplane_endpoints_out_of_sight", model="llama", version="v1", decision="kept")
+            == 0
+        )
+        server = Emulator("late", tmp_path, "llama", port=port, decode_ms_per_token=2)
+        asker.join(40)
+        [replies] = result
+        assert [r.status for _, r in replies] == [200] * 3, [(r.status, r.body[:200]) for _, r in replies]
+        assert all(t > 3.0 for t, _ in replies), [t for t, _ in replies]
+        print(f"3 requests held {min(t for t, _ in replies):.1f}-{max(t for t, _ in replies):.1f}s")
+    finally:
+        envoy.stop()
+        cp.stop()
+        if server is not None:
+            server.stop()

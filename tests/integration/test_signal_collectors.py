@@ -140,8 +140,15 @@ def test_collectors_scrape_outside_wait_one_timeout_back_off_and_are_replaced(se
             assert len(first) < len(targets)
             live = {("m", servers.address(s)): i for i, s in enumerate(servers.live)}
             for key, waiting in live.items():
-                if key in first:  # those that got a slot in the first wave
-                    assert first[key].sample is not None and first[key].sample.waiting == waiting
+                # Those that got a slot in the first wave read right. A niced collector opening
+                # 128 connections on a busy machine may not read a live one within 0.5 s: then
+                # it says so as a timeout, never as a wrong sample (the rounds below must read
+                # every live one right, five times).
+                r = first.get(key)
+                if r is not None and r.sample is not None:
+                    assert r.sample.waiting == waiting
+                elif r is not None:
+                    assert "timed out" in (r.metrics_error or r.health_error or ""), r
             for addr in servers.refused:
                 if ("m", addr) in first:
                     assert first[("m", addr)].health_error is not None
@@ -157,9 +164,11 @@ def test_collectors_scrape_outside_wait_one_timeout_back_off_and_are_replaced(se
             ):
                 await asyncio.sleep(0.1)
                 got = await pool.collect(fleet, targets)
-                for key in got:
+                for key, r in got.items():
                     if key in seen:
-                        seen[key] += 1
+                        if r.sample is not None:
+                            assert r.sample.waiting == live[key], r
+                            seen[key] += 1
                     elif key[1] in servers.refused and elapsed < 6:
                         refused_attempts += 1
             assert all(n >= 5 for n in seen.values()), seen
@@ -248,7 +257,7 @@ def test_the_version_ttft_histogram_is_merged_from_its_servers(tmp_path: Path) -
         counts = [cp.metric(f"{ttft}_bucket", le=le, **version) for le in les]
         assert counts == sorted(counts) and counts[-1] <= served
         # TPOT: one observation per output token after the first, as the servers count them.
-        per_token = sum(_count_on(s, "vllm:time_per_output_token_seconds") for s in servers)
+        per_token = sum(_count_on(s, "vllm:inter_token_latency_seconds") for s in servers)
         assert per_token == served * 2
         wait_until(lambda: cp.metric(f"{tpot}_count", **version) == per_token, 5, "TPOT _count")
     finally:

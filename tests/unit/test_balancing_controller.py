@@ -1,5 +1,6 @@
 """The weight loop's shell over a real reconciler and a signal source swapped at its seam:
-its liveness (rounds counted, last success) and the series it leaves when the fleet shrinks."""
+its liveness (rounds counted, last success), the series it leaves when the fleet shrinks, the
+figures never read (no series) and the scrape errors counted per version by reason."""
 
 from __future__ import annotations
 
@@ -192,3 +193,148 @@ def test_held_requests_of_a_removed_model_never_read_negative(held: int) -> None
     for _ in range(held):
         hold._release("b")
     assert value(metrics, "controlplane_held_requests", model="b") in (None, 0)
+
+
+NODE_EXPORTER = "# TYPE node_cpu_seconds_total counter\nnode_cpu_seconds_total 12.5\n"
+
+
+def test_a_figure_never_read_has_no_series_rather_than_a_zero() -> None:
+    async def body() -> None:
+        weights, source, metrics = controller()
+        source.results = {
+            ("a", "127.0.0.11:8000"): busy(2, 0),  # no KV gauge on its page
+            ("a", "127.0.0.12:8000"): ScrapeResult(health_status=200, metrics_text=NODE_EXPORTER),
+        }
+        await weights.one_round()
+        one = {"model": "a", "version": "v1", "endpoint": "127.0.0.11:8000"}
+        other = {**one, "endpoint": "127.0.0.12:8000"}
+        assert value(metrics, "controlplane_endpoint_running", **one) == 2
+        assert value(metrics, "controlplane_endpoint_waiting", **one) == 0
+        for name in ("running", "waiting", "kv_cache_usage_ratio", "latency_seconds", "error_ratio"):
+            assert value(metrics, f"controlplane_endpoint_{name}", **other) is None, name
+        for name in ("kv_cache_usage_ratio", "latency_seconds", "error_ratio"):
+            assert value(metrics, f"controlplane_endpoint_{name}", **one) is None, name
+        assert "NaN" not in generate_latest(metrics.registry).decode()
+        # What is known still shows for both.
+        assert value(metrics, "controlplane_endpoint_weight", **other) is not None
+        assert value(metrics, "controlplane_endpoint_scrape_errors_total", **other) == 1
+
+    asyncio.run(body())
+
+
+def test_scrape_errors_count_per_version_by_reason_and_never_go_down() -> None:
+    async def body() -> None:
+        weights, source, metrics = controller()
+
+        def errors(reason: str) -> float | None:
+            return value(
+                metrics, "controlplane_version_scrape_errors_total", model="a", version="v1", reason=reason
+            )
+
+        source.results = {
+            ("a", "127.0.0.11:8000"): ScrapeResult(health_status=200, metrics_text=NODE_EXPORTER),
+            ("a", "127.0.0.12:8000"): ScrapeResult(
+                health_status=503, metrics_error="GET /metrics answered HTTP 503", error_reason="http_error"
+            ),
+        }
+        await weights.one_round()
+        assert (errors("no_dialect"), errors("http_error")) == (1, 1)
+        # Every reason is there from the start, at 0.
+        assert (errors("unreachable"), errors("unreadable"), errors("no_series")) == (0, 0, 0)
+        await weights.one_round()
+        assert (errors("no_dialect"), errors("http_error")) == (2, 2)
+        # An endpoint leaving takes nothing back from its version's count.
+        weights.reconciler.set_fleet(parse_fleet(FLEET.replace(', "127.0.0.12:8000"', "")))
+        await weights.one_round()
+        assert (errors("no_dialect"), errors("http_error")) == (3, 2)
+        # A page read again: no new error.
+        source.results = {("a", "127.0.0.11:8000"): busy(1, 0)}
+        await weights.one_round()
+        assert errors("no_dialect") == 3
+
+    asyncio.run(body())
+
+
+def test_a_joined_server_whose_page_answers_but_health_does_not_is_held_until_seen_ready() -> None:
+    """A server added after the first round is held out until a health probe has seen it
+    ready: its /metrics answering while the health probe times out (a loading server on a
+    loaded machine, a CI run) is heard, not seen ready; it was put in service on that."""
+
+    async def body() -> None:
+        weights, source, _ = controller()
+        old = {("a", "127.0.0.11:8000"): busy(0, 0), ("a", "127.0.0.12:8000"): busy(0, 0)}
+        source.results = dict(old)
+        await weights.one_round()
+        new = ("a", "127.0.0.13:8000")
+        weights.reconciler.set_fleet(
+            parse_fleet(FLEET.replace('"127.0.0.12:8000"]', '"127.0.0.12:8000", "127.0.0.13:8000"]'))
+        )
+        idle = ServerSample("vllm", running=0, waiting=0)
+        page_only = ScrapeResult(health_error="timeout after 0.25 s", sample=idle, reached=True)
+        source.results = {**old, new: page_only}
+        for _ in range(3):
+            await weights.one_round()
+            assert weights.reconciler.weights["a@v1"].get(new[1], 0) == 0, weights.reconciler.weights
+        source.results = {**old, new: ScrapeResult(health_status=503, sample=idle)}
+        await weights.one_round()
+        assert weights.reconciler.weights["a@v1"].get(new[1], 0) == 0
+        source.results = {**old, new: busy(0, 0)}
+        await weights.one_round()
+        assert weights.reconciler.weights["a@v1"][new[1]] > 0
+        # Seen ready once, a health probe unanswered later is no verdict: it keeps serving.
+        source.results = {**old, new: page_only}
+        await weights.one_round()
+        assert weights.reconciler.weights["a@v1"][new[1]] > 0
+
+    asyncio.run(body())
+
+
+THREE = FLEET.replace('"127.0.0.12:8000"]', '"127.0.0.12:8000", "127.0.0.13:8000"]')
+A1, A2, A3 = (("a", f"127.0.0.1{i}:8000") for i in (1, 2, 3))
+
+
+def weight(weights: WeightController, key: EndpointKey) -> int:
+    return weights.reconciler.weights["a@v1"].get(key[1], 0)
+
+
+def test_a_first_round_server_not_heard_is_held_while_the_rest_of_its_cluster_is_seen_ready() -> None:
+    """The first snapshot waits one scrape timeout for first signals; on a loaded machine a
+    loading server may not have answered by then. It is held out (not served on the benefit
+    of the doubt) while the others of its cluster are seen ready and it is at most half."""
+
+    async def body() -> None:
+        weights, source, _ = controller(THREE)
+        source.results = {A1: busy(0, 0), A2: busy(0, 0)}  # A3 not heard in time
+        await weights.one_round()
+        assert weight(weights, A3) == 0 and weight(weights, A1) > 0 and weight(weights, A2) > 0
+        source.results[A3] = ScrapeResult(health_status=503)  # loading
+        await weights.one_round()
+        assert weight(weights, A3) == 0
+        source.results[A3] = busy(0, 0)
+        await weights.one_round()
+        assert weight(weights, A3) > 0
+
+    asyncio.run(body())
+
+
+def test_first_round_servers_not_heard_keep_the_benefit_of_the_doubt_when_they_are_most() -> None:
+    """A control plane started into a fleet it mostly cannot see (a partition, a firewalled
+    probe path) must not pile every request onto the few it sees; one that sees nothing
+    holds nothing."""
+
+    async def body() -> None:
+        weights, source, _ = controller(THREE)
+        source.results = {A1: busy(0, 0)}  # two of three not heard
+        await weights.one_round()
+        assert all(weight(weights, k) > 0 for k in (A1, A2, A3))
+        weights, source, _ = controller(THREE)  # nothing heard at all
+        await weights.one_round()
+        assert all(weight(weights, k) > 0 for k in (A1, A2, A3))
+        # One heard not ready does not count among the doubted: the other unheard one is
+        # alone in the doubt, at most half, and held.
+        weights, source, _ = controller(THREE)
+        source.results = {A1: busy(0, 0), A2: ScrapeResult(health_status=503)}
+        await weights.one_round()
+        assert weight(weights, A1) > 0 and weight(weights, A2) == 0 and weight(weights, A3) == 0
+
+    asyncio.run(body())

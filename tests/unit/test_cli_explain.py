@@ -1,6 +1,7 @@
 """`controlplane explain`: sources of each setting, memory and EDS placement, the Envoy side,
-exit codes, the JSON shape and the live rollout; and the conventions it shares with
-`check-config` and `import`: -o table|json|yaml, --config FILE, `-` for standard input."""
+exit codes, the JSON shape, the live rollout and the endpoints' live loads; and the
+conventions it shares with `check-config` and `import`: -o table|json|yaml, --config FILE,
+`-` for standard input."""
 
 from __future__ import annotations
 
@@ -21,15 +22,17 @@ import yaml
 from controlplane.cli import cpctl_output as out
 from controlplane.cli.explain import (
     LIVE_DEADLINE_S,
+    LiveLoads,
     LiveRollout,
     UnknownModel,
     explain,
+    fetch_loads,
     fetch_rollout,
     render_text,
 )
 from controlplane.cli.main import main
 from controlplane.fleet import FleetConfigInvalid, load_fleet, parse_fleet
-from controlplane.v1 import rollout_pb2, rollout_pb2_grpc
+from controlplane.v1 import endpoint_pb2, endpoint_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 FLEET = """\
 listener: {port: 10000}
@@ -75,6 +78,21 @@ models:
           - {address: 10.0.1.1:8000, gpu: H100, gpu_memory_gb: 192}
           - {address: 10.0.1.2:8000, gpu: A100}
 """
+
+
+NOT_ASKED = "the loads are not asked in these tests"
+
+
+@pytest.fixture(autouse=True)
+def no_live_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """explain asks the control plane for every model's loads: not whatever may listen on the
+    default address while the unit tests run (the tests of fetch_loads put it back)."""
+    import controlplane.cli.explain as explain_module
+
+    def stub(model: str, server: str | None, token_file: Path | None) -> LiveLoads:
+        return LiveLoads(server or "127.0.0.1:18001", error=NOT_ASKED)
+
+    monkeypatch.setattr(explain_module, "fetch_loads", stub)
 
 
 def explained(text: str, model: str, *, with_raw: bool = True) -> dict[str, Any]:
@@ -367,9 +385,12 @@ def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "memory",
         "failover",
         "rollout",
+        "loads",
         "versions",
         "warnings",
     ]
+    assert data["loads"] == {"asked": True, "server": "127.0.0.1:18001", "error": NOT_ASKED}
+    assert [v["live"] for v in data["versions"]] == [None]
     assert data["schema"] == 1
     assert data["settings"]["max_body_bytes"] == {
         "value": 1000,
@@ -868,12 +889,54 @@ class FakeRollouts(rollout_pb2_grpc.RolloutServiceServicer):
         raise AssertionError("unreachable")
 
 
+NO_DIALECT = (
+    "unreadable metrics page: no vLLM, SGLang, TGI, Triton or llama.cpp metrics on the page "
+    "(15 samples; expected names starting with 'vllm:', ...)"
+)
+
+
+def chat_endpoints() -> list[endpoint_pb2.Endpoint]:
+    """chat's endpoints as the operator API lists them: one whose page is of no known dialect
+    (nothing read), one llama.cpp server under load (no KV gauge), one of v2 idle."""
+    return [
+        endpoint_pb2.Endpoint(
+            model="chat", version="v1", address="127.0.10.1:8000", state="SERVING", weight=100, sight="SEEN",
+            signal_age_seconds=-1, scrape_error=NO_DIALECT, scrape_error_reason="no_dialect",
+        ),
+        endpoint_pb2.Endpoint(
+            model="chat", version="v1", address="127.0.10.2:8000", state="SERVING", weight=40, sight="SEEN",
+            running=4, waiting=4, in_flight=4, error_rate=0, signal_age_seconds=0.5,
+        ),
+        endpoint_pb2.Endpoint(
+            model="chat", version="v2", address="127.0.10.4:8000", state="SERVING", weight=100, sight="SEEN",
+            running=0, waiting=0, kv_use=0, in_flight=0, latency_seconds=0.25, error_rate=0,
+            signal_age_seconds=0.5,
+        ),
+    ]  # fmt: skip
+
+
+class FakeEndpoints(endpoint_pb2_grpc.EndpointServiceServicer):
+    """The operator API's List, enough for explain."""
+
+    def List(
+        self, request: endpoint_pb2.ListEndpointsRequest, context: grpc.ServicerContext
+    ) -> endpoint_pb2.ListEndpointsResponse:
+        if dict(context.invocation_metadata()).get("authorization") != "Bearer secret":
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "the token is not valid")
+        if request.model not in ("chat", "big"):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model!r}")
+        return endpoint_pb2.ListEndpointsResponse(
+            endpoints=[e for e in chat_endpoints() if e.model == request.model]
+        )
+
+
 @pytest.fixture(scope="module")
 def operator_api() -> Iterator[str]:
     from concurrent import futures
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(FakeRollouts(), server)
+    endpoint_pb2_grpc.add_EndpointServiceServicer_to_server(FakeEndpoints(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
@@ -946,3 +1009,127 @@ def test_explain_cli_against_the_operator_api(
     doc = json.loads(capsys.readouterr().out)
     assert doc["rollout"]["error"].startswith("no control plane answered at 127.0.0.1:")
     assert [v["traffic_percent"] for v in doc["versions"]] == [None, None]
+
+
+# ---- the endpoints' live loads ---------------------------------------------------------------
+
+
+def chat_loads() -> LiveLoads:
+    return LiveLoads("127.0.0.1:18001", tuple(out.endpoint_to_dict(e) for e in chat_endpoints()))
+
+
+def test_live_loads_show_unknown_never_zero_and_why_a_page_reads_no_load() -> None:
+    fleet = parse_fleet(FLEET, "fleet.yaml")
+    e = explain(fleet, "chat", yaml.safe_load(FLEET), None, chat_loads())
+    assert e["loads"] == {"asked": True, "server": "127.0.0.1:18001", "error": None}
+    v1, v2 = e["versions"]
+    assert [x["address"] for x in v1["live"]] == ["127.0.10.1:8000", "127.0.10.2:8000"]
+    assert [x["address"] for x in v2["live"]] == ["127.0.10.4:8000"]
+    never, busy = v1["live"]
+    figures = ("running", "waiting", "kv_use", "latency_seconds", "error_rate")
+    assert [never[k] for k in figures] == [None] * 5
+    assert [busy[k] for k in figures] == [4, 4, None, None, 0]
+    assert (never["scrape_error"], never["scrape_error_reason"]) == (NO_DIALECT, "no_dialect")
+    assert json.loads(json.dumps(e))["versions"][0]["live"][0]["kv_use"] is None
+    lines = lines_of(e)
+    assert (
+        "  loads     live from 127.0.0.1:18001, per version below  (`cpctl endpoints list --model chat`)"
+        in lines
+    )
+    live_rows = [line.split() for line in lines if line.startswith("  127.0.10.") and "SERVING" in line]
+    assert live_rows[0] == [
+        "127.0.10.1:8000",
+        "SERVING",
+        "100",
+        *["unknown"] * 3,
+        "0",
+        *["unknown"] * 2,
+        "never",
+        "read",
+    ]
+    assert live_rows[1] == [
+        "127.0.10.2:8000",
+        "SERVING",
+        "40",
+        "4",
+        "4",
+        "unknown",
+        "4",
+        "unknown",
+        "0.00%",
+        "500ms",
+    ]
+    assert live_rows[2] == [
+        "127.0.10.4:8000",
+        "SERVING",
+        "100",
+        "0",
+        "0",
+        "0.00%",
+        "0",
+        "250ms",
+        "0.00%",
+        "500ms",
+    ]
+    assert f"  - 127.0.10.1:8000: last scrape read no load (no_dialect): {NO_DIALECT}" in lines
+
+
+def test_loads_not_asked_or_not_known_say_so_in_one_line() -> None:
+    fleet = parse_fleet(FLEET, "fleet.yaml")
+    offline = explain(fleet, "big", yaml.safe_load(FLEET))
+    assert offline["loads"] == {"asked": False, "server": None, "error": None}
+    assert "  loads     not asked (--offline); `cpctl endpoints list --model big` shows them" in lines_of(
+        offline
+    )
+    down = LiveLoads("127.0.0.1:18001", error="no control plane answered at 127.0.0.1:18001")
+    e = explain(fleet, "big", yaml.safe_load(FLEET), None, down)
+    assert [v["live"] for v in e["versions"]] == [None]
+    loads = [line for line in lines_of(e) if line.startswith("  loads ")]
+    assert loads == [
+        "  loads     unknown: no control plane answered at 127.0.0.1:18001; "
+        "`cpctl endpoints list --model big` shows them"
+    ]
+    assert not any(line.startswith("  LIVE ") for line in lines_of(e))
+
+
+def test_fetch_loads_reads_the_endpoints_as_cpctl_does(operator_api: str) -> None:
+    got = fetch_loads("chat", operator_api, env={"CPCTL_TOKEN": "secret"})
+    assert got.error is None and got.server == operator_api
+    assert [(e["version"], e["address"], e["running"]) for e in got.endpoints] == [
+        ("v1", "127.0.10.1:8000", None),
+        ("v1", "127.0.10.2:8000", 4),
+        ("v2", "127.0.10.4:8000", 0),
+    ]
+    assert fetch_loads("nope", operator_api, env={"CPCTL_TOKEN": "secret"}).error == (
+        "NOT_FOUND: unknown model 'nope'"
+    )
+    refused = fetch_loads("chat", operator_api, env={"CPCTL_TOKEN": "wrong"}).error
+    assert refused is not None and "UNAUTHENTICATED: the token is not valid" in refused
+    server = closed_port()
+    started = time.monotonic()
+    assert (
+        fetch_loads("chat", server, env={"CPCTL_TOKEN": "secret"}).error
+        == f"no control plane answered at {server}"
+    )
+    assert time.monotonic() - started < 2 * LIVE_DEADLINE_S + 0.5
+
+
+def test_explain_cli_shows_the_live_loads(
+    operator_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import controlplane.cli.explain as explain_module
+
+    monkeypatch.setattr(explain_module, "fetch_loads", fetch_loads)
+    monkeypatch.setenv("CPCTL_TOKEN", "secret")
+    monkeypatch.delenv("CPCTL_TOKEN_FILE", raising=False)
+    path = write(tmp_path, FLEET)
+    assert main(["explain", "chat", "--config", str(path), "--server", operator_api]) == 0
+    text = capsys.readouterr().out
+    assert f"  loads     live from {operator_api}, per version below" in text
+    assert f"  - 127.0.10.1:8000: last scrape read no load (no_dialect): {NO_DIALECT}" in text
+    assert main(["explain", "chat", "--config", str(path), "--server", operator_api, "-o", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["versions"][0]["live"][0]["running"] is None and doc["versions"][1]["live"][0]["running"] == 0
+    # --offline asks nothing.
+    assert main(["explain", "chat", "--config", str(path), "--server", operator_api, "--offline"]) == 0
+    assert "  loads     not asked (--offline)" in capsys.readouterr().out

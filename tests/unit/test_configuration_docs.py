@@ -6,20 +6,22 @@ import ast
 import re
 from pathlib import Path
 
-import controlplane.fleet.loader as loader
+import controlplane.fleet as fleet
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def accepted_keys() -> set[str]:
-    """String literals in the loader's key sets: *_KEYS constants and sets given to _mapping."""
-    tree = ast.parse(Path(loader.__file__).read_text())
+    """String literals in the loader's key sets: *_KEYS constants and sets given to _mapping, in
+    the schema modules (controlplane/fleet/schema*.py)."""
+    schema = sorted(Path(fleet.__file__).parent.glob("schema*.py"))
+    trees = [ast.parse(path.read_text()) for path in schema]
     keys: set[str] = set()
 
     def strings(node: ast.AST) -> set[str]:
         return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
-    for node in ast.walk(tree):
+    for node in (child for tree in trees for child in ast.walk(tree)):
         names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
         if isinstance(node, ast.Assign) and any(
             n.endswith(("_KEYS", "_DURATIONS")) or n == "allowed" for n in names

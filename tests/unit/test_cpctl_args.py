@@ -499,6 +499,56 @@ def test_endpoints_table_and_dict() -> None:
     assert out.endpoint_to_dict(endpoint_pb2.Endpoint(address="a:1"))["latency_seconds"] is None
 
 
+def test_a_figure_never_read_is_unknown_in_the_table_and_null_in_json_and_yaml() -> None:
+    e = endpoint_pb2.Endpoint(
+        model="llama", version="v1", address="10.0.0.1:8000", state="SERVING", weight=100
+    )
+    row = out.endpoints_table([e]).splitlines()[1].split()
+    assert row[6:] == ["unknown", "unknown", "0", "unknown", "unknown"]
+    figures = ("running", "waiting", "kv_use", "latency_seconds", "error_rate")
+    doc = json.loads(out.dump(out.endpoint_to_dict(e), "json"))
+    assert [doc[k] for k in figures] == [None] * 5
+    assert [yaml.safe_load(out.dump(out.endpoint_to_dict(e), "yaml"))[k] for k in figures] == [None] * 5
+    # Read as 0, a figure is 0: idle is not unknown.
+    idle = endpoint_pb2.Endpoint(
+        model="llama", version="v1", address="10.0.0.2:8000", state="SERVING", running=0, waiting=0,
+        kv_use=0, error_rate=0,
+    )  # fmt: skip
+    assert out.endpoints_table([idle]).splitlines()[1].split()[6:] == ["0", "0", "0", "unknown", "0.00%"]
+    doc = json.loads(out.dump(out.endpoint_to_dict(idle), "json"))
+    assert (doc["running"], doc["waiting"], doc["kv_use"], doc["error_rate"]) == (0, 0, 0, 0)
+
+
+def test_why_the_last_scrape_read_no_load_is_shown_for_an_endpoint_in_sight() -> None:
+    why = (
+        "unreadable metrics page: no vLLM, SGLang, TGI, Triton or llama.cpp metrics on the page (15 samples)"
+    )
+    e = endpoint_pb2.Endpoint(
+        model="llama", version="v1", address="10.0.0.1:8000", state="SERVING", weight=100, sight="SEEN",
+        scrape_error=why, scrape_error_reason="no_dialect",
+    )  # fmt: skip
+    text = out.endpoints_table([e])
+    assert text.splitlines()[-1] == f"llama/v1 10.0.0.1:8000: last scrape read no load (no_dialect): {why}"
+    d = out.endpoint_to_dict(e)
+    assert (d["scrape_error"], d["scrape_error_reason"]) == (why, "no_dialect")
+    assert out.endpoint_to_dict(endpoint_pb2.Endpoint())["scrape_error"] is None
+    # No answer is for the sight to tell (out of sight after 3): the table does not say it per
+    # scrape; JSON has it.
+    silent = endpoint_pb2.Endpoint(
+        model="llama", version="v1", address="10.0.0.1:8000", state="SERVING", sight="SEEN",
+        scrape_error="GET /metrics failed: refused", scrape_error_reason="unreachable",
+    )  # fmt: skip
+    assert "refused" not in out.endpoints_table([silent])
+    assert out.endpoint_to_dict(silent)["scrape_error_reason"] == "unreachable"
+    # A note that already names the error does not get it twice.
+    held = endpoint_pb2.Endpoint(
+        model="llama", version="v1", address="10.0.0.1:8000", state="HELD_OUT",
+        note="not ready: GET /metrics answered HTTP 503",
+        scrape_error="GET /metrics answered HTTP 503", scrape_error_reason="http_error",
+    )  # fmt: skip
+    assert out.endpoints_table([held]).count("HTTP 503") == 1
+
+
 def test_an_endpoint_out_of_sight_is_marked_and_explained() -> None:
     note = (
         "out of sight for 12s (no answer: GET /health timed out after 0.5s); kept serving on its last verdict"

@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from controlplane.discovery.manager import Discovery
 from controlplane.discovery.state import Found, SourceState
 from controlplane.fleet import parse_fleet
-from controlplane.fleet.loader import FleetConfigInvalid
+from controlplane.fleet.errors import FleetConfigInvalid
 from controlplane.obs.metrics import Metrics
 
 A, B, C = Found("127.0.0.11", 8000), Found("127.0.0.12", 8000), Found("127.0.0.13", 8000)

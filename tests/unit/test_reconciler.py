@@ -66,7 +66,8 @@ def test_serialisation_happens_once_per_version_whatever_the_number_of_streams()
     from envoy.service.discovery.v3 import discovery_pb2
 
     from controlplane.routing.translate import ENDPOINT
-    from controlplane.xds.protocol import Send, XdsStream
+    from controlplane.xds.events import Send
+    from controlplane.xds.protocol import XdsStream
     from controlplane.xds.snapshot import SERIALISED
 
     r, _ = make()

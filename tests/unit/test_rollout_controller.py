@@ -319,7 +319,7 @@ async def test_without_load_reports_a_vllm_canary_pauses_as_inconclusive_at_its_
     r = c.rollouts["m"]
     assert (r.phase, clock.t - started) == ("Paused", 10)
     assert r.reason.startswith("inconclusive: no load reports from proxies for m/v2")
-    assert "(vllm) count only successes" in r.reason
+    assert "(vllm) do not count every failed request" in r.reason
     assert [a.reason for a in await c.history("m")][-1] == r.reason
     # The same traffic with one proxy's load report (zero counts even) is covered.
     await c.command("m", machine.Promote(), "t")

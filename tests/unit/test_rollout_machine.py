@@ -272,7 +272,7 @@ def test_a_step_no_error_signal_covers_pauses_when_its_interval_has_elapsed() ->
     r, eff = apply(r, Tick(10.0, analysis=BLIND))
     assert (r.phase, r.weight) == ("Paused", 5)
     assert r.reason.startswith("inconclusive: no load reports from proxies for chat/v2")
-    assert "(vllm) count only successes" in r.reason and "load_stats_config" in r.reason
+    assert "(vllm) do not count every failed request" in r.reason and "load_stats_config" in r.reason
     assert [e.reason for e in eff if isinstance(e, Transition)] == [r.reason]
 
 

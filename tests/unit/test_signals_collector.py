@@ -1,15 +1,19 @@
 """The collector pool's verdict on itself: failing while a collector process is not reporting
 (the weight loop counts the signals round as an error then); the latency histograms a
-collector leaves out of its records, and the lifetimes it stamps on them."""
+collector leaves out of its records, and the lifetimes it stamps on them; the reason class it
+gives a scrape that read no load."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
+from controlplane.signals import collector_worker
 from controlplane.signals.collector import SILENT_S, CollectorPool, _later, _Worker
 from controlplane.signals.collector_worker import REFRESH_S, SentHistograms
 from controlplane.signals.parse import ServerHistogram, ServerSample
+from controlplane.signals.probe import Probe, ProbeResult
 from controlplane.signals.store import ScrapeResult
 
 
@@ -112,3 +116,42 @@ def test_two_records_in_one_round_keep_the_earlier_histograms_the_later_left_out
     assert _later(a, a) is a
     failed = ScrapeResult(metrics_error="HTTP 500")
     assert _later(a, failed) is failed
+
+
+class FakeProber:
+    """Answers every probe with one ProbeResult."""
+
+    def __init__(self, result: ProbeResult) -> None:
+        self.result = result
+
+    async def probe(
+        self, address: str, probe: Probe, timeout_s: float, *, health_first: bool = False
+    ) -> ProbeResult:
+        return self.result
+
+
+def records_of(result: ProbeResult) -> ScrapeResult:
+    """What a collector process sends for one scrape answered with `result`."""
+
+    async def one() -> ScrapeResult:
+        w = collector_worker._Worker.__new__(collector_worker._Worker)
+        collector_worker._Worker.__init__(w, None, 0)  # type: ignore[arg-type]  # never sends
+        w.prober = FakeProber(result)  # type: ignore[assignment]
+        await w._one(("m", "127.0.0.1:8000"), time.monotonic())
+        [(_, r)] = w.outbox
+        return r
+
+    return asyncio.run(one())
+
+
+def test_a_collector_says_why_a_scrape_read_no_load() -> None:
+    refused = records_of(ProbeResult(None, "refused", None, None, "GET /metrics failed: refused"))
+    assert refused.error_reason == "unreachable"
+    assert records_of(ProbeResult(200, None, 404, b"no", None)).error_reason == "http_error"
+    too_big = records_of(ProbeResult(200, None, 200, None, "page is over the 8388608 byte limit"))
+    assert too_big.error_reason == "unreadable"
+    other = records_of(ProbeResult(200, None, 200, b"node_cpu_seconds_total 1\n", None))
+    assert other.error_reason == "no_dialect" and other.metrics_error is not None
+    assert records_of(ProbeResult(200, None, 200, b"<html>", None)).error_reason == "unreadable"
+    ok = records_of(ProbeResult(200, None, 200, b"vllm:num_requests_running 1\n", None))
+    assert ok.error_reason is None and ok.metrics_error is None and ok.sample is not None

@@ -103,6 +103,82 @@ def test_sglang_tgi_and_triton_dialects() -> None:
     assert tr.latency_sum_s == pytest.approx(4.0) and tr.latency_count == 200
 
 
+# vLLM 0.32 prints request_success_total for every FinishReason (stop, length, abort, error,
+# repetition) of every engine, zeros included.
+def _finished(stop: float, length: float, abort: float, error: float, repetition: float = 0.0) -> str:
+    reasons = {"stop": stop, "length": length, "abort": abort, "error": error, "repetition": repetition}
+    return "# TYPE vllm:request_success_total counter\n" + "".join(
+        f'vllm:request_success_total{{model_name="m",engine="0",finished_reason="{r}"}} {n}\n'
+        for r, n in reasons.items()
+    )
+
+
+def test_vllm_successes_exclude_aborted_and_failed_requests() -> None:
+    """Issue 32: an aborted request (its client left) is no success, an error one a failure."""
+    s = parse_metrics(_finished(stop=90, length=10, abort=7, error=3, repetition=2), "m")
+    assert (s.successes, s.failures) == (102.0, 3.0)
+    later = parse_metrics(_finished(stop=130, length=10, abort=50, error=13, repetition=2), "m")
+    d = derive(s, later)
+    assert d.completed == 50.0  # 40 completions and 10 failures; the 43 aborts are neither
+    assert d.error_rate == pytest.approx(10 / 50)
+
+
+def test_a_vllm_page_of_aborts_only_completes_nothing() -> None:
+    s = parse_metrics(_finished(stop=0, length=0, abort=0, error=0), "m")
+    later = parse_metrics(_finished(stop=0, length=0, abort=25, error=0), "m")
+    d = derive(s, later)
+    assert (d.completed, d.error_rate) == (0.0, None)
+
+
+def test_an_older_vllm_without_the_error_reason_has_no_failures_figure() -> None:
+    page = (
+        'vllm:request_success_total{finished_reason="stop",model_name="m"} 4\n'
+        'vllm:request_success_total{finished_reason="abort",model_name="m"} 9\n'
+    )
+    assert (parse_metrics(page).successes, parse_metrics(page).failures) == (4.0, None)
+
+
+# A data-parallel vLLM (--data-parallel-size 2): one series per engine, for every family.
+DATA_PARALLEL = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m",engine="0"} 4.0
+vllm:num_requests_running{model_name="m",engine="1"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m",engine="0"} 2.0
+vllm:num_requests_waiting{model_name="m",engine="1"} 5.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.7
+vllm:kv_cache_usage_perc{model_name="m",engine="1"} 0.6
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{model_name="m",engine="0",le="1.0"} 6.0
+vllm:e2e_request_latency_seconds_bucket{model_name="m",engine="0",le="+Inf"} 10.0
+vllm:e2e_request_latency_seconds_count{model_name="m",engine="0"} 10.0
+vllm:e2e_request_latency_seconds_sum{model_name="m",engine="0"} 12.0
+vllm:e2e_request_latency_seconds_bucket{model_name="m",engine="1",le="1.0"} 1.0
+vllm:e2e_request_latency_seconds_bucket{model_name="m",engine="1",le="+Inf"} 5.0
+vllm:e2e_request_latency_seconds_count{model_name="m",engine="1"} 5.0
+vllm:e2e_request_latency_seconds_sum{model_name="m",engine="1"} 8.0
+"""
+
+
+def test_a_data_parallel_vllm_sums_its_engines_and_averages_their_kv_use() -> None:
+    """Issue 32 (GIE #2950): every engine's series counts, none is sampled; KV use is each
+    engine's share of its own pool, so the server's is their mean, not their sum."""
+    s = parse_metrics(DATA_PARALLEL, "m")
+    assert (s.running, s.waiting) == (7.0, 7.0)
+    assert s.kv_use == pytest.approx(0.65)
+    assert (s.latency_count, s.latency_sum_s) == (15.0, 20.0)
+    assert s.latency_buckets == ((1.0, 7.0), (float("inf"), 15.0))
+    assert parse_metrics(DATA_PARALLEL.replace("kv_cache_usage", "gpu_cache_usage"), "m").kv_use == (
+        pytest.approx(0.65)
+    )
+
+
+def test_an_engine_at_full_kv_is_not_read_as_a_percentage() -> None:
+    page = DATA_PARALLEL.replace("} 0.7", "} 1.0").replace("} 0.6", "} 0.9")
+    assert parse_metrics(page, "m").kv_use == pytest.approx(0.95)
+
+
 def test_derive_gives_interval_latency_and_error_rate() -> None:
     a = ServerSample("tgi", latency_sum_s=10.0, latency_count=10, successes=10, failures=0)
     b = ServerSample("tgi", latency_sum_s=40.0, latency_count=20, successes=18, failures=2)
@@ -174,6 +250,18 @@ def test_the_renamed_per_token_histogram_is_used_alone_not_blended() -> None:
     assert parse_metrics(VLLM + renamed).token_latency_count == 400.0
     both = VLLM + TPOT + renamed.replace("400.0", "7.0")
     assert parse_metrics(both).token_latency_count == 400.0
+
+
+def test_vllm_0_11s_inter_token_histogram_is_the_per_token_latency_before_the_per_request_mean() -> None:
+    """vLLM 0.32 has no time_per_output_token histogram: inter_token_latency (one observation
+    per gap) is its per-token latency; request_time_per_output_token (one mean per request)
+    only stands in where neither is on the page."""
+    itl = TPOT.replace("vllm:time_per_output_token", "vllm:inter_token_latency")
+    per_request = TPOT.replace("vllm:time_per", "vllm:request_time_per").replace("400.0", "7.0")
+    s = parse_metrics(VLLM + per_request + itl)
+    assert (s.token_latency_sum_s, s.token_latency_count) == (8.0, 400.0)
+    assert parse_metrics(VLLM + per_request).token_latency_count == 7.0
+    assert parse_metrics(VLLM + TPOT + itl.replace("400.0", "9.0")).token_latency_count == 400.0
 
 
 def test_a_bucket_without_le_is_refused() -> None:
@@ -518,3 +606,22 @@ def test_a_histogram_continues_its_predecessor_only_if_the_increase_is_a_histogr
     assert continues(before, after) is continues_
     assert same_life(before, after) is continues_
     assert not same_life(h((1, 2), 3, 1.0), h((1, 2), 4, None))  # the sum came and went
+
+
+def test_pages_captured_from_a_real_vllm_0_32_read_as_it_said() -> None:
+    """tests/fixtures/pages/vllm/ (scripts/capture_vllm_pages.py): 4 running, 4 waiting."""
+    from pathlib import Path
+
+    pages = Path(__file__).resolve().parent.parent / "fixtures" / "pages" / "vllm"
+    busy = parse_metrics((pages / "metrics-busy.txt").read_text(), "tiny-random-llama")
+    assert (busy.dialect, busy.running, busy.waiting) == ("vllm", 4.0, 4.0)
+    assert busy.kv_use is not None and 0 < busy.kv_use < 0.01
+    after = parse_metrics((pages / "metrics-after.txt").read_text(), "some-other-name")
+    assert (after.running, after.waiting, after.successes, after.failures) == (0.0, 0.0, 8.0, 0.0)
+    assert after.latency_count == 8.0
+    # The stream its client closed is in neither count, yet its first token and the gaps
+    # the engine made before it let go were observed: 9 first tokens, and 210 gaps past the
+    # others' 8 x 399.
+    assert after.ttft is not None and after.ttft.count == 9.0
+    # The per-token latency is the inter-token histogram's, one observation per gap.
+    assert after.tpot is not None and after.token_latency_count == after.tpot.count == 8 * 399 + 210

@@ -59,3 +59,63 @@ def test_probes_of_resolves_each_target() -> None:
 )
 def test_what_counts_as_an_answer(result: ProbeResult, reached: bool) -> None:
     assert result.reached is reached
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again when the block ends: nothing listens
+
+
+@pytest.mark.parametrize(
+    ("probe", "refused"),
+    [
+        (Probe(), True),  # health on the serving port
+        (Probe(health="none"), True),  # no health probe: the page on the serving port
+        (Probe(health_port=1), False),  # health elsewhere: says nothing of the serving port
+        (Probe(health="none", metrics_port=1), False),
+    ],
+)
+def test_a_refused_serving_port_is_told_apart(probe: Probe, refused: bool) -> None:
+    import asyncio
+
+    import aiohttp
+
+    from controlplane.signals.probe import Prober
+
+    async def go() -> ProbeResult:
+        async with aiohttp.ClientSession() as session:
+            prober = Prober(session)
+            try:
+                return await prober.probe(f"127.0.0.1:{_closed_port()}", probe, 1.0)
+            finally:
+                await prober.close()
+
+    r = asyncio.run(go())
+    assert not r.reached
+    assert r.serving_refused is refused, r
+
+
+def test_a_timeout_is_not_a_refusal() -> None:
+    import asyncio
+    import socket
+
+    import aiohttp
+
+    from controlplane.signals.probe import Prober
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # accepts (the kernel's backlog) but never answers
+
+    async def go() -> ProbeResult:
+        async with aiohttp.ClientSession() as session:
+            return await Prober(session).probe(f"127.0.0.1:{listener.getsockname()[1]}", Probe(), 0.3)
+
+    try:
+        r = asyncio.run(go())
+    finally:
+        listener.close()
+    assert not r.reached and not r.serving_refused

@@ -92,13 +92,18 @@ def test_one_query_per_field_summed_by_address_and_model() -> None:
     assert (
         queries["latency_count"] == "sum by (instance, model_name) (vllm:e2e_request_latency_seconds_count)"
     )
-    # The legacy KV gauge and the renamed per-token histogram only where the first is absent.
+    # The legacy KV gauge only where the first is absent; KV use is a mean over a
+    # data-parallel server's engines (each a share of its own pool), never their sum.
     assert queries["kv_use"] == (
-        "sum by (instance, model_name) (vllm:kv_cache_usage_perc) or "
-        "sum by (instance, model_name) (vllm:gpu_cache_usage_perc)"
+        "avg by (instance, model_name) (vllm:kv_cache_usage_perc) or "
+        "avg by (instance, model_name) (vllm:gpu_cache_usage_perc)"
     )
-    assert " or " in queries["token_latency_count"]
-    assert "vllm:request_time_per_output_token_seconds_count" in queries["token_latency_count"]
+    # The per-token histogram under its three names, in parse.py's order: the first wins.
+    assert queries["token_latency_count"] == (
+        "sum by (instance, model_name) (vllm:time_per_output_token_seconds_count) or "
+        "sum by (instance, model_name) (vllm:inter_token_latency_seconds_count) or "
+        "sum by (instance, model_name) (vllm:request_time_per_output_token_seconds_count)"
+    )
 
 
 def test_the_success_counter_and_histogram_are_asked_only_for_analysed_addresses_escaped() -> None:
@@ -109,7 +114,11 @@ def test_the_success_counter_and_histogram_are_asked_only_for_analysed_addresses
         queries[BUCKETS]
         == f"sum by (instance, model_name, le) (vllm:e2e_request_latency_seconds_bucket{only})"
     )
-    assert queries["successes"] == f"sum by (instance, model_name) (vllm:request_success_total{only})"
+    # Aborted and failed requests are not successes (vLLM's finished_reason).
+    assert queries["successes"] == (
+        "sum by (instance, model_name) "
+        f'(vllm:request_success_total{{finished_reason!~"abort|error",{only[1:]})'
+    )
 
 
 def test_the_sample_time_is_the_newest_gauge_timestamp() -> None:
@@ -307,6 +316,7 @@ def test_an_endpoint_without_any_series_gets_an_error_and_no_sample() -> None:
     missing = out.results[("chat", B)]
     assert missing.sample is None and missing.health_error is None and missing.health_status is None
     assert missing.metrics_error is not None and "instance='127.0.0.2:8000'" in missing.metrics_error
+    assert missing.error_reason == "no_series"
 
 
 def test_series_of_addresses_outside_the_fleet_are_counted_and_ignored() -> None:
@@ -353,6 +363,7 @@ def test_a_server_labelling_several_other_models_is_not_guessed() -> None:
     r = conv(two, [("chat", A)]).results[("chat", A)]
     assert r.sample is None
     assert r.metrics_error is not None and "labels models x, y, none of them 'chat'" in r.metrics_error
+    assert r.error_reason == "unreadable"
 
 
 def test_a_sample_no_newer_than_the_one_delivered_is_not_delivered_again() -> None:
@@ -368,6 +379,7 @@ def test_without_a_gauge_the_sample_time_is_unknown_and_nothing_is_delivered() -
     answers[SAMPLE_TIME] = []
     r = conv(answers, [("chat", A)]).results[("chat", A)]
     assert r.sample is None and r.metrics_error is not None and "sample time unknown" in r.metrics_error
+    assert r.error_reason == "no_series"
 
 
 def test_a_value_that_is_not_finite_makes_the_endpoint_unreadable() -> None:
@@ -375,6 +387,7 @@ def test_a_value_that_is_not_finite_makes_the_endpoint_unreadable() -> None:
     answers["waiting"] = [item(A, "NaN")]
     r = conv(answers, [("chat", A)]).results[("chat", A)]
     assert r.sample is None and r.metrics_error is not None and "not a finite number" in r.metrics_error
+    assert r.error_reason == "unreadable"
     answers["waiting"] = [item(A, "+Inf")]
     assert conv(answers, [("chat", A)]).results[("chat", A)].sample is None
 

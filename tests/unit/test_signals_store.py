@@ -1,10 +1,24 @@
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from pathlib import Path
 
-from controlplane.balancing.policies import PolicyConfig, adaptive
-from controlplane.signals.store import UNREACHABLE_AFTER, ScrapeResult, SignalStore
+import pytest
+
+from controlplane.balancing.policies import POLICIES, PolicyConfig, adaptive
+from controlplane.balancing.shedding import saturation
+from controlplane.balancing.weigher import load_balance_degree
+from controlplane.signals.load import counted
+from controlplane.signals.parse import MetricsPageInvalid, ServerSample, parse_metrics
+from controlplane.signals.store import (
+    UNREACHABLE_AFTER,
+    ScrapeResult,
+    SignalStore,
+    fetch_error_reason,
+    page_error_reason,
+)
 from tests.unit.test_signals_parse import VLLM
 
 KEY = ("llama-3-8b", "127.0.0.1:8000")
@@ -225,3 +239,192 @@ def test_a_spike_of_running_requests_neither_jumps_the_peak_nor_stays() -> None:
         done += 4
         at(float(t), 4, done)
     assert store.endpoints[KEY].peak_running < 6  # faded back towards what it really runs
+
+
+# ---- unknown is not zero (issue 32) ---------------------------------------------------------
+
+LLAMACPP_BUSY = (Path(__file__).parents[1] / "fixtures/pages/llamacpp/metrics-busy.txt").read_text()
+# A page of another exporter: what a wrong signals.metrics_path (or a server of no supported
+# kind) serves.
+NODE_EXPORTER = '# TYPE node_cpu_seconds_total counter\nnode_cpu_seconds_total{cpu="0"} 12.5\n'
+
+
+def test_a_figure_never_read_is_unknown_not_zero() -> None:
+    store = SignalStore()
+    never = store.load(KEY, 1.0, 0.0)
+    assert (never.running, never.waiting, never.kv_use, never.latency_s, never.error_rate) == (None,) * 5
+    # A real llama.cpp page has no KV gauge, and one page gives no rate yet.
+    llama = ("m", "127.0.0.3:8080")
+    store.record_scrape(llama, ScrapeResult(200, metrics_text=LLAMACPP_BUSY), now=0.0)
+    load = store.load(llama, 1.0, 0.0)
+    assert (load.running, load.waiting, load.kv_use, load.error_rate) == (2.0, 4.0, None, None)
+    # Proxies' reports alone: running is what they have in flight, the queue is not known.
+    lrs = ("m", "127.0.0.4:8000")
+    store.record_lrs(lrs, "envoy-a", in_progress=0, issued=0, succeeded=0, failed=0, now=0.0)
+    load = store.load(lrs, 1.0, 1.0)
+    assert (load.running, load.waiting, load.kv_use, load.error_rate) == (0.0, None, None, None)
+    # ...until their report expires: then running is unknown again.
+    assert store.load(lrs, 1.0, 20.0).running is None
+    # A garbage page read first gives nothing either.
+    bad = ("m", "127.0.0.5:8000")
+    store.record_scrape(bad, ScrapeResult(200, metrics_text="<html>oops</html>"), now=0.0)
+    assert store.load(bad, 1.0, 0.0).waiting is None
+
+
+def test_error_rate_is_known_once_either_source_counted_completions() -> None:
+    store = SignalStore()
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=page(100, 100.0)), now=0.0)
+    assert store.load(KEY, 1.0, 0.0).error_rate is None  # counters need two pages
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=page(110, 110.0)), now=1.0)
+    assert store.load(KEY, 1.0, 1.0).error_rate == 0.0
+    other = ("m", "127.0.0.6:8000")
+    store.record_lrs(other, "envoy-a", in_progress=1, issued=4, succeeded=3, failed=1, now=0.0)
+    assert store.load(other, 1.0, 1.0).error_rate == 0.25
+
+
+def test_unknown_figures_weigh_exactly_as_the_zeros_they_replace() -> None:
+    """The weights predate "unknown": every policy gives the loads with None the weights it
+    gave the same loads with the 0 the store used to put there."""
+    store = SignalStore()
+    keys = [("m", f"127.0.0.{i}:8000") for i in range(1, 6)]
+    store.record_scrape(keys[0], ScrapeResult(200, metrics_text=page(100, 100.0, waiting=3.0)), now=0.0)
+    store.record_scrape(keys[0], ScrapeResult(200, metrics_text=page(110, 130.0, waiting=3.0)), now=1.0)
+    store.record_scrape(keys[1], ScrapeResult(200, metrics_text=LLAMACPP_BUSY), now=1.0)  # no KV
+    store.record_lrs(keys[2], "envoy-a", in_progress=2, issued=5, succeeded=4, failed=1, now=1.0)
+    store.record_scrape(keys[3], ScrapeResult(200, metrics_text=NODE_EXPORTER), now=1.0)  # unreadable
+    # keys[4]: never heard of
+    loads = [store.load(k, 1.0 + i % 2, 2.0) for i, k in enumerate(keys)]
+    assert any(v is None for ld in loads for v in (ld.running, ld.waiting, ld.kv_use, ld.error_rate))
+    zeros = [
+        dataclasses.replace(
+            ld,
+            running=counted(ld.running),
+            waiting=counted(ld.waiting),
+            kv_use=counted(ld.kv_use),
+            error_rate=counted(ld.error_rate),
+        )
+        for ld in loads
+    ]
+    cfg = PolicyConfig(slow_start_s=0.0)
+    for name, policy in POLICIES.items():
+        assert policy(loads, cfg) == policy(zeros, cfg), name
+    # What the store and policies gave for these inputs before (commit 2208b30).
+    before = {
+        "adaptive": [12, 14, 50, 100, 50],
+        "least_connections": [14, 14, 33, 100, 100],
+        "model_aware": [7, 14, 50, 100, 50],
+    }
+    for name, weights in before.items():
+        assert list(POLICIES[name](loads, cfg).values()) == weights, name
+    assert load_balance_degree(loads) == load_balance_degree(zeros)
+    assert saturation(loads) == saturation(zeros)
+
+
+def test_the_last_scrape_error_is_kept_with_its_reason_until_a_page_is_read() -> None:
+    store = SignalStore()
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=NODE_EXPORTER), now=0.0)
+    sig = store.endpoints[KEY]
+    assert sig.scrape_error_reason == "no_dialect"
+    assert sig.scrape_error is not None and "metrics on the page" in sig.scrape_error
+    # A health answer alone (the page not fetched) is no new outcome of the metrics scrape.
+    store.record_scrape(KEY, ScrapeResult(health_status=200), now=1.0)
+    assert sig.scrape_error_reason == "no_dialect"
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text="<html>oops</html>"), now=2.0)
+    assert sig.scrape_error_reason == "unreadable"
+    failed = ScrapeResult(200, metrics_error="GET /metrics answered HTTP 404", error_reason="http_error")
+    store.record_scrape(KEY, failed, now=3.0)
+    assert (sig.scrape_error, sig.scrape_error_reason) == ("GET /metrics answered HTTP 404", "http_error")
+    store.record_scrape(KEY, ScrapeResult(metrics_error="from a source that does not say"), now=4.0)
+    assert sig.scrape_error_reason == "other"
+    store.record_scrape(KEY, OK, now=5.0)
+    assert (sig.scrape_error, sig.scrape_error_reason) == (None, None)
+    assert sig.scrape_errors == 4
+    assert sig.scrape_errors_by_reason == {"no_dialect": 1, "unreadable": 1, "http_error": 1, "other": 1}
+
+
+def test_a_page_of_no_dialect_is_told_from_other_unreadable_pages() -> None:
+    """page_error_reason reads parse.py's message: this holds it to the words it looks for."""
+    with pytest.raises(MetricsPageInvalid) as e:
+        parse_metrics(NODE_EXPORTER, "m")
+    assert page_error_reason(e.value) == "no_dialect"
+    for text in ("<html>oops</html>", VLLM.replace("3.0", "-3.0")):
+        with pytest.raises(MetricsPageInvalid) as e:
+            parse_metrics(text, "llama-3-8b")
+        assert page_error_reason(e.value) == "unreadable"
+    assert (fetch_error_reason(None), fetch_error_reason(200)) == ("unreachable", "unreadable")
+
+
+def test_a_server_never_seen_ready_whose_serving_port_refuses_is_not_ready_and_in_sight() -> None:
+    """A vLLM keeps its port closed while it loads: the proxies' connections would be
+    refused too, so it is not ready yet (held out, its model's requests held), not a server
+    out of sight kept on a verdict that was never given."""
+    store = SignalStore()
+    refused = ScrapeResult(health_error="GET /health failed: Connection refused", serving_refused=True)
+    for i in range(UNREACHABLE_AFTER + 2):
+        store.record_scrape(KEY, refused, now=float(i))
+        load = store.load(KEY, 1.0, float(i))
+        assert not load.ready and load.in_sight, i
+    assert store.heard(KEY)  # weighed (0), not left to the benefit of the doubt
+    assert "never seen ready" in (store.endpoints[KEY].last_error or "")
+    store.record_scrape(KEY, ScrapeResult(health_status=200), now=10.0)
+    load = store.load(KEY, 1.0, 12.0)
+    assert load.ready and load.ready_for_s == 2.0  # seen turning ready: it ramps up
+
+
+def test_a_refusal_after_the_server_was_seen_ready_is_no_verdict() -> None:
+    """Once seen ready, a refused port is the fail-static case again: the last verdict
+    stands, and it goes out of sight."""
+    store = SignalStore()
+    store.record_scrape(KEY, ScrapeResult(health_status=200), now=0.0)
+    refused = ScrapeResult(health_error="GET /health failed: Connection refused", serving_refused=True)
+    for i in range(1, UNREACHABLE_AFTER + 1):
+        store.record_scrape(KEY, refused, now=float(i))
+    load = store.load(KEY, 1.0, 9.0)
+    assert load.ready and not load.in_sight
+
+
+def test_a_timeout_on_a_server_never_seen_is_still_no_verdict() -> None:
+    store = SignalStore()
+    for i in range(UNREACHABLE_AFTER):
+        store.record_scrape(KEY, ScrapeResult(health_error="GET /health timed out after 0.5s"), now=float(i))
+    load = store.load(KEY, 1.0, 9.0)
+    assert load.ready and not load.in_sight  # the control plane may be the one that cannot see
+
+
+def test_vllms_error_finish_reason_is_not_a_failure_count_a_rollout_may_rely_on() -> None:
+    """vLLM 0.32 prints request_success_total{finished_reason="error"} (0 included), but a
+    request answered 500 before the engine took it is counted nowhere: the rollout must still
+    know that a failing canary can go unseen on a vLLM without load reports."""
+    page = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 0\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 0\n'
+        "# TYPE vllm:request_success_total counter\n"
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 5\n'
+        'vllm:request_success_total{engine="0",finished_reason="error",model_name="m"} 0\n'
+    )
+    store = SignalStore()
+    store.record_scrape(KEY, ScrapeResult(health_status=200, metrics_text=page), now=0.0)
+    c = store.counters(KEY)
+    assert c.dialect == "vllm" and c.server_ok == 5
+    assert not c.server_counts_failures
+
+
+def test_seen_ready_takes_a_ready_health_answer_where_health_is_probed() -> None:
+    """A page read while the health probe goes unanswered is heard, not seen ready; where
+    health is not probed at all (the Prometheus source), a page read is all there is."""
+    store = SignalStore()
+    assert not store.seen_ready(KEY)
+    page = ServerSample("vllm", running=0, waiting=0)
+    store.record_scrape(KEY, ScrapeResult(health_error="timeout", sample=page, reached=True), now=1.0)
+    assert store.heard(KEY) and not store.seen_ready(KEY)
+    store.record_scrape(KEY, ScrapeResult(health_status=503, sample=page), now=2.0)
+    assert not store.seen_ready(KEY)
+    store.record_scrape(KEY, ScrapeResult(health_status=200, sample=page), now=3.0)
+    assert store.seen_ready(KEY)
+    store.record_scrape(KEY, ScrapeResult(health_status=503, sample=page), now=4.0)
+    assert store.seen_ready(KEY)  # once seen ready, it was; readiness itself is ready=False
+    other = ("m", "127.0.0.99:8000")
+    store.record_scrape(other, ScrapeResult(sample=page), now=1.0)  # no health observed
+    assert store.seen_ready(other)

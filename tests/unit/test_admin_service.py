@@ -1,0 +1,60 @@
+"""The operator API's endpoint listing (admin/service.py EndpointService) over a signal store:
+a figure never read is unset in the message, not 0, and the last scrape's error is given for
+an endpoint in sight."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from controlplane.admin.service import EndpointService
+from controlplane.fleet.loader import parse_fleet
+from controlplane.obs.metrics import Metrics
+from controlplane.signals.parse import ServerSample
+from controlplane.signals.store import ScrapeResult, SignalStore
+from controlplane.v1 import endpoint_pb2
+
+FLEET = """
+listener: {port: 10000}
+tiers: {small: {max_params_b: 15}}
+models:
+  m:
+    params_b: 8
+    stable: v1
+    versions:
+      v1: {endpoints: ["127.0.0.1:8000", "127.0.0.2:8000", "127.0.0.3:8000"]}
+"""
+READ, NEVER, NO_DIALECT = "127.0.0.1:8000", "127.0.0.2:8000", "127.0.0.3:8000"
+
+
+def listed(store: SignalStore) -> dict[str, endpoint_pb2.Endpoint]:
+    fleet = parse_fleet(FLEET)
+    controller = SimpleNamespace(
+        file_fleet=fleet,
+        reconciler=SimpleNamespace(fleet=fleet, weights={}),
+        layers={},
+        signals=store,
+        drains={},
+    )
+    service = EndpointService(controller, tokens=None, metrics=Metrics())  # type: ignore[arg-type]
+    return {e.address: e for e in service._endpoints("")}
+
+
+def test_figures_never_read_are_unset_and_the_last_scrape_error_is_given() -> None:
+    store = SignalStore()
+    now = time.monotonic()
+    idle = ServerSample("vllm", running=0, waiting=0)  # no KV gauge on this page
+    store.record_scrape(("m", READ), ScrapeResult(200, sample=idle), now)
+    page = "# TYPE node_cpu_seconds_total counter\nnode_cpu_seconds_total 1\n"
+    store.record_scrape(("m", NO_DIALECT), ScrapeResult(200, metrics_text=page), now)
+    eps = listed(store)
+    read = eps[READ]
+    assert read.HasField("running") and read.HasField("waiting") and (read.running, read.waiting) == (0, 0)
+    assert not read.HasField("kv_use") and not read.HasField("error_rate")
+    assert read.scrape_error == "" and read.scrape_error_reason == ""
+    for e in (eps[NEVER], eps[NO_DIALECT]):
+        for name in ("running", "waiting", "kv_use", "latency_seconds", "error_rate"):
+            assert not e.HasField(name), (e.address, name)
+    bad = eps[NO_DIALECT]
+    assert bad.sight == "SEEN" and bad.scrape_error_reason == "no_dialect"
+    assert "no vLLM, SGLang, TGI, Triton or llama.cpp metrics on the page" in bad.scrape_error
