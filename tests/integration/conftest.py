@@ -15,9 +15,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """`soak` tests run only when selected (-m soak): the README's suite keeps to its budget."""
     if "soak" in (config.option.markexpr or ""):
         return
-    skip = pytest.mark.skip(
-        reason="soak variant (longer outages, the state-of-the-world runs): select with -m soak"
-    )
+    skip = pytest.mark.skip(reason="soak variant (30 s outages): select with -m soak")
     for item in items:
         if item.get_closest_marker("soak") is not None:
             item.add_marker(skip)

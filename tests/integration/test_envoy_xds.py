@@ -46,6 +46,13 @@ def test_routes_by_header_and_by_body(stack: Stack) -> None:
     listed = c.request("GET", "/v1/models", None, {})
     assert listed.status == 200
     assert [m["id"] for m in json.loads(listed.body)["data"]] == ["llama", "qwen"]
+    # The gateway's own health, as a model server's (benchmark tools check it first).
+    health = c.request("GET", "/health", None, {})
+    assert (health.status, json.loads(health.body)) == (200, {"status": "ok"})
+    head = c.request("HEAD", "/health", None, {})
+    assert (head.status, head.body) == (200, "")
+    # With x-model, the model's own server answers (the emulator counts it as its request).
+    assert c.request("GET", "/health", None, {"x-model": "qwen"}).backend == "q1"
 
 
 def test_live_edits_apply_within_two_seconds_with_zero_failed_requests(stack: Stack) -> None:

@@ -1,26 +1,37 @@
 """Failover through a real Envoy: preferred endpoints (GPU class or zone) at EDS priority 0,
 the rest at 1.
 
-When every preferred server dies, traffic moves to the fallback class; requests in flight on
-the dead servers may fail (they had been sent: the retry policy does not resend them), and
-nothing else does, since connection failures are retried and the previous-priorities retry
+When every preferred server dies, traffic moves to the fallback class; requests on the dead
+servers' connections may fail (they had been sent: the retry policy does not resend them; a
+refused request's retry can be one, on a connection still pooled to the other dead server),
+and nothing else does, since connection failures are retried and the previous-priorities retry
 plugin sends the last attempt to the fallback class. When the preferred servers come back,
 traffic moves back.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import EmulatedFleet, Emulator, LoadLoop, wait_until
+from tests.integration.harness import EmulatedFleet, Emulator, LoadLoop, http_get, wait_until
 
 MODEL = "chat"
 FLAGS = {"slots": 4, "decode_ms_per_token": 10, "prefill_ms_per_token": 0.1}
 THREADS = 6
+
+
+def closed_with_a_request_on(rig: EmulatedFleet) -> int:
+    """Envoy's count, over every cluster, of upstream connections that the server's side
+    closed while a request was on them (upstream_cx_destroy_remote_with_active_rq)."""
+    assert rig.envoy is not None
+    url = f"http://127.0.0.1:{rig.envoy.admin_port}/stats?filter=upstream_cx_destroy_remote_with_active_rq$"
+    _, text = http_get(url)
+    return sum(int(line.rpartition(": ")[2]) for line in text.splitlines() if ": " in line)
 
 
 @pytest.fixture
@@ -64,6 +75,7 @@ def test_traffic_fails_over_to_the_fallback_and_back(rig: EmulatedFleet, by: str
         assert before.get("a1", 0) == 0 and before.get("h1", 0) > 0 and before.get("h2", 0) > 0, before
 
         ports = {n: rig.servers[n].port for n in ("h1", "h2")}
+        closed_before = closed_with_a_request_on(rig)
         t0 = time.monotonic()
         for n in ports:
             rig.servers[n].proc.kill()  # a crash: no goodbye, connections refused from now on
@@ -84,13 +96,26 @@ def test_traffic_fails_over_to_the_fallback_and_back(rig: EmulatedFleet, by: str
             "traffic to move back to the H100s",
         )
         back = time.monotonic() - t1
+        closed = closed_with_a_request_on(rig) - closed_before
     # Only requests already sent to the two servers when they died may fail (the retry policy
     # does not resend a request the server may have started on): the one each client had in
-    # flight, plus a few written to pooled connections in the instant before Envoy saw them
-    # close (9 of 6 clients seen once, all within 10 ms). All at the crash: nothing after.
+    # flight, plus those written to pooled connections in the instant before Envoy saw them
+    # close. How many depends on how many connections Envoy's workers had pooled to the two
+    # servers, which grows with the machine's load (13 of 6 clients seen under three test
+    # workers): so the bound is Envoy's own count of connections the servers closed with a
+    # request on them, and every failure must say so (a connection refused, a request sent
+    # nowhere or a timeout would read otherwise). All at the crash: nothing after.
     failed_at = [t - t0 for t, _, status in load.records if status != 200]
-    assert len(failed_at) <= 2 * THREADS, load.failures
+    print(f"{len(failed_at)} failed at the crash; Envoy saw {closed} connections closed under a request")
+    assert len(failed_at) <= closed, (closed, load.failures)
     assert all(0 <= t < 2.0 for t in failed_at), failed_at
-    assert not [f for f in load.failures if not f.startswith("503")], load.failures
+    # A request refused by one dead server and retried may land on a pooled connection to the
+    # other: "retried and the latest reset reason".
+    sent_then_lost = re.compile(
+        r"503 upstream connect error or disconnect/reset before headers\. "
+        r"(retried and the latest )?reset reason: connection termination"
+    )
+    other = [f for f in load.failures if not sent_then_lost.fullmatch(f)]
+    assert not other, other
     assert load.statuses()[200] > 100
     assert back < 15, back

@@ -1,7 +1,7 @@
 """A rollout whose analysis cannot see a failure says so, with a real Envoy and emulated servers.
 
 The issue's "done when": a canary behind an Envoy without load reports, on servers that
-count only successes (the emulator speaks vLLM's dialect), pauses as inconclusive within
+do not count every failed request (the emulator speaks vLLM's dialect), pauses as inconclusive within
 its step interval, with a reason naming the missing signal. Before, it held step 1 forever,
 saying nothing, while the canary failed every request it got.
 """
@@ -63,7 +63,7 @@ def test_a_failing_canary_without_load_reports_pauses_as_inconclusive_within_its
     r = rig.rollout()
     assert (r.step, r.weights["v2"]) == (1, 5)  # held where it was
     assert r.reason.startswith(f"inconclusive: no load reports from proxies for {MODEL}/v2"), r.reason
-    assert "(vllm) count only successes" in r.reason and "load_stats_config" in r.reason
+    assert "(vllm) do not count every failed request" in r.reason and "load_stats_config" in r.reason
     assert rig.op is not None
     history = rig.op.rollouts.History(rollout_pb2.GetRolloutRequest(model=MODEL), metadata=rig.op.md)
     paused_at = next(h.at for h in history.records if h.phase == "Paused")

@@ -44,11 +44,9 @@ def rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ChurnRig]:
     yield from _rig(request, tmp_path, relay=False)
 
 
-@pytest.fixture(params=["delta", pytest.param("sotw", marks=pytest.mark.soak)])
+@pytest.fixture(params=["delta", "sotw"])
 def long_rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ChurnRig]:
-    """For the longest corners (20-26 s each): delta in the default suite, state of the world
-    under `-m soak`; the seeded churn runs replace versions and restart the control plane on
-    both transports in the default suite."""
+    """For the longest corners (20-30 s each), on both transports."""
     yield from _rig(request, tmp_path, relay=False)
 
 
