@@ -89,6 +89,16 @@ async def open_loop(
         await asyncio.wait(tasks)
 
 
+def served_by(body: bytes) -> str:
+    """The answer's `model` field: a real llama.cpp server run with its name as its alias says
+    who served the request there (the emulator says it in a header)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return ""
+    return str(doc.get("model", "")) if isinstance(doc, dict) else ""
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -107,7 +117,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
 
     async def one(session: aiohttp.ClientSession, tokens: int, measure: bool) -> None:
-        body = {"model": args.model, "prompt": "bench " * 32, "max_tokens": tokens}
+        body: dict[str, object] = {"model": args.model, "prompt": "bench " * 32, "max_tokens": tokens}
+        if args.ignore_eos:
+            body["ignore_eos"] = True  # llama.cpp's: a random-weight model may end at once
         started = time.monotonic()
         server = picker.pick() if picker is not None else -1
         target = picker.addresses[server] if picker is not None else args.target
@@ -115,9 +127,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             picker.in_flight[server] += 1
         try:
             async with session.post(f"http://{target}/v1/completions", json=body) as resp:
-                await resp.read()
+                data = await resp.read()
                 status = str(resp.status)
-                backend = resp.headers.get("x-emulator-server", "")
+                backend = resp.headers.get("x-emulator-server", "") or served_by(data)
         except Exception as e:  # a failed request is a result, not a crash
             status = type(e).__name__
             backend = ""
@@ -171,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens-sigma", type=float, default=0.9)
     p.add_argument("--tokens-max", type=int, default=400)
     p.add_argument("--timeout", type=float, default=120.0, help="per request")
+    p.add_argument("--ignore-eos", action="store_true", help="ask for every token (llama.cpp's ignore_eos)")
     args = p.parse_args(argv)
     if not args.target and not args.picker:
         p.error("one of --target or --picker is required")

@@ -1,4 +1,5 @@
-"""Load-balancing quality through the real stack: Envoy, the control plane, emulated GPU servers.
+"""Load-balancing quality through the real stack: Envoy, the control plane, emulated GPU servers
+(or, with `--servers llama.cpp`, real llama.cpp servers of two speeds).
 
 For each policy (default: round_robin, least_request, adaptive) this starts, on loopback:
 emulated servers of two GPU classes (`controlplane emulate`, one process per class), the
@@ -9,6 +10,15 @@ against the same fleet and the same seeded arrivals, so the ratio is what matter
 
     .venv/bin/python bench/lb_quality/real.py                  # ~3.5 min
     .venv/bin/python bench/lb_quality/real.py --load 0.7 --duration 60
+    .venv/bin/python bench/lb_quality/real.py --servers llama.cpp   # the real extra; ~3 min
+
+With `--servers llama.cpp` the servers are real `llama-server` processes (the `real` extra):
+a fast class serving a tiny random GGUF of 2 layers and a slow one of 6 (hidden 256, one
+thread each, as the demo's A100 and L4), `--per-class` of each. Their speeds are not
+declared in the fleet (both classes at capacity 1.0: the operator does not know them), and
+the load is sized from their throughput measured at the start of the run, all servers busy
+at once, as they share the machine's cores. Each request asks for every token
+(`ignore_eos`), so a random model does not end early.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -62,6 +73,7 @@ class Stack:
         self.workdir = workdir
         self.procs: list[subprocess.Popen[bytes]] = []
         self.envoy_admins: list[int] = []  # admin port of each Envoy started
+        self.llamas: list[Any] = []  # controlplane.sim.llamacpp.LlamaServer, each stopped by stop()
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         log = (self.workdir / f"{name}.log").open("ab")
@@ -70,6 +82,8 @@ class Stack:
         return p
 
     def stop(self) -> None:
+        for server in self.llamas:
+            server.stop()
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -159,9 +173,83 @@ def fleet_yaml(policy: str, listener: int, classes: list[tuple[str, float, int, 
     return "\n".join(lines) + "\n"
 
 
+# The real servers' GGUFs (as the demo's A100 and L4 classes): the same architecture, the slow
+# one with 3x the layers.
+LLAMA_MODELS = {"fast": {"n_embd": 256, "n_layer": 2}, "slow": {"n_embd": 256, "n_layer": 6}}
+LLAMA_CTX = 512  # per slot: the prompt and up to 400 tokens
+
+
+def start_llama_servers(stack: Stack, args: argparse.Namespace) -> list[tuple[str, float, int, int]]:
+    """Real llama-servers, `--per-class` of each class: (gpu, declared capacity 1.0, base
+    port, count) per class, once every server is healthy."""
+    from controlplane.sim.llamacpp import LlamaServer, llama_server_binary, missing, write_tiny_llama
+
+    why = missing()
+    binary = llama_server_binary()
+    if why is not None or binary is None:
+        raise SystemExit(f"--servers llama.cpp: {why}")
+    classes: list[tuple[str, float, int, int]] = []
+    for gpu, shape in LLAMA_MODELS.items():
+        model = stack.workdir / f"{gpu}.gguf"
+        write_tiny_llama(model, **shape)
+        base = free_ports(args.per_class)
+        classes.append((gpu, 1.0, base, args.per_class))
+        for i in range(args.per_class):
+            server = LlamaServer(
+                binary,
+                model,
+                stack.workdir,
+                alias=f"{gpu}-{i}",
+                port=base + i,
+                slots=args.slots,
+                ctx_per_slot=LLAMA_CTX,
+            )
+            stack.llamas.append(server)  # before start(): one that fails to start is stopped too
+            server.start()
+    return classes
+
+
+def measured_capacity(args: argparse.Namespace) -> tuple[float, dict[str, float]]:
+    """Requests/s the real servers complete together, each kept at its slots with requests of
+    the load's mean size for a few seconds: (the sum, each server's)."""
+    import concurrent.futures
+
+    workdir = Path(tempfile.mkdtemp(prefix="lbq-capacity-"))
+    stack = Stack(workdir)
+    tokens = round(mean_output_tokens(24.0, 0.9, 1, 400))
+    body = json.dumps({"prompt": "bench " * 32, "max_tokens": tokens, "ignore_eos": True}).encode()
+    try:
+        classes = start_llama_servers(stack, args)
+        urls = [
+            f"http://127.0.0.1:{port}/v1/completions"
+            for _, _, base, count in classes
+            for port in range(base, base + count)
+        ]
+        done = dict.fromkeys(urls, 0)
+        stop_at = time.monotonic() + 6.0
+
+        def client(url: str) -> None:
+            while time.monotonic() < stop_at:
+                req = urllib.request.Request(url, body, {"content-type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    r.read()
+                done[url] += 1
+
+        workers = [url for url in urls for _ in range(args.slots)]
+        with concurrent.futures.ThreadPoolExecutor(len(workers)) as pool:
+            list(pool.map(client, workers))
+        per = {server.alias: done[f"{server.base}/v1/completions"] / 6.0 for server in stack.llamas}
+        return sum(per.values()), per
+    finally:
+        stack.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def start_servers(stack: Stack, args: argparse.Namespace) -> list[tuple[str, float, int, int]]:
     """The emulated fleet, one `controlplane emulate` per GPU class: (gpu, speed, base port,
     count) per class, once every server answers."""
+    if args.servers == "llama.cpp":
+        return start_llama_servers(stack, args)
     classes: list[tuple[str, float, int, int]] = []
     for gpu, speed in (("fast", 1.0), ("slow", args.slow_speed)):
         base = free_ports(args.per_class)
@@ -207,6 +295,8 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float) -> dict[str, 
         classes = start_servers(stack, args)
         load = [sys.executable, str(HERE / "loadgen.py"), "--model", "bench-8b", "--rate", f"{rate:.3f}"]
         load += ["--duration", str(args.duration), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+        if args.servers == "llama.cpp":
+            load.append("--ignore-eos")
         if policy == "picker":
             servers = [
                 f"127.0.0.1:{port}@{speed}@{args.slots}"
@@ -294,18 +384,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim", action="store_true", help="also print the simulated picker's p90 per load")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep each run's logs and fleet file")
+    p.add_argument(
+        "--servers",
+        choices=["emulator", "llama.cpp"],
+        default="emulator",
+        help="emulated servers (default), or real llama.cpp servers of two speeds (the real extra)",
+    )
     args = p.parse_args(argv)
 
-    service_s = service_seconds(args)
-    capacity = args.per_class * args.slots * (1.0 + args.slow_speed) / service_s
     policies = args.policies.split(",")
     base = policies[0]
-    print(
-        f"fleet: {args.per_class} x speed 1.0 + {args.per_class} x speed {args.slow_speed}, "
-        f"{args.slots} slots each, behind {args.proxies} Envoy(s); mean service "
-        f"{service_s * 1000:.0f} ms at speed 1; capacity {capacity:.1f} req/s",
-        flush=True,
-    )
+    if args.servers == "llama.cpp":
+        if "picker" in policies:
+            p.error("--servers llama.cpp: the picker needs the servers' speeds, which are not declared")
+        capacity, per_server = measured_capacity(args)
+        print(
+            f"fleet: {args.per_class} real llama-server(s) of 2 layers + {args.per_class} of 6 "
+            f"(hidden 256, 1 thread, {args.slots} slots each), behind {args.proxies} Envoy(s); "
+            f"measured together: {', '.join(f'{k} {v:.1f}' for k, v in per_server.items())} req/s, "
+            f"capacity {capacity:.1f} req/s",
+            flush=True,
+        )
+    else:
+        service_s = service_seconds(args)
+        capacity = args.per_class * args.slots * (1.0 + args.slow_speed) / service_s
+        print(
+            f"fleet: {args.per_class} x speed 1.0 + {args.per_class} x speed {args.slow_speed}, "
+            f"{args.slots} slots each, behind {args.proxies} Envoy(s); mean service "
+            f"{service_s * 1000:.0f} ms at speed 1; capacity {capacity:.1f} req/s",
+            flush=True,
+        )
     summary: list[str] = []
     for load in args.load or [0.85]:
         rate = load * capacity
