@@ -4,7 +4,8 @@ Usage: GRPC_XDS_BOOTSTRAP=... python grpc_xds_load.py TARGET [--calls N | --seco
        [--rate R] [--concurrency C] [--wait-ready] [--deadline S] [--csds] [--header K=V]
 
 Each call is the unary method /inference.Who/Call with raw bytes; a backend answers with its
-own name. With --wait-ready it calls until one succeeds (30 s at most) and prints "ready";
+own name. With --wait-ready it calls until one succeeds (30 s at most) and prints "ready"
+(those calls send READY_PROBE, which the tests' servers answer without their `sleep_s`);
 with --csds it serves gRPC's own CSDS service (grpc_csds, the client's view of its xDS
 config) on a loopback port and prints "csds PORT". Then it makes its calls and prints one
 JSON line: calls per backend, failures per status code, and each call's (start offset,
@@ -24,6 +25,7 @@ from concurrent import futures
 import grpc
 
 METHOD = "/inference.Who/Call"
+READY_PROBE = b"ready?"
 
 
 def main() -> int:
@@ -58,7 +60,7 @@ def main() -> int:
         give_up = time.monotonic() + 30
         while True:
             try:
-                call(b"hello", timeout=5)
+                call(READY_PROBE, timeout=5)
                 break
             except grpc.RpcError as e:
                 if time.monotonic() > give_up:

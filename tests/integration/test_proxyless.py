@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from controlplane.v1 import endpoint_pb2, rollout_pb2
 from controlplane.xds.bootstrap import grpc_bootstrap
+from tests.integration.grpc_xds_load import READY_PROBE
 from tests.integration.harness import ControlPlane, Operator, wait_until
 
 CLIENT = Path(__file__).with_name("grpc_xds_load.py")
@@ -35,7 +36,9 @@ class WhoServer:
     """A real gRPC server for one model: /inference.Who/Call answers its name. `loading`:
     NOT_SERVING on grpc.health.v1 and UNAVAILABLE on every call, as a server still loading
     its model; `fail`: INTERNAL on every call; `fail_every_other`: UNAVAILABLE on every
-    other call; `sleep_s`: each call takes that long."""
+    other call; `sleep_s`: each call takes that long, except the client's readiness probes (a
+    probe that waited on the slow server past its 5-s deadline made the client give up as
+    "never ready" when its picks kept landing there)."""
 
     def __init__(self, name: str, *, loading: bool = False) -> None:
         self.name = name
@@ -85,7 +88,7 @@ class WhoServer:
                 context.abort(
                     grpc.StatusCode.INTERNAL if self.fail else grpc.StatusCode.UNAVAILABLE, "refused"
                 )
-            if self.sleep_s:
+            if self.sleep_s and request != READY_PROBE:
                 time.sleep(self.sleep_s)
             with self._lock:
                 self.calls += 1
