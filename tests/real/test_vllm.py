@@ -60,6 +60,13 @@ SEEN_READY_S = 60.0
 # vLLM's engine spins a core while it decodes; on a machine it shares with the control plane
 # under test (and its collectors, at nice 10), it must not take the CPU from them.
 VLLM_NICE = 10
+# And it gets one core, the last: by default its CPU build binds the worker's OpenMP threads to
+# core 0 and keeps core 1 "reserved" for its engine's scheduler, which busy-polls. On this
+# 2-vCPU VM both spin while it decodes, and nothing else ran for up to 43 s at a time (the
+# worker and engine took 77 of the 86 CPU-seconds of such a gap; CI failed on it twice). Pinned
+# (its affinity, VLLM_CPU_OMP_THREADS_BIND, no reserved CPU), the other core stays free: the
+# machine froze 0 s in the same module, which took 56 s instead of 417 s.
+VLLM_CPU = max(os.sched_getaffinity(0))
 MAKE_MODEL = Path(__file__).with_name("vllm_model.py")
 # The parent-death signal is not enough for vLLM: a SIGTERM that comes while its engine starts
 # is lost (it loads on and serves), and its engine processes outlive their API server's death.
@@ -80,14 +87,12 @@ except ProcessLookupError:
 class Freezes:
     """The seconds this machine stood still, counted by a thread that sleeps 0.1 s at a time.
 
-    On this machine (a Firecracker VM, 2 vCPUs) a vLLM that loads or decodes sometimes
-    freezes every process for seconds on end, not only the niced ones: a process at nice 0
-    that slept 0.1 s at a time woke 8.7 s and 18 s late during one 40-s flood (gaps of 34 s
-    in all), less in later runs; no gap with two busy loops instead of vLLM. In such a gap no
-    process runs, the control plane and cpctl included, so a wait that counts it in its
-    budget fails although what it waits for was given no time to happen (CI failed so:
-    "timed out after 30s waiting for the control plane to read the queue"). The waits below
-    count only the seconds in which the machine ran (`wait_running`)."""
+    With vLLM on both cores of this VM (its default binding, see VLLM_CPU) every process froze
+    for seconds on end, not only the niced ones: a process at nice 0 that slept 0.1 s at a time
+    woke 8.7 s, 18 s and 43 s late. vLLM is pinned to one core now and no freeze has been seen
+    since; the waits below still count only the seconds in which the machine ran
+    (`wait_running`), so that a freeze, should one come back, shows as such in the failure
+    and the teardown's figures instead of as a control plane too slow to read a page."""
 
     TICK_S = 0.1
     FROZEN_S = 1.0  # a wake-up later than this is a freeze: the whole gap is lost time
@@ -184,6 +189,8 @@ class VllmServer:
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default takes a share of the RAM
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(VLLM_CPU),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         }
         self.proc: subprocess.Popen[bytes] | None = None
         self.reaper: subprocess.Popen[bytes] | None = None
@@ -197,6 +204,7 @@ class VllmServer:
 
         def preexec() -> None:  # between fork and exec
             os.nice(VLLM_NICE)
+            os.sched_setaffinity(0, {VLLM_CPU})
             if pdeath is not None:
                 pdeath()
 
