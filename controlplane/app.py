@@ -248,7 +248,7 @@ class ControlPlane:
         # emulator provider (if the fleet asks for it) adds the servers it started.
         self._file_fleet = fleet
         self._serve_fleet()
-        # A server the edit added is sent held out (routing/translate.py): probe it now, so
+        # A server the edit added is sent held out (routing/clusters.py): probe it now, so
         # that it takes traffic as soon as it is seen ready, not a signals interval later.
         self.weights.wake()
         if self.provider.active() and self.etcd is not None:

@@ -24,6 +24,11 @@ SIGNALS_INTERVAL_MIN_S = 0.05
 SIGNALS_INTERVAL_MAX_S = 300.0
 SIGNALS_TIMEOUT_MIN_S = 0.01
 
+# How long a proxy waits for a per-request pick before routing by the weights: every picked
+# request may wait this long while a picker is slow, so a second is the most that makes sense.
+PICKER_TIMEOUT_MIN_S = 0.001
+PICKER_TIMEOUT_MAX_S = 1.0
+
 # A fleet file must hold still this long before a destructive decision taken from it (a
 # rollout aborted because a version left the file, the API's layers dropped) is stored.
 FILE_SETTLE_S = 2.0

@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 from real import Stack, start_proxied  # noqa: E402
 
 from bench.ports import free_port  # noqa: E402
-from controlplane.routing.translate import HTTP_PROTOCOL_OPTIONS  # noqa: E402
+from controlplane.routing.clusters import HTTP_PROTOCOL_OPTIONS  # noqa: E402
 from controlplane.sim import llamacpp  # noqa: E402
 
 MODEL = "tiny"

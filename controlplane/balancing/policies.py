@@ -238,6 +238,7 @@ POLICIES: dict[str, Policy] = {  # the names are fleet.model.POLICY_NAMES (a tes
     "least_connections": least_connections,
     "weighted_response_time": weighted_response_time,
     "model_aware": model_aware,
+    "picker": adaptive,  # the weights a proxy falls back to when the picker cannot answer
 }
 
 

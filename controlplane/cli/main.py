@@ -1,4 +1,4 @@
-"""`controlplane`: serve, check-config, explain, bootstrap, import, export, demo, emulate."""
+"""`controlplane`: serve, check-config, explain, bootstrap, import, export, demo, emulate, picker."""
 
 from __future__ import annotations
 
@@ -318,6 +318,35 @@ def _parser() -> argparse.ArgumentParser:
     x2.add_argument("--from", dest="source", required=True, metavar="etcd://HOST:PORT[,...][/PREFIX]")
     x2.add_argument("--to", dest="target", required=True, metavar="FILE", help="the file, or - for stdout")
     _add_emulate_parser(sub)
+    pk = sub.add_parser(
+        "picker",
+        help="run a per-request endpoint picker for models with balancing: picker",
+        description="Run an endpoint picker: Envoy asks it (ext_proc) which server takes each "
+        "request of a model with `balancing: picker`, and routes by the control plane's weights "
+        "whenever it does not answer in time. It learns the servers, their weights and which are "
+        "held out or draining from the control plane over ADS. Several may run; list them all "
+        "in the fleet file's picker.endpoints. Runs until SIGINT or SIGTERM. See docs/picker.md.",
+    )
+    pk.add_argument(
+        "--control-plane",
+        required=True,
+        metavar="HOST:PORT",
+        help="the control plane's xDS address (its serve --xds-listen)",
+    )
+    pk.add_argument(
+        "--listen",
+        default="127.0.0.1:18090",
+        metavar="HOST:PORT",
+        help="where Envoy reaches this picker over gRPC (default: %(default)s, loopback only)",
+    )
+    pk.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on this address (default: none)",
+    )
+    pk.add_argument("--node-id", help="its node id on the control plane (default: picker-PID)")
+    pk.add_argument("--log-format", choices=("console", "json"), default="console")
+    pk.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
 
@@ -552,7 +581,22 @@ def main(argv: list[str] | None = None) -> int:
         return int(run_demo(duration_s=args.duration, delta=args.delta, live=live, servers=args.servers))
     if args.command == "emulate":
         return _emulate(args)
+    if args.command == "picker":
+        return _picker(args)
     return 2
+
+
+def _picker(args: argparse.Namespace) -> int:
+    from controlplane.obs.logging import configure_logging
+    from controlplane.picker.service import serve
+
+    configure_logging(args.log_format, args.log_level)
+    try:
+        asyncio.run(serve(args.control_plane, args.listen, args.metrics_listen, args.node_id))
+    except OSError as e:
+        print(f"controlplane picker: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def check_config_doc(name: str, verdict: object) -> dict[str, object]:

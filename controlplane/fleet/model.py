@@ -302,6 +302,9 @@ POLICY_NAMES = (
     "least_connections",
     "weighted_response_time",
     "model_aware",
+    # A per-request picker (controlplane picker, through Envoy's ext_proc) chooses the server;
+    # the weights Envoy falls back to when it cannot are adaptive's.
+    "picker",
 )
 
 DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
@@ -347,6 +350,16 @@ class PriorityClass:
 
 
 @dataclass(frozen=True)
+class PickerSpec:
+    """The per-request endpoint pickers (`controlplane picker` processes) that proxies ask for
+    models with `balancing: picker` (docs/picker.md)."""
+
+    endpoints: tuple[tuple[str, int], ...] = ()  # where proxies reach the pickers
+    # How long a proxy waits for a pick before it routes by the weights instead.
+    timeout_s: float = 0.005
+
+
+@dataclass(frozen=True)
 class Fleet:
     """The whole configured world, as one immutable value."""
 
@@ -359,6 +372,7 @@ class Fleet:
     default_priority_class: str | None = None  # for requests without (or with an unknown) x-priority
     autoscaling: ProviderSpec = field(default_factory=ProviderSpec)
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
+    picker: PickerSpec = field(default_factory=PickerSpec)
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -387,6 +401,10 @@ class Fleet:
     def policy_of(self, model: Model) -> str:
         """The balancing policy a model uses: its own, else its tier's."""
         return self.traffic_of(model).balancing
+
+    def picked(self, model: Model) -> bool:
+        """Whether the model's requests ask a picker for their server."""
+        return self.traffic_of(model).balancing == "picker" and bool(self.picker.endpoints)
 
     def capacity_of(self, endpoint: Endpoint) -> float:
         """An endpoint's relative capacity: its own, else its GPU class's, else 1.0."""

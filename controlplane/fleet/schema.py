@@ -23,6 +23,7 @@ from controlplane.fleet.model import (
     EmulatedServer,
     Fleet,
     ListenerSpec,
+    PickerSpec,
     PriorityClass,
     PrometheusSpec,
     ProviderSpec,
@@ -53,12 +54,14 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
             "default_priority_class",
             "autoscaling",
             "discovery",
+            "picker",
         },
     )
     if top is None:
         return None
     provider = _provider(top.get("autoscaling"), errs)
     discovery = _discovery(top.get("discovery"), errs)
+    picker = _picker(top.get("picker"), errs)
     listener = _listener(top.get("listener"), errs)
     tiers = _tiers(top.get("tiers"), errs)
     gpu_classes = _gpu_classes(top.get("gpu_classes"), errs)
@@ -75,6 +78,7 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
         or signals is None
         or provider is None
         or discovery is None
+        or picker is None
     ):
         return None
     fleet = Fleet(
@@ -87,10 +91,63 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
         default_priority_class=default_class,
         autoscaling=provider,
         discovery=discovery,
+        picker=picker,
     )
+    _check_pickers(fleet, errs)
     fleet = _match_gpu_classes(fleet, errs)
     _check_memory_fit(fleet, errs)
     return fleet
+
+
+def _picker(value: Any, errs: _Errors) -> PickerSpec | None:
+    """The fleet-level `picker:` (docs/picker.md): where proxies reach the endpoint pickers,
+    and how long they wait for a pick before routing by the weights."""
+    m = _mapping(value, "picker", errs, {"endpoints", "timeout"})
+    if m is None:
+        return None
+    before = len(errs.items)
+    kw: dict[str, Any] = {}
+    endpoints = m.get("endpoints", [])
+    if not isinstance(endpoints, list):
+        errs.add("picker.endpoints", f"expected a list of IP:PORT, got {_kind(endpoints)}")
+    else:
+        parsed = []
+        for i, ep in enumerate(endpoints):
+            try:
+                parsed.append(parse_address(ep))
+            except ValueError as e:
+                errs.add(f"picker.endpoints[{i}]", str(e))
+        if len(set(parsed)) != len(parsed):
+            errs.add("picker.endpoints", "lists an address twice")
+        kw["endpoints"] = tuple(parsed)
+    if "timeout" in m:
+        got = _duration(m["timeout"], "picker.timeout", errs)
+        if got is not None and not limits.PICKER_TIMEOUT_MIN_S <= got <= limits.PICKER_TIMEOUT_MAX_S:
+            errs.add(
+                "picker.timeout",
+                f"must be between {limits.PICKER_TIMEOUT_MIN_S * 1000:g}ms and "
+                f"{limits.PICKER_TIMEOUT_MAX_S * 1000:g}ms (every picked request may wait this long "
+                f"when the picker is slow), got {got * 1000:g}ms",
+            )
+        kw["timeout_s"] = got
+    return PickerSpec(**kw) if len(errs.items) == before else None
+
+
+def _check_pickers(fleet: Fleet, errs: _Errors) -> None:
+    """`balancing: picker` needs pickers to ask: name the tier or model that sets it."""
+    if fleet.picker.endpoints:
+        return
+    why = (
+        "balancing: picker needs the pickers' addresses: set picker.endpoints to the "
+        "IP:PORT of each `controlplane picker` (docs/picker.md)"
+    )
+    for tier in fleet.tiers:
+        if tier.policy.balancing == "picker":
+            errs.add(f"tiers.{tier.name}.balancing", why)
+    for model in fleet.models:
+        tier_policy = fleet.tier(model.tier).policy.balancing
+        if model.policy is not None and model.policy.balancing == "picker" and tier_policy != "picker":
+            errs.add(f"models.{model.name}.balancing", why)
 
 
 def _discovery(value: Any, errs: _Errors) -> DiscoverySettings | None:

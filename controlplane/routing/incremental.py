@@ -28,11 +28,20 @@ from controlplane.fleet.model import (
     GpuClass,
     ListenerSpec,
     Model,
+    PickerSpec,
     PriorityClass,
     TrafficPolicy,
     Version,
 )
 from controlplane.routing import names
+from controlplane.routing.clusters import (
+    EndpointWeights,
+    build_assignment,
+    build_cluster,
+    build_hold_cluster,
+    build_picker_cluster,
+    ring_hashed,
+)
 from controlplane.routing.translate import (
     CLUSTER,
     ENDPOINT,
@@ -40,21 +49,17 @@ from controlplane.routing.translate import (
     NO_OVERLAY,
     ROUTE,
     DesiredResources,
-    EndpointWeights,
     RoutingOverlay,
     ShedClasses,
     build_api_listener,
     build_api_routes,
-    build_assignment,
-    build_cluster,
     build_gateway_listener,
     build_gateway_routes,
-    build_hold_cluster,
     holds,
-    ring_hashed,
+    picks,
 )
 
-_ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None]
+_ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None, bool]
 _PlacementKey = tuple[tuple[str, ...], tuple[str, ...], float | None, tuple[GpuClass, ...], bool]
 _ModelRouteKey = tuple[
     str,
@@ -68,6 +73,7 @@ _ModelRouteKey = tuple[
 ]
 _RouteKey = tuple[
     ListenerSpec,
+    PickerSpec,
     tuple[_ModelRouteKey, ...],
     tuple[PriorityClass, ...],
     str | None,
@@ -88,7 +94,7 @@ class _ModelResources:
 
 def _cluster_key(fleet: Fleet, model: Model) -> _ClusterKey:
     overrides = json.dumps(model.cluster_overrides, sort_keys=True) if model.cluster_overrides else ""
-    return model.protocol, overrides, fleet.traffic_of(model), model.affinity
+    return model.protocol, overrides, fleet.traffic_of(model), model.affinity, fleet.picked(model)
 
 
 class IncrementalTranslator:
@@ -107,6 +113,7 @@ class IncrementalTranslator:
         ] = {}
         self._gateway: tuple[_RouteKey, Message, Message] | None = None
         self._hold: tuple[str, Message] | None = None  # the holding service's cluster, by address
+        self._picker: tuple[tuple[tuple[str, int], ...], Message] | None = None  # the pickers' cluster
         self.built = 0  # messages built by the last translate() call, for tests and benchmarks
         # Isolation: a model whose resources fail to build keeps its last good ones (or, new,
         # is left out) while every other model's go out as usual. model -> why, last call.
@@ -150,12 +157,18 @@ class IncrementalTranslator:
                 self.built += 1
                 self._hold = (overlay.hold_address, build_hold_cluster(overlay.hold_address))
             clusters[names.HOLD_CLUSTER] = self._hold[1]
+        if picks(fleet):
+            if self._picker is None or self._picker[0] != fleet.picker.endpoints:
+                self.built += 1
+                self._picker = (fleet.picker.endpoints, build_picker_cluster(fleet.picker.endpoints))
+            clusters[names.PICKER_CLUSTER] = self._picker[1]
         if left_out:
             fleet = dataclasses.replace(
                 fleet, models=tuple(m for m in fleet.models if m.name not in left_out)
             )
         rkey: _RouteKey = (
             fleet.listener,
+            fleet.picker,
             tuple(
                 (
                     m.name,
@@ -225,7 +238,7 @@ class IncrementalTranslator:
         if cached is not None and cached[0] == key:
             return cached[1]
         self.built += 1
-        msg = build_cluster(model, cname, key[2])
+        msg = build_cluster(model, cname, key[2], picked=key[4])
         self._clusters[cname] = (key, msg)
         return msg
 

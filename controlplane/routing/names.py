@@ -9,6 +9,12 @@ GATEWAY_ROUTES = "inference"
 # The control plane's holding service (hold/): a model with no ready server routes there.
 HOLD_CLUSTER = "controlplane-hold"
 HOLD_MODEL_HEADER = "x-controlplane-hold-model"  # which model a held request is for
+PICKER_CLUSTER = "controlplane-picker"  # the per-request endpoint pickers (picker/)
+# The Endpoint Picker Protocol's names (Gateway API Inference Extension, proposal 004): the
+# picked endpoint (IP:PORT, or several comma-separated to walk on retries), as a request
+# header and under the envoy.lb dynamic metadata namespace.
+PICKED_HEADER = "x-gateway-destination-endpoint"
+PICKED_METADATA_NS = "envoy.lb"
 _STAT_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 

@@ -1,34 +1,26 @@
 """Pure translation: the fleet (and endpoint weights) -> Envoy Listener/Route/Cluster/CLA.
 
-Nothing here does I/O. The output is plain protobuf messages keyed by type URL and name;
-the xds room serialises them once into a snapshot.
+`translate` builds every resource; the listeners (the gateway's filter chain, proxyless
+gRPC's API listeners) and the routes are built here, the clusters and endpoint assignments
+in clusters.py. Nothing here does I/O. The output is plain protobuf messages keyed by type
+URL and name; the xds room serialises them once into a snapshot.
 """
 
 from __future__ import annotations
 
 import functools
-import ipaddress
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from envoy.config.accesslog.v3 import accesslog_pb2
-from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
-from envoy.config.core.v3 import (
-    address_pb2,
-    base_pb2,
-    config_source_pb2,
-    extension_pb2,
-    health_check_pb2,
-    protocol_pb2,
-    substitution_format_string_pb2,
-)
-from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2, grpc_service_pb2, substitution_format_string_pb2
 from envoy.config.listener.v3 import api_listener_pb2, listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.common.set_filter_state.v3 import value_pb2 as value_pb2_fs
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
@@ -36,31 +28,22 @@ from envoy.extensions.filters.http.set_filter_state.v3 import set_filter_state_p
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
-from envoy.extensions.load_balancing_policies.common.v3 import common_pb2
-from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
-from envoy.extensions.load_balancing_policies.maglev.v3 import maglev_pb2
-from envoy.extensions.load_balancing_policies.ring_hash.v3 import ring_hash_pb2
-from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
-from envoy.extensions.load_balancing_policies.wrr_locality.v3 import wrr_locality_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
-from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2, value_pb2
-from envoy.type.v3 import percent_pb2
-from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
+from google.protobuf import any_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
-from controlplane.fleet.model import (
-    Affinity,
-    CircuitBreaker,
-    Endpoint,
-    Fleet,
-    Model,
-    PriorityClass,
-    TrafficPolicy,
-    Version,
+from controlplane.fleet.model import Fleet, Model, PriorityClass, TrafficPolicy
+from controlplane.routing import names, pb
+from controlplane.routing.clusters import (
+    EndpointWeights,
+    build_assignment,
+    build_cluster,
+    build_hold_cluster,
+    build_picker_cluster,
+    ring_hashed,
 )
-from controlplane.routing import names
 
 LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
@@ -93,20 +76,6 @@ ERR_NO_MODEL = {
 
 HEALTH_BODY = {"status": "ok"}  # llama.cpp's answer; vLLM's is an empty 200
 
-# A request Envoy sends on a pooled connection just as the server closes it is lost: a 503
-# (upstream_cx_destroy_remote_with_active_rq) that is not retried, since the server may have
-# seen it. Servers close connections without a `Connection: close` first in two ways:
-# - idle ones, after their keep-alive timeout (cpp-httplib in llama.cpp, uvicorn in vLLM and
-#   SGLang: 5 s), where Envoy would keep them an hour. Envoy closes them first; 2 s of margin
-#   covers the two timers starting a latency apart. Cost: a new connection after 3 s idle.
-# - llama.cpp's server, right after every streamed response, although the response said
-#   `Keep-Alive`; Envoy hands a connection to a waiting request as soon as its response ends,
-#   and 5% of streamed requests failed so under closed-loop load here. So HTTP/1 connections
-#   carry one request each: a connect per request (0.2 ms here), nothing next to inference.
-#   HTTP/2 connections are kept (a server closes those with GOAWAY, which Envoy heeds).
-UPSTREAM_IDLE_TIMEOUT_S = 3.0
-UPSTREAM_HTTP1_REQUESTS_PER_CONNECTION = 1
-HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 PRIORITY_HEADER = "x-priority"
 RETRY_AFTER_S = 1
@@ -117,15 +86,6 @@ ERR_SHED = {
         "code": "rate_limit_exceeded",
     }
 }
-
-# Weights per cluster name, then per endpoint address. A weight of 0 holds the endpoint out:
-# it is sent with health status UNHEALTHY, so neither Envoy nor proxyless gRPC sends it new
-# requests (a not-ready, still-warming server). An address with no weight yet is new (the
-# signals have not weighed it): held out the same way while its cluster has a weighed server
-# to send to, else (nothing weighed: a control plane that just started, a new version) sent
-# with DEFAULT_WEIGHT, since serving something beats serving nothing.
-EndpointWeights = Mapping[str, Mapping[str, int]]
-DEFAULT_WEIGHT = 1
 
 
 @dataclass(frozen=True)
@@ -180,7 +140,7 @@ def translate(
     for model in fleet.models:
         for version in model.versions:
             cname = names.cluster_name(model.name, version.name)
-            clusters[cname] = build_cluster(model, cname, fleet.traffic_of(model))
+            clusters[cname] = build_cluster(model, cname, fleet.traffic_of(model), picked=fleet.picked(model))
             assignments[cname] = build_assignment(
                 cname,
                 version,
@@ -191,6 +151,8 @@ def translate(
             )
     if overlay.hold_address is not None:
         clusters[names.HOLD_CLUSTER] = build_hold_cluster(overlay.hold_address)
+    if picks(fleet):
+        clusters[names.PICKER_CLUSTER] = build_picker_cluster(fleet.picker.endpoints)
     gateway_routes = build_gateway_routes(fleet, shed or {}, overlay)
     listeners: dict[str, Message] = {names.GATEWAY_LISTENER: build_gateway_listener(fleet)}
     routes: dict[str, Message] = {names.GATEWAY_ROUTES: gateway_routes}
@@ -204,300 +166,19 @@ def translate(
     )
 
 
-def _duration(seconds: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(round(seconds * 1e9))
-    return d
-
-
-def _any(msg: Message) -> any_pb2.Any:
-    a = any_pb2.Any()
-    a.Pack(msg)
-    return a
-
-
-def _ads() -> config_source_pb2.ConfigSource:
-    return config_source_pb2.ConfigSource(
-        ads=config_source_pb2.AggregatedConfigSource(),
-        resource_api_version=config_source_pb2.V3,
-    )
-
-
-def _self_source() -> config_source_pb2.ConfigSource:
-    """The xDS server itself: where proxyless gRPC clients send their load reports (the only
-    LRS server they accept). Envoy ignores a cluster's lrs_server (its bootstrap names one)."""
-    return config_source_pb2.ConfigSource(
-        self=config_source_pb2.SelfConfigSource(), resource_api_version=config_source_pb2.V3
-    )
-
-
-def build_cluster(model: Model, cname: str, traffic: TrafficPolicy | None = None) -> cluster_pb2.Cluster:
-    """One EDS cluster per model version, HTTP/1.1 (one request per connection) unless
-    configured, idle connections closed after UPSTREAM_IDLE_TIMEOUT_S. Weighted least request,
-    except for the `round_robin` balancing policy, which gets Envoy's round robin. Circuit
-    breakers per routing priority and outlier detection come from the model's traffic policy."""
-    t = traffic or TrafficPolicy()
-    c = cluster_pb2.Cluster(
-        name=cname,
-        alt_stat_name=names.stat_name(cname),
-        type=cluster_pb2.Cluster.EDS,
-        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=_ads(), service_name=cname),
-        connect_timeout=_duration(1.0),
-        load_balancing_policy=(
-            hashing_policy(model.affinity)
-            if model.affinity is not None
-            else round_robin_policy()
-            if t.balancing == "round_robin"
-            else least_request_policy()
-        ),
-        circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
-            thresholds=[
-                _thresholds(base_pb2.DEFAULT, t.breaker_default),
-                _thresholds(base_pb2.HIGH, t.breaker_high),
-            ]
-        ),
-        outlier_detection=outlier_detection_pb2.OutlierDetection(
-            consecutive_5xx=wrappers_pb2.UInt32Value(value=t.outlier_consecutive_5xx),
-            enforcing_consecutive_5xx=wrappers_pb2.UInt32Value(value=100),
-            # Only 5xx in a row eject; gateway failures and success rate are not used here.
-            enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=0),
-            enforcing_success_rate=wrappers_pb2.UInt32Value(value=0),
-            # Failure share per interval: what proxyless gRPC applies (gRFC A50 has no
-            # consecutive 5xx); Envoy applies it too. Two servers at least, so that the rule
-            # never ejects the only one.
-            failure_percentage_threshold=wrappers_pb2.UInt32Value(value=t.outlier_failure_percentage or 100),
-            enforcing_failure_percentage=wrappers_pb2.UInt32Value(
-                value=100 if t.outlier_failure_percentage else 0
-            ),
-            failure_percentage_minimum_hosts=wrappers_pb2.UInt32Value(value=2),
-            failure_percentage_request_volume=wrappers_pb2.UInt32Value(value=t.outlier_failure_min_requests),
-            interval=_duration(t.outlier_interval_s),
-            base_ejection_time=_duration(t.outlier_base_ejection_s),
-            max_ejection_percent=wrappers_pb2.UInt32Value(value=t.outlier_max_ejection_percent),
-        ),
-    )
-    c.lrs_server.CopyFrom(_self_source())
-    # No panic mode: Envoy's default (below 50% healthy, ignore health) would send traffic
-    # to servers that said they are not ready. All held out means 503, which is the truth.
-    c.common_lb_config.healthy_panic_threshold.value = 0.0
-    c.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(
-        _any(upstream_http_options(http2=model.protocol == "http2"))
-    )
-    if model.cluster_overrides:
-        override = json_format.ParseDict(dict(model.cluster_overrides), cluster_pb2.Cluster())
-        c.MergeFrom(override)
-    return c
-
-
-def upstream_http_options(
-    *, http2: bool = False, reuse: bool = False
-) -> http_protocol_options_pb2.HttpProtocolOptions:
-    """HTTP/1.1 (or HTTP/2) to the servers, idle connections closed by Envoy before the servers
-    close them (UPSTREAM_IDLE_TIMEOUT_S) and, for HTTP/1.1 unless `reuse`, one request per
-    connection (UPSTREAM_HTTP1_REQUESTS_PER_CONNECTION)."""
-    common = protocol_pb2.HttpProtocolOptions(idle_timeout=_duration(UPSTREAM_IDLE_TIMEOUT_S))
-    explicit = http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig()
-    if http2:
-        explicit.http2_protocol_options.SetInParent()
-    else:
-        explicit.http_protocol_options.SetInParent()
-        if not reuse:
-            common.max_requests_per_connection.value = UPSTREAM_HTTP1_REQUESTS_PER_CONNECTION
-    return http_protocol_options_pb2.HttpProtocolOptions(
-        common_http_protocol_options=common, explicit_http_config=explicit
-    )
-
-
-def build_hold_cluster(address: str) -> cluster_pb2.Cluster:
-    """The control plane's holding service as proxies reach it: HOST:PORT, an IP (STATIC) or a
-    name (STRICT_DNS). Its own bound (autoscaling.hold_max per model) refuses what is too
-    much, so Envoy's circuit breakers stay out of the way."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    try:
-        ipaddress.ip_address(host)
-        kind = cluster_pb2.Cluster.STATIC
-    except ValueError:
-        kind = cluster_pb2.Cluster.STRICT_DNS
-    c = cluster_pb2.Cluster(
-        name=names.HOLD_CLUSTER,
-        type=kind,
-        connect_timeout=_duration(1.0),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(cluster_name=names.HOLD_CLUSTER),
-    )
-    # Connections reused: the holding service (aiohttp) keeps them after every response, and
-    # idle for 3630 s; the idle timeout as for every generated cluster.
-    c.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS].CopyFrom(
-        _any(upstream_http_options(reuse=True))
-    )
-    lb = c.load_assignment.endpoints.add().lb_endpoints.add()
-    lb.endpoint.address.socket_address.address = host
-    lb.endpoint.address.socket_address.port_value = int(port)
-    unbounded = CircuitBreaker(max_requests=1 << 20, max_pending=1 << 20)
-    c.circuit_breakers.thresholds.extend(
-        [_thresholds(base_pb2.DEFAULT, unbounded), _thresholds(base_pb2.HIGH, unbounded)]
-    )
-    return c
-
-
 def holds(model: Model, overlay: RoutingOverlay) -> bool:
     """Whether the model's requests go to the holding service now (HTTP/1 models only)."""
     return overlay.hold_address is not None and model.name in overlay.holding and model.protocol == "http1"
 
 
-def _thresholds(priority: int, b: CircuitBreaker) -> circuit_breaker_pb2.CircuitBreakers.Thresholds:
-    return circuit_breaker_pb2.CircuitBreakers.Thresholds(
-        priority=priority,
-        max_requests=wrappers_pb2.UInt32Value(value=b.max_requests),
-        max_pending_requests=wrappers_pb2.UInt32Value(value=b.max_pending),
-        # Envoy's default allows 3 retries in flight per cluster: a dead server under load
-        # would exhaust that at once and its requests fail unretried. A budget scales with
-        # the load (half the requests in flight may be retries) and still stops storms.
-        retry_budget=circuit_breaker_pb2.CircuitBreakers.Thresholds.RetryBudget(
-            budget_percent=percent_pb2.Percent(value=50.0),
-            min_retry_concurrency=wrappers_pb2.UInt32Value(value=16),
-        ),
-        track_remaining=True,
-    )
-
-
-def least_request_policy() -> cluster_pb2.LoadBalancingPolicy:
-    """Weighted least request for Envoy; proxyless gRPC (which lacks it) takes round robin.
-
-    Each client uses the first policy in the list that it supports.
-    """
-    wrr = wrr_locality_pb2.WrrLocality(
-        endpoint_picking_policy=cluster_pb2.LoadBalancingPolicy(
-            policies=[_lb_policy("envoy.load_balancing_policies.round_robin", round_robin_pb2.RoundRobin())]
-        )
-    )
-    return cluster_pb2.LoadBalancingPolicy(
-        policies=[
-            # Full scan while weights are equal: a model has tens of servers, not thousands,
-            # and power of two choices can pick a busy server twice while another has a free
-            # slot. Unequal weights use Envoy's EDF path either way. (Envoy reads
-            # selection_method since 1.30; its older enable_full_scan field is ignored.)
-            _lb_policy(
-                "envoy.load_balancing_policies.least_request",
-                least_request_pb2.LeastRequest(selection_method=least_request_pb2.LeastRequest.FULL_SCAN),
-            ),
-            _lb_policy("envoy.load_balancing_policies.wrr_locality", wrr),
-        ]
-    )
-
-
-def hashing_policy(affinity: Affinity) -> cluster_pb2.LoadBalancingPolicy:
-    """Consistent hashing with bounded load: a key keeps its endpoint until that endpoint
-    carries more than hash_balance_factor percent of the mean requests in flight."""
-    common = common_pb2.ConsistentHashingLbConfig(
-        hash_balance_factor=wrappers_pb2.UInt32Value(value=affinity.balance_factor)
-    )
-    if affinity.algorithm == "ring_hash":
-        first = _lb_policy(
-            "envoy.load_balancing_policies.ring_hash",
-            ring_hash_pb2.RingHash(consistent_hashing_lb_config=common),
-        )
-    else:
-        first = _lb_policy(
-            "envoy.load_balancing_policies.maglev", maglev_pb2.Maglev(consistent_hashing_lb_config=common)
-        )
-    rr = _lb_policy("envoy.load_balancing_policies.round_robin", round_robin_pb2.RoundRobin())
-    wrr = wrr_locality_pb2.WrrLocality(endpoint_picking_policy=cluster_pb2.LoadBalancingPolicy(policies=[rr]))
-    return cluster_pb2.LoadBalancingPolicy(
-        policies=[first, _lb_policy("envoy.load_balancing_policies.wrr_locality", wrr)]
-    )
-
-
-def round_robin_policy() -> cluster_pb2.LoadBalancingPolicy:
-    """Plain (weighted) round robin, for Envoy and proxyless gRPC alike."""
-    rr = _lb_policy("envoy.load_balancing_policies.round_robin", round_robin_pb2.RoundRobin())
-    wrr = wrr_locality_pb2.WrrLocality(endpoint_picking_policy=cluster_pb2.LoadBalancingPolicy(policies=[rr]))
-    return cluster_pb2.LoadBalancingPolicy(
-        policies=[rr, _lb_policy("envoy.load_balancing_policies.wrr_locality", wrr)]
-    )
-
-
-def _lb_policy(name: str, msg: Message) -> cluster_pb2.LoadBalancingPolicy.Policy:
-    return cluster_pb2.LoadBalancingPolicy.Policy(
-        typed_extension_config=extension_pb2.TypedExtensionConfig(name=name, typed_config=_any(msg))
-    )
-
-
-def ring_hashed(model: Model) -> bool:
-    """Whether the model's clusters hash with a ring (gRPC's ring_hash weighs an endpoint by
-    its locality's weight times its own, so its locality weighs 1)."""
-    return model.affinity is not None and model.affinity.algorithm == "ring_hash"
-
-
-def build_assignment(
-    cname: str,
-    version: Version,
-    weights: Mapping[str, int],
-    priority_of: Callable[[Endpoint], int | None] = lambda ep: 0,
-    draining: frozenset[str] = frozenset(),
-    *,
-    ring_hash: bool = False,
-) -> endpoint_pb2.ClusterLoadAssignment:
-    """The version's endpoints with their weights, by EDS priority, one locality each.
-
-    `priority_of` ranks each endpoint (lower first; None: left out because the model does
-    not fit its GPU memory); ranks become priorities 0, 1... Weight 0 is sent as UNHEALTHY
-    (held out) with weight 1, since EDS weights must be at least 1. Addresses in `draining`
-    are sent as DRAINING: no new requests, in-flight ones finish. An address not in `weights`
-    (new to the cluster) is held out too while another of the version's servers is weighed
-    above 0; with none, it gets DEFAULT_WEIGHT (see EndpointWeights).
-
-    Each endpoint is its own locality (its region and zone, sub_zone its address), weighted
-    with the endpoint's weight: Envoy reads the endpoint weight (it ignores locality weights
-    unless told otherwise), and gRPC's xds_wrr_locality, which ignores endpoint weights, reads
-    the locality's. gRPC's load reports, per locality, so name the endpoint too."""
-    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cname)
-    by_rank: dict[int, list[Endpoint]] = {}
-    for ep in version.endpoints:
-        rank = priority_of(ep)
-        if rank is not None:
-            by_rank.setdefault(rank, []).append(ep)
-    weighed = any(weights.get(ep.address, 0) > 0 and ep.address not in draining for ep in version.endpoints)
-    unweighed = 0 if weighed else DEFAULT_WEIGHT  # the weight of an address new to the cluster
-    # EDS priorities must be 0, 1, 2... without gaps: renumber the ranks in use.
-    for prio, rank in enumerate(sorted(by_rank)):
-        for ep in sorted(by_rank[rank], key=lambda e: (e.region or "", e.zone or "")):
-            w = int(weights.get(ep.address, unweighed))
-            # gRPC ignores a locality without a weight, so always give one.
-            loc = cla.endpoints.add(
-                load_balancing_weight=wrappers_pb2.UInt32Value(value=1 if ring_hash else max(1, w)),
-                priority=prio,
-            )
-            loc.locality.sub_zone = ep.address  # unique: gRPC refuses duplicate localities
-            if ep.region:
-                loc.locality.region = ep.region
-            if ep.zone:
-                loc.locality.zone = ep.zone
-            lb = loc.lb_endpoints.add()
-            lb.endpoint.address.socket_address.CopyFrom(
-                address_pb2.SocketAddress(address=ep.host, port_value=ep.port)
-            )
-            if ep.address in draining:
-                lb.health_status = health_check_pb2.DRAINING
-            elif w <= 0:
-                lb.health_status = health_check_pb2.UNHEALTHY
-            lb.load_balancing_weight.value = max(1, w)
-    return cla
-
-
-def empty_assignment(cname: str) -> endpoint_pb2.ClusterLoadAssignment:
-    """What a proxy gets for an EDS name with no data, so its cluster never hangs warming."""
-    return endpoint_pb2.ClusterLoadAssignment(cluster_name=cname)
-
-
 def _hcm_filter(hcm: hcm_pb2.HttpConnectionManager) -> listener_components_pb2.Filter:
     return listener_components_pb2.Filter(
-        name="envoy.filters.network.http_connection_manager", typed_config=_any(hcm)
+        name="envoy.filters.network.http_connection_manager", typed_config=pb.pack(hcm)
     )
 
 
 def _router() -> hcm_pb2.HttpFilter:
-    return hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router()))
+    return hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=pb.pack(router_pb2.Router()))
 
 
 BUFFER_FILTER = "envoy.filters.http.buffer"
@@ -511,7 +192,7 @@ def _buffer(fleet: Fleet) -> hcm_pb2.HttpFilter:
         (fleet.traffic_of(m).max_body_bytes for m in fleet.models), default=TrafficPolicy().max_body_bytes
     )
     cfg = buffer_pb2.Buffer(max_request_bytes=wrappers_pb2.UInt32Value(value=limit))
-    return hcm_pb2.HttpFilter(name=BUFFER_FILTER, typed_config=_any(cfg))
+    return hcm_pb2.HttpFilter(name=BUFFER_FILTER, typed_config=pb.pack(cfg))
 
 
 def _json_rule(field: str, key: str) -> json_to_metadata_pb2.JsonToMetadata.Rule:
@@ -535,6 +216,69 @@ def _affinity_body_fields(fleet: Fleet) -> list[str]:
 
 
 PREFIX_FIELD = "prefix"  # affinity_prefix in metadata; never a body field name (AFFINITY_BODY_FIELDS)
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+
+
+def picks(fleet: Fleet) -> bool:
+    """Whether any model asks a picker for its requests' servers."""
+    return any(fleet.picked(m) for m in fleet.models)
+
+
+def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
+    """Envoy asks a picker (picker/) which server takes the request, on the routes of models
+    with `balancing: picker` only: off for the gateway's virtual host, on for their routes
+    (`_picker_off`, `_picker_on`). Not `disabled` here with `FilterConfig` per route: Envoy
+    decides that when it builds the filter chain, from the route the headers alone match, and
+    a body-routed request only finds its route once json_to_metadata has read the body (seen:
+    the picker was never asked). The filter reads its per-route config when it runs. It sends the request
+    headers and the model json_to_metadata read (and the route's cluster, so the picker picks
+    in the version the route chose), never the body: with no body sent, a picker that is
+    down, errs, or does not answer within picker.timeout costs the request nothing but the
+    wait (failure_mode_allow), and the cluster's policy routes it by the weights
+    (clusters.picked_policy). The answer sets the picked-endpoint header (and the envoy.lb
+    metadata) and nothing else; the route is not looked up again."""
+    cfg = ext_proc_pb2.ExternalProcessor(
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=names.PICKER_CLUSTER),
+            timeout=pb.duration(fleet.picker.timeout_s),
+        ),
+        failure_mode_allow=True,
+        processing_mode=processing_mode_pb2.ProcessingMode(
+            request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+            response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+            request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+            response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+            request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+            response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+        ),
+        request_attributes=["xds.cluster_name"],
+        message_timeout=pb.duration(fleet.picker.timeout_s),
+        stat_prefix="picker",
+        metadata_options=ext_proc_pb2.MetadataOptions(
+            forwarding_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(untyped=[METADATA_NS]),
+            receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
+                untyped=[names.PICKED_METADATA_NS]
+            ),
+        ),
+        disable_clear_route_cache=True,
+    )
+    return hcm_pb2.HttpFilter(name=EXT_PROC_FILTER, typed_config=pb.pack(cfg))
+
+
+def _picker_off() -> any_pb2.Any:
+    """The picker filter's config for the gateway's virtual host: off."""
+    return pb.pack(ext_proc_pb2.ExtProcPerRoute(disabled=True))
+
+
+def _picker_on() -> any_pb2.Any:
+    """The picker filter's config for a picked model's route: on (the most specific wins)."""
+    return pb.pack(
+        ext_proc_pb2.ExtProcPerRoute(
+            overrides=ext_proc_pb2.ExtProcOverrides(failure_mode_allow=wrappers_pb2.BoolValue(value=True))
+        )
+    )
+
+
 LUA_FILTER = "envoy.filters.http.lua"
 PREFIX_KEY_LUA = (Path(__file__).with_name("prefix_key.lua")).read_text()
 
@@ -548,7 +292,7 @@ def _prefix_key_filter() -> hcm_pb2.HttpFilter:
     (its route's metadata says how to take it), into dynamic metadata. It runs once the
     buffer filter holds the whole body."""
     cfg = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=PREFIX_KEY_LUA))
-    return hcm_pb2.HttpFilter(name=LUA_FILTER, typed_config=_any(cfg))
+    return hcm_pb2.HttpFilter(name=LUA_FILTER, typed_config=pb.pack(cfg))
 
 
 def _affinity_filter_state(fields: list[str]) -> hcm_pb2.HttpFilter:
@@ -574,7 +318,7 @@ def _affinity_filter_state(fields: list[str]) -> hcm_pb2.HttpFilter:
             for f in fields
         ]
     )
-    return hcm_pb2.HttpFilter(name="envoy.filters.http.set_filter_state", typed_config=_any(cfg))
+    return hcm_pb2.HttpFilter(name="envoy.filters.http.set_filter_state", typed_config=pb.pack(cfg))
 
 
 def _json_to_metadata(affinity_fields: list[str] | None = None) -> hcm_pb2.HttpFilter:
@@ -586,7 +330,7 @@ def _json_to_metadata(affinity_fields: list[str] | None = None) -> hcm_pb2.HttpF
             allow_content_types_regex=regex_pb2.RegexMatcher(regex=JSON_CONTENT_TYPES),
         )
     )
-    return hcm_pb2.HttpFilter(name="envoy.filters.http.json_to_metadata", typed_config=_any(cfg))
+    return hcm_pb2.HttpFilter(name="envoy.filters.http.json_to_metadata", typed_config=pb.pack(cfg))
 
 
 def _retry_after() -> base_pb2.HeaderValueOption:
@@ -618,7 +362,7 @@ def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
     hcm = hcm_pb2.HttpConnectionManager(
         stat_prefix="inference",
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
-        rds=hcm_pb2.Rds(config_source=_ads(), route_config_name=names.GATEWAY_ROUTES),
+        rds=hcm_pb2.Rds(config_source=pb.ads(), route_config_name=names.GATEWAY_ROUTES),
         http_filters=[
             _buffer(fleet),
             _json_to_metadata(body_fields := _affinity_body_fields(fleet)),
@@ -628,6 +372,7 @@ def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
                 if (state_fields := body_fields + ([PREFIX_FIELD] if _prefix_affinity(fleet) else []))
                 else []
             ),
+            *([_picker_filter(fleet)] if picks(fleet) else []),
             _router(),
         ],
         local_reply_config=_overflow_is_429(),
@@ -647,12 +392,12 @@ def build_api_listener(model: Model) -> listener_pb2.Listener:
     """An API listener for proxyless gRPC clients dialing xds:///<model>."""
     hcm = hcm_pb2.HttpConnectionManager(
         stat_prefix=names.stat_name(model.name),
-        rds=hcm_pb2.Rds(config_source=_ads(), route_config_name=names.api_route_name(model.name)),
+        rds=hcm_pb2.Rds(config_source=pb.ads(), route_config_name=names.api_route_name(model.name)),
         http_filters=[_router()],
     )
     return listener_pb2.Listener(
         name=names.api_listener_name(model.name),
-        api_listener=api_listener_pb2.ApiListener(api_listener=_any(hcm)),
+        api_listener=api_listener_pb2.ApiListener(api_listener=pb.pack(hcm)),
     )
 
 
@@ -697,14 +442,14 @@ def _model_action(
     rollout in progress), else the stable version."""
     t = fleet.traffic_of(model)
     action = route_components_pb2.RouteAction(
-        timeout=_duration(t.timeout_s),
+        timeout=pb.duration(t.timeout_s),
         priority=base_pb2.HIGH if high else base_pb2.DEFAULT,
     )
     if version is None and not proxyless and holds(model, overlay):
         # No server of the model is ready: wait in the holding service, not 503. The same
         # timeouts apply; the service sends the request on as soon as a server is ready.
         action.cluster = names.HOLD_CLUSTER
-        action.idle_timeout.CopyFrom(_duration(t.stream_idle_timeout_s or t.timeout_s))
+        action.idle_timeout.CopyFrom(pb.duration(t.stream_idle_timeout_s or t.timeout_s))
         return action
     split = () if version is not None else overlay.splits.get(model.name, ())
     if len(split) > 1:
@@ -738,7 +483,7 @@ def _model_action(
     if proxyless:
         return _proxyless_action(action, t)
     # Always set: Envoy's own default (5 min, from the listener) would cut a long generation.
-    action.idle_timeout.CopyFrom(_duration(t.stream_idle_timeout_s or t.timeout_s))
+    action.idle_timeout.CopyFrom(pb.duration(t.stream_idle_timeout_s or t.timeout_s))
     if t.retries:
         action.retry_policy.CopyFrom(
             route_components_pb2.RetryPolicy(
@@ -748,7 +493,7 @@ def _model_action(
                 retry_host_predicate=[
                     route_components_pb2.RetryPolicy.RetryHostPredicate(
                         name="envoy.retry_host_predicates.previous_hosts",
-                        typed_config=_any(previous_hosts_pb2.PreviousHostsPredicate()),
+                        typed_config=pb.pack(previous_hosts_pb2.PreviousHostsPredicate()),
                     )
                 ],
                 host_selection_retry_max_attempts=5,
@@ -756,7 +501,7 @@ def _model_action(
                 # the next retry goes to the next priority: the fallback GPU class.
                 retry_priority=route_components_pb2.RetryPolicy.RetryPriority(
                     name="envoy.retry_priorities.previous_priorities",
-                    typed_config=_any(
+                    typed_config=pb.pack(
                         previous_priorities_config_pb2.PreviousPrioritiesConfig(update_frequency=2)
                     ),
                 ),
@@ -777,14 +522,14 @@ def _proxyless_action(
     """The same route action in gRPC's terms: gRPC ignores `timeout` and reads
     max_stream_duration as the call's deadline (gRFC A31), takes gRPC status codes as retry
     conditions (gRFC A44), and has no idle timeout or retry predicates."""
-    action.max_stream_duration.max_stream_duration.CopyFrom(_duration(t.timeout_s))
+    action.max_stream_duration.max_stream_duration.CopyFrom(pb.duration(t.timeout_s))
     if t.retries:
         action.retry_policy.CopyFrom(
             route_components_pb2.RetryPolicy(
                 retry_on=PROXYLESS_RETRY_ON,
                 num_retries=wrappers_pb2.UInt32Value(value=t.retries),
                 retry_back_off=route_components_pb2.RetryPolicy.RetryBackOff(
-                    base_interval=_duration(0.025), max_interval=_duration(0.25)
+                    base_interval=pb.duration(0.025), max_interval=pb.duration(0.25)
                 ),
             )
         )
@@ -821,7 +566,9 @@ def _model_route(
             max_request_bytes=wrappers_pb2.UInt32Value(value=fleet.traffic_of(model).max_body_bytes)
         )
     )
-    route.typed_per_filter_config[BUFFER_FILTER].CopyFrom(_any(body_limit))
+    route.typed_per_filter_config[BUFFER_FILTER].CopyFrom(pb.pack(body_limit))
+    if fleet.picked(model) and route.route.cluster != names.HOLD_CLUSTER:
+        route.typed_per_filter_config[EXT_PROC_FILTER].CopyFrom(_picker_on())
     prefix = model.affinity.prefix if model.affinity is not None else None
     if prefix is not None:
         route.metadata.filter_metadata[LUA_FILTER].update(
@@ -1001,10 +748,10 @@ def build_gateway_routes(
         )
     )
     routes.append(_direct("no-model", 400, ERR_NO_MODEL, route_components_pb2.RouteMatch(prefix="/")))
-    return route_pb2.RouteConfiguration(
-        name=names.GATEWAY_ROUTES,
-        virtual_hosts=[route_components_pb2.VirtualHost(name="inference", domains=["*"], routes=routes)],
-    )
+    vhost = route_components_pb2.VirtualHost(name="inference", domains=["*"], routes=routes)
+    if picks(fleet):
+        vhost.typed_per_filter_config[EXT_PROC_FILTER].CopyFrom(_picker_off())
+    return route_pb2.RouteConfiguration(name=names.GATEWAY_ROUTES, virtual_hosts=[vhost])
 
 
 def build_api_routes(

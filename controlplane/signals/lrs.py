@@ -137,7 +137,7 @@ def _endpoint_stats(
 ) -> list[tuple[str, tuple[int, int, int, int]]]:
     """(address, (in progress, issued, succeeded, failed)) per endpoint of one locality's
     report. Envoy reports endpoints (report_endpoint_granularity); gRPC reports localities
-    only, and each of ours is one endpoint named by its sub_zone (routing/translate.py), so
+    only, and each of ours is one endpoint named by its sub_zone (routing/clusters.py), so
     the locality's counts are that endpoint's."""
 
     def counts(s: Any) -> tuple[int, int, int, int]:

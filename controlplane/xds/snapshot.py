@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from envoy.config.cluster.v3 import cluster_pb2
 from google.protobuf.message import Message
 
+from controlplane.routing.clusters import empty_assignment
 from controlplane.routing.translate import (
     CLUSTER,
     ENDPOINT,
@@ -18,7 +19,6 @@ from controlplane.routing.translate import (
     ROUTE,
     DesiredResources,
     cluster_refs,
-    empty_assignment,
     rds_names,
 )
 from controlplane.xds import capabilities, wire

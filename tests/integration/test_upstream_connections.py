@@ -6,7 +6,7 @@ the two ways real ones do: after KEEP_ALIVE_S idle, as cpp-httplib (llama.cpp) a
 A request the proxy sends on such a connection as the server closes it arrives on a closed
 connection; Envoy answers it 503 (upstream_cx_destroy_remote_with_active_rq) and, rightly,
 does not retry it: the request had been sent. Envoy closing idle connections first
-(translate.UPSTREAM_IDLE_TIMEOUT_S) and using an HTTP/1 connection for one request only
+(clusters.UPSTREAM_IDLE_TIMEOUT_S) and using an HTTP/1 connection for one request only
 (UPSTREAM_HTTP1_REQUESTS_PER_CONNECTION) leave no such window. On loopback a server's close
 takes microseconds to arrive, so the servers here widen the window, as a slow network or a
 busy server would: their idle close takes LATENCY_S to reach the proxy, and their close after

@@ -265,6 +265,14 @@ ENVOY_HISTOGRAMS = {"envoy_cluster_upstream_rq_time", "envoy_http_downstream_rq_
 # Kept by Envoy for its admin API only (the tests, the gateway's preStop hook, an operator's
 # curl) and not scraped: per-status-code counters (one series per code per cluster) and a few
 # diagnostics no panel or alert reads.
+# The picker filter's stats (ext_proc, stat_prefix picker): Envoy has them only where a model
+# has `balancing: picker` (tests/integration/test_picker.py reads them on the real Envoy).
+ENVOY_PICKER_STATS = {
+    "http.inference.ext_proc.picker.streams_started": "envoy_http_ext_proc_picker_streams_started",
+    "http.inference.ext_proc.picker.streams_failed": "envoy_http_ext_proc_picker_streams_failed",
+    "http.inference.ext_proc.picker.failure_mode_allowed": "envoy_http_ext_proc_picker_failure_mode_allowed",
+    "http.inference.ext_proc.picker.message_timeouts": "envoy_http_ext_proc_picker_message_timeouts",
+}
 ENVOY_ADMIN_ONLY = {
     "envoy_cluster_upstream_rq",
     "envoy_cluster_upstream_rq_retry_success",
@@ -314,7 +322,8 @@ def prometheus_names(name: str) -> set[str]:
 
 def envoy_scraped_names() -> set[str]:
     """The Prometheus names of the stats the matcher keeps and the scrape keeps too."""
-    return {n for v in ENVOY_STATS.values() for n in prometheus_names(v)} - ENVOY_ADMIN_ONLY
+    every = {**ENVOY_STATS, **ENVOY_PICKER_STATS}
+    return {n for v in every.values() for n in prometheus_names(v)} - ENVOY_ADMIN_ONLY
 
 
 def envoy_matcher_patterns() -> list[dict[str, Any]]:
@@ -343,10 +352,11 @@ def envoy_kept(name: str) -> bool:
 
 def test_the_bootstrap_keeps_exactly_the_envoy_stats_listed_here() -> None:
     patterns = envoy_matcher_patterns()
-    assert [n for n in ENVOY_STATS if not envoy_kept(n)] == []
+    listed = {**ENVOY_STATS, **ENVOY_PICKER_STATS}
+    assert [n for n in listed if not envoy_kept(n)] == []
     # Each pattern is there for a stat listed above, and the rest of Envoy's are dropped.
     for p in patterns:
-        assert any(envoy_matches(p, n) for n in ENVOY_STATS), f"{p} keeps no stat listed here"
+        assert any(envoy_matches(p, n) for n in listed), f"{p} keeps no stat listed here"
     assert [n for n in ENVOY_DROPPED if envoy_kept(n)] == []
     # Whatever the cluster is called: generated names, the holding cluster, xds_cluster.
     for cluster in (stat_name("qwen-2.5-72b@v2"), "controlplane-hold", "xds_cluster", "envoy_admin"):

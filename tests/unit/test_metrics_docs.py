@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from controlplane.obs.metrics import Metrics
+from controlplane.picker.service import PickerMetrics
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.server import XdsServer
 
@@ -16,7 +17,8 @@ def registered() -> set[str]:
     names = set()
     metrics = Metrics()
     XdsServer(SnapshotCache(), metrics)  # registers the collectors counted at scrape time
-    for metric in metrics.registry.collect():
+    picker = PickerMetrics()  # `controlplane picker`'s own, on its --metrics-listen
+    for metric in [*metrics.registry.collect(), *picker.registry.collect()]:
         name = metric.name
         if metric.type == "counter":
             name += "_total"

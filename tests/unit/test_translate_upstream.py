@@ -11,15 +11,13 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 
 from controlplane.fleet import parse_fleet
 from controlplane.routing import names
-from controlplane.routing.incremental import IncrementalTranslator
-from controlplane.routing.translate import (
-    CLUSTER,
+from controlplane.routing.clusters import (
     HTTP_PROTOCOL_OPTIONS,
     UPSTREAM_HTTP1_REQUESTS_PER_CONNECTION,
     UPSTREAM_IDLE_TIMEOUT_S,
-    RoutingOverlay,
-    translate,
 )
+from controlplane.routing.incremental import IncrementalTranslator
+from controlplane.routing.translate import CLUSTER, RoutingOverlay, translate
 from tests.fleets import BASIC
 
 # The keep-alive timeout of cpp-httplib (llama.cpp's server) and uvicorn (vLLM, SGLang).

@@ -1,0 +1,289 @@
+"""The per-request picker (issue 33) through a real Envoy: a model with `balancing: picker`
+is served where the picker says; a picker killed, slow or confused costs no request, and
+Envoy routes by the weights meanwhile (fail open)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.integration.harness import BIN, Client, EmulatedFleet, Emulator, Proc, wait_until
+from tests.ports import free_port
+
+pytestmark = pytest.mark.envoy
+
+MODEL = "chat"
+CLUSTER = f"{MODEL}@v1"
+
+
+class PickerProc:
+    """One `controlplane picker` process, debug-logging each pick as JSON."""
+
+    def __init__(self, name: str, control_plane: str, log_dir: Path, port: int | None = None) -> None:
+        self.name = name
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.control_plane = control_plane
+        self.log_dir = log_dir
+        self.proc: Proc | None = None
+
+    def start(self) -> PickerProc:
+        self.proc = Proc(
+            self.name,
+            [
+                str(BIN / "controlplane"), "picker", "--control-plane", self.control_plane,
+                "--listen", self.address, "--log-format", "json", "--log-level", "debug",
+            ],
+            self.log_dir,
+        )  # fmt: skip
+        wait_until(self.serving, 20, f"picker {self.name} to be ready")
+        return self
+
+    def serving(self) -> bool:
+        assert self.proc is not None
+        if not self.proc.alive():
+            raise AssertionError(f"picker exited:\n{self.proc.log()[-3000:]}")
+        with grpc.insecure_channel(self.address) as ch:
+            try:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+            except grpc.RpcError:
+                return False
+            return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def picks(self) -> dict[str, str]:
+        """request id -> the first server the picker named for it, from its log."""
+        assert self.proc is not None
+        out = {}
+        for line in self.proc.log().splitlines():
+            if '"picker.pick"' not in line:
+                continue
+            doc = json.loads(line)
+            out[doc["request_id"]] = doc["picked"].split(",")[0]
+        return out
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+def fleet(addresses: list[str], pickers: list[str], timeout: str) -> str:
+    eps = "\n".join(f"          - {{address: '{a}'}}" for a in addresses)
+    return (
+        "listener: {port: %d}\n"
+        "signals: {interval: 300ms, timeout: 250ms}\n"
+        f"picker: {{endpoints: {json.dumps(pickers)}, timeout: {timeout}}}\n"
+        "tiers: {small: {timeout: 30s, balancing: picker}}\n"
+        "models:\n"
+        f"  {MODEL}:\n"
+        "    params_b: 8\n"
+        "    stable: v1\n"
+        "    versions:\n"
+        "      v1:\n"
+        "        endpoints:\n"
+        f"{eps}\n"
+    )
+
+
+@dataclass
+class Rig:
+    fleet: EmulatedFleet
+    picker: PickerProc
+
+    @property
+    def listener(self) -> int:
+        return self.fleet.listener
+
+
+@pytest.fixture
+def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
+    """Three emulated servers, a control plane, a picker and a real Envoy; the picker's budget
+    is the test's `picker_timeout` mark (default 250ms: the picks test must not fall back on a
+    busy machine)."""
+    mark = request.node.get_closest_marker("picker_timeout")
+    timeout = mark.args[0] if mark else "250ms"
+    rig = EmulatedFleet(tmp_path)
+    picker: PickerProc | None = None
+    try:
+        for n in ("a", "b", "c"):
+            rig.servers[n] = Emulator(n, tmp_path, MODEL, slots=8, decode_ms_per_token=2)
+        picker_port = free_port()
+        addresses = [s.address for s in rig.servers.values()]
+        rig.serve(fleet(addresses, [f"127.0.0.1:{picker_port}"], timeout) % rig.listener)
+        assert rig.cp is not None and rig.envoy is not None
+        picker = PickerProc("picker", rig.cp.xds, tmp_path, picker_port).start()
+        envoy = rig.envoy
+        wait_until(
+            lambda: [h for _, h in envoy.endpoints(CLUSTER).values()] == ["healthy"] * 3,
+            20,
+            "Envoy to have the three servers healthy",
+        )
+        yield Rig(rig, picker)
+    finally:
+        if picker is not None:
+            picker.stop()
+        rig.close()
+
+
+def send(port: int, request_id: str, max_tokens: int = 2) -> tuple[int, str]:
+    client = Client(port)
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": max_tokens}).encode()
+        r = client.request(
+            "POST", "/v1/completions", body, {"content-type": "application/json", "x-request-id": request_id}
+        )
+        return r.status, r.backend
+    finally:
+        client.close()
+
+
+def test_requests_go_to_the_server_the_picker_names(rig: Rig) -> None:
+    served: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def worker(w: int) -> None:
+        for i in range(15):
+            rid = f"req-{w}-{i}"
+            status, backend = send(rig.listener, rid, max_tokens=20)
+            assert status == 200, status
+            with lock:
+                served[rid] = backend
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(served) == 60
+    wait_until(lambda: set(rig.picker.picks()) >= set(served), 5, "the picker's log to name every request")
+    picks = rig.picker.picks()
+    mismatched = {rid: (picks[rid], b) for rid, b in served.items() if picks[rid] != b}
+    assert not mismatched, mismatched
+    assert len(Counter(served.values())) == 3, Counter(served.values())
+    print(f"\n60 requests, each served where the picker said: {dict(Counter(served.values()))}")
+
+
+@pytest.mark.picker_timeout("5ms")
+def test_a_picker_killed_under_traffic_costs_no_request(rig: Rig) -> None:
+    stop = threading.Event()
+    results: list[tuple[float, int, str]] = []
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                status, backend = send(rig.listener, f"k-{w}-{i}")
+            except Exception as e:
+                errors.append(repr(e))
+                continue
+            results.append((time.monotonic(), status, backend))
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(results) >= 50, 20, "traffic through the picker")
+        killed_at = time.monotonic()
+        rig.picker.kill()
+        wait_until(
+            lambda: sum(t > killed_at + 1.0 for t, _, _ in results) >= 50, 20, "traffic on the weights"
+        )
+        assert rig.fleet.envoy is not None
+        fell_back = rig.fleet.envoy.stat("http.inference.ext_proc.picker.failure_mode_allowed")
+        # Back: the same port, a new process; picks resume.
+        back = PickerProc("picker-2", rig.picker.control_plane, rig.fleet.tmp, rig.picker.port).start()
+        try:
+            wait_until(lambda: len(back.picks()) >= 20, 20, "the restarted picker to pick again")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(15)
+            back.stop()
+    finally:
+        stop.set()
+    assert errors == [], errors[:3]
+    statuses = Counter(s for _, s, _ in results)
+    assert set(statuses) == {200}, statuses
+    assert fell_back > 0
+    print(f"\npicker killed under traffic: {dict(statuses)}, {fell_back} requests routed by the weights")
+
+
+def timed(port: int, rid: str) -> tuple[float, int]:
+    t0 = time.monotonic()
+    status, _ = send(port, rid)
+    return time.monotonic() - t0, status
+
+
+@pytest.mark.picker_timeout("5ms")
+def test_a_hung_picker_costs_at_most_its_budget_never_a_failure(rig: Rig) -> None:
+    """SIGSTOP: the picker's connection stays open and nothing answers, the worst case for a
+    proxy. Each request waits out the 5 ms budget and goes by the weights."""
+    import os
+    import signal
+    import statistics
+
+    envoy = rig.fleet.envoy
+    assert envoy is not None and rig.picker.proc is not None
+    before = [timed(rig.listener, f"b-{i}") for i in range(30)]
+    assert {s for _, s in before} == {200}
+    assert len(rig.picker.picks()) >= 30  # the picker answered those
+    pid = rig.picker.proc.popen.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        hung = [timed(rig.listener, f"h-{i}") for i in range(30)]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert {s for _, s in hung} == {200}, hung
+    timeouts = envoy.stat("http.inference.ext_proc.picker.message_timeouts")
+    assert timeouts >= 30, timeouts
+    p50_before, p50_hung = statistics.median(t for t, _ in before), statistics.median(t for t, _ in hung)
+    # The budget is 5 ms; the rest of the margin is this shared machine's noise.
+    assert p50_hung - p50_before < 0.05, (p50_before, p50_hung)
+    print(f"\nhung picker: p50 {p50_before * 1000:.1f} ms -> {p50_hung * 1000:.1f} ms, {timeouts} timeouts")
+
+
+def test_bad_input_takes_the_normal_path(rig: Rig) -> None:
+    """What the picker never sees cannot fail because of it: bodies (a 200 KB prompt, one that
+    is not JSON) and unknown models get what they get without a picker, and Envoy counts no
+    picker failure."""
+    envoy = rig.fleet.envoy
+    assert envoy is not None
+    server = next(iter(rig.fleet.servers.values()))
+    client = Client(rig.listener)
+    direct = Client(server.port)
+    try:
+        big = json.dumps({"model": MODEL, "prompt": "x" * 200_000, "max_tokens": 1}).encode()
+        r = client.request("POST", "/v1/completions", big, {"content-type": "application/json"})
+        assert r.status == 200, r
+        junk = b"{not json"
+        headers = {"content-type": "application/json", "x-model": MODEL}
+        via, want = (
+            client.request("POST", "/v1/completions", junk, headers),
+            direct.request("POST", "/v1/completions", junk, headers),
+        )
+        assert via.status == want.status, (via, want)
+        r = client.request(
+            "POST", "/v1/completions", json.dumps({"model": "nope", "prompt": "x"}).encode(),
+            {"content-type": "application/json"},
+        )  # fmt: skip
+        assert r.status == 404 and "model_not_found" in r.body, r
+    finally:
+        client.close()
+        direct.close()
+    assert envoy.stat("http.inference.ext_proc.picker.failure_mode_allowed") == 0
+    assert envoy.stat("http.inference.ext_proc.picker.streams_failed") == 0
+    assert envoy.stat("http.inference.ext_proc.picker.streams_started") >= 2
