@@ -3,10 +3,11 @@
 The control plane decides what is eligible (its EDS assignments: held-out servers are sent
 UNHEALTHY, draining ones DRAINING, and the weight is adaptive's view of each server's
 speed and load); the picker only orders the eligible servers of the cluster the route chose,
-by the requests in flight it has seen start and not yet end, relative to the weight:
-(in flight + 1) / weight, lowest first, the way Envoy's weighted least request scores a
-host but over every proxy's requests instead of one proxy's. Ties go to the server with
-fewer in flight, then to the one picked least recently, so equal servers take turns.
+by the requests in flight it knows of, relative to the weight: (in flight + 1) / weight,
+lowest first, the way Envoy's weighted least request scores a host but over every proxy's
+requests instead of one proxy's. Ties go to the server with fewer in flight, then to the one
+picked least recently, so equal servers take turns. (What "in flight" can cover depends on
+what Envoy shows the picker of a request's end: see picker/service.py.)
 
 Nothing here does I/O; picker/service.py feeds it the assignments and the requests.
 """

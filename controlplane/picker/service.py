@@ -10,7 +10,9 @@ per request, and an ADS client of the control plane that keeps what it may pick 
   the `x-gateway-destination-endpoint` header and the same value under the `envoy.lb`
   metadata (the Endpoint Picker Protocol's names), followed by up to two fallbacks for
   Envoy's retries. The request counts in flight on its server until Envoy closes the
-  processing stream, which it does when the request ends.
+  processing stream, which Envoy 1.40 does as soon as it has the pick (headers only), not when
+  the request ends (tests/integration/test_picker.py): so far the count spreads picks that
+  arrive together, and equal servers take turns; the requests' ends are not seen yet.
 - Anything it cannot pick for (no cluster attribute, a cluster it does not know, no eligible
   server, not yet fed) gets an answer that changes nothing: the cluster's weights route it.
 - gRPC health: SERVING once the first assignments arrived (readiness); the server answering

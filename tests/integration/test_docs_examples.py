@@ -56,6 +56,10 @@ NOT_RUN = {
     ("docs/benchmarks.md", ".venv/bin/python bench/autoscaling/real.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/python bench/envoy_stats/series.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/pip install -e '.[bench]'"): "installs the optional bench extra",
+    ("docs/picker.md", "controlplane picker --control-plane"): (
+        "runs until stopped; tests/integration/test_picker.py starts the same command against a real "
+        "control plane and Envoy"
+    ),
     ("docs/ha.md", "controlplane import --from fleet.yaml --to etcd://"): (
         "needs an etcd cluster; tests/integration/test_ha.py runs import, serve --store and bootstrap "
         "against a real one"

@@ -16,8 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.integration.harness import BIN, Client, EmulatedFleet, Emulator, Proc, wait_until
+from tests.integration.harness import BIN, Client, EmulatedFleet, Emulator, Proc, http_get, wait_until
 from tests.ports import free_port
+from tests.unit.test_deploy_prometheus import ENVOY_PICKER_STATS
 
 pytestmark = pytest.mark.envoy
 
@@ -32,6 +33,7 @@ class PickerProc:
         self.name = name
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.metrics_port = free_port()
         self.control_plane = control_plane
         self.log_dir = log_dir
         self.proc: Proc | None = None
@@ -42,6 +44,7 @@ class PickerProc:
             [
                 str(BIN / "controlplane"), "picker", "--control-plane", self.control_plane,
                 "--listen", self.address, "--log-format", "json", "--log-level", "debug",
+                "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
             ],
             self.log_dir,
         )  # fmt: skip
@@ -69,6 +72,14 @@ class PickerProc:
             doc = json.loads(line)
             out[doc["request_id"]] = doc["picked"].split(",")[0]
         return out
+
+    def metric(self, name: str) -> float:
+        """One sample of the picker's /metrics, by its full name and labels."""
+        _, page = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        for line in page.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        return 0.0
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -287,3 +298,31 @@ def test_bad_input_takes_the_normal_path(rig: Rig) -> None:
     assert envoy.stat("http.inference.ext_proc.picker.failure_mode_allowed") == 0
     assert envoy.stat("http.inference.ext_proc.picker.streams_failed") == 0
     assert envoy.stat("http.inference.ext_proc.picker.streams_started") >= 2
+    # The names the scrape keeps (deploy/prometheus) are the ones this Envoy exports.
+    _, page = http_get(f"http://127.0.0.1:{envoy.admin_port}/stats/prometheus")
+    exported = {line.split("{")[0].split()[0] for line in page.splitlines() if line and line[0] != "#"}
+    assert set(ENVOY_PICKER_STATS.values()) <= exported, sorted(set(ENVOY_PICKER_STATS.values()) - exported)
+
+
+def test_envoy_closes_the_processing_stream_once_the_pick_is_answered(rig: Rig) -> None:
+    """What the picker can see of a request's life with headers only: Envoy ends the
+    processing stream as soon as it has the pick, not when the request ends, so the picker's
+    in-flight count is back to 0 while three long requests still run (docs/picker.md, "Not
+    yet"). The picks still spread them: equal servers take turns."""
+    done: list[tuple[int, str]] = []
+
+    def long_one(i: int) -> None:
+        done.append(send(rig.listener, f"long-{i}", max_tokens=400))  # about 0.8 s each
+
+    threads = [threading.Thread(target=long_one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    wait_until(
+        lambda: rig.picker.metric('controlplane_picker_picks_total{outcome="picked"}') == 3, 5, "3 picks"
+    )
+    assert rig.picker.metric("controlplane_picker_inflight_requests") == 0
+    assert all(t.is_alive() for t in threads), "the requests ended before the look"
+    for t in threads:
+        t.join(30)
+    assert [s for s, _ in done] == [200] * 3
+    assert len({b for _, b in done}) == 3, done
