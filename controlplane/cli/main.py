@@ -344,6 +344,26 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="serve Prometheus metrics on this address (default: none)",
     )
+    pk.add_argument(
+        "--admin",
+        metavar="HOST:PORT",
+        help="the control plane's operator API (its serve --admin-listen): read every server's "
+        "running and waiting requests and capacity there, so that picks follow the servers' own "
+        "pages (default: none; then picks follow the EDS weights)",
+    )
+    pk.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="a token of the operator API for --admin (the read-only one is enough)",
+    )
+    pk.add_argument(
+        "--loads-interval",
+        type=_number(0.05, 60),
+        default=0.25,
+        metavar="SECONDS",
+        help="how often the loads are read from --admin (default: %(default)s)",
+    )
     pk.add_argument("--node-id", help="its node id on the control plane (default: picker-PID)")
     pk.add_argument("--log-format", choices=("console", "json"), default="console")
     pk.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -591,8 +611,31 @@ def _picker(args: argparse.Namespace) -> int:
     from controlplane.picker.service import serve
 
     configure_logging(args.log_format, args.log_level)
+    token = None
+    if args.admin is not None:
+        if args.token_file is None:
+            print(
+                "controlplane picker: --admin needs --token-file (the read-only token is enough)",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as e:
+            print(f"controlplane picker: --token-file: {e}", file=sys.stderr)
+            return 2
     try:
-        asyncio.run(serve(args.control_plane, args.listen, args.metrics_listen, args.node_id))
+        asyncio.run(
+            serve(
+                args.control_plane,
+                args.listen,
+                args.metrics_listen,
+                args.node_id,
+                admin=args.admin,
+                token=token,
+                loads_interval_s=args.loads_interval,
+            )
+        )
     except OSError as e:
         print(f"controlplane picker: {e}", file=sys.stderr)
         return 1

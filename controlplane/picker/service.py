@@ -11,8 +11,12 @@ per request, and an ADS client of the control plane that keeps what it may pick 
   metadata (the Endpoint Picker Protocol's names), followed by up to two fallbacks for
   Envoy's retries. The request counts in flight on its server until Envoy closes the
   processing stream, which Envoy 1.40 does as soon as it has the pick (headers only), not when
-  the request ends (tests/integration/test_picker.py): so far the count spreads picks that
-  arrive together, and equal servers take turns; the requests' ends are not seen yet.
+  the request ends (tests/integration/test_picker.py). So the load it ranks by comes from the
+  servers' own pages instead: with --admin and --token-file it reads every endpoint's
+  running, waiting and capacity from the control plane's operator API (what `cpctl endpoints
+  list` shows) every --loads-interval, and counts its picks since each reading on top
+  (choose.py). Without them, or while that API does not answer (a reading ages out after 5 s),
+  it ranks by the EDS weights and its own picks.
 - Anything it cannot pick for (no cluster attribute, a cluster it does not know, no eligible
   server, not yet fed) gets an answer that changes nothing: the cluster's weights route it.
 - gRPC health: SERVING once the first assignments arrived (readiness); the server answering
@@ -23,10 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -41,8 +46,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from controlplane.obs.http import split_host_port
-from controlplane.picker.choose import PickerState
+from controlplane.picker.choose import PickerState, ServerLoad
 from controlplane.routing.names import PICKED_HEADER, PICKED_METADATA_NS
+from controlplane.v1 import endpoint_pb2 as admin_endpoint_pb2
+from controlplane.v1 import endpoint_pb2_grpc
 
 log = structlog.get_logger("controlplane.picker")
 
@@ -88,6 +95,12 @@ class PickerMetrics:
             "1 while the ADS stream to the control plane is up",
             registry=r,
         )
+        self.load_reads = Counter(
+            "controlplane_picker_load_reads",
+            "Reads of the servers' loads from the control plane's operator API, by result (ok, error)",
+            ["result"],
+            registry=r,
+        )
         self.updates = Counter(
             "controlplane_picker_assignment_updates",
             "Assignment sets received from the control plane",
@@ -98,9 +111,21 @@ class PickerMetrics:
 class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """The ext_proc servicer and the ADS client that feeds it, on one event loop."""
 
-    def __init__(self, control_plane: str, node_id: str, metrics: PickerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        control_plane: str,
+        node_id: str,
+        metrics: PickerMetrics | None = None,
+        *,
+        admin: str | None = None,
+        token: str | None = None,
+        loads_interval_s: float = 0.25,
+    ) -> None:
         self.control_plane = control_plane
         self.node_id = node_id
+        self.admin = admin
+        self.token = token
+        self.loads_interval_s = loads_interval_s
         self.metrics = metrics or PickerMetrics()
         self.state = PickerState()
         self.ready = asyncio.Event()
@@ -136,7 +161,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         elif cluster not in self.state.clusters:
             outcome = "unknown_cluster"
         else:
-            chosen = self.state.pick(cluster)
+            chosen = self.state.pick(cluster, time.monotonic())
             if not chosen:
                 outcome = "no_eligible_server"
             else:
@@ -159,6 +184,31 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return resp, None
 
     # ---- the control plane ------------------------------------------------------------------
+
+    async def follow_loads(self) -> None:
+        """Read every endpoint's load from the operator API, every loads_interval_s, for ever."""
+        assert self.admin is not None
+        md = [("authorization", f"Bearer {self.token}"), ("x-cpctl-user", self.node_id)]
+        failing = False
+        async with grpc.aio.insecure_channel(self.admin) as channel:
+            stub = endpoint_pb2_grpc.EndpointServiceStub(channel)
+            while True:
+                try:
+                    resp = await stub.List(
+                        admin_endpoint_pb2.ListEndpointsRequest(), metadata=md, timeout=1.0
+                    )
+                except grpc.RpcError as e:
+                    self.metrics.load_reads.labels("error").inc()
+                    if not failing:  # once per outage, not every interval
+                        log.warning(
+                            "picker.loads_unread", admin=self.admin, error=str(e.details() or e.code())
+                        )
+                    failing = True
+                else:
+                    self.metrics.load_reads.labels("ok").inc()
+                    failing = False
+                    self.state.observe(server_loads(resp.endpoints, time.monotonic()))
+                await asyncio.sleep(self.loads_interval_s)
 
     async def follow(self) -> None:
         """Keep an ADS stream to the control plane up, for ever; apply what it sends."""
@@ -237,6 +287,18 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     log.info("picker.ready", clusters=len(self.state.clusters))
 
 
+def server_loads(endpoints: Iterable[Any], now: float) -> dict[str, ServerLoad]:
+    """The operator API's endpoints as loads: running + waiting where the page gave either
+    (unknown is left out, not zero), read `signal_age_seconds` before `now`."""
+    out = {}
+    for e in endpoints:
+        if not (e.HasField("running") or e.HasField("waiting")) or not math.isfinite(e.signal_age_seconds):
+            continue
+        queued = (e.running if e.HasField("running") else 0.0) + (e.waiting if e.HasField("waiting") else 0.0)
+        out[e.address] = ServerLoad(queued, now - e.signal_age_seconds, e.capacity or None)
+    return out
+
+
 def _attribute(req: ep.ProcessingRequest, key: str) -> str:
     """An attribute Envoy sent with the request (keyed by the filter's name), "" if none."""
     for attrs in req.attributes.values():
@@ -278,11 +340,25 @@ def _unpack(a: Any, cls: type[Any]) -> Any:
 
 
 async def serve(
-    control_plane: str, listen: str, metrics_listen: str | None = None, node_id: str | None = None
+    control_plane: str,
+    listen: str,
+    metrics_listen: str | None = None,
+    node_id: str | None = None,
+    *,
+    admin: str | None = None,
+    token: str | None = None,
+    loads_interval_s: float = 0.25,
 ) -> None:
     """Run a picker until SIGINT or SIGTERM."""
     metrics = PickerMetrics()
-    picker = Picker(control_plane, node_id or f"picker-{os.getpid()}", metrics)
+    picker = Picker(
+        control_plane,
+        node_id or f"picker-{os.getpid()}",
+        metrics,
+        admin=admin,
+        token=token,
+        loads_interval_s=loads_interval_s,
+    )
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     health_pb2_grpc.add_HealthServicer_to_server(picker.health, server)
@@ -300,13 +376,16 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    follower = asyncio.create_task(picker.follow())
+    tasks = [asyncio.create_task(picker.follow())]
+    if admin is not None:
+        tasks.append(asyncio.create_task(picker.follow_loads()))
     try:
         await stop.wait()
     finally:
-        follower.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await follower
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await server.stop(1.0)
         if status is not None:
             status.shutdown()

@@ -11,12 +11,22 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.integration.harness import BIN, Client, EmulatedFleet, Emulator, Proc, http_get, wait_until
+from tests.integration.harness import (
+    BIN,
+    Client,
+    EmulatedFleet,
+    Emulator,
+    Operator,
+    Proc,
+    http_get,
+    wait_until,
+)
 from tests.ports import free_port
 from tests.unit.test_deploy_prometheus import ENVOY_PICKER_STATS
 
@@ -29,8 +39,16 @@ CLUSTER = f"{MODEL}@v1"
 class PickerProc:
     """One `controlplane picker` process, debug-logging each pick as JSON."""
 
-    def __init__(self, name: str, control_plane: str, log_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        control_plane: str,
+        log_dir: Path,
+        port: int | None = None,
+        admin: tuple[str, Path] | None = None,
+    ) -> None:
         self.name = name
+        self.admin = admin  # the operator API and a token file: picks follow the servers' pages
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.metrics_port = free_port()
@@ -45,6 +63,7 @@ class PickerProc:
                 str(BIN / "controlplane"), "picker", "--control-plane", self.control_plane,
                 "--listen", self.address, "--log-format", "json", "--log-level", "debug",
                 "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
+                *(["--admin", self.admin[0], "--token-file", str(self.admin[1])] if self.admin else []),
             ],
             self.log_dir,
         )  # fmt: skip
@@ -134,7 +153,8 @@ def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
         addresses = [s.address for s in rig.servers.values()]
         rig.serve(fleet(addresses, [f"127.0.0.1:{picker_port}"], timeout) % rig.listener)
         assert rig.cp is not None and rig.envoy is not None
-        picker = PickerProc("picker", rig.cp.xds, tmp_path, picker_port).start()
+        admin = (rig.cp.admin, rig.cp.state_dir / "admin-token")
+        picker = PickerProc("picker", rig.cp.xds, tmp_path, picker_port, admin=admin).start()
         envoy = rig.envoy
         wait_until(
             lambda: [h for _, h in envoy.endpoints(CLUSTER).values()] == ["healthy"] * 3,
@@ -216,7 +236,9 @@ def test_a_picker_killed_under_traffic_costs_no_request(rig: Rig) -> None:
         assert rig.fleet.envoy is not None
         fell_back = rig.fleet.envoy.stat("http.inference.ext_proc.picker.failure_mode_allowed")
         # Back: the same port, a new process; picks resume.
-        back = PickerProc("picker-2", rig.picker.control_plane, rig.fleet.tmp, rig.picker.port).start()
+        back = PickerProc(
+            "picker-2", rig.picker.control_plane, rig.fleet.tmp, rig.picker.port, admin=rig.picker.admin
+        ).start()
         try:
             wait_until(lambda: len(back.picks()) >= 20, 20, "the restarted picker to pick again")
         finally:
@@ -326,3 +348,42 @@ def test_envoy_closes_the_processing_stream_once_the_pick_is_answered(rig: Rig) 
         t.join(30)
     assert [s for s, _ in done] == [200] * 3
     assert len({b for _, b in done}) == 3, done
+
+
+def test_picks_follow_the_servers_own_pages(rig: Rig) -> None:
+    """A server whose page shows a queue (the emulator's backlog fault: phantom requests no
+    proxy sent) gets no pick while the others are idle: the picker reads every server's
+    running and waiting from the operator API and ranks by them, not by what it sent."""
+    slow = rig.fleet.servers["a"]
+    others = {s.address for n, s in rig.fleet.servers.items() if n != "a"}
+    reads = 'controlplane_picker_load_reads_total{result="ok"}'
+    wait_until(lambda: rig.picker.metric(reads) > 0, 10, "the picker to read the loads")
+    slow.set_faults(backlog=16)
+    try:
+        wait_until(
+            lambda: any(e.waiting > 0 for e in _endpoints(rig) if e.address == slow.address),
+            15,
+            "the control plane to read the backlog from the page",
+        )
+        time.sleep(0.5)  # a loads read after it
+        served = [send(rig.listener, f"q-{i}")[1] for i in range(30)]
+    finally:
+        slow.set_faults(backlog=0)
+    picks = rig.picker.picks()
+    chosen = [picks[f"q-{i}"] for i in range(30)]
+    assert chosen == served  # each went where the picker said
+    assert slow.address not in chosen, Counter(chosen)
+    assert set(chosen) == others, Counter(chosen)
+
+
+def _endpoints(rig: Rig) -> list[Any]:
+    assert rig.fleet.cp is not None
+    op = Operator(rig.fleet.cp)
+    try:
+        from controlplane.v1 import endpoint_pb2
+
+        return list(
+            op.endpoints.List(endpoint_pb2.ListEndpointsRequest(), metadata=op.md, timeout=5).endpoints
+        )
+    finally:
+        op.close()

@@ -10,7 +10,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.fleet import parse_fleet
-from controlplane.picker.choose import FALLBACKS, Candidate, PickerState, candidates, rank
+from controlplane.picker.choose import (
+    FALLBACKS,
+    LOAD_MAX_AGE_S,
+    Candidate,
+    PickerState,
+    ServerLoad,
+    candidates,
+    rank,
+)
 from controlplane.routing.translate import ENDPOINT, translate
 from tests.fleets import BASIC
 
@@ -116,3 +124,43 @@ def test_the_first_pick_has_the_lowest_score_of_the_eligible(spec: list[tuple[in
         best = min((inflight[s.address] + 1) / s.weight for s in eligible)
         first = next(s for s in eligible if s.address == ranked[0])
         assert (inflight[first.address] + 1) / first.weight == best
+
+
+def _two(state: PickerState) -> None:
+    state.assign([_cla("m@v1", [(f"127.0.0.1:{p}", 1, health_check_pb2.UNKNOWN) for p in (1, 2)])])
+
+
+def test_a_server_whose_page_shows_a_queue_is_passed_over() -> None:
+    state = PickerState()
+    _two(state)
+    state.observe({"127.0.0.1:1": ServerLoad(queued=4, read_at=10.0), "127.0.0.1:2": ServerLoad(0, 10.0)})
+    firsts = [state.pick("m@v1", now=10.1)[0] for _ in range(4)]
+    # Each pick for :2 counts on it until the next reading: 4 picks bring it level with :1,
+    # and the tie goes to the one picked longest ago.
+    assert firsts == ["127.0.0.1:2"] * 4
+    assert state.load("127.0.0.1:2", 10.1) == 4
+    assert state.pick("m@v1", now=10.1)[0] == "127.0.0.1:1"
+
+
+def test_picks_before_the_reading_are_in_it_and_a_stale_reading_says_nothing() -> None:
+    state = PickerState()
+    _two(state)
+    state.pick("m@v1", now=1.0)
+    address = state.pick("m@v1", now=1.0)[0]
+    for a in list(state.inflight):
+        state.done(a)
+    state.observe({address: ServerLoad(queued=1, read_at=2.0)})
+    assert state.load(address, 2.5) == 1  # the reading, not the picks made before it
+    assert state.load(address, 2.0 + LOAD_MAX_AGE_S + 0.1) == 0
+
+
+def test_capacity_scales_the_load() -> None:
+    state = PickerState()
+    _two(state)
+    state.observe(
+        {
+            "127.0.0.1:1": ServerLoad(queued=2, read_at=0.0, capacity=3.0),  # (2+1)/3 = 1
+            "127.0.0.1:2": ServerLoad(queued=1, read_at=0.0, capacity=1.0),  # (1+1)/1 = 2
+        }
+    )
+    assert state.pick("m@v1", now=0.5)[0] == "127.0.0.1:1"
