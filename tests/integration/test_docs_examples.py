@@ -55,6 +55,7 @@ NOT_RUN = {
     ("docs/benchmarks.md", ".venv/bin/python bench/autoscaling/simulate.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/python bench/autoscaling/real.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/python bench/envoy_stats/series.py"): BENCH,
+    ("docs/benchmarks.md", ".venv/bin/python bench/picker/overhead.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/pip install -e '.[bench]'"): "installs the optional bench extra",
     ("docs/picker.md", "controlplane picker --control-plane"): (
         "runs until stopped; tests/integration/test_picker.py starts the same command against a real "
