@@ -99,6 +99,21 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
     return fleet
 
 
+def _addresses(value: Any, path: str, what: str, errs: _Errors) -> tuple[tuple[str, int], ...] | None:
+    """A list of IP:PORT: the addresses that parse (each bad one an error at `path[i]`), or
+    None (and an error) when `value` is not a list."""
+    if not isinstance(value, list):
+        errs.add(path, f"expected a list of {what}, got {_kind(value)}")
+        return None
+    parsed = []
+    for i, item in enumerate(value):
+        try:
+            parsed.append(parse_address(item))
+        except ValueError as e:
+            errs.add(f"{path}[{i}]", str(e))
+    return tuple(parsed)
+
+
 def _picker(value: Any, errs: _Errors) -> PickerSpec | None:
     """The fleet-level `picker:` (docs/picker.md): where proxies reach the endpoint pickers,
     and how long they wait for a pick before routing by the weights."""
@@ -107,19 +122,11 @@ def _picker(value: Any, errs: _Errors) -> PickerSpec | None:
         return None
     before = len(errs.items)
     kw: dict[str, Any] = {}
-    endpoints = m.get("endpoints", [])
-    if not isinstance(endpoints, list):
-        errs.add("picker.endpoints", f"expected a list of IP:PORT, got {_kind(endpoints)}")
-    else:
-        parsed = []
-        for i, ep in enumerate(endpoints):
-            try:
-                parsed.append(parse_address(ep))
-            except ValueError as e:
-                errs.add(f"picker.endpoints[{i}]", str(e))
-        if len(set(parsed)) != len(parsed):
+    endpoints = _addresses(m.get("endpoints", []), "picker.endpoints", "IP:PORT", errs)
+    if endpoints is not None:
+        if len(set(endpoints)) != len(endpoints):
             errs.add("picker.endpoints", "lists an address twice")
-        kw["endpoints"] = tuple(parsed)
+        kw["endpoints"] = endpoints
     if "timeout" in m:
         got = _duration(m["timeout"], "picker.timeout", errs)
         if got is not None and not limits.PICKER_TIMEOUT_MIN_S <= got <= limits.PICKER_TIMEOUT_MAX_S:
@@ -160,17 +167,9 @@ def _discovery(value: Any, errs: _Errors) -> DiscoverySettings | None:
     kw: dict[str, Any] = {}
     dns = _mapping(m.get("dns"), "discovery.dns", errs, {"nameservers", "min_interval", "max_interval"})
     if dns is not None:
-        servers = dns.get("nameservers", [])
-        if not isinstance(servers, list):
-            errs.add("discovery.dns.nameservers", f"expected a list of HOST:PORT, got {_kind(servers)}")
-        else:
-            parsed = []
-            for i, ns in enumerate(servers):
-                try:
-                    parsed.append(parse_address(ns))
-                except ValueError as e:
-                    errs.add(f"discovery.dns.nameservers[{i}]", str(e))
-            kw["nameservers"] = tuple(parsed)
+        servers = _addresses(dns.get("nameservers", []), "discovery.dns.nameservers", "HOST:PORT", errs)
+        if servers is not None:
+            kw["nameservers"] = servers
         for key, attr in (("min_interval", "dns_min_interval_s"), ("max_interval", "dns_max_interval_s")):
             if key in dns:
                 got = _duration(dns[key], f"discovery.dns.{key}", errs)
