@@ -85,8 +85,14 @@ class PickerState:
         self.clusters = {cla.cluster_name: candidates(cla) for cla in assignments}
 
     def observe(self, loads: Mapping[str, ServerLoad]) -> None:
-        """The servers' loads as the control plane last read them (replacing the previous)."""
+        """The servers' loads as the control plane last read them (replacing the previous).
+        Picks made before a server's reading are in it: they are forgotten, so a pick only
+        ever sums the few made since."""
         self.loads = dict(loads)
+        for address, recent in self._recent.items():
+            known = self.loads.get(address)
+            while recent and known is not None and recent[0] <= known.read_at:
+                recent.popleft()
 
     def load(self, address: str, now: float) -> float:
         """What the picker reckons `address` has to do at `now`: its page's last reading plus

@@ -147,7 +147,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 else:  # a phase not asked for (a newer Envoy's mode override): change nothing
                     yield _unchanged(req)
         finally:
-            if picked is not None:  # the request ended (or Envoy gave up on the stream)
+            if picked is not None:  # Envoy closed the stream: it has the pick (see above)
                 self.state.done(picked)
                 self.metrics.inflight.dec()
 
