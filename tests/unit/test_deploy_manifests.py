@@ -509,7 +509,14 @@ def test_the_dashboard_loads_and_every_panel_has_queries_on_the_datasource_varia
     assert (source["type"], source["query"]) == ("datasource", "prometheus")
     panels = dash["panels"]
     rows = [p["title"] for p in panels if p["type"] == "row"]
-    assert rows == ["Golden signals", "Is it us? (control plane)", "Envoy", "Servers", "Rollouts and drains"]
+    assert rows == [
+        "Golden signals",
+        "Is it us? (control plane)",
+        "Envoy",
+        "Servers",
+        "Rollouts and drains",
+        "Picker",
+    ]
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
     for p in panels:
