@@ -48,13 +48,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from controlplane.obs.http import split_host_port
 from controlplane.picker.choose import PickerState, ServerLoad
 from controlplane.routing.names import PICKED_HEADER, PICKED_METADATA_NS
+from controlplane.routing.translate import CLUSTER, ENDPOINT
 from controlplane.v1 import endpoint_pb2 as admin_endpoint_pb2
 from controlplane.v1 import endpoint_pb2_grpc
 
 log = structlog.get_logger("controlplane.picker")
 
-CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
-ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 CLUSTER_ATTRIBUTE = "xds.cluster_name"
 NODE_CLUSTER = "controlplane-picker"
 RECONNECT_MIN_S = 0.2
