@@ -1,7 +1,8 @@
 """Load-balancing quality through the real stack: Envoy, the control plane, emulated GPU servers
 (or, with `--servers llama.cpp`, real llama.cpp servers of two speeds).
 
-For each policy (default: round_robin, least_request, adaptive) this starts, on loopback:
+For each policy (default: round_robin, least_request, adaptive; `picker` adds `--pickers`
+real `controlplane picker` processes, `ideal` is the load generator's own oracle) this starts, on loopback:
 emulated servers of two GPU classes (`controlplane emulate`, one process per class), the
 control plane on a fleet file naming the policy, one real Envoy, and an open-loop Poisson
 load generator in its own process (`loadgen.py`). After a warm-up it measures latency
@@ -103,13 +104,15 @@ def start_proxied(
     node_id: str,
     serve_args: Sequence[str] = (),
     proxies: int = 1,
+    xds: int | None = None,
 ) -> int:
     """Start `controlplane serve` on `config` (free ports, its state in workdir) and
     `proxies` real Envoys bootstrapped from it; return once they serve `listener`. Several
     Envoys share the listener's port (SO_REUSEPORT, Envoy's default on Linux): the kernel
     spreads connections over them, as an L4 balancer spreads clients over gateway replicas.
-    Returns the control plane's status (metrics) port."""
-    xds, metrics = free_port(), free_port()
+    Returns the control plane's status (metrics) port; its xDS port is `xds` (default: a
+    free one)."""
+    xds, metrics = xds or free_port(), free_port()
     serve = [str(BIN / "controlplane"), "serve", "--config", str(config), "--xds-listen", f"127.0.0.1:{xds}"]
     serve += ["--metrics-listen", f"127.0.0.1:{metrics}", "--state-dir", str(workdir / "state"), *serve_args]
     stack.spawn("controlplane", serve)
@@ -156,9 +159,12 @@ def wait_proxies_served(metrics: int, proxies: int, procs: list[subprocess.Popen
     raise RuntimeError(f"timed out waiting for {proxies} proxies to connect")
 
 
-def fleet_yaml(policy: str, listener: int, classes: list[tuple[str, float, int, int]]) -> str:
+def fleet_yaml(
+    policy: str, listener: int, classes: list[tuple[str, float, int, int]], pickers: Sequence[str] = ()
+) -> str:
     lines = [
         f"listener: {{port: {listener}}}",
+        *([f"picker: {{endpoints: {json.dumps(list(pickers))}}}"] if pickers else []),
         "tiers:",
         f"  small: {{max_params_b: 15, timeout: 300s, balancing: {policy}}}",
         "gpu_classes:",
@@ -285,10 +291,59 @@ def start_servers(stack: Stack, args: argparse.Namespace) -> list[tuple[str, flo
     return classes
 
 
+def start_pickers(stack: Stack, workdir: Path, ports: Sequence[int], xds: int, admin: int) -> list[int]:
+    """`controlplane picker` processes on `ports`, reading the servers' loads from the operator
+    API: their metrics ports, once each has the control plane's assignments."""
+    metrics = []
+    for i, port in enumerate(ports):
+        metrics.append(free_port())
+        stack.spawn(
+            f"picker-{i}",
+            [
+                str(BIN / "controlplane"), "picker", "--control-plane", f"127.0.0.1:{xds}",
+                "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics[-1]}",
+                "--admin", f"127.0.0.1:{admin}", "--token-file", str(workdir / "state" / "admin-token"),
+                "--node-id", f"picker-{i}",
+            ],
+        )  # fmt: skip
+    for port in metrics:
+        deadline = time.monotonic() + 30
+        while picker_metric(port, "controlplane_picker_clusters") < 1:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in stack.procs):
+                raise RuntimeError("a picker did not get the control plane's assignments")
+            time.sleep(0.2)
+    return metrics
+
+
+def picker_metric(port: int, name: str) -> float:
+    """The sum of a picker's samples named `name` (any labels); 0 before it answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            page = r.read().decode()
+    except OSError:
+        return 0.0
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in page.splitlines()
+        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{")
+    )
+
+
+def picker_replicas(policy: str, args: argparse.Namespace) -> int:
+    """Pickers a policy runs: `picker` --pickers, `picker-xN` N, any other none."""
+    if policy == "picker":
+        return int(args.pickers)
+    if policy.startswith("picker-x"):
+        return int(policy.removeprefix("picker-x"))
+    return 0
+
+
 def run_policy(policy: str, args: argparse.Namespace, rate: float) -> dict[str, object]:
-    """One policy on a fresh stack. `picker` is the per-request full-scan picker run by the
+    """One policy on a fresh stack. `ideal` is the per-request full-scan picker run by the
     load generator itself, straight to the servers (no Envoy, no control plane): it knows
-    every server's requests in flight, its slots and its speed, the best a balancer can know."""
+    every server's requests in flight, its slots and its speed, the best a balancer can know.
+    `picker` is the real one: `--pickers` `controlplane picker` processes that every Envoy
+    asks per request (balancing: picker); `picker-x2`, two of them, and so on."""
     workdir = Path(tempfile.mkdtemp(prefix=f"lbq-{policy}-"))
     stack = Stack(workdir)
     try:
@@ -297,7 +352,8 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float) -> dict[str, 
         load += ["--duration", str(args.duration), "--warmup", str(args.warmup), "--seed", str(args.seed)]
         if args.servers == "llama.cpp":
             load.append("--ignore-eos")
-        if policy == "picker":
+        picker_metrics: list[int] = []
+        if policy == "ideal":
             servers = [
                 f"127.0.0.1:{port}@{speed}@{args.slots}"
                 for _, speed, base, count in classes
@@ -307,18 +363,43 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float) -> dict[str, 
         else:
             listener = free_port()
             config = workdir / "fleet.yaml"
-            config.write_text(fleet_yaml(policy, listener, classes))
-            start_proxied(stack, workdir, config, listener, f"bench-{policy}", proxies=args.proxies)
+            pickers = [free_port() for _ in range(picker_replicas(policy, args))]
+            balancing = "picker" if pickers else policy
+            config.write_text(fleet_yaml(balancing, listener, classes, [f"127.0.0.1:{p}" for p in pickers]))
+            xds, admin = free_port(), free_port()
+            serve = ["--admin-listen", f"127.0.0.1:{admin}"] if pickers else []
+            start_proxied(
+                stack, workdir, config, listener, f"bench-{policy}", serve, proxies=args.proxies, xds=xds
+            )
+            if pickers:
+                picker_metrics = start_pickers(stack, workdir, pickers, xds, admin)
             load += ["--target", f"127.0.0.1:{listener}"]
         out = subprocess.run(load, check=True, capture_output=True, text=True)
         result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
         result["workdir"] = str(workdir)
         result["by_proxy"] = [proxy_requests(port) for port in stack.envoy_admins]
+        if picker_metrics:
+            asked = sum(proxy_stat(port, "ext_proc.picker.streams_started") for port in stack.envoy_admins)
+            fell = sum(
+                proxy_stat(port, "ext_proc.picker.failure_mode_allowed") for port in stack.envoy_admins
+            )
+            result["picker"] = {
+                "asked": asked,
+                "fell_back": fell,
+                "picks": sum(picker_metric(p, "controlplane_picker_picks_total") for p in picker_metrics),
+            }
         return result
     finally:
         stack.stop()
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def proxy_stat(admin: int, suffix: str) -> int:
+    """The sum of an Envoy's counters whose name ends with `suffix`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter={suffix}$") as r:
+        text = r.read().decode()
+    return sum(int(line.rsplit(": ", 1)[-1]) for line in text.splitlines() if line.strip())
 
 
 def proxy_requests(admin: int) -> int:
@@ -362,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         "--policies",
         default="round_robin,least_request,adaptive",
         help="comma-separated, first is the baseline: fleet balancing policies (adaptive, capacity, "
-        "least_request, ...) and `picker`, the load generator's own per-request full scan straight "
-        "to the servers (default: %(default)s)",
+        "least_request, picker: the real per-request picker, --pickers of them; picker-x2: two, "
+        "...) and `ideal`, "
+        "the load generator's own per-request full scan straight to the servers (default: %(default)s)",
     )
     p.add_argument(
         "--load",
@@ -381,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--proxies", type=int, default=1, help="Envoys sharing the listener port (each its own view)"
     )
+    p.add_argument(
+        "--pickers", type=int, default=1, help="`controlplane picker` processes for the picker policy"
+    )
     p.add_argument("--sim", action="store_true", help="also print the simulated picker's p90 per load")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep each run's logs and fleet file")
@@ -395,8 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     policies = args.policies.split(",")
     base = policies[0]
     if args.servers == "llama.cpp":
-        if "picker" in policies:
-            p.error("--servers llama.cpp: the picker needs the servers' speeds, which are not declared")
+        if "ideal" in policies:
+            p.error("--servers llama.cpp: the ideal picker needs the servers' speeds, which are not declared")
         capacity, per_server = measured_capacity(args)
         print(
             f"fleet: {args.per_class} real llama-server(s) of 2 layers + {args.per_class} of 6 "
@@ -415,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     summary: list[str] = []
+    # The policy whose p90 is set against the others': the real picker, else adaptive.
+    focus = next((k for k in ("picker", "adaptive") if k in policies), "")
+    others: list[str] = []
     for load in args.load or [0.85]:
         rate = load * capacity
         results: dict[str, dict[str, object]] = {}
@@ -439,23 +527,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{policy}: requests by server {dict(sorted(r['by_backend'].items()))}")  # type: ignore[attr-defined]
             if r["by_proxy"]:
                 print(f"{policy}: requests by proxy {r['by_proxy']}")
+            if "picker" in r:
+                print(f"{policy}: picker {r['picker']}")
             if r["errors"]:
                 print(f"{policy}: statuses {r['statuses']} samples {r['error_samples']}")
         row = f"| {load:.0%} | " + " | ".join(f"{p90[k]:.2f}" for k in policies)
+        others = [k for k in policies if k != focus]
         if args.sim:
-            row += f" | {simulated_picker_p90(args, load):.2f}"
-        if "adaptive" in p90:
-            row += " | " + " | ".join(f"{p90['adaptive'] / p90[k]:.2f}x" for k in policies if k != "adaptive")
+            sim = simulated_picker_p90(args, load)
+            row += f" | {sim:.2f}"
+        if focus:
+            row += " | " + " | ".join(f"{p90[focus] / p90[k]:.2f}x" for k in others)
+            if args.sim:
+                row += f" | {p90[focus] / sim:.2f}x"
         summary.append(row + " |")
-    print(
-        "\n### p90 s by load" + (", and adaptive's p90 against each" if "adaptive" in policies else "") + "\n"
-    )
-    others = [k for k in policies if k != "adaptive"] if "adaptive" in policies else []
+    print("\n### p90 s by load" + (f", and {focus}'s p90 against each" if focus else "") + "\n")
     head = [
         "load",
         *policies,
         *(["simulated picker"] if args.sim else []),
-        *[f"adaptive vs {k}" for k in others],
+        *[f"{focus} vs {k}" for k in others if focus],
+        *([f"{focus} vs simulated picker"] if focus and args.sim else []),
     ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))

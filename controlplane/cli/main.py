@@ -364,6 +364,23 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how often the loads are read from --admin (default: %(default)s)",
     )
+    pk.add_argument(
+        "--prefix-entries",
+        type=_number(0, 10_000_000),
+        default=65536,
+        metavar="N",
+        help="prefix keys remembered, least recently used dropped first; each is about 200 bytes "
+        "(default: %(default)s; 0 turns the prefix index off). Keys come from the gateway's "
+        "prefix hash, for models with affinity: {prefix: ...}",
+    )
+    pk.add_argument(
+        "--prefix-load-bound",
+        type=_number(1.0, 100),
+        default=1.5,
+        metavar="X",
+        help="a request goes back to the server its prefix went to while that server's expected "
+        "time is at most X times the mean of the eligible servers' (default: %(default)s)",
+    )
     pk.add_argument("--node-id", help="its node id on the control plane (default: picker-PID)")
     pk.add_argument("--log-format", choices=("console", "json"), default="console")
     pk.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -634,6 +651,8 @@ def _picker(args: argparse.Namespace) -> int:
                 admin=args.admin,
                 token=token,
                 loads_interval_s=args.loads_interval,
+                prefix_entries=int(args.prefix_entries),
+                prefix_bound=args.prefix_load_bound,
             )
         )
     except OSError as e:

@@ -3,23 +3,46 @@
 The control plane decides what is eligible (its EDS assignments: held-out servers are sent
 UNHEALTHY, draining ones DRAINING, and the weight is adaptive's view of each server's
 speed and load); the picker only orders the eligible servers of the cluster the route chose,
-by its load relative to its capacity: (load + 1) / capacity, lowest first, the way Envoy's
-weighted least request scores a host but over every proxy's requests instead of one proxy's.
-A server's load is what its own page last said (running + waiting, read by the control
-plane: every proxy's requests) plus the picks made for it since that reading; without a
-reading younger than LOAD_MAX_AGE_S, the requests the picker still sees in flight. Its
-capacity is the control plane's (declared or learnt), else the EDS weight. Ties go to the
-server with the lower load, then to the one picked least recently, so equal servers take
-turns.
+as the simulation's full-scan picker does: the servers known to have a slot free (idle, or
+busy below the slots a page showed) first,
+fastest first (capacity: the control plane's, declared or learnt, else the EDS weight), the
+least busy of equal ones; then the others by the time a request would take there: a full
+server first makes it wait for one of its slots to free, (load - slots + 1) / slots services
+more, before its own 1 / capacity. That is a per-request full scan over every proxy's
+requests, which Envoy's weighted least request (a proxy's own requests, a rate share per
+host) cannot do.
 
-Nothing here does I/O; picker/service.py feeds it the assignments and the requests.
+What the picker knows of a server:
+- its **load**: the requests the picker sent there that have not answered yet (it sees each
+  start, at the pick, and end, at the response's headers), plus the requests its own page
+  shows that the picker did not send (other proxies' fallbacks, other pickers, direct
+  clients): the page's running + waiting less what the picker had in flight there when the
+  page was read. A page read longer ago than LOAD_MAX_AGE_S says nothing.
+- its **slots**: the running count its page showed while requests also waited there (a full
+  server runs as many as it can). Until a page has shown it full, it is taken to have as
+  many as the most its cluster's other servers showed; with none known, one: the rank is
+  then (load + 1) / capacity, weighted least request's score.
+- its **KV cache**: a page that shows it at least KV_FULL used makes the server count as full.
+
+A request with a prefix key (the hash the gateway's Lua filter computes from the prompt's
+first messages or bytes, for models with `affinity: {prefix: ...}`) goes back to the server
+that took the key last while that server's time is at most PREFIX_LOAD_BOUND times the
+mean of the eligible servers' (consistent hashing's bounded load: a hot prefix spills over
+instead of piling onto one server); a miss, or a spill, goes to the best server, which then
+holds the key. The index keeps at most `prefix_entries`
+keys, the least recently used dropped first.
+
+Ties go to the server with the lower load, then to the one picked least recently, so equal
+servers take turns. Nothing here does I/O; picker/service.py feeds it the assignments, the
+pages and the requests.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
@@ -28,17 +51,24 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 ELIGIBLE = frozenset({health_check_pb2.UNKNOWN, health_check_pb2.HEALTHY})
 FALLBACKS = 2  # servers named after the first, for Envoy to walk on retries
 LOAD_MAX_AGE_S = 5.0  # a server's page read longer ago than this says nothing of its load now
-RECENT_KEEP = 1024  # picks remembered per server (those since its last reading count)
+KV_FULL = 0.95  # a page showing this much of the KV cache used: the server counts as full
+PREFIX_LOAD_BOUND = 1.5  # a prefix goes back to its server while its time is at most this x the mean
+PREFIX_ENTRIES = 65536  # prefix keys remembered (least recently used dropped first)
+EVENTS_KEEP = 4096  # starts and ends remembered per server (to know its in-flight count at a reading)
 
 
 @dataclass(frozen=True)
 class ServerLoad:
-    """A server's load as its own page said: requests running and waiting, read at `read_at`
-    (the picker's monotonic clock), and its capacity as the control plane knows it."""
+    """A server's page as the control plane last read it: requests running and waiting, read
+    at `read_at` (the picker's monotonic clock), its KV-cache use, and its capacity as the
+    control plane knows it."""
 
-    queued: float
+    queued: float  # running + waiting
     read_at: float
     capacity: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    kv_use: float | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +86,17 @@ class Candidate:
         return self.capacity if self.capacity else float(self.weight)
 
 
+class Pick(NamedTuple):
+    """The servers named for a request, best first (empty: none, Envoy routes by the
+    weights), and why the first: least_loaded, prefix_hit."""
+
+    servers: tuple[str, ...]
+    reason: str
+
+
+NO_PICK = Pick((), "")
+
+
 def candidates(cla: endpoint_pb2.ClusterLoadAssignment) -> tuple[Candidate, ...]:
     """A ClusterLoadAssignment's servers, eligible or not, in its order."""
     out = []
@@ -68,14 +109,29 @@ def candidates(cla: endpoint_pb2.ClusterLoadAssignment) -> tuple[Candidate, ...]
     return tuple(out)
 
 
+def wait_and_service(load: float, slots: float, scale: float) -> float:
+    """The time a new request takes on a server with `load` requests, `slots` slots and
+    speed `scale`, in units of a speed-1 service: one service with a slot free, else the wait
+    for (load - slots + 1) of its requests to end, `slots` at a time, first."""
+    slots = max(1.0, slots)
+    if load < slots:
+        return 1.0 / scale
+    return (1.0 + (load - slots + 1.0) / slots) / scale
+
+
 @dataclass
 class PickerState:
-    """What one picker knows: each cluster's servers, and each server's requests in flight."""
+    """What one picker knows: each cluster's servers, each server's requests in flight, the
+    servers' pages, and where prefixes went."""
 
+    prefix_entries: int = PREFIX_ENTRIES
+    prefix_bound: float = PREFIX_LOAD_BOUND
     clusters: dict[str, tuple[Candidate, ...]] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)
     loads: dict[str, ServerLoad] = field(default_factory=dict)
-    _recent: dict[str, deque[float]] = field(default_factory=dict)
+    slots: dict[str, float] = field(default_factory=dict)
+    prefixes: OrderedDict[tuple[str, str], str] = field(default_factory=OrderedDict)
+    _events: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     _last_pick: dict[str, int] = field(default_factory=dict)
     _picks: int = 0
 
@@ -85,68 +141,110 @@ class PickerState:
         self.clusters = {cla.cluster_name: candidates(cla) for cla in assignments}
 
     def observe(self, loads: Mapping[str, ServerLoad]) -> None:
-        """The servers' loads as the control plane last read them (replacing the previous).
-        Picks made before a server's reading are in it: they are forgotten, so a pick only
-        ever sums the few made since."""
+        """The servers' pages as the control plane last read them (replacing the previous).
+        A page that shows requests waiting shows the server full: its running count is its
+        slots (the most seen so)."""
         self.loads = dict(loads)
-        for address, recent in self._recent.items():
-            known = self.loads.get(address)
-            while recent and known is not None and recent[0] <= known.read_at:
-                recent.popleft()
+        for address, page in self.loads.items():
+            if page.waiting and page.running and page.running > self.slots.get(address, 0.0):
+                self.slots[address] = page.running
+
+    def inflight_at(self, address: str, t: float) -> float:
+        """The picker's requests in flight at `address` at time `t` (from the starts and ends
+        it remembers after t)."""
+        later = sum(delta for at, delta in self._events.get(address, ()) if at > t)
+        return max(0.0, float(self.inflight.get(address, 0) - later))
 
     def load(self, address: str, now: float) -> float:
-        """What the picker reckons `address` has to do at `now`: its page's last reading plus
-        the picks made for it since; without a fresh reading, the picks still in flight."""
-        known = self.loads.get(address)
-        if known is not None and now - known.read_at <= LOAD_MAX_AGE_S:
-            recent = self._recent.get(address, ())
-            return known.queued + sum(1 for t in recent if t > known.read_at)
-        return float(self.inflight.get(address, 0))
+        """What `address` has to do at `now`: the picker's own requests in flight, plus those
+        its fresh page shows that the picker did not send."""
+        own = float(self.inflight.get(address, 0))
+        page = self.loads.get(address)
+        if page is None or now - page.read_at > LOAD_MAX_AGE_S:
+            return own
+        return own + max(0.0, page.queued - self.inflight_at(address, page.read_at))
 
-    def pick(self, cluster: str, now: float = 0.0) -> tuple[str, ...]:
+    def cost(self, c: Candidate, load: float, slots: float) -> float:
+        """wait_and_service for `c` at `load`; a page showing its KV cache full counts it full."""
+        page = self.loads.get(c.address)
+        if page is not None and page.kv_use is not None and page.kv_use >= KV_FULL:
+            load = max(load, slots)
+        return wait_and_service(load, slots, c.scale)
+
+    def pick(
+        self, cluster: str, now: float = 0.0, prefix: str = "", subset: frozenset[str] | None = None
+    ) -> Pick:
         """The servers to send a request of `cluster` to, best first (the first and up to
-        FALLBACKS more), and counts it as picked at `now` on the first; () when the picker
-        knows no eligible server there (Envoy then routes by the weights)."""
+        FALLBACKS more), counted in flight at `now` on the first; NO_PICK when the picker
+        knows no eligible server there (Envoy then routes by the weights). `prefix`: the
+        request's prefix key, if it has one; `subset`: the only servers it may go to (the
+        Endpoint Picker Protocol's subset hint), if it names them."""
         servers = [
             Candidate(c.address, c.weight, c.eligible, self._capacity(c))
             for c in self.clusters.get(cluster, ())
+            if c.eligible and (subset is None or c.address in subset)
         ]
-        loads = {c.address: self.load(c.address, now) for c in servers if c.eligible}
-        ranked = rank(servers, loads, self._last_pick)
-        if not ranked:
-            return ()
+        if not servers:
+            return NO_PICK
+        loads = {c.address: self.load(c.address, now) for c in servers}
+        # A server never seen full is taken to have as many slots as the most its peers of the
+        # cluster showed (a version's servers mostly run one configuration); if it has fewer,
+        # the requests that wait there show it, and its own count takes over.
+        known = [self.slots[c.address] for c in servers if c.address in self.slots]
+        peers = max(known) if known else 1.0
+        slots = {c.address: self.slots.get(c.address, peers) for c in servers}
+        costs = {c.address: self.cost(c, loads[c.address], slots[c.address]) for c in servers}
+
+        def order(c: Candidate) -> tuple[bool, float, float, int]:
+            # A server known to have a slot free before any other: a wait's length is a guess
+            # (the requests ahead may be long), a free slot is not.
+            free = bool(known) and costs[c.address] * c.scale <= 1.0  # slots unknown: plain LR
+            busy = loads[c.address] / slots[c.address]
+            return (not free, costs[c.address], busy, self._last_pick.get(c.address, 0))
+
+        servers.sort(key=order)
+        ranked = [s.address for s in servers]
+        reason = "least_loaded"
+        if prefix:
+            key = (cluster, prefix)
+            held = self.prefixes.get(key)
+            if held in costs and costs[held] <= self.prefix_bound * sum(costs.values()) / len(costs):
+                ranked.remove(held)
+                ranked.insert(0, held)
+                reason = "prefix_hit"
+            self.prefixes[key] = ranked[0]
+            self.prefixes.move_to_end(key)
+            while len(self.prefixes) > self.prefix_entries:
+                self.prefixes.popitem(last=False)
         chosen = ranked[0]
-        self.inflight[chosen] = self.inflight.get(chosen, 0) + 1
-        self._recent.setdefault(chosen, deque(maxlen=RECENT_KEEP)).append(now)
+        self.started(chosen, now)
         self._picks += 1
         self._last_pick[chosen] = self._picks
-        return tuple(ranked[: 1 + FALLBACKS])
+        return Pick(tuple(ranked[: 1 + FALLBACKS]), reason)
 
     def _capacity(self, c: Candidate) -> float | None:
         known = self.loads.get(c.address)
         return known.capacity if known is not None and known.capacity else None
 
-    def done(self, address: str) -> None:
-        """A request picked for `address` ended (answered, failed or cancelled)."""
+    def started(self, address: str, now: float) -> None:
+        """A request picked for `address` at `now`."""
+        self.inflight[address] = self.inflight.get(address, 0) + 1
+        self._events.setdefault(address, deque(maxlen=EVENTS_KEEP)).append((now, 1))
+        self._forget(address, now)
+
+    def done(self, address: str, now: float = 0.0) -> None:
+        """A request picked for `address` ended at `now` (answered, failed or cancelled)."""
         left = self.inflight.get(address, 0) - 1
         if left > 0:
             self.inflight[address] = left
         else:
             self.inflight.pop(address, None)
+        if left >= 0:
+            self._events.setdefault(address, deque(maxlen=EVENTS_KEEP)).append((now, -1))
+        self._forget(address, now)
 
-
-def rank(
-    servers: Iterable[Candidate], load: Mapping[str, float], last_pick: Mapping[str, int] | None = None
-) -> list[str]:
-    """The eligible servers' addresses, best first: lowest (load + 1) / capacity (else
-    weight), then lowest load, then picked longest ago (never first)."""
-    last = last_pick or {}
-    eligible = [s for s in servers if s.eligible]
-    eligible.sort(
-        key=lambda s: (
-            (load.get(s.address, 0) + 1) / s.scale,
-            load.get(s.address, 0),
-            last.get(s.address, 0),
-        )
-    )
-    return [s.address for s in eligible]
+    def _forget(self, address: str, now: float) -> None:
+        """Starts and ends older than any page that still counts are of no more use."""
+        events = self._events.get(address)
+        while events and events[0][0] < now - LOAD_MAX_AGE_S - 1.0:
+            events.popleft()

@@ -5,18 +5,20 @@ per request, and an ADS client of the control plane that keeps what it may pick 
   cluster (CDS wildcard), then every cluster's assignment (EDS). Held-out and draining
   servers arrive as such and are never picked. Disconnected, it keeps the last assignments
   and reconnects with back-off; before the first, it picks nothing (Envoy routes by weights).
-- **Per request** (ext_proc, request headers only): the cluster the route chose (the
-  `xds.cluster_name` attribute) names the servers; the best by choose.rank is sent back as
-  the `x-gateway-destination-endpoint` header and the same value under the `envoy.lb`
-  metadata (the Endpoint Picker Protocol's names), followed by up to two fallbacks for
-  Envoy's retries. The request counts in flight on its server until Envoy closes the
-  processing stream, which Envoy 1.40 does as soon as it has the pick (headers only), not when
-  the request ends (tests/integration/test_picker.py). So the load it ranks by comes from the
-  servers' own pages instead: with --admin and --token-file it reads every endpoint's
-  running, waiting and capacity from the control plane's operator API (what `cpctl endpoints
-  list` shows) every --loads-interval, and counts its picks since each reading on top
-  (choose.py). Without them, or while that API does not answer (a reading ages out after 5 s),
-  it ranks by the EDS weights and its own picks.
+- **Per request** (ext_proc, request headers, then response headers; never a body): the
+  cluster the route chose (the `xds.cluster_name` attribute) names the servers, the
+  request's prefix key (the gateway's `controlplane.affinity_prefix` metadata) and subset
+  hint narrow them; the best by choose.PickerState.pick is sent back as the
+  `x-gateway-destination-endpoint` header and the same value under the `envoy.lb` metadata
+  (the Endpoint Picker Protocol's names), followed by up to two fallbacks for Envoy's
+  retries. The request counts in flight on its server until its response's headers come
+  back (with `upstream.address`: where it really went) or the stream ends: for a response
+  that is not streamed, its end; for a stream, its first token, after which the server's
+  page shows it (choose.py).
+- **The servers' pages**: with --admin and --token-file it reads every endpoint's running,
+  waiting, KV use and capacity from the control plane's operator API (what `cpctl endpoints
+  list` shows) every --loads-interval. Without them, or while that API does not answer (a
+  reading ages out after 5 s), it ranks by its own requests in flight and the EDS weights.
 - Anything it cannot pick for (no cluster attribute, a cluster it does not know, no eligible
   server, not yet fed) gets an answer that changes nothing: the cluster's weights route it.
 - gRPC health: SERVING once the first assignments arrived (readiness); the server answering
@@ -46,15 +48,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from controlplane.obs.http import split_host_port
-from controlplane.picker.choose import PickerState, ServerLoad
-from controlplane.routing.names import PICKED_HEADER, PICKED_METADATA_NS
-from controlplane.routing.translate import CLUSTER, ENDPOINT
+from controlplane.picker.choose import PREFIX_ENTRIES, PREFIX_LOAD_BOUND, PickerState, ServerLoad
+from controlplane.routing.names import PICKED_HEADER, PICKED_METADATA_NS, SUBSET_METADATA_NS
+from controlplane.routing.translate import CLUSTER, ENDPOINT, METADATA_NS
 from controlplane.v1 import endpoint_pb2 as admin_endpoint_pb2
 from controlplane.v1 import endpoint_pb2_grpc
 
 log = structlog.get_logger("controlplane.picker")
 
 CLUSTER_ATTRIBUTE = "xds.cluster_name"
+SERVED_ATTRIBUTE = "upstream.address"  # sent with the response headers: where the request went
+PREFIX_KEY = "affinity_prefix"  # the prefix key the gateway's Lua filter sets (routing/prefix_key.lua)
+SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
 NODE_CLUSTER = "controlplane-picker"
 RECONNECT_MIN_S = 0.2
 RECONNECT_MAX_S = 5.0
@@ -69,10 +74,19 @@ class PickerMetrics:
         r = self.registry
         self.picks = Counter(
             "controlplane_picker_picks",
-            "Requests the picker answered, by outcome: picked (a server named), and the reasons "
-            "it named none (Envoy then routes by the weights): no_cluster, unknown_cluster, "
-            "no_eligible_server, not_ready",
-            ["outcome"],
+            "Requests the picker answered, by reason: least_loaded or prefix_hit (a server "
+            "named), else why it named none and Envoy routes by the weights (no_cluster, "
+            "unknown_cluster, no_eligible_server, not_ready)",
+            ["reason"],
+            registry=r,
+        )
+        self.served = Counter(
+            "controlplane_picker_served",
+            "Picked requests by where Envoy says they went (the served-endpoint readback): "
+            "picked (the first server named), fallback_list (a later one, on a retry), "
+            "elsewhere (the weights: the named servers were not healthy in Envoy's view), "
+            "unknown (the stream ended before a response)",
+            ["where"],
             registry=r,
         )
         self.decision = Histogram(
@@ -135,7 +149,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        picked: str | None = None
+        picked: tuple[str, ...] = ()
         try:
             async for req in request_iterator:
                 if req.HasField("request_headers"):
@@ -143,28 +157,48 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     resp, picked = self._answer(req)
                     self.metrics.decision.observe(time.perf_counter() - t0)
                     yield resp
+                elif req.HasField("response_headers"):
+                    if picked:  # the request ended, or its response started: it is no more ours
+                        self._served(picked, _attribute(req, SERVED_ATTRIBUTE))
+                        picked = ()
+                    yield _unchanged(req)
                 else:  # a phase not asked for (a newer Envoy's mode override): change nothing
                     yield _unchanged(req)
         finally:
-            if picked is not None:  # Envoy closed the stream: it has the pick (see above)
-                self.state.done(picked)
-                self.metrics.inflight.dec()
+            if picked:  # the stream closed before a response (a reset, a cancel, a timeout)
+                self._served(picked, "")
 
-    def _answer(self, req: ep.ProcessingRequest) -> tuple[ep.ProcessingResponse, str | None]:
+    def _served(self, picked: tuple[str, ...], served: str) -> None:
+        """The request picked for `picked` answered from `served` (the upstream.address Envoy
+        reports: the Endpoint Picker Protocol's served-endpoint readback), "" if unknown."""
+        self.state.done(picked[0], time.monotonic())
+        self.metrics.inflight.dec()
+        if not served:
+            where = "unknown"
+        elif served == picked[0]:
+            where = "picked"
+        elif served in picked:
+            where = "fallback_list"
+        else:
+            where = "elsewhere"
+        self.metrics.served.labels(where).inc()
+
+    def _answer(self, req: ep.ProcessingRequest) -> tuple[ep.ProcessingResponse, tuple[str, ...]]:
         resp = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
         cluster = _attribute(req, CLUSTER_ATTRIBUTE)
         if not self.ready.is_set():
-            outcome = "not_ready"
+            reason = "not_ready"
         elif not cluster:
-            outcome = "no_cluster"
+            reason = "no_cluster"
         elif cluster not in self.state.clusters:
-            outcome = "unknown_cluster"
+            reason = "unknown_cluster"
         else:
-            chosen = self.state.pick(cluster, time.monotonic())
-            if not chosen:
-                outcome = "no_eligible_server"
-            else:
-                value = ",".join(chosen)
+            chosen = self.state.pick(
+                cluster, time.monotonic(), prefix=_metadata(req, METADATA_NS, PREFIX_KEY), subset=_subset(req)
+            )
+            reason = chosen.reason or "no_eligible_server"
+            if chosen.servers:
+                value = ",".join(chosen.servers)
                 mutation = resp.request_headers.response.header_mutation
                 mutation.set_headers.add(
                     header=base_pb2.HeaderValue(key=PICKED_HEADER, raw_value=value.encode()),
@@ -173,14 +207,18 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 resp.dynamic_metadata.fields[PICKED_METADATA_NS].struct_value.fields[
                     PICKED_HEADER
                 ].string_value = value
-                self.metrics.picks.labels("picked").inc()
+                self.metrics.picks.labels(reason).inc()
                 self.metrics.inflight.inc()
                 log.debug(
-                    "picker.pick", request_id=_header(req, "x-request-id"), cluster=cluster, picked=value
+                    "picker.pick",
+                    request_id=_header(req, "x-request-id"),
+                    cluster=cluster,
+                    picked=value,
+                    reason=reason,
                 )
-                return resp, chosen[0]
-        self.metrics.picks.labels(outcome).inc()
-        return resp, None
+                return resp, chosen.servers
+        self.metrics.picks.labels(reason).inc()
+        return resp, ()
 
     # ---- the control plane ------------------------------------------------------------------
 
@@ -293,8 +331,16 @@ def server_loads(endpoints: Iterable[Any], now: float) -> dict[str, ServerLoad]:
     for e in endpoints:
         if not (e.HasField("running") or e.HasField("waiting")) or not math.isfinite(e.signal_age_seconds):
             continue
-        queued = (e.running if e.HasField("running") else 0.0) + (e.waiting if e.HasField("waiting") else 0.0)
-        out[e.address] = ServerLoad(queued, now - e.signal_age_seconds, e.capacity or None)
+        running = e.running if e.HasField("running") else None
+        waiting = e.waiting if e.HasField("waiting") else None
+        out[e.address] = ServerLoad(
+            (running or 0.0) + (waiting or 0.0),
+            now - e.signal_age_seconds,
+            e.capacity or None,
+            running=running,
+            waiting=waiting,
+            kv_use=e.kv_use if e.HasField("kv_use") else None,
+        )
     return out
 
 
@@ -310,6 +356,32 @@ def _attribute(req: ep.ProcessingRequest, key: str) -> str:
         if value is not None and value.HasField("string_value"):
             return str(value.string_value)
     return ""
+
+
+def _metadata(req: ep.ProcessingRequest, namespace: str, key: str) -> str:
+    """A string Envoy forwarded from the request's dynamic metadata, "" if none."""
+    ns = req.metadata_context.filter_metadata.get(namespace)
+    if ns is None:
+        return ""
+    value = ns.fields.get(key)
+    return str(value.string_value) if value is not None and value.HasField("string_value") else ""
+
+
+def _subset(req: ep.ProcessingRequest) -> frozenset[str] | None:
+    """The Endpoint Picker Protocol's subset hint: the servers the request may go to, from the
+    `envoy.lb.subset_hint` metadata (a list, or a comma-separated string) or the
+    x-gateway-destination-endpoint-subset header; None when the request names none."""
+    found: list[str] = []
+    ns = req.metadata_context.filter_metadata.get(SUBSET_METADATA_NS)
+    value = ns.fields.get(SUBSET_HEADER) if ns is not None else None
+    if value is not None and value.HasField("list_value"):
+        found = [v.string_value for v in value.list_value.values if v.HasField("string_value")]
+    elif value is not None and value.HasField("string_value"):
+        found = value.string_value.split(",")
+    else:
+        found = _header(req, SUBSET_HEADER).split(",")
+    subset = frozenset(a.strip() for a in found if a.strip())
+    return subset or None
 
 
 def _header(req: ep.ProcessingRequest, name: str) -> str:
@@ -347,6 +419,8 @@ async def serve(
     admin: str | None = None,
     token: str | None = None,
     loads_interval_s: float = 0.25,
+    prefix_entries: int = PREFIX_ENTRIES,
+    prefix_bound: float = PREFIX_LOAD_BOUND,
 ) -> None:
     """Run a picker until SIGINT or SIGTERM."""
     metrics = PickerMetrics()
@@ -358,6 +432,8 @@ async def serve(
         token=token,
         loads_interval_s=loads_interval_s,
     )
+    picker.state.prefix_entries = prefix_entries
+    picker.state.prefix_bound = prefix_bound
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     health_pb2_grpc.add_HealthServicer_to_server(picker.health, server)

@@ -70,12 +70,12 @@ def build_cluster(
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=pb.ads(), service_name=cname),
         connect_timeout=pb.duration(1.0),
         load_balancing_policy=(
-            hashing_policy(model.affinity)
+            picked_policy(hashing_policy(model.affinity) if model.affinity is not None else None)
+            if picked
+            else hashing_policy(model.affinity)
             if model.affinity is not None
             else round_robin_policy()
             if t.balancing == "round_robin"
-            else picked_policy()
-            if picked
             else least_request_policy()
         ),
         circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
@@ -209,14 +209,16 @@ def least_request_policy() -> cluster_pb2.LoadBalancingPolicy:
     )
 
 
-def picked_policy() -> cluster_pb2.LoadBalancingPolicy:
+def picked_policy(fallback: cluster_pb2.LoadBalancingPolicy | None = None) -> cluster_pb2.LoadBalancingPolicy:
     """The server a picker named for the request (the PICKED_HEADER, else the same value under
-    the envoy.lb metadata; a list is walked on retries), else weighted least request: a
-    request the picker did not answer (down, slow, overloaded, a body it could not read) is
-    routed as every other model's. Envoy takes a named host only while it is healthy (the
-    default override_host_status: not held out, not draining), so a picker that is wrong or
-    behind can never send a request to a server the control plane holds out. Proxyless gRPC,
-    which has no override_host, takes the round robin after it."""
+    the envoy.lb metadata; a list is walked on retries), else `fallback`, by default weighted
+    least request (a model with affinity passes its hashing policy): a request the picker did
+    not answer (down, slow, overloaded) is routed as without a picker. Envoy takes a named
+    host only while it is healthy (the default override_host_status: not held out, not
+    draining), so a picker that is wrong or behind can never send a request to a server the
+    control plane holds out. Proxyless gRPC, which has no override_host, takes the policy
+    after it: the fallback's own list."""
+    fallback = fallback or least_request_policy()
     override = override_host_pb2.OverrideHost(
         override_host_sources=[
             override_host_pb2.OverrideHost.OverrideHostSource(header=names.PICKED_HEADER),
@@ -227,13 +229,10 @@ def picked_policy() -> cluster_pb2.LoadBalancingPolicy:
                 )
             ),
         ],
-        fallback_policy=least_request_policy(),
+        fallback_policy=fallback,
     )
     return cluster_pb2.LoadBalancingPolicy(
-        policies=[
-            _lb_policy("envoy.load_balancing_policies.override_host", override),
-            *least_request_policy().policies,
-        ]
+        policies=[_lb_policy("envoy.load_balancing_policies.override_host", override), *fallback.policies]
     )
 
 

@@ -15,6 +15,7 @@ PICKER_CLUSTER = "controlplane-picker"  # the per-request endpoint pickers (pick
 # header and under the envoy.lb dynamic metadata namespace.
 PICKED_HEADER = "x-gateway-destination-endpoint"
 PICKED_METADATA_NS = "envoy.lb"
+SUBSET_METADATA_NS = "envoy.lb.subset_hint"  # the Endpoint Picker Protocol's subset hint, to the picker
 _STAT_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 

@@ -236,7 +236,11 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
     down, errs, or does not answer within picker.timeout costs the request nothing but the
     wait (failure_mode_allow), and the cluster's policy routes it by the weights
     (clusters.picked_policy). The answer sets the picked-endpoint header (and the envoy.lb
-    metadata) and nothing else; the route is not looked up again."""
+    metadata) and nothing else; the route is not looked up again. The response's headers go
+    to the picker too, with `upstream.address`: the request has ended (or, streamed, started
+    answering) and where it went, so the picker counts each server's requests in flight (the
+    stream closes at the pick otherwise). A picker that hangs after a pick costs that
+    response's headers at most the budget once more (then failure_mode_allow again)."""
     cfg = ext_proc_pb2.ExternalProcessor(
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=names.PICKER_CLUSTER),
@@ -245,17 +249,20 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
         failure_mode_allow=True,
         processing_mode=processing_mode_pb2.ProcessingMode(
             request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-            response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+            response_header_mode=processing_mode_pb2.ProcessingMode.SEND,
             request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
             response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
             request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
             response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
         ),
         request_attributes=["xds.cluster_name"],
+        response_attributes=["upstream.address"],
         message_timeout=pb.duration(fleet.picker.timeout_s),
         stat_prefix="picker",
         metadata_options=ext_proc_pb2.MetadataOptions(
-            forwarding_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(untyped=[METADATA_NS]),
+            forwarding_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
+                untyped=[METADATA_NS, names.SUBSET_METADATA_NS]
+            ),
             receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
                 untyped=[names.PICKED_METADATA_NS]
             ),

@@ -109,22 +109,24 @@ class PickerProc:
             self.proc.stop()
 
 
-def fleet(addresses: list[str], pickers: list[str], timeout: str) -> str:
-    eps = "\n".join(f"          - {{address: '{a}'}}" for a in addresses)
-    return (
-        "listener: {port: %d}\n"
-        "signals: {interval: 300ms, timeout: 250ms}\n"
-        f"picker: {{endpoints: {json.dumps(pickers)}, timeout: {timeout}}}\n"
-        "tiers: {small: {timeout: 30s, balancing: picker}}\n"
-        "models:\n"
-        f"  {MODEL}:\n"
-        "    params_b: 8\n"
-        "    stable: v1\n"
-        "    versions:\n"
-        "      v1:\n"
-        "        endpoints:\n"
-        f"{eps}\n"
-    )
+def fleet(addresses: list[str], pickers: list[str], timeout: str, affinity: str = "") -> str:
+    """The rig's fleet file, its listener port left as %d."""
+    lines = [
+        "listener: {port: %d}",
+        "signals: {interval: 300ms, timeout: 250ms}",
+        f"picker: {{endpoints: {json.dumps(pickers)}, timeout: {timeout}}}",
+        "tiers: {small: {timeout: 30s, balancing: picker}}",
+        "models:",
+        f"  {MODEL}:",
+        "    params_b: 8",
+        *([f"    affinity: {affinity}"] if affinity else []),
+        "    stable: v1",
+        "    versions:",
+        "      v1:",
+        "        endpoints:",
+        *(f"          - {{address: '{a}'}}" for a in addresses),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 @dataclass
@@ -144,6 +146,7 @@ def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
     requests go must not see a pick fall back on a busy machine)."""
     mark = request.node.get_closest_marker("picker_timeout")
     timeout = mark.args[0] if mark else "1000ms"
+    affinity = request.node.get_closest_marker("picker_affinity")
     rig = EmulatedFleet(tmp_path)
     picker: PickerProc | None = None
     try:
@@ -151,7 +154,8 @@ def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
             rig.servers[n] = Emulator(n, tmp_path, MODEL, slots=8, decode_ms_per_token=2)
         picker_port = free_port()
         addresses = [s.address for s in rig.servers.values()]
-        rig.serve(fleet(addresses, [f"127.0.0.1:{picker_port}"], timeout) % rig.listener)
+        text = fleet(addresses, [f"127.0.0.1:{picker_port}"], timeout, affinity.args[0] if affinity else "")
+        rig.serve(text % rig.listener)
         assert rig.cp is not None and rig.envoy is not None
         admin = (rig.cp.admin, rig.cp.state_dir / "admin-token")
         picker = PickerProc("picker", rig.cp.xds, tmp_path, picker_port, admin=admin).start()
@@ -327,11 +331,11 @@ def test_bad_input_takes_the_normal_path(rig: Rig) -> None:
     assert set(ENVOY_PICKER_STATS.values()) <= exported, sorted(set(ENVOY_PICKER_STATS.values()) - exported)
 
 
-def test_envoy_closes_the_processing_stream_once_the_pick_is_answered(rig: Rig) -> None:
-    """What the picker can see of a request's life with headers only: Envoy ends the
-    processing stream as soon as it has the pick, not when the request ends, so the picker's
-    in-flight count is back to 0 while three long requests still run (docs/picker.md, "Not
-    yet"). The picks still spread them: equal servers take turns."""
+def test_the_picker_sees_each_request_start_and_end_and_where_it_went(rig: Rig) -> None:
+    """Envoy sends the response's headers to the picker, with the upstream address: a request
+    not streamed counts in flight on its server from the pick to its answer, and the picker
+    learns where it really went (the served-endpoint readback). Three long requests: 3 in
+    flight while they run, 0 after, each served where picked; equal servers take turns."""
     done: list[tuple[int, str]] = []
 
     def long_one(i: int) -> None:
@@ -341,14 +345,51 @@ def test_envoy_closes_the_processing_stream_once_the_pick_is_answered(rig: Rig) 
     for t in threads:
         t.start()
     wait_until(
-        lambda: rig.picker.metric('controlplane_picker_picks_total{outcome="picked"}') == 3, 5, "3 picks"
+        lambda: rig.picker.metric('controlplane_picker_picks_total{reason="least_loaded"}') == 3, 5, "3 picks"
     )
-    assert rig.picker.metric("controlplane_picker_inflight_requests") == 0
+    inflight = rig.picker.metric("controlplane_picker_inflight_requests")
     assert all(t.is_alive() for t in threads), "the requests ended before the look"
+    assert inflight == 3
     for t in threads:
         t.join(30)
     assert [s for s, _ in done] == [200] * 3
     assert len({b for _, b in done}) == 3, done
+    wait_until(
+        lambda: rig.picker.metric("controlplane_picker_inflight_requests") == 0, 5, "the ends to be seen"
+    )
+    assert rig.picker.metric('controlplane_picker_served_total{where="picked"}') == 3
+    for where in ("fallback_list", "elsewhere", "unknown"):
+        assert rig.picker.metric(f'controlplane_picker_served_total{{where="{where}"}}') == 0
+
+
+@pytest.mark.picker_affinity("{prefix: {prompt_bytes: 16}}")
+def test_a_prefix_goes_back_to_the_server_that_has_it(rig: Rig) -> None:
+    """A model with prefix affinity and the picker: the gateway's Lua filter hashes the
+    prompt's first 16 bytes, Envoy forwards the key, and the picker sends a prefix back to
+    the server it went to (idle servers: always within the load bound); a new prefix goes to
+    the least loaded, so eight prefixes spread over the three servers."""
+    went: dict[str, set[str]] = {}
+    for round_ in range(4):
+        for k in range(8):
+            client = Client(rig.listener)
+            try:
+                prompt = f"system-{k:02d}-----" + f" turn {round_}" * 20
+                body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2}).encode()
+                r = client.request(
+                    "POST",
+                    "/v1/completions",
+                    body,
+                    {"content-type": "application/json", "x-request-id": f"p{k}-{round_}"},
+                )
+            finally:
+                client.close()
+            assert r.status == 200, r.status
+            went.setdefault(f"system-{k:02d}", set()).add(r.backend)
+    assert all(len(servers) == 1 for servers in went.values()), went
+    assert len(set().union(*went.values())) == 3, went
+    assert rig.picker.metric('controlplane_picker_picks_total{reason="least_loaded"}') == 8
+    assert rig.picker.metric('controlplane_picker_picks_total{reason="prefix_hit"}') == 24
+    print(f"\n8 prefixes x 4 requests, each prefix on one server: {sorted(went.items())}")
 
 
 def test_picks_follow_the_servers_own_pages(rig: Rig) -> None:

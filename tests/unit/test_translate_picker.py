@@ -56,13 +56,20 @@ def test_a_picked_model_asks_the_picker_and_falls_back_to_the_weights() -> None:
     assert cfg.grpc_service.envoy_grpc.cluster_name == names.PICKER_CLUSTER
     assert cfg.message_timeout.ToNanoseconds() == 5_000_000  # the default budget, 5 ms
     mode = cfg.processing_mode
-    # Headers only: with no body sent, fail-open holds at every moment (Envoy PR #41276).
+    # Headers only: with no body sent, fail-open holds at every moment (Envoy PR #41276). The
+    # response's headers tell the picker the request ended, and where it went.
     assert mode.request_header_mode == processing_mode_pb2.ProcessingMode.SEND
     assert mode.request_body_mode == processing_mode_pb2.ProcessingMode.NONE
-    assert mode.response_header_mode == processing_mode_pb2.ProcessingMode.SKIP
+    assert mode.response_header_mode == processing_mode_pb2.ProcessingMode.SEND
     assert mode.response_body_mode == processing_mode_pb2.ProcessingMode.NONE
+    assert mode.response_trailer_mode == processing_mode_pb2.ProcessingMode.SKIP
     assert list(cfg.request_attributes) == ["xds.cluster_name"]
+    assert list(cfg.response_attributes) == ["upstream.address"]
     assert list(cfg.metadata_options.receiving_namespaces.untyped) == [names.PICKED_METADATA_NS]
+    assert list(cfg.metadata_options.forwarding_namespaces.untyped) == [
+        "controlplane",  # the model, and a prefix key where the model has prefix affinity
+        names.SUBSET_METADATA_NS,
+    ]
 
     routes = _routes(d.by_type[ROUTE][names.GATEWAY_ROUTES])
     on = {n for n, r in routes.items() if EXT_PROC_FILTER in r.typed_per_filter_config}
@@ -101,6 +108,25 @@ def test_a_picked_model_asks_the_picker_and_falls_back_to_the_weights() -> None:
         for e in loc.lb_endpoints
     ]
     assert got == [("127.0.0.1", 18090), ("127.0.0.1", 18091)]
+
+
+def test_a_picked_model_with_prefix_affinity_falls_back_to_its_hash() -> None:
+    """The picker gets the prefix key; without its answer the model keeps today's hash."""
+    text = (FLEET % "").replace(
+        "picked: {params_b: 1,", "picked: {params_b: 1, affinity: {prefix: {messages: 1}},"
+    )
+    d = translate(parse_fleet(text))
+    picked = d.by_type[CLUSTER]["picked@v1"]
+    assert isinstance(picked, cluster_pb2.Cluster)
+    first = picked.load_balancing_policy.policies[0].typed_extension_config
+    assert first.name == "envoy.load_balancing_policies.override_host"
+    override = override_host_pb2.OverrideHost()
+    first.typed_config.Unpack(override)
+    fallback = [p.typed_extension_config.name for p in override.fallback_policy.policies]
+    assert fallback[0] in ("envoy.load_balancing_policies.maglev", "envoy.load_balancing_policies.ring_hash")
+    routes = _routes(d.by_type[ROUTE][names.GATEWAY_ROUTES])
+    on = [r for n, r in routes.items() if EXT_PROC_FILTER in r.typed_per_filter_config]
+    assert on and all(r.route.hash_policy for r in on)  # the fallback hash has its key
 
 
 def test_no_picked_model_no_picker_filter_nor_cluster() -> None:
