@@ -14,6 +14,10 @@ measured in the same run, and the hit ratio against the oracle's (a per-request
 cache-aware picker over simulated caches, `prefix_load.py --oracle-servers`).
 
     .venv/bin/python bench/lb_quality/prefix.py [--load 0.7] [--policies least_request,session,prefix]
+    .venv/bin/python bench/lb_quality/prefix.py --policies prefix,picker   # the picker's prefix index
+
+`picker`: prefix affinity as `prefix`, and `balancing: picker` with one `controlplane picker`:
+the picker's own prefix index (bounded load) chooses, the Lua hash is its fallback.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(HERE))
 
-from real import Stack, free_port, free_ports, start_proxied, wait_http  # noqa: E402
+from real import Stack, free_port, free_ports, start_pickers, start_proxied, wait_http  # noqa: E402
 
 MODEL = "bench-8b"
 
@@ -40,7 +44,7 @@ def affinity(policy: str, args: argparse.Namespace) -> str:
     factor = f", hash_balance_factor: {args.balance_factor}"
     if policy == "session":
         return f"affinity: {{header: x-session-id{factor}}}, "
-    if policy == "prefix":
+    if policy in ("prefix", "picker"):
         return f"affinity: {{prefix: {{messages: {args.prefix_messages}}}{factor}}}, "
     return ""
 
@@ -88,13 +92,20 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float) -> dict[str, 
         listener = free_port()
         eps = ", ".join(f"'{a}'" for a in addresses)
         config = workdir / "fleet.yaml"
+        picker = free_port() if policy == "picker" else None
+        balancing = "picker" if picker else "least_request"
         config.write_text(
             f"listener: {{port: {listener}}}\n"
-            "tiers: {small: {max_params_b: 15, timeout: 300s, balancing: least_request}}\n"
+            + (f"picker: {{endpoints: ['127.0.0.1:{picker}']}}\n" if picker else "")
+            + f"tiers: {{small: {{max_params_b: 15, timeout: 300s, balancing: {balancing}}}}}\n"
             f"models: {{{MODEL}: {{params_b: 8, stable: v1, {affinity(policy, args)}"
             f"versions: {{v1: {{endpoints: [{eps}]}}}}}}}}\n"
         )
-        start_proxied(stack, workdir, config, listener, f"bench-{policy}")
+        xds, admin = free_port(), free_port()
+        serve = ["--admin-listen", f"127.0.0.1:{admin}"] if picker else []
+        start_proxied(stack, workdir, config, listener, f"bench-{policy}", serve, xds=xds)
+        if picker:
+            start_pickers(stack, workdir, [picker], xds, admin)
         out = subprocess.run(
             [
                 sys.executable,

@@ -304,6 +304,7 @@ def start_pickers(stack: Stack, workdir: Path, ports: Sequence[int], xds: int, a
                 "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics[-1]}",
                 "--admin", f"127.0.0.1:{admin}", "--token-file", str(workdir / "state" / "admin-token"),
                 "--node-id", f"picker-{i}",
+                "--peers", ",".join(f"127.0.0.1:{p}" for p in ports if p != port),
             ],
         )  # fmt: skip
     for port in metrics:

@@ -381,6 +381,21 @@ def _parser() -> argparse.ArgumentParser:
         help="a request goes back to the server its prefix went to while that server's expected "
         "time is at most X times the mean of the eligible servers' (default: %(default)s)",
     )
+    pk.add_argument(
+        "--peers",
+        default="",
+        metavar="HOST:PORT,...",
+        help="the other pickers' --listen addresses: each reads the others' requests in flight "
+        "every --peers-interval and ranks by all of them, so several pickers choose as one "
+        "would (default: none)",
+    )
+    pk.add_argument(
+        "--peers-interval",
+        type=_number(0.01, 10),
+        default=0.05,
+        metavar="SECONDS",
+        help="how often the --peers are read (default: %(default)s)",
+    )
     pk.add_argument("--node-id", help="its node id on the control plane (default: picker-PID)")
     pk.add_argument("--log-format", choices=("console", "json"), default="console")
     pk.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -653,6 +668,8 @@ def _picker(args: argparse.Namespace) -> int:
                 loads_interval_s=args.loads_interval,
                 prefix_entries=int(args.prefix_entries),
                 prefix_bound=args.prefix_load_bound,
+                peers=[p.strip() for p in args.peers.split(",") if p.strip()],
+                peers_interval_s=args.peers_interval,
             )
         )
     except OSError as e:

@@ -1,8 +1,9 @@
 """Pure: which eligible server takes a request, and what the picker knows to decide it.
 
 The control plane decides what is eligible (its EDS assignments: held-out servers are sent
-UNHEALTHY, draining ones DRAINING, and the weight is adaptive's view of each server's
-speed and load); the picker only orders the eligible servers of the cluster the route chose,
+UNHEALTHY, draining ones DRAINING, the failover rank (zone, preferred GPU) is the EDS
+priority, and the weight is adaptive's view of each server's speed and load); the picker
+only orders the eligible servers of the cluster the route chose, in its first rank with any,
 as the simulation's full-scan picker does: the servers known to have a slot free (idle, or
 busy below the slots a page showed) first,
 fastest first (capacity: the control plane's, declared or learnt, else the EDS weight), the
@@ -14,10 +15,12 @@ host) cannot do.
 
 What the picker knows of a server:
 - its **load**: the requests the picker sent there that have not answered yet (it sees each
-  start, at the pick, and end, at the response's headers), plus the requests its own page
-  shows that the picker did not send (other proxies' fallbacks, other pickers, direct
-  clients): the page's running + waiting less what the picker had in flight there when the
-  page was read. A page read longer ago than LOAD_MAX_AGE_S says nothing.
+  start, at the pick, and end, at the response's headers), those its peers (other pickers,
+  whose counts it reads every few tens of milliseconds) have there, plus the requests its
+  own page shows that none of them sent (other proxies' fallbacks, direct clients): the
+  page's running + waiting less what the pickers had in flight there when the page was read
+  (the peers' as they last said). A page read longer ago than LOAD_MAX_AGE_S says nothing,
+  nor a peer's counts older than PEER_MAX_AGE_S.
 - its **slots**: the running count its page showed while requests also waited there (a full
   server runs as many as it can). Until a page has shown it full, it is taken to have as
   many as the most its cluster's other servers showed; with none known, one: the rank is
@@ -55,6 +58,7 @@ KV_FULL = 0.95  # a page showing this much of the KV cache used: the server coun
 PREFIX_LOAD_BOUND = 1.5  # a prefix goes back to its server while its time is at most this x the mean
 PREFIX_ENTRIES = 65536  # prefix keys remembered (least recently used dropped first)
 EVENTS_KEEP = 4096  # starts and ends remembered per server (to know its in-flight count at a reading)
+PEER_MAX_AGE_S = 1.0  # another picker's counts read longer ago than this say nothing
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class Candidate:
     weight: int
     eligible: bool
     capacity: float | None = None  # the control plane's, where the picker has it
+    priority: int = 0  # the EDS failover rank (zone, preferred GPU): lower is used first
 
     @property
     def scale(self) -> float:
@@ -105,7 +110,14 @@ def candidates(cla: endpoint_pb2.ClusterLoadAssignment) -> tuple[Candidate, ...]
             sock = lb.endpoint.address.socket_address
             host = f"[{sock.address}]" if ":" in sock.address else sock.address
             weight = lb.load_balancing_weight.value if lb.HasField("load_balancing_weight") else 1
-            out.append(Candidate(f"{host}:{sock.port_value}", max(1, weight), lb.health_status in ELIGIBLE))
+            out.append(
+                Candidate(
+                    f"{host}:{sock.port_value}",
+                    max(1, weight),
+                    lb.health_status in ELIGIBLE,
+                    priority=locality.priority,
+                )
+            )
     return tuple(out)
 
 
@@ -130,6 +142,7 @@ class PickerState:
     inflight: dict[str, int] = field(default_factory=dict)
     loads: dict[str, ServerLoad] = field(default_factory=dict)
     slots: dict[str, float] = field(default_factory=dict)
+    peers: dict[str, tuple[float, dict[str, int]]] = field(default_factory=dict)  # peer -> (read at, counts)
     prefixes: OrderedDict[tuple[str, str], str] = field(default_factory=OrderedDict)
     _events: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     _last_pick: dict[str, int] = field(default_factory=dict)
@@ -155,14 +168,26 @@ class PickerState:
         later = sum(delta for at, delta in self._events.get(address, ()) if at > t)
         return max(0.0, float(self.inflight.get(address, 0) - later))
 
+    def observe_peer(self, peer: str, counts: Mapping[str, int], now: float) -> None:
+        """Another picker's requests in flight per server, as it said at `now`."""
+        self.peers[peer] = (now, dict(counts))
+
+    def peer_load(self, address: str, now: float) -> float:
+        """The requests the other pickers (their counts fresher than PEER_MAX_AGE_S) have in
+        flight at `address`."""
+        return float(
+            sum(counts.get(address, 0) for at, counts in self.peers.values() if now - at <= PEER_MAX_AGE_S)
+        )
+
     def load(self, address: str, now: float) -> float:
-        """What `address` has to do at `now`: the picker's own requests in flight, plus those
-        its fresh page shows that the picker did not send."""
-        own = float(self.inflight.get(address, 0))
+        """What `address` has to do at `now`: the picker's own requests in flight and its
+        peers', plus those its fresh page shows that none of them sent."""
+        known = float(self.inflight.get(address, 0)) + self.peer_load(address, now)
         page = self.loads.get(address)
         if page is None or now - page.read_at > LOAD_MAX_AGE_S:
-            return own
-        return own + max(0.0, page.queued - self.inflight_at(address, page.read_at))
+            return known
+        sent = self.inflight_at(address, page.read_at) + self.peer_load(address, now)
+        return known + max(0.0, page.queued - sent)
 
     def cost(self, c: Candidate, load: float, slots: float) -> float:
         """wait_and_service for `c` at `load`; a page showing its KV cache full counts it full."""
@@ -180,12 +205,15 @@ class PickerState:
         request's prefix key, if it has one; `subset`: the only servers it may go to (the
         Endpoint Picker Protocol's subset hint), if it names them."""
         servers = [
-            Candidate(c.address, c.weight, c.eligible, self._capacity(c))
+            Candidate(c.address, c.weight, c.eligible, self._capacity(c), c.priority)
             for c in self.clusters.get(cluster, ())
             if c.eligible and (subset is None or c.address in subset)
         ]
         if not servers:
             return NO_PICK
+        # The failover ranks as Envoy keeps them: the first rank with a server to pick.
+        first = min(c.priority for c in servers)
+        servers = [c for c in servers if c.priority == first]
         loads = {c.address: self.load(c.address, now) for c in servers}
         # A server never seen full is taken to have as many slots as the most its peers of the
         # cluster showed (a version's servers mostly run one configuration); if it has fewer,

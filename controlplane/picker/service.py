@@ -21,6 +21,9 @@ per request, and an ADS client of the control plane that keeps what it may pick 
   reading ages out after 5 s), it ranks by its own requests in flight and the EDS weights.
 - Anything it cannot pick for (no cluster attribute, a cluster it does not know, no eligible
   server, not yet fed) gets an answer that changes nothing: the cluster's weights route it.
+- **The other pickers** (--peers): each serves its own requests in flight per server (JSON,
+  PEER_SERVICE on its --listen) and reads its peers' every --peers-interval, so several
+  pickers rank by every picker's requests, not each by its own (choose.py).
 - gRPC health: SERVING once the first assignments arrived (readiness); the server answering
   at all is liveness. Metrics on --metrics-listen (docs/metrics.md#picker).
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import signal
@@ -64,6 +68,8 @@ NODE_CLUSTER = "controlplane-picker"
 RECONNECT_MIN_S = 0.2
 RECONNECT_MAX_S = 5.0
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# Pickers read each other's requests in flight here, on the same --listen (JSON in and out).
+PEER_SERVICE = "controlplane.picker.v1.Peers"
 
 
 class PickerMetrics:
@@ -108,6 +114,12 @@ class PickerMetrics:
             "1 while the ADS stream to the control plane is up",
             registry=r,
         )
+        self.peer_reads = Counter(
+            "controlplane_picker_peer_reads",
+            "Reads of the other pickers' requests in flight (--peers), by result (ok, error)",
+            ["result"],
+            registry=r,
+        )
         self.load_reads = Counter(
             "controlplane_picker_load_reads",
             "Reads of the servers' loads from the control plane's operator API, by result (ok, error)",
@@ -133,7 +145,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         admin: str | None = None,
         token: str | None = None,
         loads_interval_s: float = 0.25,
+        peers_interval_s: float = 0.05,
     ) -> None:
+        self.peers_interval_s = peers_interval_s
         self.control_plane = control_plane
         self.node_id = node_id
         self.admin = admin
@@ -219,6 +233,40 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 return resp, chosen.servers
         self.metrics.picks.labels(reason).inc()
         return resp, ()
+
+    # ---- the other pickers -------------------------------------------------------------------
+
+    async def _inflight(self, request: bytes, context: Any) -> bytes:
+        """PEER_METHOD: this picker's own requests in flight per server, as JSON."""
+        return json.dumps(self.state.inflight).encode()
+
+    def peer_handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            PEER_SERVICE, {"InFlight": grpc.unary_unary_rpc_method_handler(self._inflight)}
+        )
+
+    async def follow_peer(self, peer: str) -> None:
+        """Read another picker's requests in flight every peers_interval_s, for ever."""
+        failing = False
+        async with grpc.aio.insecure_channel(peer) as channel:
+            call = channel.unary_unary(f"/{PEER_SERVICE}/InFlight")
+            while True:
+                try:
+                    raw = await call(b"", timeout=1.0)
+                    counts = json.loads(raw)
+                    if not isinstance(counts, dict):
+                        raise ValueError("not a JSON object")
+                    clean = {str(k): int(v) for k, v in counts.items() if isinstance(v, int) and v > 0}
+                except (grpc.RpcError, ValueError, TypeError) as e:
+                    self.metrics.peer_reads.labels("error").inc()
+                    if not failing:
+                        log.warning("picker.peer_unread", peer=peer, error=str(e)[:300])
+                    failing = True
+                else:
+                    self.metrics.peer_reads.labels("ok").inc()
+                    failing = False
+                    self.state.observe_peer(peer, clean, time.monotonic())
+                await asyncio.sleep(self.peers_interval_s)
 
     # ---- the control plane ------------------------------------------------------------------
 
@@ -421,6 +469,8 @@ async def serve(
     loads_interval_s: float = 0.25,
     prefix_entries: int = PREFIX_ENTRIES,
     prefix_bound: float = PREFIX_LOAD_BOUND,
+    peers: Iterable[str] = (),
+    peers_interval_s: float = 0.05,
 ) -> None:
     """Run a picker until SIGINT or SIGTERM."""
     metrics = PickerMetrics()
@@ -431,12 +481,14 @@ async def serve(
         admin=admin,
         token=token,
         loads_interval_s=loads_interval_s,
+        peers_interval_s=peers_interval_s,
     )
     picker.state.prefix_entries = prefix_entries
     picker.state.prefix_bound = prefix_bound
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     health_pb2_grpc.add_HealthServicer_to_server(picker.health, server)
+    server.add_generic_rpc_handlers((picker.peer_handler(),))
     await picker.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await picker.health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
     if server.add_insecure_port(listen) == 0:
@@ -454,6 +506,7 @@ async def serve(
     tasks = [asyncio.create_task(picker.follow())]
     if admin is not None:
         tasks.append(asyncio.create_task(picker.follow_loads()))
+    tasks += [asyncio.create_task(picker.follow_peer(peer)) for peer in peers]
     try:
         await stop.wait()
     finally:

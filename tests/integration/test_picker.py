@@ -46,8 +46,10 @@ class PickerProc:
         log_dir: Path,
         port: int | None = None,
         admin: tuple[str, Path] | None = None,
+        peers: tuple[str, ...] = (),
     ) -> None:
         self.name = name
+        self.peers = peers
         self.admin = admin  # the operator API and a token file: picks follow the servers' pages
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -56,7 +58,9 @@ class PickerProc:
         self.log_dir = log_dir
         self.proc: Proc | None = None
 
-    def start(self) -> PickerProc:
+    def start(self, ready: bool = True) -> PickerProc:
+        """Start it; wait until it is ready (has the control plane's assignments), or with
+        ready=False only until it answers health checks at all."""
         self.proc = Proc(
             self.name,
             [
@@ -64,13 +68,18 @@ class PickerProc:
                 "--listen", self.address, "--log-format", "json", "--log-level", "debug",
                 "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
                 *(["--admin", self.admin[0], "--token-file", str(self.admin[1])] if self.admin else []),
+                *(["--peers", ",".join(self.peers)] if self.peers else []),
             ],
             self.log_dir,
         )  # fmt: skip
-        wait_until(self.serving, 20, f"picker {self.name} to be ready")
+        if ready:
+            wait_until(self.serving, 20, f"picker {self.name} to be ready")
+        else:
+            wait_until(lambda: self.health() is not None, 20, f"picker {self.name} to answer")
         return self
 
-    def serving(self) -> bool:
+    def health(self) -> int | None:
+        """Its gRPC health status, None while it does not answer."""
         assert self.proc is not None
         if not self.proc.alive():
             raise AssertionError(f"picker exited:\n{self.proc.log()[-3000:]}")
@@ -78,8 +87,11 @@ class PickerProc:
             try:
                 r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
             except grpc.RpcError:
-                return False
-            return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+                return None
+            return int(r.status)
+
+    def serving(self) -> bool:
+        return self.health() == health_pb2.HealthCheckResponse.SERVING
 
     def picks(self) -> dict[str, str]:
         """request id -> the first server the picker named for it, from its log."""
@@ -390,6 +402,110 @@ def test_a_prefix_goes_back_to_the_server_that_has_it(rig: Rig) -> None:
     assert rig.picker.metric('controlplane_picker_picks_total{reason="least_loaded"}') == 8
     assert rig.picker.metric('controlplane_picker_picks_total{reason="prefix_hit"}') == 24
     print(f"\n8 prefixes x 4 requests, each prefix on one server: {sorted(went.items())}")
+
+
+@pytest.mark.picker_timeout("100ms")
+def test_a_picker_without_assignments_names_nothing_and_the_weights_route(rig: Rig) -> None:
+    """A picker whose control plane is not there (a wrong address, started first) answers
+    each request with no pick, at once: Envoy routes by the weights, no failure, no wait for
+    the budget. Its health says NOT_SERVING meanwhile (readiness)."""
+    rig.picker.stop()
+    lost = PickerProc("picker-alone", f"127.0.0.1:{free_port()}", rig.fleet.tmp, rig.picker.port)
+    lost.start(ready=False)
+    try:
+        assert lost.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+        results = [timed(rig.listener, f"n-{i}") for i in range(30)]
+        assert [s for _, s in results] == [200] * 30
+        assert lost.metric('controlplane_picker_picks_total{reason="not_ready"}') == 30
+        assert lost.metric('controlplane_picker_picks_total{reason="least_loaded"}') == 0
+        assert rig.fleet.envoy is not None
+        assert rig.fleet.envoy.stat("http.inference.ext_proc.picker.failure_mode_allowed") == 0
+        p50 = sorted(t for t, _ in results)[15]
+        assert p50 < 0.1, p50  # an answer, not a budget spent waiting
+        assert (
+            len({b for b in (send(rig.listener, f"w-{i}")[1] for i in range(12))}) >= 2
+        )  # the weights spread
+    finally:
+        lost.stop()
+
+
+def test_the_control_plane_gone_the_picker_keeps_picking(rig: Rig) -> None:
+    """The control plane stops under traffic: the picker keeps its last assignments and its
+    own view of what is in flight, and goes on picking (its load readings age out); Envoy
+    keeps its config. Nothing fails. Back, the picker reconnects."""
+    assert rig.fleet.cp is not None
+    picks = 'controlplane_picker_picks_total{reason="least_loaded"}'
+    rig.fleet.cp.stop()
+    wait_until(
+        lambda: rig.picker.metric("controlplane_picker_control_plane_connected") == 0,
+        10,
+        "the picker to notice",
+    )
+    before = rig.picker.metric(picks)
+    results = [send(rig.listener, f"o-{i}") for i in range(30)]
+    assert [s for s, _ in results] == [200] * 30
+    assert rig.picker.metric(picks) == before + 30
+    assert len({b for _, b in results}) == 3
+    rig.fleet.cp.start()
+    wait_until(
+        lambda: rig.picker.metric("controlplane_picker_control_plane_connected") == 1,
+        20,
+        "the picker to reconnect",
+    )
+    assert send(rig.listener, "after")[0] == 200
+
+
+def test_two_pickers_count_each_others_requests(rig: Rig) -> None:
+    """A second picker peered with the first (--peers both ways): Envoy spreads the picks
+    over both, and each ranks by both's requests in flight. Three long requests, 150 ms
+    apart, on three idle servers: one each, whichever picker took them. Unpeered, each
+    picker's first pick is the same idle server (seen: two on one server, none on another)."""
+    second_port = free_port()
+    rig.picker.stop()
+    first = PickerProc(
+        "picker-p1", rig.picker.control_plane, rig.fleet.tmp, rig.picker.port, rig.picker.admin,
+        peers=(f"127.0.0.1:{second_port}",),
+    ).start()  # fmt: skip
+    second = PickerProc(
+        "picker-p2", rig.picker.control_plane, rig.fleet.tmp, second_port, rig.picker.admin,
+        peers=(first.address,),
+    ).start()  # fmt: skip
+    assert rig.fleet.cp is not None
+    try:
+        # Envoy learns of the second picker from the fleet file, as an operator adds one.
+        text = (rig.fleet.tmp / "fleet.yaml").read_text()
+        (rig.fleet.tmp / "fleet.yaml").write_text(
+            text.replace(f'["{first.address}"]', f'["{first.address}", "{second.address}"]')
+        )
+        assert rig.fleet.envoy is not None
+        envoy = rig.fleet.envoy
+        wait_until(lambda: len(envoy.endpoints("controlplane-picker")) == 2, 15, "Envoy to know both pickers")
+        reads = 'controlplane_picker_peer_reads_total{result="ok"}'
+        wait_until(
+            lambda: min(first.metric(reads), second.metric(reads)) > 5, 10, "the pickers to read each other"
+        )
+        done: list[tuple[int, str]] = []
+
+        def long_one(i: int) -> None:
+            done.append(send(rig.listener, f"pair-{i}", max_tokens=600))
+
+        threads = []
+        for i in range(3):
+            threads.append(threading.Thread(target=long_one, args=(i,)))
+            threads[-1].start()
+            time.sleep(0.15)  # three peer reads apart, as requests arrive
+        for t in threads:
+            t.join(30)
+        assert [s for s, _ in done] == [200] * 3
+        by_server = Counter(b for _, b in done)
+        picks = 'controlplane_picker_picks_total{reason="least_loaded"}'
+        took = (first.metric(picks), second.metric(picks))
+        assert min(took) >= 1, took  # both pickers picked
+        assert sorted(by_server.values()) == [1, 1, 1], (by_server, took)
+        print(f"\nthree requests over two peered pickers {took}: {dict(by_server)}")
+    finally:
+        first.stop()
+        second.stop()
 
 
 def test_picks_follow_the_servers_own_pages(rig: Rig) -> None:

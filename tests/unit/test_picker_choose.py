@@ -14,6 +14,7 @@ from controlplane.picker.choose import (
     FALLBACKS,
     KV_FULL,
     LOAD_MAX_AGE_S,
+    PEER_MAX_AGE_S,
     PREFIX_LOAD_BOUND,
     Candidate,
     PickerState,
@@ -323,3 +324,37 @@ def test_a_server_never_seen_full_borrows_its_peers_slots() -> None:
     state.done(slow, 1.05)
     # fast: 4 of 4 busy, 1.25; slow: its page's 2 the picker did not send, full: (1 + 2) / 0.35.
     assert state.pick("m@v1", now=1.1).servers[0] == fast
+
+
+def test_failover_ranks_hold_the_next_rank_only_takes_over_when_the_first_has_none() -> None:
+    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name="m@v1")
+    for priority, port, health in (
+        (0, 1, health_check_pb2.UNKNOWN),
+        (1, 2, health_check_pb2.UNKNOWN),
+        (1, 3, health_check_pb2.UNKNOWN),
+    ):
+        locality = cla.endpoints.add(priority=priority)
+        lb = locality.lb_endpoints.add(health_status=health)
+        lb.endpoint.address.socket_address.address = "127.0.0.1"
+        lb.endpoint.address.socket_address.port_value = port
+    state = PickerState()
+    state.assign([cla])
+    # The preferred zone's one server, however busy, as Envoy would.
+    assert {state.pick("m@v1").servers for _ in range(5)} == {("127.0.0.1:1",)}
+    cla.endpoints[0].lb_endpoints[0].health_status = health_check_pb2.UNHEALTHY
+    state.assign([cla])
+    assert {state.pick("m@v1").servers[0] for _ in range(6)} == {"127.0.0.1:2", "127.0.0.1:3"}
+
+
+def test_peers_counts_add_to_the_load_while_fresh() -> None:
+    """Two pickers: each counts the other's requests in flight, so they do not both send to
+    the same idle server; the page's share is what none of them sent."""
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    state = PickerState()
+    _two(state)
+    state.observe_peer("127.0.0.1:9", {a: 2}, now=10.0)
+    assert state.load(a, 10.5) == 2
+    assert state.pick("m@v1", now=10.5).servers[0] == b
+    state.observe({a: ServerLoad(queued=3, read_at=10.4)})  # the peer's 2 and 1 from elsewhere
+    assert state.load(a, 10.6) == 2 + 1
+    assert state.load(a, 10.0 + PEER_MAX_AGE_S + 0.1) == 3  # the peer silent: the page alone
