@@ -165,7 +165,11 @@ class PickerState:
     def inflight_at(self, address: str, t: float) -> float:
         """The picker's requests in flight at `address` at time `t` (from the starts and ends
         it remembers after t)."""
-        later = sum(delta for at, delta in self._events.get(address, ()) if at > t)
+        later = 0
+        for at, delta in reversed(self._events.get(address, ())):  # in time order: newest last
+            if at <= t:
+                break
+            later += delta
         return max(0.0, float(self.inflight.get(address, 0) - later))
 
     def observe_peer(self, peer: str, counts: Mapping[str, int], now: float) -> None:
