@@ -332,6 +332,7 @@ def _envoy(
     policies = [p.typed_extension_config.name for p in cluster.load_balancing_policy.policies]
     first = policies[0].rsplit(".", 1)[-1] if policies else None
     out["load_balancer"] = first
+    out["picker"] = _picker(fleet, cluster, hcm) if first == "override_host" else None
     out["connect_timeout_s"] = _seconds(cluster.connect_timeout)
     if model.cluster_overrides and "load_balancing_policy" in model.cluster_overrides:
         warnings.append(
@@ -363,6 +364,33 @@ def _envoy(
                 placed[(sa.address, sa.port_value)] = loc.priority
         placement[version.name] = placed
     return out, placement
+
+
+def _picker(fleet: Fleet, cluster: Any, hcm: Any) -> dict[str, Any]:
+    """A picked model's cluster and listener read back: who Envoy asks, within what budget,
+    what routes a request the picker does not answer, and where those fallbacks are counted."""
+    from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
+    from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
+
+    from controlplane.routing import translate
+
+    override = override_host_pb2.OverrideHost()
+    cluster.load_balancing_policy.policies[0].typed_extension_config.typed_config.Unpack(override)
+    fallback = [p.typed_extension_config.name.rsplit(".", 1)[-1] for p in override.fallback_policy.policies]
+    budget = None
+    for f in hcm.http_filters:
+        cfg = ext_proc_pb2.ExternalProcessor()
+        if f.name == translate.EXT_PROC_FILTER and f.typed_config.Unpack(cfg):
+            budget = _seconds(cfg.message_timeout)
+    return {
+        "endpoints": [f"{host}:{port}" for host, port in fleet.picker.endpoints],
+        "budget_s": budget,
+        "fallback": fallback[0] if fallback else None,
+        "fallbacks_counted_in": [
+            "envoy_http_ext_proc_picker_failure_mode_allowed",
+            'controlplane_picker_picks_total{reason!~"least_loaded|prefix_hit"}',
+        ],
+    }
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,7 +116,24 @@ def _envoy_rows(e: Mapping[str, Any]) -> list[list[str]]:
         rows.append(["panic mode", "Envoy default (50%)" if panic is None else f"threshold {panic:g}%"])
     lb = env["load_balancer"] or "Envoy default"
     weighted = " with the control plane's weights" if lb == "least_request" else ""
-    rows.append(["balancing", f"{e['settings']['balancing']['text']}: Envoy {lb}{weighted}"])
+    pk = env.get("picker")
+    if pk is not None:
+        fallback = pk["fallback"] or "Envoy default"
+        weighted = " with the control plane's weights" if fallback == "least_request" else ""
+        rows.append(
+            [
+                "balancing",
+                f"{e['settings']['balancing']['text']}: Envoy {lb} (the host the picker names), "
+                f"else {fallback}{weighted}",
+            ]
+        )
+        budget = "" if pk["budget_s"] is None else f" within {fmt_duration(pk['budget_s'])}"
+        rows.append(
+            ["picker", f"asks {', '.join(pk['endpoints'])}{budget}; past it, down or failing: {fallback}"]
+        )
+        rows.append(["", "fallbacks counted in " + " and ".join(pk["fallbacks_counted_in"])])
+    else:
+        rows.append(["balancing", f"{e['settings']['balancing']['text']}: Envoy {lb}{weighted}"])
     aff = e["affinity"]
     if aff is not None:
         key = f"header {aff['header']}" if aff["header"] else f"JSON body field {aff['body_field']}"

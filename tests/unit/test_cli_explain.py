@@ -1133,3 +1133,26 @@ def test_explain_cli_shows_the_live_loads(
     # --offline asks nothing.
     assert main(["explain", "chat", "--config", str(path), "--server", operator_api, "--offline"]) == 0
     assert "  loads     not asked (--offline)" in capsys.readouterr().out
+
+
+def test_a_picked_model_shows_its_picker_budget_and_fallback() -> None:
+    text = (
+        "listener: {port: 10000}\n"
+        "picker: {endpoints: ['127.0.0.1:18090', '127.0.0.1:18092'], timeout: 8ms}\n"
+        "tiers: {small: {max_params_b: 20, balancing: picker}}\n"
+        "models:\n"
+        "  chat: {params_b: 8, stable: v1, versions: {v1: {endpoints: ['127.0.0.1:9001']}}}\n"
+        "  hashed: {params_b: 8, affinity: {prefix: {messages: 1}}, stable: v1,\n"
+        "           versions: {v1: {endpoints: ['127.0.0.1:9002']}}}\n"
+    )
+    e = explained(text, "chat")
+    pk = e["envoy"]["picker"]
+    assert pk["endpoints"] == ["127.0.0.1:18090", "127.0.0.1:18092"]
+    assert pk["budget_s"] == pytest.approx(0.008)
+    assert pk["fallback"] == "least_request"
+    assert "envoy_http_ext_proc_picker_failure_mode_allowed" in pk["fallbacks_counted_in"]
+    table = render_text(e)
+    assert "asks 127.0.0.1:18090, 127.0.0.1:18092 within 8ms" in table, table
+    assert "else least_request with the control plane's weights" in table
+    assert explained(text, "hashed")["envoy"]["picker"]["fallback"] in ("maglev", "ring_hash")
+    assert explained(FLEET, "chat")["envoy"]["picker"] is None
