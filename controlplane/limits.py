@@ -28,6 +28,11 @@ SIGNALS_TIMEOUT_MIN_S = 0.01
 # request may wait this long while a picker is slow, so a second is the most that makes sense.
 PICKER_TIMEOUT_MIN_S = 0.001
 PICKER_TIMEOUT_MAX_S = 1.0
+# Quotas (fleet `quotas:`): a per-minute limit above this is a typo, not a limit; a proxy
+# waits at most this long for a rate-limit decision before it applies on_error.
+QUOTA_PER_MINUTE_MAX = 1_000_000_000
+QUOTA_TIMEOUT_MIN_S = 0.001
+QUOTA_TIMEOUT_MAX_S = 1.0
 
 # A fleet file must hold still this long before a destructive decision taken from it (a
 # rollout aborted because a version left the file, the API's layers dropped) is stored.

@@ -318,6 +318,28 @@ def _parser() -> argparse.ArgumentParser:
     x2.add_argument("--from", dest="source", required=True, metavar="etcd://HOST:PORT[,...][/PREFIX]")
     x2.add_argument("--to", dest="target", required=True, metavar="FILE", help="the file, or - for stdout")
     _add_emulate_parser(sub)
+    rl = sub.add_parser(
+        "ratelimit",
+        help="run the rate-limit service that counts the fleet's per-tenant quotas",
+        description="Run the rate-limit service: every proxy asks it (Envoy's rate-limit protocol) "
+        "before each request of a model, with the model and the tenant (the fleet's quotas.key "
+        "header), and answers 429 with OpenAI-style x-ratelimit-* headers and error body once the "
+        "tenant is over its quotas. Counters are in memory: run one, and list it in the fleet "
+        "file's quotas.service.endpoints. Re-reads the fleet file when it changes. Runs until "
+        "SIGINT or SIGTERM. See docs/quotas.md.",
+    )
+    rl.add_argument("--config", type=Path, required=True, metavar="FILE", help="the fleet file (its quotas:)")
+    rl.add_argument(
+        "--listen",
+        default="127.0.0.1:18081",
+        metavar="HOST:PORT",
+        help="where proxies reach it over gRPC (default: %(default)s, loopback only)",
+    )
+    rl.add_argument(
+        "--metrics-listen", metavar="HOST:PORT", help="serve Prometheus metrics here (default: none)"
+    )
+    rl.add_argument("--log-format", choices=("console", "json"), default="console")
+    rl.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     pk = sub.add_parser(
         "picker",
         help="run a per-request endpoint picker for models with balancing: picker",
@@ -635,7 +657,26 @@ def main(argv: list[str] | None = None) -> int:
         return _emulate(args)
     if args.command == "picker":
         return _picker(args)
+    if args.command == "ratelimit":
+        return _ratelimit(args)
     return 2
+
+
+def _ratelimit(args: argparse.Namespace) -> int:
+    from controlplane.fleet import FleetConfigInvalid
+    from controlplane.obs.logging import configure_logging
+    from controlplane.quota.service import serve
+
+    configure_logging(args.log_format, args.log_level)
+    try:
+        asyncio.run(serve(args.config, args.listen, args.metrics_listen))
+    except FleetConfigInvalid as e:
+        print(f"controlplane ratelimit: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"controlplane ratelimit: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _picker(args: argparse.Namespace) -> int:

@@ -360,6 +360,44 @@ class PickerSpec:
 
 
 @dataclass(frozen=True)
+class QuotaLimit:
+    """Per-minute limits of one tenant (or the default), on one model or all; None: not set
+    here (the next broader level's applies; none at all: unlimited)."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+
+@dataclass(frozen=True)
+class QuotaSpec:
+    """The fleet's `quotas:` (docs/quotas.md): who a request belongs to, the limits, and where
+    proxies reach the rate-limit service that counts them."""
+
+    key_header: str = "x-api-key"  # the request header naming the tenant
+    default: QuotaLimit = field(default_factory=QuotaLimit)
+    tenants: Mapping[str, QuotaLimit] = field(default_factory=dict)
+    # per model: (its default, its tenants)
+    models: Mapping[str, tuple[QuotaLimit, Mapping[str, QuotaLimit]]] = field(default_factory=dict)
+    endpoints: tuple[tuple[str, int], ...] = ()  # the rate-limit services (`controlplane ratelimit`)
+    timeout_s: float = 0.02  # how long a proxy waits for a decision
+    failure_mode_deny: bool = False  # the service unreachable: serve (fail open) unless set
+
+    def limit(self, tenant: str, model: str, kind: str) -> int | None:
+        """The per-minute limit of `kind` (requests_per_minute, tokens_per_minute) for `tenant`
+        on `model`: the most specific level that sets it (the model's tenant, the model's
+        default, the tenant, the default), None when none does."""
+        levels: list[QuotaLimit | None] = []
+        if model in self.models:
+            model_default, model_tenants = self.models[model]
+            levels += [model_tenants.get(tenant), model_default]
+        levels += [self.tenants.get(tenant), self.default]
+        for level in levels:
+            if level is not None and getattr(level, kind) is not None:
+                return int(getattr(level, kind))
+        return None
+
+
+@dataclass(frozen=True)
 class Fleet:
     """The whole configured world, as one immutable value."""
 
@@ -373,6 +411,7 @@ class Fleet:
     autoscaling: ProviderSpec = field(default_factory=ProviderSpec)
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
     picker: PickerSpec = field(default_factory=PickerSpec)
+    quotas: QuotaSpec | None = None  # None: no quotas, no rate-limit filter
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:

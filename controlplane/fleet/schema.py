@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,6 +37,7 @@ from controlplane.fleet.model import (
 from controlplane.fleet.schema_gpus import _check_memory_fit, _gpu_classes, _match_gpu_classes
 from controlplane.fleet.schema_models import _models
 from controlplane.fleet.schema_policies import TRAFFIC_KEYS, _scaling, _slo, _traffic
+from controlplane.fleet.schema_quotas import _quotas
 from controlplane.fleet.values import _VERSION, _duration, _int, _kind, _mapping, _number, parse_address
 
 
@@ -55,6 +57,7 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
             "autoscaling",
             "discovery",
             "picker",
+            "quotas",
         },
     )
     if top is None:
@@ -93,6 +96,8 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
         discovery=discovery,
         picker=picker,
     )
+    if "quotas" in top:
+        fleet = replace(fleet, quotas=_quotas(top["quotas"], {m.name for m in fleet.models}, errs))
     _check_pickers(fleet, errs)
     fleet = _match_gpu_classes(fleet, errs)
     _check_memory_fit(fleet, errs)

@@ -30,6 +30,7 @@ from controlplane.fleet.model import (
     Model,
     PickerSpec,
     PriorityClass,
+    QuotaSpec,
     TrafficPolicy,
     Version,
 )
@@ -42,6 +43,7 @@ from controlplane.routing.clusters import (
     build_picker_cluster,
     ring_hashed,
 )
+from controlplane.routing.quotas import build_ratelimit_cluster
 from controlplane.routing.translate import (
     CLUSTER,
     ENDPOINT,
@@ -74,6 +76,7 @@ _ModelRouteKey = tuple[
 _RouteKey = tuple[
     ListenerSpec,
     PickerSpec,
+    QuotaSpec | None,
     tuple[_ModelRouteKey, ...],
     tuple[PriorityClass, ...],
     str | None,
@@ -114,6 +117,7 @@ class IncrementalTranslator:
         self._gateway: tuple[_RouteKey, Message, Message] | None = None
         self._hold: tuple[str, Message] | None = None  # the holding service's cluster, by address
         self._picker: tuple[tuple[tuple[str, int], ...], Message] | None = None  # the pickers' cluster
+        self._quota: tuple[tuple[tuple[str, int], ...], Message] | None = None  # the rate-limit cluster
         self.built = 0  # messages built by the last translate() call, for tests and benchmarks
         # Isolation: a model whose resources fail to build keeps its last good ones (or, new,
         # is left out) while every other model's go out as usual. model -> why, last call.
@@ -162,6 +166,11 @@ class IncrementalTranslator:
                 self.built += 1
                 self._picker = (fleet.picker.endpoints, build_picker_cluster(fleet.picker.endpoints))
             clusters[names.PICKER_CLUSTER] = self._picker[1]
+        if fleet.quotas is not None:
+            if self._quota is None or self._quota[0] != fleet.quotas.endpoints:
+                self.built += 1
+                self._quota = (fleet.quotas.endpoints, build_ratelimit_cluster(fleet.quotas))
+            clusters[names.RATELIMIT_CLUSTER] = self._quota[1]
         if left_out:
             fleet = dataclasses.replace(
                 fleet, models=tuple(m for m in fleet.models if m.name not in left_out)
@@ -169,6 +178,7 @@ class IncrementalTranslator:
         rkey: _RouteKey = (
             fleet.listener,
             fleet.picker,
+            fleet.quotas,
             tuple(
                 (
                     m.name,

@@ -10,6 +10,7 @@ GATEWAY_ROUTES = "inference"
 HOLD_CLUSTER = "controlplane-hold"
 HOLD_MODEL_HEADER = "x-controlplane-hold-model"  # which model a held request is for
 PICKER_CLUSTER = "controlplane-picker"  # the per-request endpoint pickers (picker/)
+RATELIMIT_CLUSTER = "controlplane-ratelimit"  # the rate-limit services counting quotas (quota/)
 # The Endpoint Picker Protocol's names (Gateway API Inference Extension, proposal 004): the
 # picked endpoint (IP:PORT, or several comma-separated to walk on retries), as a request
 # header and under the envoy.lb dynamic metadata namespace.

@@ -44,6 +44,7 @@ from controlplane.routing.clusters import (
     build_picker_cluster,
     ring_hashed,
 )
+from controlplane.routing.quotas import add_rate_limits, build_ratelimit_cluster, build_ratelimit_filter
 
 LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
@@ -153,6 +154,8 @@ def translate(
         clusters[names.HOLD_CLUSTER] = build_hold_cluster(overlay.hold_address)
     if picks(fleet):
         clusters[names.PICKER_CLUSTER] = build_picker_cluster(fleet.picker.endpoints)
+    if fleet.quotas is not None:
+        clusters[names.RATELIMIT_CLUSTER] = build_ratelimit_cluster(fleet.quotas)
     gateway_routes = build_gateway_routes(fleet, shed or {}, overlay)
     listeners: dict[str, Message] = {names.GATEWAY_LISTENER: build_gateway_listener(fleet)}
     routes: dict[str, Message] = {names.GATEWAY_ROUTES: gateway_routes}
@@ -379,6 +382,7 @@ def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
                 if (state_fields := body_fields + ([PREFIX_FIELD] if _prefix_affinity(fleet) else []))
                 else []
             ),
+            *([build_ratelimit_filter(fleet.quotas)] if fleet.quotas is not None else []),
             *([_picker_filter(fleet)] if picks(fleet) else []),
             _router(),
         ],
@@ -558,6 +562,7 @@ def _model_route(
         match=match,
         route=_model_action(fleet, model, high=high, overlay=overlay, version=version),
     )
+    add_rate_limits(fleet, model, route.route)
     if route.route.cluster == names.HOLD_CLUSTER:
         held = route.request_headers_to_add.add(
             append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD

@@ -273,6 +273,16 @@ ENVOY_PICKER_STATS = {
     "http.inference.ext_proc.picker.failure_mode_allowed": "envoy_http_ext_proc_picker_failure_mode_allowed",
     "http.inference.ext_proc.picker.message_timeouts": "envoy_http_ext_proc_picker_message_timeouts",
 }
+# The quota filter's stats (ratelimit, stat_prefix quota, per model cluster): Envoy has them
+# only where the fleet has `quotas:` (tests/integration/test_quotas.py reads them).
+ENVOY_QUOTA_STATS = {
+    "cluster.chat_v1.ratelimit.quota.ok": "envoy_cluster_ratelimit_quota_ok",
+    "cluster.chat_v1.ratelimit.quota.over_limit": "envoy_cluster_ratelimit_quota_over_limit",
+    "cluster.chat_v1.ratelimit.quota.error": "envoy_cluster_ratelimit_quota_error",
+    "cluster.chat_v1.ratelimit.quota.failure_mode_allowed": (
+        "envoy_cluster_ratelimit_quota_failure_mode_allowed"
+    ),
+}
 ENVOY_ADMIN_ONLY = {
     "envoy_cluster_upstream_rq",
     "envoy_cluster_upstream_rq_retry_success",
@@ -322,7 +332,7 @@ def prometheus_names(name: str) -> set[str]:
 
 def envoy_scraped_names() -> set[str]:
     """The Prometheus names of the stats the matcher keeps and the scrape keeps too."""
-    every = {**ENVOY_STATS, **ENVOY_PICKER_STATS}
+    every = {**ENVOY_STATS, **ENVOY_PICKER_STATS, **ENVOY_QUOTA_STATS}
     return {n for v in every.values() for n in prometheus_names(v)} - ENVOY_ADMIN_ONLY
 
 
@@ -352,7 +362,7 @@ def envoy_kept(name: str) -> bool:
 
 def test_the_bootstrap_keeps_exactly_the_envoy_stats_listed_here() -> None:
     patterns = envoy_matcher_patterns()
-    listed = {**ENVOY_STATS, **ENVOY_PICKER_STATS}
+    listed = {**ENVOY_STATS, **ENVOY_PICKER_STATS, **ENVOY_QUOTA_STATS}
     assert [n for n in listed if not envoy_kept(n)] == []
     # Each pattern is there for a stat listed above, and the rest of Envoy's are dropped.
     for p in patterns:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from controlplane.obs.metrics import Metrics
 from controlplane.picker.service import PickerMetrics
+from controlplane.quota.service import QuotaMetrics
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.server import XdsServer
 
@@ -18,7 +19,8 @@ def registered() -> set[str]:
     metrics = Metrics()
     XdsServer(SnapshotCache(), metrics)  # registers the collectors counted at scrape time
     picker = PickerMetrics()  # `controlplane picker`'s own, on its --metrics-listen
-    for metric in [*metrics.registry.collect(), *picker.registry.collect()]:
+    quota = QuotaMetrics()  # `controlplane ratelimit`'s own
+    for metric in [*metrics.registry.collect(), *picker.registry.collect(), *quota.registry.collect()]:
         name = metric.name
         if metric.type == "counter":
             name += "_total"

@@ -1,0 +1,130 @@
+"""The fleet YAML's `quotas:` (docs/quotas.md): who a request belongs to, per-minute limits by
+tenant and model, and where proxies reach the rate-limit service that counts them."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from controlplane import limits
+from controlplane.fleet.errors import _Errors
+from controlplane.fleet.model import QuotaLimit, QuotaSpec
+from controlplane.fleet.values import _duration, _int, _kind, _mapping, parse_address
+
+_HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,99}$")
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_KINDS = ("requests_per_minute", "tokens_per_minute")
+_RESERVED_HEADERS = {"authorization", "host", "content-length", "content-type", "x-model", "x-priority"}
+
+
+def _limit(value: Any, path: str, errs: _Errors) -> QuotaLimit | None:
+    m = _mapping(value, path, errs, set(_KINDS))
+    if m is None:
+        return None
+    if "tokens_per_minute" in m:  # the schema has it; enforcing it is the next part of issue 34
+        errs.add(
+            f"{path}.tokens_per_minute",
+            "token quotas are not enforced yet, only requests_per_minute (docs/quotas.md)",
+        )
+        return None
+    kw: dict[str, int] = {}
+    for kind in _KINDS:
+        if kind in m:
+            got = _int(m[kind], f"{path}.{kind}", errs, 0, limits.QUOTA_PER_MINUTE_MAX)
+            if got is not None:
+                kw[kind] = got
+    return QuotaLimit(**kw)
+
+
+def _tenants(value: Any, path: str, errs: _Errors) -> dict[str, QuotaLimit]:
+    m = _mapping(value, path, errs, set(value) if isinstance(value, dict) else set())
+    out: dict[str, QuotaLimit] = {}
+    for name, spec in (m or {}).items():
+        if not isinstance(name, str) or not _TENANT.match(name):
+            errs.add(
+                f"{path}.{name}",
+                "a tenant is the value of the key header: 1-128 letters, digits, '.', '_' or '-'",
+            )
+            continue
+        got = _limit(spec, f"{path}.{name}", errs)
+        if got is not None:
+            out[name] = got
+    return out
+
+
+def _quotas(value: Any, model_names: set[str], errs: _Errors) -> QuotaSpec | None:
+    """`quotas:` or None when absent. Errors name the field and the reason."""
+    if value is None:
+        return None
+    m = _mapping(value, "quotas", errs, {"key", "default", "tenants", "models", "service"})
+    if m is None:
+        return None
+    before = len(errs.items)
+    kw: dict[str, Any] = {}
+    key = _mapping(m.get("key", {}), "quotas.key", errs, {"header"})
+    if key is not None and "header" in key:
+        header = key["header"]
+        if not isinstance(header, str) or not _HEADER_NAME.match(header):
+            errs.add("quotas.key.header", f"expected a lower-case header name, got {header!r}")
+        elif header in _RESERVED_HEADERS:
+            errs.add(
+                "quotas.key.header",
+                f"{header} is not a tenant key: it is read for routing or carries credentials",
+            )
+        else:
+            kw["key_header"] = header
+    if "default" in m:
+        default = _limit(m["default"], "quotas.default", errs)
+        if default is not None:
+            kw["default"] = default
+    kw["tenants"] = _tenants(m.get("tenants", {}), "quotas.tenants", errs)
+    models = _mapping(m.get("models", {}), "quotas.models", errs, set(m.get("models") or {}))
+    per_model: dict[str, tuple[QuotaLimit, dict[str, QuotaLimit]]] = {}
+    for name, spec in (models or {}).items():
+        path = f"quotas.models.{name}"
+        if name not in model_names:
+            errs.add(path, f"unknown model {name!r} (models: {', '.join(sorted(model_names))})")
+            continue
+        mm = _mapping(spec, path, errs, {"default", "tenants"})
+        if mm is None:
+            continue
+        model_default = _limit(mm.get("default", {}), f"{path}.default", errs) or QuotaLimit()
+        per_model[name] = (model_default, _tenants(mm.get("tenants", {}), f"{path}.tenants", errs))
+    kw["models"] = per_model
+    service = _mapping(m.get("service"), "quotas.service", errs, {"endpoints", "timeout", "on_error"})
+    if service is not None:
+        endpoints = service.get("endpoints")
+        if not isinstance(endpoints, list) or not endpoints:
+            errs.add(
+                "quotas.service.endpoints",
+                f"expected a non-empty list of IP:PORT (each `controlplane ratelimit --listen`), "
+                f"got {_kind(endpoints)}",
+            )
+        else:
+            parsed = []
+            for i, item in enumerate(endpoints):
+                try:
+                    parsed.append(parse_address(item))
+                except ValueError as e:
+                    errs.add(f"quotas.service.endpoints[{i}]", str(e))
+            if len(set(parsed)) != len(parsed):
+                errs.add("quotas.service.endpoints", "lists an address twice")
+            kw["endpoints"] = tuple(parsed)
+        if "timeout" in service:
+            got = _duration(service["timeout"], "quotas.service.timeout", errs)
+            if got is not None and not limits.QUOTA_TIMEOUT_MIN_S <= got <= limits.QUOTA_TIMEOUT_MAX_S:
+                errs.add(
+                    "quotas.service.timeout",
+                    f"must be between {limits.QUOTA_TIMEOUT_MIN_S * 1000:g}ms and "
+                    f"{limits.QUOTA_TIMEOUT_MAX_S * 1000:g}ms (every request may wait this long for "
+                    f"a decision), got {got * 1000:g}ms",
+                )
+            kw["timeout_s"] = got
+        on_error = service.get("on_error", "allow")
+        if on_error not in ("allow", "deny"):
+            errs.add(
+                "quotas.service.on_error",
+                f"expected allow (serve when the service cannot decide) or deny, got {on_error!r}",
+            )
+        kw["failure_mode_deny"] = on_error == "deny"
+    return QuotaSpec(**kw) if len(errs.items) == before else None

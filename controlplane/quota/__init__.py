@@ -1,0 +1,1 @@
+"""Per-tenant quotas: the limiter (pure) and the rate-limit service Envoy asks."""

@@ -1,0 +1,198 @@
+"""The rate-limit service (thin I/O shell around quota/limiter.py): Envoy's
+`envoy.service.ratelimit.v3.RateLimitService`, which every proxy's rate-limit filter asks
+before each request of a model (routing/quotas.py gives it the descriptor: the model, then the
+tenant when the key header is sent).
+
+Counters are in this process's memory: one service counts for every proxy that asks it. The
+fleet file is read at start and again whenever it changes (a bad edit keeps the last good
+quotas, logged). Answers: OK or OVER_LIMIT with the x-ratelimit-* headers for either, and over
+the limit `retry-after` and an OpenAI-style error body, which Envoy sends with its 429.
+A descriptor this service cannot read (another domain, no model) is OK: never a refusal of
+its making. Metrics on --metrics-listen (docs/metrics.md#quotas).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from controlplane.fleet import FleetConfigInvalid, load_fleet
+from controlplane.fleet.errors import ConfigError
+from controlplane.fleet.model import QuotaSpec
+from controlplane.obs.http import split_host_port
+from controlplane.quota.limiter import Decision, Limiter
+from controlplane.routing.quotas import DOMAIN, MODEL_KEY, TENANT_KEY
+
+log = structlog.get_logger("controlplane.quota")
+
+RELOAD_EVERY_S = 2.0
+MAX_TENANT_BYTES = 256  # a longer key value is not a tenant name: it is counted as one tenant, "invalid"
+OTHER = "other"  # the tenant label of every tenant the fleet file does not name
+
+
+class QuotaMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.decisions = Counter(
+            "controlplane_quota_decisions",
+            "Rate-limit decisions by model, tenant (those the fleet names; the rest are 'other') "
+            "and result: ok, over_limit, unlimited (no limit applies), unreadable (a descriptor "
+            "without a model: allowed)",
+            ["model", "tenant", "result"],
+            registry=self.registry,
+        )
+        self.decision_time = Histogram(
+            "controlplane_quota_decision_seconds",
+            "Time to decide one rate-limit request",
+            buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01),
+            registry=self.registry,
+        )
+        self.reloads = Counter(
+            "controlplane_quota_reloads",
+            "Reads of the fleet file's quotas by result (ok, error: the last good ones stay)",
+            ["result"],
+            registry=self.registry,
+        )
+
+
+class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    def __init__(self, spec: QuotaSpec, metrics: QuotaMetrics | None = None) -> None:
+        self.limiter = Limiter(spec)
+        self.metrics = metrics or QuotaMetrics()
+
+    def set_spec(self, spec: QuotaSpec) -> None:
+        """New quotas; the buckets in use stay (each refills to its new limit)."""
+        self.limiter.spec = spec
+
+    async def ShouldRateLimit(
+        self, request: rls_pb2.RateLimitRequest, context: Any
+    ) -> rls_pb2.RateLimitResponse:
+        t0 = time.perf_counter()
+        try:
+            return self.decide(request, time.monotonic())
+        finally:
+            self.metrics.decision_time.observe(time.perf_counter() - t0)
+
+    def decide(self, request: rls_pb2.RateLimitRequest, now: float) -> rls_pb2.RateLimitResponse:
+        statuses = []
+        worst: Decision | None = None
+        model = ""
+        for descriptor in request.descriptors:
+            entries = {e.key: e.value for e in descriptor.entries}
+            model = entries.get(MODEL_KEY, "")
+            if request.domain != DOMAIN or not model:
+                self.metrics.decisions.labels(model or "", "", "unreadable").inc()
+                statuses.append(rls_pb2.RateLimitResponse.DescriptorStatus(code=rls_pb2.RateLimitResponse.OK))
+                continue
+            tenant = entries.get(TENANT_KEY, "")
+            if len(tenant.encode()) > MAX_TENANT_BYTES:
+                tenant = "invalid"
+            hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else request.hits_addend
+            got = self.limiter.check(tenant, model, now, hits=max(1, hits))
+            label = tenant if tenant in self.limiter.spec.tenants else OTHER
+            result = "unlimited" if got.limit is None else "ok" if got.allowed else "over_limit"
+            self.metrics.decisions.labels(model, label, result).inc()
+            code = rls_pb2.RateLimitResponse.OK if got.allowed else rls_pb2.RateLimitResponse.OVER_LIMIT
+            statuses.append(rls_pb2.RateLimitResponse.DescriptorStatus(code=code))
+            if got.limit is not None and (worst is None or (worst.allowed and not got.allowed)):
+                worst = got
+        over = worst is not None and not worst.allowed
+        response = rls_pb2.RateLimitResponse(
+            overall_code=rls_pb2.RateLimitResponse.OVER_LIMIT if over else rls_pb2.RateLimitResponse.OK,
+            statuses=statuses,
+        )
+        if worst is not None:
+            for key, value in worst.headers().items():
+                response.response_headers_to_add.add(key=key, value=value)
+        if over:
+            assert worst is not None
+            response.raw_body = error_body(model, worst).encode()
+            response.response_headers_to_add.add(key="content-type", value="application/json")
+        return response
+
+
+def error_body(model: str, d: Decision) -> str:
+    """OpenAI's 429 error, as its SDK parses it."""
+    return json.dumps(
+        {
+            "error": {
+                "message": (
+                    f"Rate limit reached for requests on {model}: limit {d.limit} per minute, "
+                    f"used {d.limit - d.remaining if d.limit is not None else 0}. "
+                    f"Please try again in {d.headers().get('retry-after', '1')}s."
+                ),
+                "type": "requests",
+                "param": None,
+                "code": "rate_limit_exceeded",
+            }
+        }
+    )
+
+
+async def serve(config: Path, listen: str, metrics_listen: str | None = None) -> None:
+    """Run the service until SIGINT or SIGTERM."""
+    fleet = load_fleet(config)
+    if fleet.quotas is None:
+        raise FleetConfigInvalid(
+            [ConfigError(str(config), "quotas", "missing: this service counts the fleet's quotas")]
+        )
+    metrics = QuotaMetrics()
+    service = RateLimitService(fleet.quotas, metrics)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(service, server)
+    if server.add_insecure_port(listen) == 0:
+        raise OSError(f"cannot listen on {listen}")
+    await server.start()
+    status = None
+    if metrics_listen:
+        host, port = split_host_port(metrics_listen)
+        status, _ = start_http_server(port, host, registry=metrics.registry)
+    log.info("quota.listening", listen=listen, config=str(config), metrics=metrics_listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def reload() -> None:
+        seen = os.stat(config).st_mtime_ns
+        while True:
+            await asyncio.sleep(RELOAD_EVERY_S)
+            try:
+                mtime = os.stat(config).st_mtime_ns
+                if mtime == seen:
+                    continue
+                seen = mtime
+                new = load_fleet(config)
+                if new.quotas is None:
+                    raise FleetConfigInvalid(
+                        [ConfigError(str(config), "quotas", "removed; the last quotas stay")]
+                    )
+            except (OSError, FleetConfigInvalid) as e:
+                metrics.reloads.labels("error").inc()
+                log.warning("quota.reload_failed", error=str(e)[:500])
+                continue
+            service.set_spec(new.quotas)
+            metrics.reloads.labels("ok").inc()
+            log.info("quota.reloaded")
+
+    task = asyncio.create_task(reload())
+    try:
+        await stop.wait()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.stop(1.0)
+        if status is not None:
+            status.shutdown()

@@ -1,0 +1,106 @@
+"""Envoy's side of per-tenant quotas (fleet `quotas:`, docs/quotas.md): the rate-limit filter,
+the cluster of the rate-limit services, and each model route's descriptor.
+
+Every request of a model asks the rate-limit service (`controlplane ratelimit`, Envoy's
+`envoy.service.ratelimit.v3` protocol) with one descriptor: the model, then the tenant (the
+key header's value; absent, the entry is left out and the service applies the default
+limits). The service answers OK or OVER_LIMIT, with the x-ratelimit-* headers for either and,
+over the limit, the OpenAI-style error body; Envoy answers that request 429 itself. A service
+that is down, slow past quotas.service.timeout or failing costs nothing by default (the
+request is served: fail open, counted in Envoy's `ratelimit.error` and
+`ratelimit.failure_mode_allowed`), or a 500 with `on_error: deny`.
+"""
+
+from __future__ import annotations
+
+from envoy.config.cluster.v3 import cluster_pb2, outlier_detection_pb2
+from envoy.config.core.v3 import address_pb2, config_source_pb2, grpc_service_pb2, protocol_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.ratelimit.v3 import rls_pb2
+from envoy.config.route.v3 import route_components_pb2
+from envoy.extensions.filters.http.ratelimit.v3 import rate_limit_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import wrappers_pb2
+
+from controlplane.fleet.model import Fleet, Model, QuotaSpec
+from controlplane.routing import names, pb
+
+RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
+DOMAIN = "inference"  # the rate-limit domain every descriptor is under
+MODEL_KEY = "model"  # descriptor entry keys
+TENANT_KEY = "tenant"
+
+
+def build_ratelimit_filter(quotas: QuotaSpec) -> hcm_pb2.HttpFilter:
+    cfg = rate_limit_pb2.RateLimit(
+        domain=DOMAIN,
+        request_type="external",
+        timeout=pb.duration(quotas.timeout_s),
+        failure_mode_deny=quotas.failure_mode_deny,
+        rate_limit_service=rls_pb2.RateLimitServiceConfig(
+            grpc_service=grpc_service_pb2.GrpcService(
+                envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=names.RATELIMIT_CLUSTER),
+                timeout=pb.duration(quotas.timeout_s),
+            ),
+            transport_api_version=config_source_pb2.V3,
+        ),
+        rate_limited_status=http_status_pb2.HttpStatus(code=http_status_pb2.TooManyRequests),
+        stat_prefix="quota",
+    )
+    return hcm_pb2.HttpFilter(name=RATELIMIT_FILTER, typed_config=pb.pack(cfg))
+
+
+def build_ratelimit_cluster(quotas: QuotaSpec) -> cluster_pb2.Cluster:
+    """The rate-limit services as proxies reach them: gRPC, static IPs, round robin; one that
+    refuses or resets is ejected for a while."""
+    c = cluster_pb2.Cluster(
+        name=names.RATELIMIT_CLUSTER,
+        type=cluster_pb2.Cluster.STATIC,
+        connect_timeout=pb.duration(0.25),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(cluster_name=names.RATELIMIT_CLUSTER),
+        outlier_detection=outlier_detection_pb2.OutlierDetection(
+            consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=2),
+            enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=100),
+            enforcing_consecutive_5xx=wrappers_pb2.UInt32Value(value=0),
+        ),
+    )
+    locality = c.load_assignment.endpoints.add()
+    for host, port in quotas.endpoints:
+        lb = locality.lb_endpoints.add()
+        lb.endpoint.address.CopyFrom(
+            address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=port))
+        )
+    options = http_protocol_options_pb2.HttpProtocolOptions(
+        explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+        )
+    )
+    c.typed_extension_protocol_options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(
+        pb.pack(options)
+    )
+    return c
+
+
+def add_rate_limits(fleet: Fleet, model: Model, action: route_components_pb2.RouteAction) -> None:
+    """The model route's descriptor: (model, its name), then (tenant, the key header) if sent."""
+    quotas = fleet.quotas
+    if quotas is None:
+        return
+    action.rate_limits.add(
+        actions=[
+            route_components_pb2.RateLimit.Action(
+                generic_key=route_components_pb2.RateLimit.Action.GenericKey(
+                    descriptor_key=MODEL_KEY, descriptor_value=model.name
+                )
+            ),
+            route_components_pb2.RateLimit.Action(
+                request_headers=route_components_pb2.RateLimit.Action.RequestHeaders(
+                    header_name=quotas.key_header, descriptor_key=TENANT_KEY, skip_if_absent=True
+                )
+            ),
+        ]
+    )

@@ -1,0 +1,182 @@
+"""Per-tenant request quotas (issue 34, first part) through two real Envoys: one rate-limit
+service (`controlplane ratelimit`) counts every proxy's requests; a tenant over its limit gets
+429 with OpenAI's headers and error body while another tenant on the same model is served;
+the service gone, requests are served (fail open), and the limit is back with it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import BIN, EmulatedFleet, Emulator, Envoy, Proc, http_get, wait_until
+from tests.ports import free_port
+from tests.unit.test_deploy_prometheus import ENVOY_QUOTA_STATS
+
+pytestmark = pytest.mark.envoy
+
+MODEL = "chat"
+LIMIT = 6  # acme's requests per minute; refills at one per 10 s, so a test sees no refill
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: str
+
+
+def ask(port: int, tenant: str | None) -> Answer:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        headers = {"content-type": "application/json"}
+        if tenant is not None:
+            headers["x-api-key"] = tenant
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        conn.request("POST", "/v1/completions", body=body, headers=headers)
+        r = conn.getresponse()
+        return Answer(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode())
+    finally:
+        conn.close()
+
+
+class RateLimiter:
+    def __init__(self, config: Path, log_dir: Path, port: int) -> None:
+        self.config, self.log_dir, self.port = config, log_dir, port
+        self.metrics_port = free_port()
+        self.proc: Proc | None = None
+
+    def start(self) -> RateLimiter:
+        self.proc = Proc(
+            "ratelimit",
+            [
+                str(BIN / "controlplane"), "ratelimit", "--config", str(self.config),
+                "--listen", f"127.0.0.1:{self.port}", "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
+            ],
+            self.log_dir,
+        )  # fmt: skip
+        wait_until(self._up, 15, "the rate-limit service to serve")
+        return self
+
+    def _up(self) -> bool:
+        assert self.proc is not None
+        if not self.proc.alive():
+            raise AssertionError(f"ratelimit exited:\n{self.proc.log()[-3000:]}")
+        try:
+            return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")[0] == 200
+        except OSError:
+            return False
+
+    def metric(self, name: str) -> float:
+        """One sample, by its name and labels as the page prints them; 0 if absent."""
+        _, page = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        return sum(float(line.split()[-1]) for line in page.splitlines() if line.rsplit(" ", 1)[0] == name)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+@dataclass
+class Rig:
+    fleet: EmulatedFleet
+    second: Envoy
+    limiter: RateLimiter
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    fleet = EmulatedFleet(tmp_path)
+    second: Envoy | None = None
+    limiter: RateLimiter | None = None
+    try:
+        fleet.servers["a"] = Emulator("a", tmp_path, MODEL, slots=8)
+        rl_port = free_port()
+        address = fleet.servers["a"].address
+        text = (
+            "listener: {port: %d}\n"
+            "tiers: {small: {timeout: 30s}}\n"
+            "quotas:\n"
+            "  key: {header: x-api-key}\n"
+            f"  service: {{endpoints: ['127.0.0.1:{rl_port}'], timeout: 500ms}}\n"
+            "  default: {requests_per_minute: 1000}\n"
+            f"  tenants: {{acme: {{requests_per_minute: {LIMIT}}}}}\n"
+            "models:\n"
+            f"  {MODEL}: {{params_b: 8, stable: v1, versions: {{v1: {{endpoints: ['{address}']}}}}}}\n"
+        )
+        (tmp_path / "fleet.yaml").write_text(text % fleet.listener)
+        limiter = RateLimiter(tmp_path / "fleet.yaml", tmp_path, rl_port).start()
+        fleet.serve(text % fleet.listener)
+        assert fleet.cp is not None
+        # A second Envoy on the same listener port (SO_REUSEPORT): the kernel spreads
+        # connections over both, as an L4 balancer spreads clients over gateway replicas.
+        second = Envoy("envoy-2", fleet.cp.xds, tmp_path, fleet.listener).start()
+        yield Rig(fleet, second, limiter)
+    finally:
+        if second is not None:
+            second.stop()
+        if limiter is not None:
+            limiter.stop()
+        fleet.close()
+
+
+def test_a_tenant_over_its_limit_gets_429_with_openais_headers_and_others_are_served(rig: Rig) -> None:
+    port = rig.fleet.listener
+    answers = [ask(port, "acme") for _ in range(LIMIT + 4)]
+    statuses = [a.status for a in answers]
+    assert statuses == [200] * LIMIT + [429] * 4, statuses
+    first = answers[0].headers
+    assert first["x-ratelimit-limit-requests"] == str(LIMIT)
+    assert first["x-ratelimit-remaining-requests"] == str(LIMIT - 1)
+    assert first["x-ratelimit-reset-requests"].endswith("s")
+    assert answers[LIMIT - 1].headers["x-ratelimit-remaining-requests"] == "0"
+    over = answers[LIMIT]
+    assert over.headers["x-ratelimit-remaining-requests"] == "0"
+    assert 1 <= int(over.headers["retry-after"]) <= 60
+    error = json.loads(over.body)["error"]
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests", over.body
+    assert over.headers["content-type"].startswith("application/json")
+    # Another tenant on the same model, and a request with no key (the default limits).
+    other = ask(port, "globex")
+    assert other.status == 200 and other.headers["x-ratelimit-limit-requests"] == "1000"
+    assert ask(port, None).status == 200
+    # Both proxies took requests, and the limit held for the sum: one service counted all.
+    took = [e.stat("http.inference.downstream_rq_total") for e in (rig.fleet.envoy, rig.second) if e]
+    assert all(n > 0 for n in took), took
+    assert (
+        rig.limiter.metric(
+            'controlplane_quota_decisions_total{model="chat",result="over_limit",tenant="acme"}'
+        )
+        == 4
+    )
+
+
+def test_the_service_gone_requests_are_served_and_the_limit_returns_with_it(rig: Rig) -> None:
+    port = rig.fleet.listener
+    assert [ask(port, "acme").status for _ in range(LIMIT + 1)] == [200] * LIMIT + [429]
+    rig.limiter.kill()
+    served = [ask(port, "acme") for _ in range(10)]
+    assert [a.status for a in served] == [200] * 10  # fail open: no limit, and no failure
+    assert all("x-ratelimit-limit-requests" not in a.headers for a in served)
+    assert rig.fleet.envoy is not None
+    envoys = (rig.fleet.envoy, rig.second)
+    allowed = sum(e.stat("cluster.chat_v1.ratelimit.quota.failure_mode_allowed") for e in envoys)
+    assert allowed == 10, allowed  # each counted: served without a decision
+    assert sum(e.stat("cluster.chat_v1.ratelimit.quota.over_limit") for e in envoys) == 1
+    # What Prometheus scrapes from the Envoys has the quota stats the deploy kit keeps (each
+    # Envoy makes one when it first counts it).
+    exported = set()
+    for e in envoys:
+        _, page = http_get(f"http://127.0.0.1:{e.admin_port}/stats/prometheus")
+        exported |= {line.split("{")[0].split()[0] for line in page.splitlines() if line and line[0] != "#"}
+    assert set(ENVOY_QUOTA_STATS.values()) <= exported, sorted(set(ENVOY_QUOTA_STATS.values()) - exported)
+    rig.limiter.start()  # a new process: its counters start full
+    wait_until(lambda: ask(port, "acme").status == 429, 20, "the limit to be back")
