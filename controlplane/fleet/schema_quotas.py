@@ -21,12 +21,6 @@ def _limit(value: Any, path: str, errs: _Errors) -> QuotaLimit | None:
     m = _mapping(value, path, errs, set(_KINDS))
     if m is None:
         return None
-    if "tokens_per_minute" in m:  # the schema has it; enforcing it is the next part of issue 34
-        errs.add(
-            f"{path}.tokens_per_minute",
-            "token quotas are not enforced yet, only requests_per_minute (docs/quotas.md)",
-        )
-        return None
     kw: dict[str, int] = {}
     for kind in _KINDS:
         if kind in m:

@@ -1,4 +1,4 @@
-"""Pure: per-tenant, per-model request quotas as token buckets, and the answer a client gets.
+"""Pure: per-tenant, per-model request and token quotas as buckets, and the answer a client gets.
 
 Each (tenant, model, kind) has a bucket of `limit` units that refills continuously at
 limit / 60 per second: a tenant that keeps to its per-minute limit is never refused, one that
@@ -38,21 +38,23 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Decision:
-    """The answer for one request: allowed or not, and the headers the client gets."""
+    """The answer for one request on one kind (requests, tokens): allowed or not, and the
+    headers the client gets."""
 
     allowed: bool
     limit: int | None  # None: no limit applies
     remaining: int = 0
     reset_s: float = 0.0
     retry_after_s: float = 0.0
+    kind: str = "requests"
 
     def headers(self) -> dict[str, str]:
         if self.limit is None:
             return {}
         out = {
-            "x-ratelimit-limit-requests": str(self.limit),
-            "x-ratelimit-remaining-requests": str(self.remaining),
-            "x-ratelimit-reset-requests": duration(self.reset_s),
+            f"x-ratelimit-limit-{self.kind}": str(self.limit),
+            f"x-ratelimit-remaining-{self.kind}": str(self.remaining),
+            f"x-ratelimit-reset-{self.kind}": duration(self.reset_s),
         }
         if not self.allowed:
             out["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
@@ -68,19 +70,25 @@ def duration(seconds: float) -> str:
     return f"{minutes}m{secs}s" if minutes else f"{secs}s"
 
 
+KINDS = {"requests": "requests_per_minute", "tokens": "tokens_per_minute"}
+
+
 @dataclass
 class Limiter:
-    """The request buckets of every (tenant, model) in use, in memory."""
+    """The buckets of every (tenant, model, kind) in use, in memory.
+
+    Requests are taken before a request goes (one each; none left: refused). Tokens are
+    known only when the response ends: a request is let through while the tenant's token
+    bucket is not empty, and its tokens are charged when it ends (`charge`), which may take
+    the bucket below zero; the debt is repaid by the refill before the next request goes, so
+    over a window a tenant gets its limit plus at most one response's tokens. The debt is
+    bounded by one minute's allowance."""
 
     spec: QuotaSpec
-    buckets: OrderedDict[tuple[str, str], Bucket] = field(default_factory=OrderedDict)
+    buckets: OrderedDict[tuple[str, str, str], Bucket] = field(default_factory=OrderedDict)
 
-    def check(self, tenant: str, model: str, now: float, hits: int = 1) -> Decision:
-        """Take `hits` requests from the bucket of `tenant` on `model` at `now`, if it has them."""
-        limit = self.spec.limit(tenant, model, "requests_per_minute")
-        if limit is None:
-            return Decision(True, None)
-        key = (tenant, model)
+    def _bucket(self, tenant: str, model: str, kind: str, limit: int, now: float) -> Bucket:
+        key = (tenant, model, kind)
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = Bucket(float(limit), now)
@@ -88,27 +96,48 @@ class Limiter:
                 self.buckets.popitem(last=False)
         self.buckets.move_to_end(key)
         bucket.refill(limit, now)
+        return bucket
+
+    def check(self, tenant: str, model: str, now: float, hits: int = 1, kind: str = "requests") -> Decision:
+        """Requests: take `hits` from the bucket of `tenant` on `model` at `now`, if it has them.
+        Tokens: allowed while the bucket is above zero; nothing is taken (see charge)."""
+        limit = self.spec.limit(tenant, model, KINDS[kind])
+        if limit is None:
+            return Decision(True, None, kind=kind)
+        bucket = self._bucket(tenant, model, kind, limit, now)
         rate = limit / WINDOW_S
-        allowed = bucket.level >= hits
-        if allowed:
+        need = float(hits) if kind == "requests" else 1e-9  # tokens: anything left at all
+        allowed = bucket.level >= need
+        if allowed and kind == "requests":
             bucket.level -= hits
         reset = (limit - bucket.level) / rate if rate > 0 else math.inf
-        retry = 0.0 if allowed else ((hits - bucket.level) / rate if rate > 0 else WINDOW_S)
+        retry = 0.0 if allowed else ((need - bucket.level) / rate if rate > 0 else WINDOW_S)
         return Decision(
             allowed,
             limit,
             remaining=max(0, math.floor(bucket.level)),
             reset_s=min(reset, WINDOW_S),
             retry_after_s=min(retry, WINDOW_S) if rate > 0 else WINDOW_S,
+            kind=kind,
         )
 
-    def use(self, tenant: str, model: str, now: float) -> tuple[int, int] | None:
-        """(remaining, limit) of `tenant` on `model` at `now` without taking any, None when no
-        limit applies."""
-        limit = self.spec.limit(tenant, model, "requests_per_minute")
+    def charge(self, tenant: str, model: str, tokens: int, now: float) -> int | None:
+        """Take `tokens` (a response's usage) from the token bucket of `tenant` on `model`;
+        the level after, None when no token limit applies."""
+        limit = self.spec.limit(tenant, model, "tokens_per_minute")
         if limit is None:
             return None
-        bucket = self.buckets.get((tenant, model))
+        bucket = self._bucket(tenant, model, "tokens", limit, now)
+        bucket.level = max(-float(limit), bucket.level - max(0, tokens))
+        return math.floor(bucket.level)
+
+    def use(self, tenant: str, model: str, now: float, kind: str = "requests") -> tuple[int, int] | None:
+        """(remaining, limit) of `tenant` on `model` at `now` without taking any, None when no
+        limit applies."""
+        limit = self.spec.limit(tenant, model, KINDS[kind])
+        if limit is None:
+            return None
+        bucket = self.buckets.get((tenant, model, kind))
         if bucket is None:
             return limit, limit
         probe = Bucket(bucket.level, bucket.at)

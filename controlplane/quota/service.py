@@ -1,7 +1,8 @@
 """The rate-limit service (thin I/O shell around quota/limiter.py): Envoy's
 `envoy.service.ratelimit.v3.RateLimitService`, which every proxy's rate-limit filter asks
-before each request of a model (routing/quotas.py gives it the descriptor: the model, then the
-tenant when the key header is sent).
+before each request of a model, and again when its response ends to charge its tokens
+(routing/quotas.py gives it the descriptors: the model, then the tenant when the key header
+is sent, and what kind of call it is).
 
 Counters are in this process's memory: one service counts for every proxy that asks it. The
 fleet file is read at start and again whenever it changes (a bad edit keeps the last good
@@ -31,8 +32,17 @@ from controlplane.fleet import FleetConfigInvalid, load_fleet
 from controlplane.fleet.errors import ConfigError
 from controlplane.fleet.model import QuotaSpec
 from controlplane.obs.http import split_host_port
-from controlplane.quota.limiter import Decision, Limiter
-from controlplane.routing.quotas import DOMAIN, MODEL_KEY, TENANT_KEY
+from controlplane.quota.limiter import KINDS, Decision, Limiter
+from controlplane.routing.quotas import (
+    DOMAIN,
+    KIND_KEY,
+    MAX_TOKENS_KEY,
+    MODEL_KEY,
+    PROMPT_BYTES_KEY,
+    REFUSED_KEY,
+    TENANT_KEY,
+    USAGE_KEY,
+)
 
 log = structlog.get_logger("controlplane.quota")
 
@@ -47,9 +57,18 @@ class QuotaMetrics:
         self.decisions = Counter(
             "controlplane_quota_decisions",
             "Rate-limit decisions by model, tenant (those the fleet names; the rest are 'other') "
-            "and result: ok, over_limit, unlimited (no limit applies), unreadable (a descriptor "
+            "and result: ok, over_limit, unlimited (no limit applies) for requests; tokens_ok, "
+            "tokens_over_limit, tokens_unlimited for the token check; unreadable (a descriptor "
             "without a model: allowed)",
             ["model", "tenant", "result"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "controlplane_quota_tokens",
+            "Tokens charged to tenants' quotas when responses ended, by model, tenant and how "
+            "they were known: usage (the server's usage.total_tokens) or estimate (none, or one "
+            "not a sane number: the request's bytes / 4 plus its max_tokens)",
+            ["model", "tenant", "how"],
             registry=self.registry,
         )
         self.decision_time = Histogram(
@@ -86,53 +105,101 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
 
     def decide(self, request: rls_pb2.RateLimitRequest, now: float) -> rls_pb2.RateLimitResponse:
         statuses = []
-        worst: Decision | None = None
+        decisions: list[Decision] = []
         model = ""
         for descriptor in request.descriptors:
             entries = {e.key: e.value for e in descriptor.entries}
-            model = entries.get(MODEL_KEY, "")
-            if request.domain != DOMAIN or not model:
-                self.metrics.decisions.labels(model or "", "", "unreadable").inc()
-                statuses.append(rls_pb2.RateLimitResponse.DescriptorStatus(code=rls_pb2.RateLimitResponse.OK))
+            model = entries.get(MODEL_KEY, "") or model
+            ok = rls_pb2.RateLimitResponse.DescriptorStatus(code=rls_pb2.RateLimitResponse.OK)
+            if request.domain != DOMAIN or not entries.get(MODEL_KEY):
+                self.metrics.decisions.labels(entries.get(MODEL_KEY, ""), "", "unreadable").inc()
+                statuses.append(ok)
                 continue
             tenant = entries.get(TENANT_KEY, "")
             if len(tenant.encode()) > MAX_TENANT_BYTES:
                 tenant = "invalid"
-            hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else request.hits_addend
-            got = self.limiter.check(tenant, model, now, hits=max(1, hits))
             label = tenant if tenant in self.limiter.spec.tenants else OTHER
+            kind = entries.get(KIND_KEY, "requests")
+            if kind == "charge":  # the response ended: its tokens (Envoy ignores this answer)
+                if entries.get(REFUSED_KEY) == "yes":  # our own 429: no tokens were used
+                    statuses.append(ok)
+                    continue
+                tokens, how = charged_tokens(entries)
+                self.limiter.charge(tenant, entries[MODEL_KEY], tokens, now)
+                self.metrics.tokens.labels(entries[MODEL_KEY], label, how).inc(tokens)
+                statuses.append(ok)
+                continue
+            if kind not in KINDS:
+                self.metrics.decisions.labels(entries[MODEL_KEY], label, "unreadable").inc()
+                statuses.append(ok)
+                continue
+            hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else request.hits_addend
+            got = self.limiter.check(tenant, entries[MODEL_KEY], now, hits=max(1, hits), kind=kind)
             result = "unlimited" if got.limit is None else "ok" if got.allowed else "over_limit"
-            self.metrics.decisions.labels(model, label, result).inc()
+            self.metrics.decisions.labels(
+                entries[MODEL_KEY], label, result if kind == "requests" else f"tokens_{result}"
+            ).inc()
             code = rls_pb2.RateLimitResponse.OK if got.allowed else rls_pb2.RateLimitResponse.OVER_LIMIT
             statuses.append(rls_pb2.RateLimitResponse.DescriptorStatus(code=code))
-            if got.limit is not None and (worst is None or (worst.allowed and not got.allowed)):
-                worst = got
-        over = worst is not None and not worst.allowed
+            if got.limit is not None:
+                decisions.append(got)
+        refused = [d for d in decisions if not d.allowed]
         response = rls_pb2.RateLimitResponse(
-            overall_code=rls_pb2.RateLimitResponse.OVER_LIMIT if over else rls_pb2.RateLimitResponse.OK,
+            overall_code=rls_pb2.RateLimitResponse.OVER_LIMIT if refused else rls_pb2.RateLimitResponse.OK,
             statuses=statuses,
         )
-        if worst is not None:
-            for key, value in worst.headers().items():
-                response.response_headers_to_add.add(key=key, value=value)
-        if over:
-            assert worst is not None
-            response.raw_body = error_body(model, worst).encode()
+        headers: dict[str, str] = {}
+        for d in decisions:
+            for key, value in d.headers().items():
+                if key == "retry-after" and key in headers:
+                    value = str(max(int(value), int(headers[key])))
+                headers[key] = value
+        for key, value in headers.items():
+            response.response_headers_to_add.add(key=key, value=value)
+        if refused:
+            response.dynamic_metadata.fields[REFUSED_KEY].string_value = "yes"
+            response.raw_body = error_body(model, refused[0]).encode()
             response.response_headers_to_add.add(key="content-type", value="application/json")
         return response
 
 
+MAX_USAGE = 10_000_000  # tokens one response may report; more is not a usage, it is a bug
+DEFAULT_OUTPUT_ESTIMATE = 256  # output tokens charged when neither usage nor max_tokens says
+
+
+def charged_tokens(entries: dict[str, str]) -> tuple[int, str]:
+    """The tokens a response costs: its `usage.total_tokens` when the server sent a sane one
+    (a whole number, 0 to MAX_USAGE), else an estimate: the request's bytes / 4 for the prompt
+    plus its max_tokens (else DEFAULT_OUTPUT_ESTIMATE) for the output. Never free: a usage that
+    is negative, absurd or not a number is estimated too. (tokens, "usage" or "estimate")."""
+    raw = entries.get(USAGE_KEY, "").strip()
+    try:
+        usage = int(float(raw)) if raw else -1
+    except ValueError:
+        usage = -1
+    if 0 <= usage <= MAX_USAGE:
+        return usage, "usage"
+    try:
+        prompt = int(entries.get(PROMPT_BYTES_KEY, "0") or 0) // 4
+    except ValueError:
+        prompt = 0
+    try:
+        output = int(float(entries.get(MAX_TOKENS_KEY, "") or DEFAULT_OUTPUT_ESTIMATE))
+    except ValueError:
+        output = DEFAULT_OUTPUT_ESTIMATE
+    return max(1, min(MAX_USAGE, max(0, prompt) + max(0, min(output, MAX_USAGE)))), "estimate"
+
+
 def error_body(model: str, d: Decision) -> str:
-    """OpenAI's 429 error, as its SDK parses it."""
+    """OpenAI's 429 error, as its SDK parses it; `type` is what ran out: requests or tokens."""
     return json.dumps(
         {
             "error": {
                 "message": (
-                    f"Rate limit reached for requests on {model}: limit {d.limit} per minute, "
-                    f"used {d.limit - d.remaining if d.limit is not None else 0}. "
-                    f"Please try again in {d.headers().get('retry-after', '1')}s."
+                    f"Rate limit reached for {d.kind} on {model}: limit {d.limit} per minute, "
+                    f"{d.remaining} left. Please try again in {d.headers().get('retry-after', '1')}s."
                 ),
-                "type": "requests",
+                "type": d.kind,
                 "param": None,
                 "code": "rate_limit_exceeded",
             }

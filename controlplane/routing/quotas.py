@@ -23,16 +23,25 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.metadata.v3 import metadata_pb2
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import wrappers_pb2
 
 from controlplane.fleet.model import Fleet, Model, QuotaSpec
 from controlplane.routing import names, pb
+from controlplane.routing.names import METADATA_NS
 
 RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
 DOMAIN = "inference"  # the rate-limit domain every descriptor is under
 MODEL_KEY = "model"  # descriptor entry keys
 TENANT_KEY = "tenant"
+KIND_KEY = "kind"  # absent: requests; "tokens": the token check; "charge": a response's tokens
+USAGE_KEY = "usage"  # the response's usage.total_tokens (json_to_metadata), at stream end
+PROMPT_BYTES_KEY = "prompt_bytes"  # the request's content-length
+MAX_TOKENS_KEY = "max_tokens"  # the request's max_tokens (json_to_metadata)
+REFUSED_KEY = "refused"  # "yes" on a request the service refused (its dynamic metadata)
+USAGE_METADATA = "usage_total_tokens"  # keys in the controlplane metadata namespace
+MAX_TOKENS_METADATA = "max_tokens"
 
 
 def build_ratelimit_filter(quotas: QuotaSpec) -> hcm_pb2.HttpFilter:
@@ -85,22 +94,70 @@ def build_ratelimit_cluster(quotas: QuotaSpec) -> cluster_pb2.Cluster:
     return c
 
 
+def counts_tokens(quotas: QuotaSpec) -> bool:
+    """Whether any level sets tokens_per_minute (else no token check, no charge)."""
+    levels = [quotas.default, *quotas.tenants.values()]
+    for model_default, model_tenants in quotas.models.values():
+        levels += [model_default, *model_tenants.values()]
+    return any(level.tokens_per_minute is not None for level in levels)
+
+
 def add_rate_limits(fleet: Fleet, model: Model, action: route_components_pb2.RouteAction) -> None:
-    """The model route's descriptor: (model, its name), then (tenant, the key header) if sent."""
+    """The model route's descriptors, each starting (model, its name), (tenant, the key header)
+    if sent: the request check; with token quotas, the token check, (kind, tokens); and, when
+    the stream is done, the charge: (kind, charge), (usage, the response's
+    usage.total_tokens), (prompt_bytes, its content-length), (max_tokens, the request's)."""
     quotas = fleet.quotas
     if quotas is None:
         return
-    action.rate_limits.add(
-        actions=[
-            route_components_pb2.RateLimit.Action(
-                generic_key=route_components_pb2.RateLimit.Action.GenericKey(
-                    descriptor_key=MODEL_KEY, descriptor_value=model.name
-                )
-            ),
-            route_components_pb2.RateLimit.Action(
-                request_headers=route_components_pb2.RateLimit.Action.RequestHeaders(
+    Action = route_components_pb2.RateLimit.Action
+
+    def who() -> list[route_components_pb2.RateLimit.Action]:
+        return [
+            Action(generic_key=Action.GenericKey(descriptor_key=MODEL_KEY, descriptor_value=model.name)),
+            Action(
+                request_headers=Action.RequestHeaders(
                     header_name=quotas.key_header, descriptor_key=TENANT_KEY, skip_if_absent=True
                 )
             ),
         ]
+
+    def metadata(
+        key: str, descriptor: str, namespace: str = METADATA_NS
+    ) -> route_components_pb2.RateLimit.Action:
+        return Action(
+            metadata=Action.MetaData(
+                descriptor_key=descriptor,
+                metadata_key=metadata_pb2.MetadataKey(
+                    key=namespace, path=[metadata_pb2.MetadataKey.PathSegment(key=key)]
+                ),
+                # Never empty: Envoy drops a descriptor with an empty entry, and a charge
+                # dropped is a free pass. "none": the service estimates.
+                default_value="none",
+                source=Action.MetaData.DYNAMIC,
+            )
+        )
+
+    action.rate_limits.add(actions=who())
+    if not counts_tokens(quotas):
+        return
+    kind = Action(generic_key=Action.GenericKey(descriptor_key=KIND_KEY, descriptor_value="tokens"))
+    action.rate_limits.add(actions=[*who(), kind])
+    charge = Action(generic_key=Action.GenericKey(descriptor_key=KIND_KEY, descriptor_value="charge"))
+    action.rate_limits.add(
+        apply_on_stream_done=True,
+        actions=[
+            *who(),
+            charge,
+            metadata(USAGE_METADATA, USAGE_KEY),
+            Action(
+                request_headers=Action.RequestHeaders(
+                    header_name="content-length", descriptor_key=PROMPT_BYTES_KEY, skip_if_absent=True
+                )
+            ),
+            metadata(MAX_TOKENS_METADATA, MAX_TOKENS_KEY),
+            # The service's own mark on a request it refused (its answer's dynamic metadata):
+            # a 429 costs no tokens.
+            metadata(REFUSED_KEY, REFUSED_KEY, namespace=RATELIMIT_FILTER),
+        ],
     )

@@ -44,7 +44,14 @@ from controlplane.routing.clusters import (
     build_picker_cluster,
     ring_hashed,
 )
-from controlplane.routing.quotas import add_rate_limits, build_ratelimit_cluster, build_ratelimit_filter
+from controlplane.routing.quotas import (
+    MAX_TOKENS_METADATA,
+    USAGE_METADATA,
+    add_rate_limits,
+    build_ratelimit_cluster,
+    build_ratelimit_filter,
+    counts_tokens,
+)
 
 LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
@@ -53,7 +60,7 @@ ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 TYPE_URLS = (CLUSTER, ENDPOINT, LISTENER, ROUTE)  # the ADS make-before-break order
 
 MODEL_HEADER = "x-model"
-METADATA_NS = "controlplane"
+METADATA_NS = names.METADATA_NS
 JSON_CONTENT_TYPES = r"^application/json(\s*;.*)?$"
 
 # Direct responses follow the OpenAI error shape, so SDKs surface the message.
@@ -331,15 +338,28 @@ def _affinity_filter_state(fields: list[str]) -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name="envoy.filters.http.set_filter_state", typed_config=pb.pack(cfg))
 
 
-def _json_to_metadata(affinity_fields: list[str] | None = None) -> hcm_pb2.HttpFilter:
+def _json_to_metadata(affinity_fields: list[str] | None = None, tokens: bool = False) -> hcm_pb2.HttpFilter:
+    """The model (and affinity fields) from the request's JSON body; with token quotas
+    (routing/quotas.py), its max_tokens too, and the response's usage.total_tokens (a JSON
+    response's; a stream's is text/event-stream and passes by: it is estimated)."""
     rules = [_json_rule("model", "model")]
     rules += [_json_rule(f, f"affinity_{f}") for f in affinity_fields or []]
+    if tokens:
+        rules.append(_json_rule("max_tokens", MAX_TOKENS_METADATA))
     cfg = json_to_metadata_pb2.JsonToMetadata(
         request_rules=json_to_metadata_pb2.JsonToMetadata.MatchRules(
             rules=rules,
             allow_content_types_regex=regex_pb2.RegexMatcher(regex=JSON_CONTENT_TYPES),
         )
     )
+    if tokens:
+        usage = _json_rule("usage", USAGE_METADATA)
+        usage.selectors.add(key="total_tokens")
+        cfg.response_rules.CopyFrom(
+            json_to_metadata_pb2.JsonToMetadata.MatchRules(
+                rules=[usage], allow_content_types_regex=regex_pb2.RegexMatcher(regex=JSON_CONTENT_TYPES)
+            )
+        )
     return hcm_pb2.HttpFilter(name="envoy.filters.http.json_to_metadata", typed_config=pb.pack(cfg))
 
 
@@ -375,7 +395,10 @@ def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
         rds=hcm_pb2.Rds(config_source=pb.ads(), route_config_name=names.GATEWAY_ROUTES),
         http_filters=[
             _buffer(fleet),
-            _json_to_metadata(body_fields := _affinity_body_fields(fleet)),
+            _json_to_metadata(
+                body_fields := _affinity_body_fields(fleet),
+                tokens=fleet.quotas is not None and counts_tokens(fleet.quotas),
+            ),
             *([_prefix_key_filter()] if _prefix_affinity(fleet) else []),
             *(
                 [_affinity_filter_state(state_fields)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +31,13 @@ class Answer:
     body: str
 
 
-def ask(port: int, tenant: str | None) -> Answer:
+def ask(port: int, tenant: str | None, max_tokens: int = 1, stream: bool = False) -> Answer:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         headers = {"content-type": "application/json"}
         if tenant is not None:
             headers["x-api-key"] = tenant
-        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "stream": stream})
         conn.request("POST", "/v1/completions", body=body, headers=headers)
         r = conn.getresponse()
         return Answer(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode())
@@ -93,7 +94,11 @@ class Rig:
 
 
 @pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
+def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
+    """An emulated server, a control plane, two Envoys on one port and a rate-limit service;
+    acme's limits: LIMIT requests a minute, and the test's `tokens` mark's tokens a minute."""
+    mark = request.node.get_closest_marker("tokens")
+    tokens = f", tokens_per_minute: {mark.args[0]}" if mark else ""
     fleet = EmulatedFleet(tmp_path)
     second: Envoy | None = None
     limiter: RateLimiter | None = None
@@ -108,7 +113,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
             "  key: {header: x-api-key}\n"
             f"  service: {{endpoints: ['127.0.0.1:{rl_port}'], timeout: 500ms}}\n"
             "  default: {requests_per_minute: 1000}\n"
-            f"  tenants: {{acme: {{requests_per_minute: {LIMIT}}}}}\n"
+            f"  tenants: {{acme: {{requests_per_minute: {LIMIT}{tokens}}}}}\n"
             "models:\n"
             f"  {MODEL}: {{params_b: 8, stable: v1, versions: {{v1: {{endpoints: ['{address}']}}}}}}\n"
         )
@@ -180,3 +185,36 @@ def test_the_service_gone_requests_are_served_and_the_limit_returns_with_it(rig:
     assert set(ENVOY_QUOTA_STATS.values()) <= exported, sorted(set(ENVOY_QUOTA_STATS.values()) - exported)
     rig.limiter.start()  # a new process: its counters start full
     wait_until(lambda: ask(port, "acme").status == 429, 20, "the limit to be back")
+
+
+@pytest.mark.tokens(100)
+def test_a_tenant_over_its_tokens_gets_429_and_each_response_is_charged_its_usage(rig: Rig) -> None:
+    """Tokens are charged when a response ends, from its usage (a JSON answer's
+    usage.total_tokens, read by Envoy) and, for a stream, estimated; the next request of a
+    tenant whose tokens ran out gets 429 with the x-ratelimit-*-tokens headers."""
+    port = rig.fleet.listener
+    first = ask(port, "acme", max_tokens=40)
+    assert first.status == 200
+    assert first.headers["x-ratelimit-limit-tokens"] == "100"
+    assert first.headers["x-ratelimit-remaining-tokens"] == "100"  # checked before, charged after
+    used = json.loads(first.body)["usage"]["total_tokens"]
+    charged = 'controlplane_quota_tokens_total{how="usage",model="chat",tenant="acme"}'
+    wait_until(lambda: rig.limiter.metric(charged) == used, 5, "the first answer's usage to be charged")
+    # A stream's usage is in its last event, which Envoy does not read: estimated, never free.
+    streamed = ask(port, "acme", max_tokens=40, stream=True)
+    assert streamed.status == 200
+    estimated = 'controlplane_quota_tokens_total{how="estimate",model="chat",tenant="acme"}'
+    wait_until(lambda: rig.limiter.metric(estimated) > 40, 5, "the stream to be charged an estimate")
+    answers = [ask(port, "acme", max_tokens=40) for _ in range(3)]
+    assert answers[-1].status == 429, [a.status for a in answers]
+    over = answers[-1]
+    assert over.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert json.loads(over.body)["error"]["type"] == "tokens"
+    assert int(over.headers["retry-after"]) >= 1
+    # A 429 of ours uses no tokens: refused requests are not charged an estimate.
+    spent = rig.limiter.metric(charged) + rig.limiter.metric(estimated)
+    assert [ask(port, "acme", max_tokens=40).status for _ in range(3)] == [429] * 3
+    time.sleep(0.5)  # a charge would have arrived by now
+    assert rig.limiter.metric(charged) + rig.limiter.metric(estimated) == spent
+    other = ask(port, "globex", max_tokens=40)
+    assert other.status == 200 and "x-ratelimit-limit-tokens" not in other.headers  # no token limit

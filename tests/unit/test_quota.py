@@ -83,8 +83,8 @@ def test_the_most_specific_level_that_sets_a_limit_wins() -> None:
          "quotas.service.on_error", "allow"),
         ("quotas: {tenants: {'bad tenant': {}}, %(svc)s}",
          "quotas.tenants.bad tenant", "letters"),
-        ("quotas: {default: {tokens_per_minute: 2000}, %(svc)s}",
-         "quotas.default.tokens_per_minute", "not enforced yet"),
+        ("quotas: {default: {tokens_per_minute: many}, %(svc)s}",
+         "quotas.default.tokens_per_minute", "whole number"),
         ("quotas: {default: {rpm: 2000}, %(svc)s}", "quotas.default.rpm", "unknown key"),
     ],
 )  # fmt: skip
@@ -160,7 +160,7 @@ def test_what_the_service_cannot_read_is_never_refused() -> None:
     huge = "k" * 10_000_000  # a 10 MB key: one tenant, "invalid", with the default limits
     answers = [svc.decide(_request("chat", huge), now=1.0) for _ in range(3)]
     assert all(a.overall_code == rls_pb2.RateLimitResponse.OK for a in answers)
-    assert ("invalid", "chat") in svc.limiter.buckets
+    assert ("invalid", "chat", "requests") in svc.limiter.buckets
 
 
 def test_envoy_gets_the_filter_the_cluster_and_each_routes_descriptor() -> None:
@@ -197,3 +197,88 @@ def test_envoy_gets_the_filter_the_cluster_and_each_routes_descriptor() -> None:
     # No quotas: none of it.
     plain = translate(parse_fleet(BASE))
     assert names.RATELIMIT_CLUSTER not in plain.by_type[CLUSTER]
+
+
+TOKENS = QUOTAS.replace(
+    "    acme: {requests_per_minute: 60}", "    acme: {requests_per_minute: 60, tokens_per_minute: 100}"
+)
+
+
+def _charge(model: str, tenant: str, **entries: str) -> rls_pb2.RateLimitRequest:
+    req = _request(model, tenant)
+    d = req.descriptors[0]
+    d.entries.add(key="kind", value="charge")
+    for key, value in entries.items():
+        d.entries.add(key=key, value=value)
+    return req
+
+
+def _tokens(model: str, tenant: str) -> rls_pb2.RateLimitRequest:
+    req = _request(model, tenant)
+    req.descriptors.add().CopyFrom(req.descriptors[0])
+    req.descriptors[1].entries.add(key="kind", value="tokens")
+    return req
+
+
+def test_tokens_are_charged_at_the_end_and_checked_before_the_next_request() -> None:
+    q = parse_fleet(BASE + TOKENS).quotas
+    assert q is not None
+    svc = RateLimitService(q)
+    first = svc.decide(_tokens("chat", "acme"), now=0.0)
+    headers = {h.key: h.value for h in first.response_headers_to_add}
+    assert first.overall_code == rls_pb2.RateLimitResponse.OK
+    assert headers["x-ratelimit-limit-tokens"] == "100" and headers["x-ratelimit-remaining-tokens"] == "100"
+    assert headers["x-ratelimit-limit-requests"] == "60"  # both kinds on every answer
+    svc.decide(_charge("chat", "acme", usage="130"), now=0.1)  # one long answer: in debt
+    over = svc.decide(_tokens("chat", "acme"), now=0.2)
+    assert over.overall_code == rls_pb2.RateLimitResponse.OVER_LIMIT
+    h = {x.key: x.value for x in over.response_headers_to_add}
+    assert h["x-ratelimit-remaining-tokens"] == "0" and int(h["retry-after"]) >= 18  # 30 tokens of debt
+    assert json.loads(over.raw_body)["error"]["type"] == "tokens"
+    assert svc.decide(_tokens("chat", "globex"), now=0.2).overall_code == rls_pb2.RateLimitResponse.OK
+    assert over.dynamic_metadata.fields["refused"].string_value == "yes"
+    svc.decide(_charge("chat", "acme", refused="yes"), now=0.3)  # our own 429 costs nothing
+    later = svc.decide(_tokens("chat", "acme"), now=0.2 + 19.0)  # 30 of debt repaid at 100/min
+    assert later.overall_code == rls_pb2.RateLimitResponse.OK
+
+
+@pytest.mark.parametrize(
+    ("entries", "tokens", "how"),
+    [
+        ({"usage": "57"}, 57, "usage"),
+        ({"usage": "57.0"}, 57, "usage"),
+        ({"usage": "-5", "prompt_bytes": "400", "max_tokens": "10"}, 110, "estimate"),
+        ({"usage": "1e12", "prompt_bytes": "400", "max_tokens": "10"}, 110, "estimate"),
+        ({"usage": "lots", "prompt_bytes": "400"}, 356, "estimate"),
+        ({"usage": "", "prompt_bytes": "x", "max_tokens": "y"}, 256, "estimate"),
+        ({}, 256, "estimate"),
+    ],
+)
+def test_a_response_is_never_free(entries: dict[str, str], tokens: int, how: str) -> None:
+    from controlplane.quota.service import charged_tokens
+
+    assert charged_tokens(entries) == (tokens, how)
+
+
+def test_token_quotas_add_the_token_check_and_the_charge_at_stream_end() -> None:
+    d = translate(parse_fleet(BASE + TOKENS))
+    routes = [
+        r
+        for vh in d.by_type[ROUTE][names.GATEWAY_ROUTES].virtual_hosts
+        for r in vh.routes
+        if r.HasField("route")
+    ]
+    limits = routes[0].route.rate_limits
+    assert [rl.apply_on_stream_done for rl in limits] == [False, False, True]
+    keys = [a.WhichOneof("action_specifier") for a in limits[2].actions]
+    assert keys == [
+        "generic_key", "request_headers", "generic_key", "metadata", "request_headers", "metadata", "metadata"
+    ]  # fmt: skip
+    assert limits[2].actions[6].metadata.metadata_key.key == RATELIMIT_FILTER  # the service's own mark
+    hcm = hcm_pb2.HttpConnectionManager()
+    d.by_type[LISTENER][names.GATEWAY_LISTENER].filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
+
+    j = json_to_metadata_pb2.JsonToMetadata()
+    next(f for f in hcm.http_filters if f.name.endswith("json_to_metadata")).typed_config.Unpack(j)
+    assert [s.key for s in j.response_rules.rules[0].selectors] == ["usage", "total_tokens"]
