@@ -338,6 +338,14 @@ def _parser() -> argparse.ArgumentParser:
     rl.add_argument(
         "--metrics-listen", metavar="HOST:PORT", help="serve Prometheus metrics here (default: none)"
     )
+    rl.add_argument(
+        "--store",
+        default="memory",
+        metavar="memory|redis://HOST:PORT[/DB]",
+        help="where the counters live: this process's memory (one service), or Redis, shared by "
+        "every service pointing at it, so several (one per control-plane replica) count as one. "
+        "Redis down: requests are served without a limit (default: %(default)s)",
+    )
     rl.add_argument("--log-format", choices=("console", "json"), default="console")
     rl.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     pk = sub.add_parser(
@@ -669,7 +677,14 @@ def _ratelimit(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_format, args.log_level)
     try:
-        asyncio.run(serve(args.config, args.listen, args.metrics_listen))
+        if args.store != "memory" and not args.store.startswith(("redis://", "rediss://", "unix://")):
+            print(
+                "controlplane ratelimit: --store: expected memory or redis://HOST:PORT[/DB], "
+                f"got {args.store!r}",
+                file=sys.stderr,
+            )
+            return 2
+        asyncio.run(serve(args.config, args.listen, args.metrics_listen, args.store))
     except FleetConfigInvalid as e:
         print(f"controlplane ratelimit: {e}", file=sys.stderr)
         return 2

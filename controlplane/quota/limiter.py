@@ -73,6 +73,26 @@ def duration(seconds: float) -> str:
 KINDS = {"requests": "requests_per_minute", "tokens": "tokens_per_minute"}
 
 
+def needed(kind: str, hits: int) -> float:
+    """What a bucket must hold for a request to go: `hits` requests; tokens: anything at all."""
+    return float(hits) if kind == "requests" else 1e-9
+
+
+def decision(kind: str, limit: int, level: float, allowed: bool, need: float) -> Decision:
+    """The answer, from the bucket's level after the request (taken or not) and its limit."""
+    rate = limit / WINDOW_S
+    reset = (limit - level) / rate if rate > 0 else math.inf
+    retry = 0.0 if allowed else ((need - level) / rate if rate > 0 else WINDOW_S)
+    return Decision(
+        allowed,
+        limit,
+        remaining=max(0, math.floor(level)),
+        reset_s=min(reset, WINDOW_S),
+        retry_after_s=min(retry, WINDOW_S) if rate > 0 else WINDOW_S,
+        kind=kind,
+    )
+
+
 @dataclass
 class Limiter:
     """The buckets of every (tenant, model, kind) in use, in memory.
@@ -105,21 +125,11 @@ class Limiter:
         if limit is None:
             return Decision(True, None, kind=kind)
         bucket = self._bucket(tenant, model, kind, limit, now)
-        rate = limit / WINDOW_S
-        need = float(hits) if kind == "requests" else 1e-9  # tokens: anything left at all
+        need = needed(kind, hits)
         allowed = bucket.level >= need
         if allowed and kind == "requests":
             bucket.level -= hits
-        reset = (limit - bucket.level) / rate if rate > 0 else math.inf
-        retry = 0.0 if allowed else ((need - bucket.level) / rate if rate > 0 else WINDOW_S)
-        return Decision(
-            allowed,
-            limit,
-            remaining=max(0, math.floor(bucket.level)),
-            reset_s=min(reset, WINDOW_S),
-            retry_after_s=min(retry, WINDOW_S) if rate > 0 else WINDOW_S,
-            kind=kind,
-        )
+        return decision(kind, limit, bucket.level, allowed, need)
 
     def charge(self, tenant: str, model: str, tokens: int, now: float) -> int | None:
         """Take `tokens` (a response's usage) from the token bucket of `tenant` on `model`;

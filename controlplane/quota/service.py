@@ -32,7 +32,8 @@ from controlplane.fleet import FleetConfigInvalid, load_fleet
 from controlplane.fleet.errors import ConfigError
 from controlplane.fleet.model import QuotaSpec
 from controlplane.obs.http import split_host_port
-from controlplane.quota.limiter import KINDS, Decision, Limiter
+from controlplane.quota.limiter import KINDS, Decision, Limiter, decision, needed
+from controlplane.quota.redis_store import RedisStore, RedisUnavailable
 from controlplane.routing.quotas import (
     DOMAIN,
     KIND_KEY,
@@ -77,6 +78,13 @@ class QuotaMetrics:
             buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01),
             registry=self.registry,
         )
+        self.store_ops = Counter(
+            "controlplane_quota_store_operations",
+            "Bucket operations on Redis (--store redis://...), by result: ok, error (Redis down "
+            "or slow: the request is served without a limit, fail open)",
+            ["result"],
+            registry=self.registry,
+        )
         self.reloads = Counter(
             "controlplane_quota_reloads",
             "Reads of the fleet file's quotas by result (ok, error: the last good ones stay)",
@@ -86,9 +94,13 @@ class QuotaMetrics:
 
 
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
-    def __init__(self, spec: QuotaSpec, metrics: QuotaMetrics | None = None) -> None:
-        self.limiter = Limiter(spec)
+    def __init__(
+        self, spec: QuotaSpec, metrics: QuotaMetrics | None = None, store: RedisStore | None = None
+    ) -> None:
+        self.limiter = Limiter(spec)  # the quotas, and the buckets when store is None
         self.metrics = metrics or QuotaMetrics()
+        self.store = store  # Redis: buckets shared by every service using it
+        self._store_down = False
 
     def set_spec(self, spec: QuotaSpec) -> None:
         """New quotas; the buckets in use stay (each refills to its new limit)."""
@@ -99,11 +111,51 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
     ) -> rls_pb2.RateLimitResponse:
         t0 = time.perf_counter()
         try:
-            return self.decide(request, time.monotonic())
+            return await self.decide_async(request, time.monotonic())
         finally:
             self.metrics.decision_time.observe(time.perf_counter() - t0)
 
     def decide(self, request: rls_pb2.RateLimitRequest, now: float) -> rls_pb2.RateLimitResponse:
+        """decide_async, outside an event loop (in memory only: the tests, the benchmark)."""
+        assert self.store is None
+        return asyncio.run(self.decide_async(request, now))
+
+    async def _check(self, tenant: str, model: str, now: float, hits: int, kind: str) -> Decision:
+        if self.store is None:
+            return self.limiter.check(tenant, model, now, hits=hits, kind=kind)
+        limit = self.limiter.spec.limit(tenant, model, KINDS[kind])
+        if limit is None:
+            return Decision(True, None, kind=kind)
+        mode = "take" if kind == "requests" else "peek"
+        try:
+            allowed, level = await self.store.apply(kind, model, tenant, limit, hits, mode)
+        except RedisUnavailable as e:
+            self._store_failed(e)
+            return Decision(True, None, kind=kind)  # fail open: no limit known, none applied
+        self.metrics.store_ops.labels("ok").inc()
+        return decision(kind, limit, level, allowed, needed(kind, hits))
+
+    async def _charge(self, tenant: str, model: str, tokens: int, now: float) -> None:
+        if self.store is None:
+            self.limiter.charge(tenant, model, tokens, now)
+            return
+        limit = self.limiter.spec.limit(tenant, model, "tokens_per_minute")
+        if limit is None:
+            return
+        try:
+            await self.store.apply("tokens", model, tenant, limit, tokens, "charge")
+        except RedisUnavailable as e:
+            self._store_failed(e)
+        else:
+            self.metrics.store_ops.labels("ok").inc()
+
+    def _store_failed(self, e: Exception) -> None:
+        self.metrics.store_ops.labels("error").inc()
+        if not self._store_down:
+            log.warning("quota.store_unreachable", error=str(e)[:300])
+        self._store_down = True
+
+    async def decide_async(self, request: rls_pb2.RateLimitRequest, now: float) -> rls_pb2.RateLimitResponse:
         statuses = []
         decisions: list[Decision] = []
         model = ""
@@ -125,7 +177,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                     statuses.append(ok)
                     continue
                 tokens, how = charged_tokens(entries)
-                self.limiter.charge(tenant, entries[MODEL_KEY], tokens, now)
+                await self._charge(tenant, entries[MODEL_KEY], tokens, now)
                 self.metrics.tokens.labels(entries[MODEL_KEY], label, how).inc(tokens)
                 statuses.append(ok)
                 continue
@@ -134,7 +186,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 statuses.append(ok)
                 continue
             hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else request.hits_addend
-            got = self.limiter.check(tenant, entries[MODEL_KEY], now, hits=max(1, hits), kind=kind)
+            got = await self._check(tenant, entries[MODEL_KEY], now, max(1, hits), kind)
             result = "unlimited" if got.limit is None else "ok" if got.allowed else "over_limit"
             self.metrics.decisions.labels(
                 entries[MODEL_KEY], label, result if kind == "requests" else f"tokens_{result}"
@@ -207,15 +259,19 @@ def error_body(model: str, d: Decision) -> str:
     )
 
 
-async def serve(config: Path, listen: str, metrics_listen: str | None = None) -> None:
-    """Run the service until SIGINT or SIGTERM."""
+async def serve(
+    config: Path, listen: str, metrics_listen: str | None = None, store_url: str = "memory"
+) -> None:
+    """Run the service until SIGINT or SIGTERM; buckets in memory, or on Redis
+    (`redis://HOST:PORT[/DB]`), shared with every other service using it."""
     fleet = load_fleet(config)
     if fleet.quotas is None:
         raise FleetConfigInvalid(
             [ConfigError(str(config), "quotas", "missing: this service counts the fleet's quotas")]
         )
     metrics = QuotaMetrics()
-    service = RateLimitService(fleet.quotas, metrics)
+    store = None if store_url == "memory" else RedisStore(store_url)
+    service = RateLimitService(fleet.quotas, metrics, store)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     rls_pb2_grpc.add_RateLimitServiceServicer_to_server(service, server)
     if server.add_insecure_port(listen) == 0:
@@ -225,7 +281,7 @@ async def serve(config: Path, listen: str, metrics_listen: str | None = None) ->
     if metrics_listen:
         host, port = split_host_port(metrics_listen)
         status, _ = start_http_server(port, host, registry=metrics.registry)
-    log.info("quota.listening", listen=listen, config=str(config), metrics=metrics_listen)
+    log.info("quota.listening", listen=listen, config=str(config), metrics=metrics_listen, store=store_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -261,5 +317,7 @@ async def serve(config: Path, listen: str, metrics_listen: str | None = None) ->
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await server.stop(1.0)
+        if store is not None:
+            await store.close()
         if status is not None:
             status.shutdown()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,18 +47,77 @@ def ask(port: int, tenant: str | None, max_tokens: int = 1, stream: bool = False
         conn.close()
 
 
+class RedisServer:
+    """A real redis-server on a free loopback port, nothing saved to disk."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from tests.peers import required
+
+        self.binary = required(
+            shutil.which("redis-server"),
+            missing="redis-server is not installed (Debian: apt-get install redis-server, as .ci/run does)",
+            env="CONTROLPLANE_REQUIRE_REDIS",
+        )
+        self.log_dir = log_dir
+        self.port = free_port()
+        self.proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.proc = Proc(
+            "redis",
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            self.log_dir,
+        )
+        wait_until(self._up, 10, "redis-server to answer")
+        return self
+
+    def _up(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
 class RateLimiter:
-    def __init__(self, config: Path, log_dir: Path, port: int) -> None:
+    def __init__(
+        self, config: Path, log_dir: Path, port: int, store: str = "memory", name: str = "ratelimit"
+    ) -> None:
         self.config, self.log_dir, self.port = config, log_dir, port
+        self.store, self.name = store, name
         self.metrics_port = free_port()
         self.proc: Proc | None = None
 
     def start(self) -> RateLimiter:
         self.proc = Proc(
-            "ratelimit",
+            self.name,
             [
                 str(BIN / "controlplane"), "ratelimit", "--config", str(self.config),
                 "--listen", f"127.0.0.1:{self.port}", "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
+                "--store", self.store,
             ],
             self.log_dir,
         )  # fmt: skip
@@ -91,6 +152,8 @@ class Rig:
     fleet: EmulatedFleet
     second: Envoy
     limiter: RateLimiter
+    more: list[RateLimiter]  # with the `redis` mark: a second service on the same Redis
+    redis: RedisServer | None
 
 
 @pytest.fixture
@@ -99,37 +162,48 @@ def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
     acme's limits: LIMIT requests a minute, and the test's `tokens` mark's tokens a minute."""
     mark = request.node.get_closest_marker("tokens")
     tokens = f", tokens_per_minute: {mark.args[0]}" if mark else ""
+    on_redis = request.node.get_closest_marker("redis") is not None
     fleet = EmulatedFleet(tmp_path)
     second: Envoy | None = None
     limiter: RateLimiter | None = None
+    more: list[RateLimiter] = []
+    redis = RedisServer(tmp_path).start() if on_redis else None
     try:
         fleet.servers["a"] = Emulator("a", tmp_path, MODEL, slots=8)
-        rl_port = free_port()
+        rl_port, rl_port_2 = free_port(), free_port()
+        services = [f"127.0.0.1:{rl_port}"] + ([f"127.0.0.1:{rl_port_2}"] if redis else [])
         address = fleet.servers["a"].address
         text = (
             "listener: {port: %d}\n"
             "tiers: {small: {timeout: 30s}}\n"
             "quotas:\n"
             "  key: {header: x-api-key}\n"
-            f"  service: {{endpoints: ['127.0.0.1:{rl_port}'], timeout: 500ms}}\n"
+            f"  service: {{endpoints: {json.dumps(services)}, timeout: 500ms}}\n"
             "  default: {requests_per_minute: 1000}\n"
             f"  tenants: {{acme: {{requests_per_minute: {LIMIT}{tokens}}}}}\n"
             "models:\n"
             f"  {MODEL}: {{params_b: 8, stable: v1, versions: {{v1: {{endpoints: ['{address}']}}}}}}\n"
         )
         (tmp_path / "fleet.yaml").write_text(text % fleet.listener)
-        limiter = RateLimiter(tmp_path / "fleet.yaml", tmp_path, rl_port).start()
+        store = redis.url if redis else "memory"
+        limiter = RateLimiter(tmp_path / "fleet.yaml", tmp_path, rl_port, store).start()
+        if redis:
+            more.append(
+                RateLimiter(tmp_path / "fleet.yaml", tmp_path, rl_port_2, store, "ratelimit-2").start()
+            )
         fleet.serve(text % fleet.listener)
         assert fleet.cp is not None
         # A second Envoy on the same listener port (SO_REUSEPORT): the kernel spreads
         # connections over both, as an L4 balancer spreads clients over gateway replicas.
         second = Envoy("envoy-2", fleet.cp.xds, tmp_path, fleet.listener).start()
-        yield Rig(fleet, second, limiter)
+        yield Rig(fleet, second, limiter, more, redis)
     finally:
         if second is not None:
             second.stop()
-        if limiter is not None:
-            limiter.stop()
+        for service in [*([limiter] if limiter else []), *more]:
+            service.stop()
+        if redis is not None:
+            redis.stop()
         fleet.close()
 
 
@@ -218,3 +292,27 @@ def test_a_tenant_over_its_tokens_gets_429_and_each_response_is_charged_its_usag
     assert rig.limiter.metric(charged) + rig.limiter.metric(estimated) == spent
     other = ask(port, "globex", max_tokens=40)
     assert other.status == 200 and "x-ratelimit-limit-tokens" not in other.headers  # no token limit
+
+
+@pytest.mark.redis
+def test_two_services_on_redis_hold_the_limit_for_the_sum(rig: Rig) -> None:
+    """Two rate-limit services (one per control-plane replica) on one real redis-server, both
+    listed for both Envoys: each Envoy spreads its calls over the two, and the limit holds for
+    the sum. Redis killed under traffic: served (fail open); back: the limit is back."""
+    port = rig.fleet.listener
+    statuses = [ask(port, "acme").status for _ in range(LIMIT + 4)]
+    assert statuses == [200] * LIMIT + [429] * 4, statuses
+    ok = 'controlplane_quota_decisions_total{model="chat",result="ok",tenant="acme"}'
+    over = 'controlplane_quota_decisions_total{model="chat",result="over_limit",tenant="acme"}'
+    services = [rig.limiter, *rig.more]
+    decided = [s.metric(ok) + s.metric(over) for s in services]
+    assert all(n > 0 for n in decided), decided  # both services counted, one limit
+    assert sum(s.metric(ok) for s in services) == LIMIT
+    assert rig.redis is not None
+    rig.redis.kill()
+    served = [ask(port, "acme").status for _ in range(10)]
+    assert served == [200] * 10, served  # fail open: Redis down costs no request
+    errors = sum(s.metric('controlplane_quota_store_operations_total{result="error"}') for s in services)
+    assert errors >= 10, errors
+    rig.redis.start()  # empty: full buckets
+    wait_until(lambda: ask(port, "acme").status == 429, 20, "the limit to be back")
