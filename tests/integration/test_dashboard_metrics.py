@@ -341,8 +341,8 @@ def test_every_metric_of_the_dashboard_and_alerts_is_exported(rig: Rig) -> None:
     for name, where in sorted(used.items()):
         if name in PROMETHEUS_SERIES or name in recorded or name in picker_only:
             continue
-        if name.startswith("controlplane_picker_"):  # a picker's own page: test_picker.py
-            continue
+        if name.startswith(("controlplane_picker_", "controlplane_quota_")):
+            continue  # a picker's or rate-limit service's own page: test_picker.py, test_quotas.py
         if name.startswith("envoy_"):
             ok = name in envoy_samples
         elif re.search(r"_(bucket|count|sum)$", name):
@@ -355,7 +355,12 @@ def test_every_metric_of_the_dashboard_and_alerts_is_exported(rig: Rig) -> None:
 
     # Histograms of the control plane used through their buckets are histograms indeed.
     for name in used:
-        if name.startswith("controlplane_") and name.endswith("_bucket") and "_picker_" not in name:
+        if (
+            name.startswith("controlplane_")
+            and name.endswith("_bucket")
+            and "_picker_" not in name
+            and "_quota_" not in name
+        ):
             assert f"{name[: -len('_bucket')]}_count" in cp_samples
 
     # prometheus.yml keeps only some Envoy metrics: each exists, and every one used is kept.
