@@ -346,6 +346,13 @@ def _parser() -> argparse.ArgumentParser:
         "every service pointing at it, so several (one per control-plane replica) count as one. "
         "Redis down: requests are served without a limit (default: %(default)s)",
     )
+    rl.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="a bearer token `cpctl quota status` must send (the control plane's admin or "
+        "read-only token, so cpctl's usual one works); without it, status is refused",
+    )
     rl.add_argument("--log-format", choices=("console", "json"), default="console")
     rl.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     pk = sub.add_parser(
@@ -684,7 +691,14 @@ def _ratelimit(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        asyncio.run(serve(args.config, args.listen, args.metrics_listen, args.store))
+        token = None
+        if args.token_file is not None:
+            try:
+                token = args.token_file.read_text().strip()
+            except OSError as e:
+                print(f"controlplane ratelimit: --token-file: {e}", file=sys.stderr)
+                return 2
+        asyncio.run(serve(args.config, args.listen, args.metrics_listen, args.store, token))
     except FleetConfigInvalid as e:
         print(f"controlplane ratelimit: {e}", file=sys.stderr)
         return 2

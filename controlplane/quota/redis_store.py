@@ -17,7 +17,8 @@ from redis.exceptions import RedisError
 from controlplane.quota.limiter import WINDOW_S
 
 # KEYS[1]: the bucket. ARGV: limit, hits, mode (take: requests; peek: is anything left;
-# charge: take hits, down to -limit), window seconds. Returns {allowed 0/1, level after}.
+# charge: take hits, down to -limit; read: the level now, nothing written), window seconds.
+# Returns {allowed 0/1, level after}.
 _SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -33,6 +34,10 @@ if now > at then
   at = now
 end
 local allowed = 1
+if mode == 'read' then
+  if level <= 0 then allowed = 0 end
+  return {allowed, tostring(level)}
+end
 if mode == 'take' then
   if level >= hits then level = level - hits else allowed = 0 end
 elseif mode == 'peek' then
@@ -68,6 +73,18 @@ class RedisStore:
         except (RedisError, OSError, TimeoutError) as e:
             raise RedisUnavailable(str(e)) from e
         return bool(int(allowed)), float(level)
+
+    async def buckets(self, tenant: str | None) -> list[tuple[str, str, str]]:
+        """(kind, model, tenant) of every bucket in use, or of one tenant's."""
+        out = []
+        try:
+            async for key in self.client.scan_iter(match="quota:*", count=1000):
+                parts = key.split(":", 3)
+                if len(parts) == 4 and (tenant is None or parts[3] == tenant):
+                    out.append((parts[1], parts[2], parts[3]))
+        except (RedisError, OSError, TimeoutError) as e:
+            raise RedisUnavailable(str(e)) from e
+        return sorted(out)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -50,6 +50,7 @@ log = structlog.get_logger("controlplane.quota")
 RELOAD_EVERY_S = 2.0
 MAX_TENANT_BYTES = 256  # a longer key value is not a tenant name: it is counted as one tenant, "invalid"
 OTHER = "other"  # the tenant label of every tenant the fleet file does not name
+STATUS_SERVICE = "controlplane.quota.v1.Quotas"  # cpctl quota status: JSON in and out
 
 
 class QuotaMetrics:
@@ -100,6 +101,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self.limiter = Limiter(spec)  # the quotas, and the buckets when store is None
         self.metrics = metrics or QuotaMetrics()
         self.store = store  # Redis: buckets shared by every service using it
+        self.token: str | None = None  # the bearer token cpctl quota status must send
         self._store_down = False
 
     def set_spec(self, spec: QuotaSpec) -> None:
@@ -148,6 +150,62 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             self._store_failed(e)
         else:
             self.metrics.store_ops.labels("ok").inc()
+
+    # ---- status (cpctl quota status) ---------------------------------------------------------
+
+    async def status(self, tenant: str | None, now: float) -> list[dict[str, Any]]:
+        """Every bucket in use (or one tenant's): its limit, what is left, when it is whole."""
+        rows = []
+        if self.store is None:
+            keys = [(k, m, t) for (t, m, k) in self.limiter.buckets if tenant is None or t == tenant]
+        else:
+            keys = await self.store.buckets(tenant)
+        for kind, model, who in sorted(keys):
+            limit = self.limiter.spec.limit(who, model, KINDS.get(kind, ""))
+            if limit is None:
+                continue
+            if self.store is None:
+                got = self.limiter.use(who, model, now, kind=kind)
+                assert got is not None
+                level = float(got[0])
+            else:
+                _, level = await self.store.apply(kind, model, who, limit, 0, "read")
+            d = decision(kind, limit, level, level > 0, needed(kind, 1))
+            rows.append(
+                {"tenant": who, "model": model, "kind": kind, "limit_per_minute": limit,
+                 "remaining": d.remaining, "reset_seconds": round(d.reset_s, 3)}
+            )  # fmt: skip
+        return rows
+
+    async def _status_rpc(self, request: bytes, context: Any) -> bytes:
+        """STATUS_METHOD: JSON {"tenant": "..."} in, {"buckets": [...]} out; needs the token."""
+        import hmac
+
+        given = dict(context.invocation_metadata()).get("authorization", "")
+        if self.token is None:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "status needs a token: start controlplane ratelimit with --token-file",
+            )
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a wrong or missing bearer token")
+        try:
+            asked = json.loads(request or b"{}")
+            tenant = asked.get("tenant") if isinstance(asked, dict) else None
+        except ValueError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request is not JSON")
+        if tenant is not None and not isinstance(tenant, str):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant: expected a string")
+        try:
+            rows = await self.status(tenant or None, time.monotonic())
+        except RedisUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"Redis: {e}")
+        return json.dumps({"buckets": rows}).encode()
+
+    def status_handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            STATUS_SERVICE, {"Status": grpc.unary_unary_rpc_method_handler(self._status_rpc)}
+        )
 
     def _store_failed(self, e: Exception) -> None:
         self.metrics.store_ops.labels("error").inc()
@@ -260,7 +318,11 @@ def error_body(model: str, d: Decision) -> str:
 
 
 async def serve(
-    config: Path, listen: str, metrics_listen: str | None = None, store_url: str = "memory"
+    config: Path,
+    listen: str,
+    metrics_listen: str | None = None,
+    store_url: str = "memory",
+    token: str | None = None,
 ) -> None:
     """Run the service until SIGINT or SIGTERM; buckets in memory, or on Redis
     (`redis://HOST:PORT[/DB]`), shared with every other service using it."""
@@ -272,8 +334,10 @@ async def serve(
     metrics = QuotaMetrics()
     store = None if store_url == "memory" else RedisStore(store_url)
     service = RateLimitService(fleet.quotas, metrics, store)
+    service.token = token
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     rls_pb2_grpc.add_RateLimitServiceServicer_to_server(service, server)
+    server.add_generic_rpc_handlers((service.status_handler(),))
     if server.add_insecure_port(listen) == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()

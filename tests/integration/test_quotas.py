@@ -9,6 +9,7 @@ import http.client
 import json
 import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -110,6 +111,8 @@ class RateLimiter:
         self.config, self.log_dir, self.port = config, log_dir, port
         self.store, self.name = store, name
         self.metrics_port = free_port()
+        self.token_file = log_dir / "quota-token"  # what cpctl quota status sends
+        self.token_file.write_text("quota-status-token\n")
         self.proc: Proc | None = None
 
     def start(self) -> RateLimiter:
@@ -118,7 +121,7 @@ class RateLimiter:
             [
                 str(BIN / "controlplane"), "ratelimit", "--config", str(self.config),
                 "--listen", f"127.0.0.1:{self.port}", "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
-                "--store", self.store,
+                "--store", self.store, "--token-file", str(self.token_file),
             ],
             self.log_dir,
         )  # fmt: skip
@@ -253,6 +256,33 @@ def test_a_tenant_over_its_limit_gets_429_with_openais_headers_and_others_are_se
         if name.startswith("controlplane_quota_")
     }
     assert len(used) >= 3 and used <= exported, sorted(used - exported)
+
+
+def cpctl_status(rig: Rig, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "cpctl"), "quota", "status", *args, "--quota-service", f"127.0.0.1:{rig.limiter.port}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_cpctl_quota_status_shows_use_and_what_is_left(rig: Rig) -> None:
+    port = rig.fleet.listener
+    assert [ask(port, "acme").status for _ in range(LIMIT + 1)] == [200] * LIMIT + [429]
+    assert ask(port, "globex").status == 200
+    token = ["--token-file", str(rig.limiter.token_file)]
+    got = cpctl_status(rig, "acme", *token, "-o", "json")
+    assert got.returncode == 0, got.stderr
+    (row,) = json.loads(got.stdout)["buckets"]
+    assert (row["tenant"], row["model"], row["kind"]) == ("acme", MODEL, "requests")
+    assert row["limit_per_minute"] == LIMIT and row["remaining"] == 0 and 0 < row["reset_seconds"] <= 60
+    table = cpctl_status(rig, *token)
+    assert table.returncode == 0 and "acme" in table.stdout and "globex" in table.stdout, table
+    # The status needs the service's token: another one is refused, and says where it came from.
+    (rig.fleet.tmp / "wrong-token").write_text("not-it\n")
+    refused = cpctl_status(rig, "--token-file", str(rig.fleet.tmp / "wrong-token"))
+    assert refused.returncode == 4 and "UNAUTHENTICATED" in refused.stderr, refused
 
 
 def test_the_service_gone_requests_are_served_and_the_limit_returns_with_it(rig: Rig) -> None:

@@ -673,7 +673,7 @@ def test_completion_script_mentions_every_command(capsys: pytest.CaptureFixture[
     script = capsys.readouterr().out
     assert "complete -F _cpctl cpctl" in script
     for words in (
-        "rollout endpoints autoscaling proxies version completion",
+        "rollout endpoints autoscaling quota proxies version completion",
         "start status pause resume abort undo promote list history",
         "list drain undrain",
     ):
@@ -689,7 +689,7 @@ def test_completion_script_mentions_every_command(capsys: pytest.CaptureFixture[
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
-        ("cpctl ", "rollout endpoints autoscaling proxies version completion"),
+        ("cpctl ", "rollout endpoints autoscaling quota proxies version completion"),
         ("cpctl autoscaling list llama -o ", "table json yaml"),
         ("cpctl rollout st", "start status"),
         ("cpctl --server h:1 endpoints ", "list drain undrain"),
