@@ -10,6 +10,7 @@ import json
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -356,7 +357,32 @@ def test_two_services_on_redis_hold_the_limit_for_the_sum(rig: Rig) -> None:
     assert all(n > 0 for n in decided), decided  # both services counted, one limit
     assert sum(s.metric(ok) for s in services) == LIMIT
     assert rig.redis is not None
-    rig.redis.kill()
+    # Redis killed under traffic (a tenant with room, another over its limit, both sending):
+    # no request fails; acme's are served while Redis is down.
+    stop = threading.Event()
+    seen: list[tuple[str, int]] = []
+
+    def traffic() -> None:
+        while not stop.is_set():
+            for tenant in ("globex", "acme"):
+                try:
+                    seen.append((tenant, ask(port, tenant).status))
+                except OSError as e:
+                    seen.append((tenant, -1))
+                    print(e)
+
+    sender = threading.Thread(target=traffic, daemon=True)
+    sender.start()
+    try:
+        wait_until(lambda: len(seen) >= 10, 10, "traffic before the kill")
+        rig.redis.kill()
+        killed_at = len(seen)
+        wait_until(lambda: len(seen) >= killed_at + 20, 20, "traffic with Redis down")
+    finally:
+        stop.set()
+        sender.join(15)
+    assert {s for _, s in seen} <= {200, 429}, sorted(set(seen))
+    assert all(s == 200 for _, s in seen[killed_at + 2 :]), seen[killed_at:]  # fail open
     served = [ask(port, "acme").status for _ in range(10)]
     assert served == [200] * 10, served  # fail open: Redis down costs no request
     errors = sum(s.metric('controlplane_quota_store_operations_total{result="error"}') for s in services)
