@@ -237,14 +237,20 @@ def picked_policy(fallback: cluster_pb2.LoadBalancingPolicy | None = None) -> cl
 
 
 def build_picker_cluster(endpoints: tuple[tuple[str, int], ...]) -> cluster_pb2.Cluster:
-    """The pickers as proxies reach them: gRPC (HTTP/2), static IPs, round robin. A picker
-    that refuses or resets is ejected for a while, so its share of requests stops paying a
-    failed call before they fall back to the weights."""
+    """The pickers as proxies reach them (build_side_service_cluster)."""
+    return build_side_service_cluster(names.PICKER_CLUSTER, endpoints)
+
+
+def build_side_service_cluster(name: str, endpoints: tuple[tuple[str, int], ...]) -> cluster_pb2.Cluster:
+    """A service every request may call on the side (the pickers, the rate-limit services) as
+    proxies reach it: gRPC (HTTP/2), static IPs, round robin, no circuit breaker of its own.
+    One that refuses or resets is ejected for a while, so its share of requests stops paying
+    a failed call before they go on without it (each caller fails open)."""
     c = cluster_pb2.Cluster(
-        name=names.PICKER_CLUSTER,
+        name=name,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=pb.duration(0.25),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(cluster_name=names.PICKER_CLUSTER),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(cluster_name=name),
         outlier_detection=outlier_detection_pb2.OutlierDetection(
             consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=2),
             enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=100),

@@ -13,22 +13,20 @@ request is served: fail open, counted in Envoy's `ratelimit.error` and
 
 from __future__ import annotations
 
-from envoy.config.cluster.v3 import cluster_pb2, outlier_detection_pb2
-from envoy.config.core.v3 import address_pb2, config_source_pb2, grpc_service_pb2, protocol_pb2
-from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import config_source_pb2, grpc_service_pb2
 from envoy.config.ratelimit.v3 import rls_pb2
 from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.filters.http.ratelimit.v3 import rate_limit_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
-from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.metadata.v3 import metadata_pb2
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import wrappers_pb2
 
 from controlplane.fleet.model import Fleet, Model, QuotaSpec
 from controlplane.routing import names, pb
+from controlplane.routing.clusters import build_side_service_cluster
 from controlplane.routing.names import METADATA_NS
 
 RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
@@ -64,34 +62,8 @@ def build_ratelimit_filter(quotas: QuotaSpec) -> hcm_pb2.HttpFilter:
 
 
 def build_ratelimit_cluster(quotas: QuotaSpec) -> cluster_pb2.Cluster:
-    """The rate-limit services as proxies reach them: gRPC, static IPs, round robin; one that
-    refuses or resets is ejected for a while."""
-    c = cluster_pb2.Cluster(
-        name=names.RATELIMIT_CLUSTER,
-        type=cluster_pb2.Cluster.STATIC,
-        connect_timeout=pb.duration(0.25),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(cluster_name=names.RATELIMIT_CLUSTER),
-        outlier_detection=outlier_detection_pb2.OutlierDetection(
-            consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=2),
-            enforcing_consecutive_gateway_failure=wrappers_pb2.UInt32Value(value=100),
-            enforcing_consecutive_5xx=wrappers_pb2.UInt32Value(value=0),
-        ),
-    )
-    locality = c.load_assignment.endpoints.add()
-    for host, port in quotas.endpoints:
-        lb = locality.lb_endpoints.add()
-        lb.endpoint.address.CopyFrom(
-            address_pb2.Address(socket_address=address_pb2.SocketAddress(address=host, port_value=port))
-        )
-    options = http_protocol_options_pb2.HttpProtocolOptions(
-        explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
-            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
-        )
-    )
-    c.typed_extension_protocol_options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].CopyFrom(
-        pb.pack(options)
-    )
-    return c
+    """The rate-limit services as proxies reach them (clusters.build_side_service_cluster)."""
+    return build_side_service_cluster(names.RATELIMIT_CLUSTER, quotas.endpoints)
 
 
 def counts_tokens(quotas: QuotaSpec) -> bool:

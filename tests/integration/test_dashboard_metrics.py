@@ -91,6 +91,28 @@ def promql_metric_names(expr: str) -> set[str]:
     return names
 
 
+def dashboard_names(prefix: str) -> set[str]:
+    """The metric names starting with `prefix` that the dashboards' queries read."""
+    return {
+        name
+        for path in sorted((DEPLOY / "grafana").glob("*.json"))
+        for expr in dashboard_expressions(path)
+        for name in promql_metric_names(expr)
+        if name.startswith(prefix)
+    }
+
+
+def page_names(page: str) -> set[str]:
+    """The names a Prometheus page has samples of, or declares (a labelled counter has no
+    sample before its first count, only its # TYPE line)."""
+    names = {line.split("{")[0].split()[0] for line in page.splitlines() if line and line[0] != "#"}
+    for line in page.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, family, kind = line.split()
+            names.add(family if family.endswith("_total") or kind != "counter" else family + "_total")
+    return names
+
+
 def dashboard_expressions(path: Path) -> list[str]:
     """Every PromQL expression of a dashboard: panel targets and template queries."""
     dash = json.loads(path.read_text())

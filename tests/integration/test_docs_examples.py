@@ -56,10 +56,19 @@ NOT_RUN = {
     ("docs/benchmarks.md", ".venv/bin/python bench/autoscaling/real.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/python bench/envoy_stats/series.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/python bench/picker/overhead.py"): BENCH,
+    ("docs/benchmarks.md", ".venv/bin/python bench/quotas/decisions.py"): BENCH,
+    ("docs/benchmarks.md", ".venv/bin/python bench/quotas/accuracy.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/pip install -e '.[bench]'"): "installs the optional bench extra",
     ("docs/picker.md", "controlplane picker --control-plane"): (
         "runs until stopped; tests/integration/test_picker.py starts the same command against a real "
         "control plane and Envoy"
+    ),
+    ("docs/quotas.md", "controlplane ratelimit --config fleet.yaml"): (
+        "runs until stopped; tests/integration/test_quotas.py starts the same command (in memory "
+        "and on a real redis-server) behind two real Envoys"
+    ),
+    ("docs/quotas.md", "cpctl quota status"): (
+        "needs a rate-limit service; test_cpctl_quota_status_shows_use_and_what_is_left runs it"
     ),
     ("docs/ha.md", "controlplane import --from fleet.yaml --to etcd://"): (
         "needs an etcd cluster; tests/integration/test_ha.py runs import, serve --store and bootstrap "

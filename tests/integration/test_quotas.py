@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import BIN, EmulatedFleet, Emulator, Envoy, Proc, http_get, wait_until
-from tests.integration.test_dashboard_metrics import DEPLOY, dashboard_expressions, promql_metric_names
+from tests.integration.test_dashboard_metrics import dashboard_names, page_names
 from tests.ports import free_port
 from tests.unit.test_deploy_prometheus import ENVOY_QUOTA_STATS
 
@@ -241,21 +241,9 @@ def test_a_tenant_over_its_limit_gets_429_with_openais_headers_and_others_are_se
         )
         == 4
     )
-    # The dashboard's Quotas row reads the service's own page: every name it uses is declared
-    # there (a labelled counter has no sample before its first count: its # TYPE line).
+    # The dashboard reads the service's own page: every name it uses there is on it.
     _, page = http_get(f"http://127.0.0.1:{rig.limiter.metrics_port}/metrics")
-    exported = {line.split("{")[0].split()[0] for line in page.splitlines() if line and line[0] != "#"}
-    for line in page.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, family, kind = line.split()
-            exported.add(family if family.endswith("_total") or kind != "counter" else family + "_total")
-    used = {
-        name
-        for path in sorted((DEPLOY / "grafana").glob("*.json"))
-        for expr in dashboard_expressions(path)
-        for name in promql_metric_names(expr)
-        if name.startswith("controlplane_quota_")
-    }
+    used, exported = dashboard_names("controlplane_quota_"), page_names(page)
     assert len(used) >= 3 and used <= exported, sorted(used - exported)
 
 
