@@ -72,7 +72,7 @@ def test_the_most_specific_level_that_sets_a_limit_wins() -> None:
          "quotas.default.requests_per_minute", "whole number"),
         ("quotas: {models: {nope: {}}, %(svc)s}", "quotas.models.nope", "unknown model"),
         ("quotas: {default: {requests_per_minute: 5}}", "quotas.service.endpoints", "controlplane ratelimit"),
-        ("quotas: {service: {endpoints: ['10.0.0.300:1']}}", "quotas.service.endpoints[0]", ""),
+        ("quotas: {service: {endpoints: ['127.0.0.300:1']}}", "quotas.service.endpoints[0]", "not an IP"),
         ("quotas: {service: {endpoints: ['127.0.0.1:1', '127.0.0.1:1']}}",
          "quotas.service.endpoints", "twice"),
         ("quotas: {key: {header: authorization}, %(svc)s}",
