@@ -374,6 +374,9 @@ class QuotaSpec:
     proxies reach the rate-limit service that counts them."""
 
     key_header: str = "x-api-key"  # the request header naming the tenant
+    # key: {bearer: true}: the tenant is the Authorization bearer token, hashed
+    # (quota/service.bearer_tenant), so that the fleet file never holds a credential.
+    key_bearer: bool = False
     default: QuotaLimit = field(default_factory=QuotaLimit)
     tenants: Mapping[str, QuotaLimit] = field(default_factory=dict)
     # per model: (its default, its tenants)

@@ -12,7 +12,7 @@ from controlplane.fleet.model import QuotaLimit, QuotaSpec
 from controlplane.fleet.values import _duration, _int, _kind, _mapping, parse_address
 
 _HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,99}$")
-_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # with key.bearer: key-<16 hex digits>
 _KINDS = ("requests_per_minute", "tokens_per_minute")
 _RESERVED_HEADERS = {"authorization", "host", "content-length", "content-type", "x-model", "x-priority"}
 
@@ -55,8 +55,15 @@ def _quotas(value: Any, model_names: set[str], errs: _Errors) -> QuotaSpec | Non
         return None
     before = len(errs.items)
     kw: dict[str, Any] = {}
-    key = _mapping(m.get("key", {}), "quotas.key", errs, {"header"})
-    if key is not None and "header" in key:
+    key = _mapping(m.get("key", {}), "quotas.key", errs, {"header", "bearer"})
+    if key is not None and "bearer" in key:
+        if "header" in key:
+            errs.add("quotas.key", "set header or bearer, not both: a request belongs to one tenant")
+        elif key["bearer"] is not True and key["bearer"] is not False:
+            errs.add("quotas.key.bearer", f"expected true or false, got {key['bearer']!r}")
+        else:
+            kw["key_bearer"] = key["bearer"]
+    elif key is not None and "header" in key:
         header = key["header"]
         if not isinstance(header, str) or not _HEADER_NAME.match(header):
             errs.add("quotas.key.header", f"expected a lower-case header name, got {header!r}")

@@ -35,6 +35,7 @@ from controlplane.obs.http import split_host_port
 from controlplane.quota.limiter import KINDS, Decision, Limiter, decision, needed
 from controlplane.quota.redis_store import RedisStore, RedisUnavailable
 from controlplane.routing.quotas import (
+    BEARER_KEY,
     DOMAIN,
     KIND_KEY,
     MAX_TOKENS_KEY,
@@ -226,6 +227,8 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 statuses.append(ok)
                 continue
             tenant = entries.get(TENANT_KEY, "")
+            if BEARER_KEY in entries:
+                tenant = bearer_tenant(entries[BEARER_KEY])
             if len(tenant.encode()) > MAX_TENANT_BYTES:
                 tenant = "invalid"
             label = tenant if tenant in self.limiter.spec.tenants else OTHER
@@ -271,6 +274,19 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             response.raw_body = error_body(model, refused[0]).encode()
             response.response_headers_to_add.add(key="content-type", value="application/json")
         return response
+
+
+def bearer_tenant(authorization: str) -> str:
+    """The tenant of a request by its bearer token (quotas.key.bearer): key-<the first 16 hex
+    digits of the token's SHA-256>, what `printf %s "$TOKEN" | sha256sum | cut -c1-16` prints
+    after "key-". An Authorization header that is not a bearer token is the tenant "" (the
+    default limits)."""
+    import hashlib
+
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return ""
+    return "key-" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
 
 
 MAX_USAGE = 10_000_000  # tokens one response may report; more is not a usage, it is a bug

@@ -33,6 +33,7 @@ RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
 DOMAIN = "inference"  # the rate-limit domain every descriptor is under
 MODEL_KEY = "model"  # descriptor entry keys
 TENANT_KEY = "tenant"
+BEARER_KEY = "bearer"  # key.bearer: the Authorization header as sent; the service hashes it
 KIND_KEY = "kind"  # absent: requests; "tokens": the token check; "charge": a response's tokens
 USAGE_KEY = "usage"  # the response's usage.total_tokens (json_to_metadata), at stream end
 PROMPT_BYTES_KEY = "prompt_bytes"  # the request's content-length
@@ -89,7 +90,9 @@ def add_rate_limits(fleet: Fleet, model: Model, action: route_components_pb2.Rou
             Action(generic_key=Action.GenericKey(descriptor_key=MODEL_KEY, descriptor_value=model.name)),
             Action(
                 request_headers=Action.RequestHeaders(
-                    header_name=quotas.key_header, descriptor_key=TENANT_KEY, skip_if_absent=True
+                    header_name="authorization" if quotas.key_bearer else quotas.key_header,
+                    descriptor_key=BEARER_KEY if quotas.key_bearer else TENANT_KEY,
+                    skip_if_absent=True,
                 )
             ),
         ]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.quota.service import bearer_tenant
 from tests.integration.harness import BIN, EmulatedFleet, Emulator, Envoy, Proc, http_get, wait_until
 from tests.integration.test_dashboard_metrics import dashboard_names, page_names
 from tests.ports import free_port
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.envoy
 
 MODEL = "chat"
 LIMIT = 6  # acme's requests per minute; refills at one per 10 s, so a test sees no refill
+ACME_TOKEN = "sk-acme-0123456789"  # with the bearer mark, acme is this token's hash
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,16 @@ class Answer:
     body: str
 
 
-def ask(port: int, tenant: str | None, max_tokens: int = 1, stream: bool = False) -> Answer:
+def ask(
+    port: int, tenant: str | None, max_tokens: int = 1, stream: bool = False, bearer: str | None = None
+) -> Answer:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         headers = {"content-type": "application/json"}
         if tenant is not None:
             headers["x-api-key"] = tenant
+        if bearer is not None:
+            headers["authorization"] = f"Bearer {bearer}"
         body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "stream": stream})
         conn.request("POST", "/v1/completions", body=body, headers=headers)
         r = conn.getresponse()
@@ -168,6 +174,9 @@ def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
     mark = request.node.get_closest_marker("tokens")
     tokens = f", tokens_per_minute: {mark.args[0]}" if mark else ""
     on_redis = request.node.get_closest_marker("redis") is not None
+    bearer = request.node.get_closest_marker("bearer") is not None  # the tenant: acme's hashed token
+    key = "{bearer: true}" if bearer else "{header: x-api-key}"
+    acme = bearer_tenant(f"Bearer {ACME_TOKEN}") if bearer else "acme"
     fleet = EmulatedFleet(tmp_path)
     second: Envoy | None = None
     limiter: RateLimiter | None = None
@@ -182,10 +191,10 @@ def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
             "listener: {port: %d}\n"
             "tiers: {small: {timeout: 30s}}\n"
             "quotas:\n"
-            "  key: {header: x-api-key}\n"
+            f"  key: {key}\n"
             f"  service: {{endpoints: {json.dumps(services)}, timeout: 500ms}}\n"
             "  default: {requests_per_minute: 1000}\n"
-            f"  tenants: {{acme: {{requests_per_minute: {LIMIT}{tokens}}}}}\n"
+            f"  tenants: {{{acme}: {{requests_per_minute: {LIMIT}{tokens}}}}}\n"
             "models:\n"
             f"  {MODEL}: {{params_b: 8, stable: v1, versions: {{v1: {{endpoints: ['{address}']}}}}}}\n"
         )
@@ -377,3 +386,18 @@ def test_two_services_on_redis_hold_the_limit_for_the_sum(rig: Rig) -> None:
     assert errors >= 10, errors
     rig.redis.start()  # empty: full buckets
     wait_until(lambda: ask(port, "acme").status == 429, 20, "the limit to be back")
+
+
+@pytest.mark.bearer
+def test_the_tenant_can_be_the_bearer_token_hashed(rig: Rig) -> None:
+    """key: {bearer: true}: the fleet names acme by its token's hash, never the token; the
+    same token over its limit gets 429, another token is served."""
+    port = rig.fleet.listener
+    statuses = [ask(port, None, bearer=ACME_TOKEN).status for _ in range(LIMIT + 1)]
+    assert statuses == [200] * LIMIT + [429], statuses
+    assert ACME_TOKEN not in (rig.fleet.tmp / "fleet.yaml").read_text()
+    assert ask(port, None, bearer="sk-globex").status == 200
+    assert ask(port, "acme").status == 200  # the x-api-key header means nothing here
+    tenant = bearer_tenant(f"Bearer {ACME_TOKEN}")
+    over = f'controlplane_quota_decisions_total{{model="chat",result="over_limit",tenant="{tenant}"}}'
+    assert rig.limiter.metric(over) == 1

@@ -282,3 +282,35 @@ def test_token_quotas_add_the_token_check_and_the_charge_at_stream_end() -> None
     j = json_to_metadata_pb2.JsonToMetadata()
     next(f for f in hcm.http_filters if f.name.endswith("json_to_metadata")).typed_config.Unpack(j)
     assert [s.key for s in j.response_rules.rules[0].selectors] == ["usage", "total_tokens"]
+
+
+def test_a_bearer_token_is_a_tenant_by_its_hash() -> None:
+    import hashlib
+
+    from controlplane.quota.service import bearer_tenant
+
+    want = "key-" + hashlib.sha256(b"sk-123").hexdigest()[:16]
+    assert bearer_tenant("Bearer sk-123") == want == bearer_tenant("bearer  sk-123 ")
+    assert bearer_tenant("Basic dXNlcjpwdw==") == "" and bearer_tenant("Bearer ") == ""
+    text = QUOTAS.replace("key: {header: x-api-key}", "key: {bearer: true}").replace("acme:", f"{want}:")
+    fleet = parse_fleet(BASE + text)
+    assert fleet.quotas is not None and fleet.quotas.key_bearer
+    routes = [
+        r for vh in translate(fleet).by_type[ROUTE][names.GATEWAY_ROUTES].virtual_hosts for r in vh.routes
+        if r.HasField("route")
+    ]  # fmt: skip
+    header = routes[0].route.rate_limits[0].actions[1].request_headers
+    assert (header.header_name, header.descriptor_key) == ("authorization", "bearer")
+    svc = RateLimitService(fleet.quotas)
+    req = _request("big", None)
+    req.descriptors[0].entries.add(key="bearer", value="Bearer sk-123")
+    assert [svc.decide(req, now=1.0).overall_code for _ in range(4)][
+        -1
+    ] == rls_pb2.RateLimitResponse.OVER_LIMIT
+    for bad, words in (
+        ("{header: x-api-key, bearer: true}", "not both"),
+        ("{bearer: yes-please}", "true or false"),
+    ):
+        with pytest.raises(FleetConfigInvalid) as got:
+            parse_fleet(BASE + QUOTAS.replace("{header: x-api-key}", bad))
+        assert words in str(got.value)
