@@ -135,7 +135,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         except RedisUnavailable as e:
             self._store_failed(e)
             return Decision(True, None, kind=kind)  # fail open: no limit known, none applied
-        self.metrics.store_ops.labels("ok").inc()
+        self._store_ok()
         return decision(kind, limit, level, allowed, needed(kind, hits))
 
     async def _charge(self, tenant: str, model: str, tokens: int, now: float) -> None:
@@ -150,7 +150,7 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         except RedisUnavailable as e:
             self._store_failed(e)
         else:
-            self.metrics.store_ops.labels("ok").inc()
+            self._store_ok()
 
     # ---- status (cpctl quota status) ---------------------------------------------------------
 
@@ -207,6 +207,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         return grpc.method_handlers_generic_handler(
             STATUS_SERVICE, {"Status": grpc.unary_unary_rpc_method_handler(self._status_rpc)}
         )
+
+    def _store_ok(self) -> None:
+        self.metrics.store_ops.labels("ok").inc()
+        if self._store_down:
+            log.info("quota.store_reachable_again")
+        self._store_down = False
 
     def _store_failed(self, e: Exception) -> None:
         self.metrics.store_ops.labels("error").inc()
