@@ -38,7 +38,15 @@ from controlplane.fleet.schema_gpus import _check_memory_fit, _gpu_classes, _mat
 from controlplane.fleet.schema_models import _models
 from controlplane.fleet.schema_policies import TRAFFIC_KEYS, _scaling, _slo, _traffic
 from controlplane.fleet.schema_quotas import _quotas
-from controlplane.fleet.values import _VERSION, _duration, _int, _kind, _mapping, _number, parse_address
+from controlplane.fleet.values import (
+    _VERSION,
+    _addresses,
+    _duration,
+    _int,
+    _kind,
+    _mapping,
+    _number,
+)
 
 
 def _fleet(data: Any, errs: _Errors) -> Fleet | None:
@@ -102,21 +110,6 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
     fleet = _match_gpu_classes(fleet, errs)
     _check_memory_fit(fleet, errs)
     return fleet
-
-
-def _addresses(value: Any, path: str, what: str, errs: _Errors) -> tuple[tuple[str, int], ...] | None:
-    """A list of IP:PORT: the addresses that parse (each bad one an error at `path[i]`), or
-    None (and an error) when `value` is not a list."""
-    if not isinstance(value, list):
-        errs.add(path, f"expected a list of {what}, got {_kind(value)}")
-        return None
-    parsed = []
-    for i, item in enumerate(value):
-        try:
-            parsed.append(parse_address(item))
-        except ValueError as e:
-            errs.add(f"{path}[{i}]", str(e))
-    return tuple(parsed)
 
 
 def _picker(value: Any, errs: _Errors) -> PickerSpec | None:

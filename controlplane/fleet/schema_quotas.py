@@ -9,7 +9,7 @@ from typing import Any
 from controlplane import limits
 from controlplane.fleet.errors import _Errors
 from controlplane.fleet.model import QuotaLimit, QuotaSpec
-from controlplane.fleet.values import _duration, _int, _kind, _mapping, parse_address
+from controlplane.fleet.values import _addresses, _duration, _int, _kind, _mapping
 
 _HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,99}$")
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # with key.bearer: key-<16 hex digits>
@@ -101,16 +101,10 @@ def _quotas(value: Any, model_names: set[str], errs: _Errors) -> QuotaSpec | Non
                 f"expected a non-empty list of IP:PORT (each `controlplane ratelimit --listen`), "
                 f"got {_kind(endpoints)}",
             )
-        else:
-            parsed = []
-            for i, item in enumerate(endpoints):
-                try:
-                    parsed.append(parse_address(item))
-                except ValueError as e:
-                    errs.add(f"quotas.service.endpoints[{i}]", str(e))
+        elif (parsed := _addresses(endpoints, "quotas.service.endpoints", "IP:PORT", errs)) is not None:
             if len(set(parsed)) != len(parsed):
                 errs.add("quotas.service.endpoints", "lists an address twice")
-            kw["endpoints"] = tuple(parsed)
+            kw["endpoints"] = parsed
         if "timeout" in service:
             got = _duration(service["timeout"], "quotas.service.timeout", errs)
             if got is not None and not limits.QUOTA_TIMEOUT_MIN_S <= got <= limits.QUOTA_TIMEOUT_MAX_S:

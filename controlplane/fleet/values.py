@@ -146,3 +146,18 @@ def parse_address(value: Any) -> tuple[str, int]:
     if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         raise ValueError(f"bad address {value!r}: port must be 1-65535")
     return host, int(port_text)
+
+
+def _addresses(value: Any, path: str, what: str, errs: _Errors) -> tuple[tuple[str, int], ...] | None:
+    """A list of IP:PORT: the addresses that parse (each bad one an error at `path[i]`), or
+    None (and an error) when `value` is not a list."""
+    if not isinstance(value, list):
+        errs.add(path, f"expected a list of {what}, got {_kind(value)}")
+        return None
+    parsed = []
+    for i, item in enumerate(value):
+        try:
+            parsed.append(parse_address(item))
+        except ValueError as e:
+            errs.add(f"{path}[{i}]", str(e))
+    return tuple(parsed)
