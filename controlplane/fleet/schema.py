@@ -41,6 +41,7 @@ from controlplane.fleet.schema_quotas import _quotas
 from controlplane.fleet.values import (
     _VERSION,
     _addresses,
+    _bounded_duration,
     _duration,
     _int,
     _kind,
@@ -120,21 +121,18 @@ def _picker(value: Any, errs: _Errors) -> PickerSpec | None:
         return None
     before = len(errs.items)
     kw: dict[str, Any] = {}
-    endpoints = _addresses(m.get("endpoints", []), "picker.endpoints", "IP:PORT", errs)
+    endpoints = _addresses(m.get("endpoints", []), "picker.endpoints", "IP:PORT", errs, unique=True)
     if endpoints is not None:
-        if len(set(endpoints)) != len(endpoints):
-            errs.add("picker.endpoints", "lists an address twice")
         kw["endpoints"] = endpoints
     if "timeout" in m:
-        got = _duration(m["timeout"], "picker.timeout", errs)
-        if got is not None and not limits.PICKER_TIMEOUT_MIN_S <= got <= limits.PICKER_TIMEOUT_MAX_S:
-            errs.add(
-                "picker.timeout",
-                f"must be between {limits.PICKER_TIMEOUT_MIN_S * 1000:g}ms and "
-                f"{limits.PICKER_TIMEOUT_MAX_S * 1000:g}ms (every picked request may wait this long "
-                f"when the picker is slow), got {got * 1000:g}ms",
-            )
-        kw["timeout_s"] = got
+        kw["timeout_s"] = _bounded_duration(
+            m["timeout"],
+            "picker.timeout",
+            limits.PICKER_TIMEOUT_MIN_S,
+            limits.PICKER_TIMEOUT_MAX_S,
+            "every picked request may wait this long when the picker is slow",
+            errs,
+        )
     return PickerSpec(**kw) if len(errs.items) == before else None
 
 

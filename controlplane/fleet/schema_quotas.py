@@ -9,7 +9,7 @@ from typing import Any
 from controlplane import limits
 from controlplane.fleet.errors import _Errors
 from controlplane.fleet.model import QuotaLimit, QuotaSpec
-from controlplane.fleet.values import _addresses, _duration, _int, _kind, _mapping
+from controlplane.fleet.values import _addresses, _bounded_duration, _int, _kind, _mapping
 
 _HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,99}$")
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # with key.bearer: key-<16 hex digits>
@@ -101,20 +101,19 @@ def _quotas(value: Any, model_names: set[str], errs: _Errors) -> QuotaSpec | Non
                 f"expected a non-empty list of IP:PORT (each `controlplane ratelimit --listen`), "
                 f"got {_kind(endpoints)}",
             )
-        elif (parsed := _addresses(endpoints, "quotas.service.endpoints", "IP:PORT", errs)) is not None:
-            if len(set(parsed)) != len(parsed):
-                errs.add("quotas.service.endpoints", "lists an address twice")
+        elif (
+            parsed := _addresses(endpoints, "quotas.service.endpoints", "IP:PORT", errs, unique=True)
+        ) is not None:
             kw["endpoints"] = parsed
         if "timeout" in service:
-            got = _duration(service["timeout"], "quotas.service.timeout", errs)
-            if got is not None and not limits.QUOTA_TIMEOUT_MIN_S <= got <= limits.QUOTA_TIMEOUT_MAX_S:
-                errs.add(
-                    "quotas.service.timeout",
-                    f"must be between {limits.QUOTA_TIMEOUT_MIN_S * 1000:g}ms and "
-                    f"{limits.QUOTA_TIMEOUT_MAX_S * 1000:g}ms (every request may wait this long for "
-                    f"a decision), got {got * 1000:g}ms",
-                )
-            kw["timeout_s"] = got
+            kw["timeout_s"] = _bounded_duration(
+                service["timeout"],
+                "quotas.service.timeout",
+                limits.QUOTA_TIMEOUT_MIN_S,
+                limits.QUOTA_TIMEOUT_MAX_S,
+                "every request may wait this long for a decision",
+                errs,
+            )
         on_error = service.get("on_error", "allow")
         if on_error not in ("allow", "deny"):
             errs.add(

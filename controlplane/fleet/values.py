@@ -148,9 +148,12 @@ def parse_address(value: Any) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def _addresses(value: Any, path: str, what: str, errs: _Errors) -> tuple[tuple[str, int], ...] | None:
-    """A list of IP:PORT: the addresses that parse (each bad one an error at `path[i]`), or
-    None (and an error) when `value` is not a list."""
+def _addresses(
+    value: Any, path: str, what: str, errs: _Errors, *, unique: bool = False
+) -> tuple[tuple[str, int], ...] | None:
+    """A list of IP:PORT: the addresses that parse (each bad one an error at `path[i]`; with
+    `unique`, one listed twice an error at `path`), or None (and an error) when `value` is not
+    a list."""
     if not isinstance(value, list):
         errs.add(path, f"expected a list of {what}, got {_kind(value)}")
         return None
@@ -160,4 +163,20 @@ def _addresses(value: Any, path: str, what: str, errs: _Errors) -> tuple[tuple[s
             parsed.append(parse_address(item))
         except ValueError as e:
             errs.add(f"{path}[{i}]", str(e))
+    if unique and len(set(parsed)) != len(parsed):
+        errs.add(path, "lists an address twice")
     return tuple(parsed)
+
+
+def _bounded_duration(
+    value: Any, path: str, lo_s: float, hi_s: float, why: str, errs: _Errors
+) -> float | None:
+    """A duration between lo_s and hi_s (ms precision in the error), else None and an error at
+    `path` that says `why` the bounds matter."""
+    got = _duration(value, path, errs)
+    if got is not None and not lo_s <= got <= hi_s:
+        errs.add(
+            path, f"must be between {lo_s * 1000:g}ms and {hi_s * 1000:g}ms ({why}), got {got * 1000:g}ms"
+        )
+        return None
+    return got
