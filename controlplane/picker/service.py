@@ -31,11 +31,9 @@ per request, and an ADS client of the control plane that keeps what it may pick 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import os
-import signal
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -49,9 +47,9 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from controlplane.obs.http import split_host_port
+from controlplane.obs.side_service import serve_until_signalled
 from controlplane.picker.choose import PREFIX_ENTRIES, PREFIX_LOAD_BOUND, PickerState, ServerLoad
 from controlplane.routing.names import PICKED_HEADER, PICKED_METADATA_NS, SUBSET_METADATA_NS
 from controlplane.routing.translate import CLUSTER, ENDPOINT, METADATA_NS
@@ -491,29 +489,17 @@ async def serve(
     server.add_generic_rpc_handlers((picker.peer_handler(),))
     await picker.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await picker.health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-    if server.add_insecure_port(listen) == 0:
-        raise OSError(f"cannot listen on {listen}")
-    await server.start()
-    status = None
-    if metrics_listen:
-        host, port = split_host_port(metrics_listen)
-        status, _ = start_http_server(port, host, registry=metrics.registry)
-    log.info("picker.listening", listen=listen, control_plane=control_plane, metrics=metrics_listen)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(picker.follow())]
+    background = [picker.follow()]
     if admin is not None:
-        tasks.append(asyncio.create_task(picker.follow_loads()))
-    tasks += [asyncio.create_task(picker.follow_peer(peer)) for peer in peers]
-    try:
-        await stop.wait()
-    finally:
-        for task in tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await server.stop(1.0)
-        if status is not None:
-            status.shutdown()
+        background.append(picker.follow_loads())
+    background += [picker.follow_peer(peer) for peer in peers]
+    await serve_until_signalled(
+        server,
+        listen,
+        metrics_listen,
+        metrics.registry,
+        background,
+        lambda: log.info(
+            "picker.listening", listen=listen, control_plane=control_plane, metrics=metrics_listen
+        ),
+    )

@@ -15,10 +15,8 @@ its making. Metrics on --metrics-listen (docs/metrics.md#quotas).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -26,12 +24,12 @@ from typing import Any
 import grpc
 import structlog
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from controlplane.fleet import FleetConfigInvalid, load_fleet
 from controlplane.fleet.errors import ConfigError
 from controlplane.fleet.model import QuotaSpec
-from controlplane.obs.http import split_host_port
+from controlplane.obs.side_service import serve_until_signalled
 from controlplane.quota.limiter import KINDS, Decision, Limiter, decision, needed
 from controlplane.quota.redis_store import RedisStore, RedisUnavailable
 from controlplane.routing.quotas import (
@@ -360,18 +358,6 @@ async def serve(
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     rls_pb2_grpc.add_RateLimitServiceServicer_to_server(service, server)
     server.add_generic_rpc_handlers((service.status_handler(),))
-    if server.add_insecure_port(listen) == 0:
-        raise OSError(f"cannot listen on {listen}")
-    await server.start()
-    status = None
-    if metrics_listen:
-        host, port = split_host_port(metrics_listen)
-        status, _ = start_http_server(port, host, registry=metrics.registry)
-    log.info("quota.listening", listen=listen, config=str(config), metrics=metrics_listen, store=store_url)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
 
     async def reload() -> None:
         seen = os.stat(config).st_mtime_ns
@@ -395,15 +381,13 @@ async def serve(
             metrics.reloads.labels("ok").inc()
             log.info("quota.reloaded")
 
-    task = asyncio.create_task(reload())
+    def started() -> None:
+        log.info(
+            "quota.listening", listen=listen, config=str(config), metrics=metrics_listen, store=store_url
+        )
+
     try:
-        await stop.wait()
+        await serve_until_signalled(server, listen, metrics_listen, metrics.registry, [reload()], started)
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await server.stop(1.0)
         if store is not None:
             await store.close()
-        if status is not None:
-            status.shutdown()
