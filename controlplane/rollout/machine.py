@@ -26,17 +26,35 @@ Rules (groundwork for the operator API; docs/rollouts.md will carry them):
   requests, 18s left in the step`): the proxies that have not ACKed (how many, naming a few),
   the canary requests so far against `min_requests`, the time left before the step may pass
   or the wait pauses. Only the reason changes, so the caller may show it without storing it.
+
+The machine is one table, TRANSITIONS: for every phase and every kind of command, the
+function that applies it or the Refusal (FAILED_PRECONDITION) that rejects it. A running
+rollout takes every command but Resume; a paused one holds at ticks (only a failing
+analysis moves it, to Aborted) and ignores a second Pause; a finished one (Completed,
+Aborted) ignores ticks and refuses every command. Promote is refused before the first step.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any, Literal, NoReturn, TypeVar
 
-Phase = Literal["Progressing", "Paused", "Completed", "Aborted"]
+
+class Phase(StrEnum):
+    """Where a rollout is. The values are what the store, the API and the audit trail hold,
+    and a Phase equals its plain string."""
+
+    PROGRESSING = "Progressing"
+    PAUSED = "Paused"
+    COMPLETED = "Completed"
+    ABORTED = "Aborted"
+
+
 DEFAULT_STEPS = (5, 25, 50, 100)
 INCONCLUSIVE = "inconclusive: "  # how an inconclusive pause's reason begins
 # An analysis window shorter than this cannot show that something is missing: Envoy sends
@@ -222,7 +240,7 @@ Effect = SetWeights | Drain | Leave | Return | SetStable | Transition
 @dataclass(frozen=True)
 class Rollout:
     spec: RolloutSpec
-    phase: Phase = "Progressing"
+    phase: Phase = Phase.PROGRESSING
     step: int = -1  # index into spec.steps; -1: waiting for the proxies before the first step
     weight: int = 0  # the canary's percent in force
     step_started_at: float = 0.0
@@ -232,92 +250,120 @@ class Rollout:
     reason: str = "waiting for every proxy to have the canary's cluster and endpoints"
     finishing: bool = False  # at 100%, waiting for every proxy's routes to leave the old stable
 
+    def __post_init__(self) -> None:
+        # A stored rollout reads back with the plain string: make it the Phase it names.
+        object.__setattr__(self, "phase", Phase(self.phase))
+
     @property
     def weights(self) -> dict[str, int]:
         return {self.spec.stable: 100 - self.weight, self.spec.canary: self.weight}
 
 
-def start(spec: RolloutSpec, now: float) -> tuple[Rollout, list[Effect]]:
+Outcome = tuple[Rollout, list[Effect]]  # the rollout after a command, and what the caller must do
+_C = TypeVar("_C", bound=Command)
+Handler = Callable[[Rollout, _C], Outcome]  # how a phase takes a command of kind _C
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A TRANSITIONS entry for a command the phase does not take: FAILED_PRECONDITION with
+    `message`, which may name {model}, {canary} and {phase}."""
+
+    message: str
+
+    def rejected(self, r: Rollout) -> RolloutRejected:
+        return RolloutRejected(
+            "FAILED_PRECONDITION",
+            self.message.format(model=r.spec.model, canary=r.spec.canary, phase=r.phase),
+        )
+
+    def __call__(self, r: Rollout, cmd: Command) -> NoReturn:
+        raise self.rejected(r)
+
+
+FINISHED = Refusal("the rollout of {model} to {canary} is {phase}; start a new one")
+NOT_PAUSED = Refusal("the rollout of {model} is not paused")
+NOT_LIVE = Refusal("not every proxy has the canary's cluster yet; promote once the first step is live")
+
+
+def start(spec: RolloutSpec, now: float) -> Outcome:
     """A new rollout: canary at 0% until every proxy has its cluster."""
     spec.check()
     r = Rollout(spec=spec, waiting_since=now, step_started_at=now)
     return r, [_set_weights(r), _audit(r)]
 
 
-def apply(r: Rollout, cmd: Command) -> tuple[Rollout, list[Effect]]:
-    """The rollout after `cmd`, and what the caller must do. Raise RolloutRejected if `cmd`
-    cannot apply now (a finished rollout takes no commands; ticks are ignored)."""
-    if r.phase in ("Completed", "Aborted"):
-        if isinstance(cmd, Tick):
-            return r, []
-        raise RolloutRejected(
-            "FAILED_PRECONDITION",
-            f"the rollout of {r.spec.model} to {r.spec.canary} is {r.phase}; start a new one",
+def apply(r: Rollout, cmd: Command) -> Outcome:
+    """The rollout after `cmd`, and what the caller must do: what TRANSITIONS says for the
+    rollout's phase and the command's kind. Raise RolloutRejected if `cmd` cannot apply now
+    (a finished rollout takes no commands; ticks are ignored)."""
+    return TRANSITIONS[(r.phase, type(cmd))](r, cmd)
+
+
+def _ignore(r: Rollout, cmd: Command) -> Outcome:
+    """Nothing to do: a second Pause, a tick of a finished rollout."""
+    return r, []
+
+
+def _pause(r: Rollout, cmd: Pause) -> Outcome:
+    p = replace(r, phase=Phase.PAUSED, reason=cmd.reason)
+    return p, [_audit(p)]
+
+
+def _resume(r: Rollout, cmd: Resume) -> Outcome:
+    if r.step >= 0 and not r.finishing and r.reason.startswith(INCONCLUSIVE):
+        # The step starts over at the next tick (commands carry no time): its old window
+        # lacked the evidence, and a fixed signal deserves a whole interval of its own.
+        p = replace(
+            r,
+            phase=Phase.PROGRESSING,
+            reason="resumed; the step starts over (its analysis was inconclusive)",
+            waiting_since=_RESTART_STEP,
         )
-    if isinstance(cmd, Abort):
-        return _abort(r, cmd.reason)
-    if isinstance(cmd, Pause):
-        if r.phase == "Paused":
-            return r, []
-        p = replace(r, phase="Paused", reason=cmd.reason)
         return p, [_audit(p)]
-    if isinstance(cmd, Resume):
-        if r.phase != "Paused":
-            raise RolloutRejected("FAILED_PRECONDITION", f"the rollout of {r.spec.model} is not paused")
-        if r.step >= 0 and not r.finishing and r.reason.startswith(INCONCLUSIVE):
-            # The step starts over at the next tick (commands carry no time): its old window
-            # lacked the evidence, and a fixed signal deserves a whole interval of its own.
-            p = replace(
-                r,
-                phase="Progressing",
-                reason="resumed; the step starts over (its analysis was inconclusive)",
-                waiting_since=_RESTART_STEP,
-            )
-            return p, [_audit(p)]
-        # Finishing: the wait for the proxies starts again at the next tick.
-        since = 0.0 if r.finishing else _last_time(r)
-        p = replace(r, phase="Progressing", reason="resumed", waiting_since=since)
-        return p, [_audit(p)]
-    if isinstance(cmd, Promote):
-        if r.finishing:
-            return _complete(
-                replace(r, phase="Progressing"),
-                f"promoted by operator while waiting for proxies; {r.spec.stable} drains now",
-            )
-        if r.step < 0:
-            raise RolloutRejected(
-                "FAILED_PRECONDITION",
-                "not every proxy has the canary's cluster yet; promote once the first step is live",
-            )
-        # As Argo Rollouts: `promote` moves one step, whose clock starts afresh at the next
-        # tick (commands carry no time); `promote --full` completes now, through the same
-        # make-before-break wait for every proxy's routes to leave the old stable.
-        if cmd.full:
-            return _goto(
-                replace(r, phase="Progressing"), len(r.spec.steps), 0.0, "promoted to completion by operator"
-            )
-        n, effects = _goto(replace(r, phase="Progressing"), r.step + 1, 0.0, "promoted by operator")
-        return (n if n.finishing else replace(n, waiting_since=_RESTART_STEP)), effects
-    return _tick(r, cmd)
+    # Finishing: the wait for the proxies starts again at the next tick.
+    since = 0.0 if r.finishing else _last_time(r)
+    p = replace(r, phase=Phase.PROGRESSING, reason="resumed", waiting_since=since)
+    return p, [_audit(p)]
+
+
+def _promote(r: Rollout, cmd: Promote) -> Outcome:
+    running = replace(r, phase=Phase.PROGRESSING)
+    if r.finishing:
+        return _complete(
+            running, f"promoted by operator while waiting for proxies; {r.spec.stable} drains now"
+        )
+    if r.step < 0:
+        raise NOT_LIVE.rejected(r)
+    # As Argo Rollouts: `promote` moves one step, whose clock starts afresh at the next
+    # tick (commands carry no time); `promote --full` completes now, through the same
+    # make-before-break wait for every proxy's routes to leave the old stable.
+    if cmd.full:
+        return _goto(running, len(r.spec.steps), 0.0, "promoted to completion by operator")
+    n, effects = _goto(running, r.step + 1, 0.0, "promoted by operator")
+    return (n if n.finishing else replace(n, waiting_since=_RESTART_STEP)), effects
+
+
+def _abort_by(r: Rollout, cmd: Abort) -> Outcome:
+    return _abort(r, cmd.reason)
 
 
 def _last_time(r: Rollout) -> float:
     return max(r.step_started_at, r.waiting_since)
 
 
-def _tick(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
+def _tick(r: Rollout, t: Tick) -> Outcome:
+    """A running rollout at a tick: it waits for the proxies, judges the step, moves on."""
     if r.finishing:
         return _tick_finishing(r, t)
     if r.step < 0:
-        if r.phase == "Paused":
-            return r, []
         if not t.unacked_proxies:
             return _goto(r, 0, t.now, "every proxy has the canary's cluster and endpoints")
         if t.now - r.waiting_since >= r.spec.ack_deadline_s:
             names = ", ".join(sorted(t.unacked_proxies))
             p = replace(
                 r,
-                phase="Paused",
+                phase=Phase.PAUSED,
                 reason=(
                     f"proxies have not ACKed the canary's cluster within {r.spec.ack_deadline_s:g}s: {names}"
                 ),
@@ -333,8 +379,6 @@ def _tick(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
     verdict = _judge(r.spec, t.analysis)
     if verdict is not None:
         return _abort(r, verdict)
-    if r.phase == "Paused":
-        return r, []
     if r.waiting_since == _RESTART_STEP:
         r = replace(r, step_started_at=t.now, waiting_since=t.now)
         return _hold(r, step_holds_for(r, t))
@@ -344,14 +388,54 @@ def _tick(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
         return _hold(r, step_holds_for(r, t))
     why = inconclusive(r.spec, r.weight, t.analysis)
     if why is not None:
-        p = replace(r, phase="Paused", reason=why)
+        p = replace(r, phase=Phase.PAUSED, reason=why)
         return p, [_audit(p)]
     if _unseen(t.analysis) or t.analysis.canary_requests < r.spec.min_requests:
         return _hold(r, step_holds_for(r, t))  # not enough evidence yet
     return _goto(r, r.step + 1, t.now, f"step {r.step + 1} passed analysis")
 
 
-def _hold(r: Rollout, waits_for: str) -> tuple[Rollout, list[Effect]]:
+def _tick_paused(r: Rollout, t: Tick) -> Outcome:
+    """A paused rollout holds at a tick; only a failing analysis of a live step moves it (it
+    aborts). While it waits for the proxies (before the first step, or finishing) nothing is
+    judged."""
+    if r.finishing or r.step < 0:
+        return r, []
+    verdict = _judge(r.spec, t.analysis)
+    return (r, []) if verdict is None else _abort(r, verdict)
+
+
+def _row(
+    phase: Phase,
+    *,
+    tick: Handler[Tick],
+    pause: Handler[Pause],
+    resume: Handler[Resume],
+    promote: Handler[Promote],
+    abort: Handler[Abort],
+) -> dict[tuple[Phase, type[Command]], Handler[Any]]:
+    """One phase's row of TRANSITIONS: an entry for every kind of command, each typed by it."""
+    return {
+        (phase, Tick): tick,
+        (phase, Pause): pause,
+        (phase, Resume): resume,
+        (phase, Promote): promote,
+        (phase, Abort): abort,
+    }
+
+
+# The machine: (phase, kind of command) -> how the rollout takes it, or a Refusal.
+# fmt: off
+TRANSITIONS: Mapping[tuple[Phase, type[Command]], Handler[Any]] = MappingProxyType({
+    **_row(Phase.PROGRESSING, tick=_tick, pause=_pause, resume=NOT_PAUSED, promote=_promote, abort=_abort_by),
+    **_row(Phase.PAUSED, tick=_tick_paused, pause=_ignore, resume=_resume, promote=_promote, abort=_abort_by),
+    **_row(Phase.COMPLETED, tick=_ignore, pause=FINISHED, resume=FINISHED, promote=FINISHED, abort=FINISHED),
+    **_row(Phase.ABORTED, tick=_ignore, pause=FINISHED, resume=FINISHED, promote=FINISHED, abort=FINISHED),
+})
+# fmt: on
+
+
+def _hold(r: Rollout, waits_for: str) -> Outcome:
     """The rollout as it is, its reason saying what it waits for (no effects: not audited)."""
     return replace(r, reason=HOLDING + waits_for), []
 
@@ -465,9 +549,7 @@ def _judge(spec: RolloutSpec, a: Analysis | None) -> str | None:
     return None
 
 
-def _tick_finishing(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
-    if r.phase == "Paused":
-        return r, []
+def _tick_finishing(r: Rollout, t: Tick) -> Outcome:
     if not t.still_routed:
         return _complete(r, f"no proxy routes to {r.spec.stable} any more")
     if r.waiting_since <= 0:
@@ -476,7 +558,7 @@ def _tick_finishing(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
         names = ", ".join(sorted(t.still_routed))
         p = replace(
             r,
-            phase="Paused",
+            phase=Phase.PAUSED,
             reason=(
                 f"proxies still route to {r.spec.stable} {r.spec.ack_deadline_s:g}s after it left: {names} "
                 "(resume to wait again, promote to drain it anyway, abort to go back)"
@@ -488,8 +570,8 @@ def _tick_finishing(r: Rollout, t: Tick) -> tuple[Rollout, list[Effect]]:
     return _hold(r, f"{routing} to {r.spec.stable}, {duration_text(left)} left before the rollout pauses")
 
 
-def _complete(r: Rollout, reason: str) -> tuple[Rollout, list[Effect]]:
-    done = replace(r, phase="Completed", finishing=False, reason=reason)
+def _complete(r: Rollout, reason: str) -> Outcome:
+    done = replace(r, phase=Phase.COMPLETED, finishing=False, reason=reason)
     return done, [
         SetStable(r.spec.model, r.spec.canary),
         Drain(r.spec.model, r.spec.stable),
@@ -497,7 +579,7 @@ def _complete(r: Rollout, reason: str) -> tuple[Rollout, list[Effect]]:
     ]
 
 
-def _goto(r: Rollout, index: int, now: float, reason: str) -> tuple[Rollout, list[Effect]]:
+def _goto(r: Rollout, index: int, now: float, reason: str) -> Outcome:
     steps = r.spec.steps
     if index >= len(steps):
         n = replace(
@@ -515,8 +597,8 @@ def _goto(r: Rollout, index: int, now: float, reason: str) -> tuple[Rollout, lis
     return n, [_set_weights(n), _audit(n)]
 
 
-def _abort(r: Rollout, reason: str) -> tuple[Rollout, list[Effect]]:
-    a = replace(r, phase="Aborted", weight=0, finishing=False, reason=reason)
+def _abort(r: Rollout, reason: str) -> Outcome:
+    a = replace(r, phase=Phase.ABORTED, weight=0, finishing=False, reason=reason)
     back = [Return(r.spec.model, r.spec.stable)] if r.finishing else []
     return a, [_set_weights(a), *back, Drain(r.spec.model, r.spec.canary), _audit(a)]
 
@@ -526,10 +608,11 @@ def _set_weights(r: Rollout) -> SetWeights:
 
 
 def _audit(r: Rollout) -> Transition:
-    return Transition(r.spec.model, r.phase, r.step, r.weight, r.reason)
+    # The plain string, as a drain's phases are: it goes to the store, the log and metrics.
+    return Transition(r.spec.model, r.phase.value, r.step, r.weight, r.reason)
 
 
-def run(spec: RolloutSpec, commands: Sequence[Command], now: float = 0.0) -> tuple[Rollout, list[Effect]]:
+def run(spec: RolloutSpec, commands: Sequence[Command], now: float = 0.0) -> Outcome:
     """Start and apply `commands` in order, skipping rejected ones (for tests and replays)."""
     r, effects = start(spec, now)
     for c in commands:
