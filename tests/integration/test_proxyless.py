@@ -19,6 +19,8 @@ from typing import Any
 
 import grpc
 import pytest
+from envoy.config.endpoint.v3 import endpoint_pb2 as eds_pb2
+from envoy.config.route.v3 import route_pb2
 from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -219,6 +221,66 @@ def expect_line(p: subprocess.Popen[str], prefix: str) -> str:
     return line
 
 
+def client_view(port: int, type_name: str) -> dict[str, Any]:
+    """What a client started with --csds (on `port`) holds of one resource type, by name, from
+    gRPC's own CSDS: the config its channel uses, not what the control plane sent."""
+    cls = {
+        "RouteConfiguration": route_pb2.RouteConfiguration,
+        "ClusterLoadAssignment": eds_pb2.ClusterLoadAssignment,
+    }
+    out: dict[str, Any] = {}
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        r = csds_pb2_grpc.ClientStatusDiscoveryServiceStub(ch).FetchClientStatus(
+            csds_pb2.ClientStatusRequest(), timeout=5
+        )
+    for cfg in r.config:
+        for g in cfg.generic_xds_configs:
+            if g.type_url.rsplit(".", 1)[-1] == type_name and g.xds_config.type_url:
+                msg = cls[type_name]()
+                g.xds_config.Unpack(msg)
+                out[g.name] = msg
+    return out
+
+
+def route_retries(port: int) -> set[int]:
+    """The retries of every route the client holds (0: no retry policy)."""
+    return {
+        r.route.retry_policy.num_retries.value if r.route.HasField("retry_policy") else 0
+        for rc in client_view(port, "RouteConfiguration").values()
+        for vh in rc.virtual_hosts
+        for r in vh.routes
+    }
+
+
+def route_split(port: int) -> dict[str, int]:
+    """The clusters the client's routes send to, with their weights (a plain route: 100)."""
+    out: dict[str, int] = {}
+    for rc in client_view(port, "RouteConfiguration").values():
+        for vh in rc.virtual_hosts:
+            for r in vh.routes:
+                if r.route.cluster:
+                    out[r.route.cluster] = 100
+                for wc in r.route.weighted_clusters.clusters:
+                    out[wc.name] = wc.weight.value
+    return out
+
+
+def assigned(port: int) -> set[str]:
+    """Every endpoint address in the client's assignments, whatever its health status."""
+    return {
+        f"{a.address}:{a.port_value}"
+        for cla in client_view(port, "ClusterLoadAssignment").values()
+        for loc in cla.endpoints
+        for a in (lb.endpoint.address.socket_address for lb in loc.lb_endpoints)
+    }
+
+
+def finish(p: subprocess.Popen[str]) -> str:
+    """Let a --csds client exit (it waits for a line once its calls are done); its output."""
+    out, _ = p.communicate("done\n", timeout=60)
+    return out
+
+
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
     r = Rig(tmp_path)
@@ -250,8 +312,10 @@ def test_a_rollouts_split_reaches_grpc_clients_and_their_load_reports_count(rig:
     rig.write({"v1": ["stable"], "v2": ["canary"]})
     rig.start()
     assert rig.op is not None
-    warm = rig.client("--wait-ready", "--seconds", "3", "--rate", "50", node="grpc-warm")
+    warm = rig.client("--csds", "--wait-ready", "--seconds", "3", "--rate", "50", node="grpc-warm")
+    csds = int(expect_line(warm, "csds").split()[1])
     expect_line(warm, "ready")
+    assert route_split(csds) == {f"{MODEL}@v1": 100}
     rig.op.rollouts.Start(
         rollout_pb2.StartRolloutRequest(model=MODEL, to_version="v2", steps=[20, 100], manual=True),
         metadata=rig.op.md,
@@ -263,8 +327,11 @@ def test_a_rollouts_split_reaches_grpc_clients_and_their_load_reports_count(rig:
         return rig.op.rollouts.Get(rollout_pb2.GetRolloutRequest(model=MODEL), metadata=rig.op.md, timeout=5)
 
     wait_until(lambda: rollout().step == 1, 15, "step 1 (20%)")
-    time.sleep(0.5)  # the client's channel switches routes once it has the canary's cluster
-    warm.communicate(timeout=30)
+    # The step is the rollout's state; clients have it once the route with the split reaches
+    # them (after the canary's cluster: make-before-break).
+    split = {f"{MODEL}@v1": 80, f"{MODEL}@v2": 20}
+    wait_until(lambda: route_split(csds) == split, 15, "clients to get the 80/20 route")
+    finish(warm)
     # Long enough for several load reports (one a second; the last part-second is not sent).
     got = rig.run("--seconds", "4", "--rate", "300", "--concurrency", "4", "--wait-ready")
     assert not got["codes"], got["details"]
@@ -297,17 +364,22 @@ def test_unavailable_is_retried_for_grpc_clients_as_the_tier_says(rig: Rig) -> N
     flaky = rig.server("flaky")
     rig.write({"v1": ["flaky"]}, tier="retries: 2")
     rig.start()
-    rig.run("--wait-ready", "--calls", "1")
+    # A client that stays connected shows, through gRPC's own CSDS, the route clients get.
+    watcher = rig.client("--csds", "--wait-ready", "--calls", "1", node="grpc-watch")
+    csds = int(expect_line(watcher, "csds").split()[1])
+    expect_line(watcher, "ready")
+    expect_line(watcher, "{")  # its call made: the server may fail from now on
+    assert route_retries(csds) == {2}
     flaky.fail_every_other = True
     got = rig.run("--calls", "40")
     assert got["codes"] == {} and got["backends"] == {"flaky": 40}, got
     assert flaky.refused >= 20  # half the attempts failed and were retried
     # Without retries, the same server's refusals reach the client.
     rig.write({"v1": ["flaky"]}, tier="retries: 0")
-    wait_until(lambda: "retries: 0" in rig.config.read_text(), 1, "written")
-    time.sleep(1.0)  # the client picks up the route without a retry policy
+    wait_until(lambda: route_retries(csds) == {0}, 15, "clients to get the route without a retry policy")
     got = rig.run("--calls", "40", "--wait-ready")
     assert got["codes"].get("UNAVAILABLE", 0) >= 15, got
+    finish(watcher)
 
 
 def test_a_failing_server_is_ejected_by_grpc_clients(rig: Rig) -> None:
@@ -332,21 +404,26 @@ def test_a_failing_server_is_ejected_by_grpc_clients(rig: Rig) -> None:
 def test_a_server_added_while_loading_gets_no_call_until_it_is_ready(rig: Rig) -> None:
     """A fleet edit that adds a server still loading its model: no client picks it before
     the probes have seen it ready (it used to get 4 to 8 calls, each failing)."""
-    rig.server("a")
+    a = rig.server("a")
     rig.write({"v1": ["a"]})
     rig.start()
-    c = rig.client("--wait-ready", "--seconds", "9", "--rate", "100", "--concurrency", "4")
+    c = rig.client("--csds", "--wait-ready", "--seconds", "9", "--rate", "100", "--concurrency", "4")
+    csds = int(expect_line(c, "csds").split()[1])
     expect_line(c, "ready")
     added: list[WhoServer] = []
     for i in range(3):
         s = rig.server(f"new{i}", loading=True)
         added.append(s)
         rig.write({"v1": ["a", *(x.name for x in added)]})
-        time.sleep(1.2)
+        # Once the client has the server in its assignment (held out), any pick of it would
+        # show within the next 100 calls (1 s of them; seen: 1 in 100 when it was sent
+        # callable at weight 1, its weight while loading).
+        wait_until(lambda x=s.address: x in assigned(csds), 15, f"the client to get {s.name}")  # type: ignore[misc]
+        since = a.calls
+        wait_until(lambda n=since + 100: a.calls >= n, 15, "100 calls after the client had it")  # type: ignore[misc]
         assert s.while_loading == 0, f"{s.name} got {s.while_loading} calls while loading"
         s.set_loading(False)
-    out, _ = c.communicate(timeout=60)
-    got = result(out.splitlines()[-1])
+    got = result(finish(c).splitlines()[-1])
     assert not got["codes"], got["details"]
     assert all(s.while_loading == 0 for s in added)
     # Once ready they serve.

@@ -12,7 +12,7 @@ from controlplane import limits
 from controlplane.cli.main import main
 from controlplane.fleet import FleetConfigInvalid, load_fleet, parse_fleet
 from controlplane.fleet.watch import FleetFileWatcher, parse_file_bytes
-from controlplane.routing.names import GATEWAY_LISTENER, stat_name
+from controlplane.resources.names import GATEWAY_LISTENER, stat_name
 
 BASE = """\
 listener: {port: 10000}
@@ -72,9 +72,18 @@ def test_numbers_beyond_meaning_are_refused() -> None:
     )
 
 
-@pytest.mark.parametrize("value", [".nan", ".inf", "99999999999999h", "0.0000000001s", "1e308"])
-def test_durations_are_finite_and_within_envoys_range(value: str) -> None:
-    one_error(fleet(tier=f", stream_idle_timeout: {value}"), "tiers.small.stream_idle_timeout", "")
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (".nan", "expected a finite duration, got nan"),
+        (".inf", "expected a finite duration, got inf"),
+        ("99999999999999h", "must be at most 30 days (720h), got '99999999999999h'"),
+        ("0.0000000001s", "must be at least 1ms, got '0.0000000001s' (shorter rounds to 0"),
+        ("1e308", "expected a duration such as 60s, 500ms, 3m; got '1e308'"),
+    ],
+)
+def test_durations_are_finite_and_within_envoys_range(value: str, reason: str) -> None:
+    one_error(fleet(tier=f", stream_idle_timeout: {value}"), "tiers.small.stream_idle_timeout", reason)
 
 
 def test_the_largest_and_smallest_durations_accepted() -> None:
