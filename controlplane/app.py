@@ -7,7 +7,6 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import structlog
@@ -17,50 +16,38 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from controlplane import limits
-from controlplane.admin import auth, keda
-from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR, TOKEN_FILE_NAME
-from controlplane.admin.keda import ExternalScaler
-from controlplane.admin.service import (
-    SERVICE_NAMES,
-    AutoscalingService,
-    EndpointService,
-    ProxyService,
-    RolloutService,
-)
+from controlplane.actuators.emulator import EmulatorProvider
+from controlplane.admin import auth
+from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN, DEFAULT_STATE_DIR
+from controlplane.admin.servers import admin_server, scaler_server
+from controlplane.admin.service import SERVICE_NAMES
 from controlplane.autoscaling.persist import HistoryFile
 from controlplane.balancing.controller import WeightController
 from controlplane.discovery.manager import Discovery
+from controlplane.drain.controller import EndpointDrains
 from controlplane.fleet.errors import FleetConfigInvalid
-from controlplane.fleet.model import Fleet, Model
+from controlplane.fleet.model import Fleet
 from controlplane.fleet.watch import FleetFileWatcher
-from controlplane.ha.election import LeaderElection
-from controlplane.ha.etcd import Etcd, parse_store_url
 from controlplane.ha.fleet import EtcdFleetSource
-from controlplane.ha.nodes import SharedNodes
-from controlplane.ha.reports import SharedReports
-from controlplane.ha.state import EtcdStateStore, new_replica_id
+from controlplane.ha.replica import Replica
 from controlplane.hold.service import HoldingService
-from controlplane.keda import externalscaler_pb2_grpc
-from controlplane.obs.http import StatusHTTPServer, split_host_port
+from controlplane.hold.start import start_holding
+from controlplane.net.tls import XdsTls, server_credentials
+from controlplane.obs.http import StatusHTTPServer
 from controlplane.obs.metrics import Metrics
 from controlplane.obs.runtime import watch_event_loop
 from controlplane.rollout.controller import RolloutController
 from controlplane.rollout.store import RolloutStore, StateStore, StoreUnavailable
 from controlplane.signals import lrs
-from controlplane.sim.provider import EmulatorProvider
-from controlplane.v1 import autoscaling_pb2_grpc, endpoint_pb2_grpc, proxy_pb2_grpc, rollout_pb2_grpc
 from controlplane.xds import csds
 from controlplane.xds import memory as xds_memory
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.reconciler import Reconciler
 from controlplane.xds.server import ADS_SERVICE, PER_TYPE_SERVICES, XdsServer
 from controlplane.xds.snapshot import Lingering
-from controlplane.xds.tls import XdsTls, server_credentials
 
 log = structlog.get_logger("controlplane")
 XDS_MEMORY_FILE = "xds-memory.bin"  # in the state directory
-HOLD_PORT_FILE = "hold-port"  # in the state directory: the holding service's last free port
-HISTORY_SAVE_S = 30.0  # how often the forecasts' history is saved (and at stop)
 
 
 @dataclass(frozen=True)
@@ -109,19 +96,15 @@ class ControlPlane:
             holds_stream=self._holds_xds_stream,
             refused_counter=self.metrics.balancing.lrs_refused,
         )
-        self.etcd: Etcd | None = None
-        self.election: LeaderElection | None = None
+        self.replica: Replica | None = None  # with --store: one of several replicas on etcd
         self.store: StateStore
-        actor = "controller"  # who the audit trail names for the rollout controller's own moves
+        self.source: FleetFileWatcher | EtcdFleetSource
         if options.store is not None:
-            self.etcd = Etcd(parse_store_url(options.store))
-            replica = options.replica_id or new_replica_id()
-            actor = f"controller@{replica}"
-            self.store = EtcdStateStore(self.etcd, replica)
-            self.source: FleetFileWatcher | EtcdFleetSource = EtcdFleetSource(
-                self.etcd, self._on_fleet, self._on_invalid, options.watch_interval_s
+            self.replica = Replica(
+                options.store, options.replica_id, self._on_fleet, self._on_invalid, options.watch_interval_s
             )
-            self.fleet_name = self.source.name
+            self.store, self.source = self.replica.state, self.replica.fleet
+            self.fleet_name = self.replica.fleet.name
         else:
             assert options.config is not None
             self.store = RolloutStore(options.state_dir)
@@ -136,39 +119,35 @@ class ControlPlane:
             self.xds.registry,
             self.metrics,
             tick_s=options.rollout_tick_s,
-            actor=actor,
+            # who the audit trail names for the rollout controller's own moves
+            actor=self.replica.actor if self.replica is not None else "controller",
         )
+        self.drains = EndpointDrains(self.rollouts)
         self._file_fleet: Fleet | None = None
-        self.discovery = Discovery(self.rollouts, self.metrics, self._discovered)
+        self.discovery = Discovery(self.drains, self.metrics, self._discovered)
         self.history = HistoryFile(options.state_dir)
         restored = self.weights.autoscaler.forecaster.restore(self.history.read())
         if restored:
             log.info("autoscaling history restored", models=restored, path=str(self.history.path))
         self.provider = EmulatorProvider(
-            self.rollouts,
+            self.drains,
             self.weights.autoscaler,
             self.weights.store,
             self._serve_fleet,
             options.state_dir / "emulated",
         )
-        self.reports: SharedReports | None = None
-        self.nodes: SharedNodes | None = None
-        if self.etcd is not None:
+        if self.replica is not None:
             self.rollouts.leader = False  # until this replica wins the election
-            # An Envoy's load reports may go to another replica than the leader: share them.
-            self.reports = SharedReports(
-                self.etcd, replica, self.weights.store, self.rollouts.analysed_endpoints
-            )
-            self.rollouts.peer_reports = self.reports.counters
-            # ... and so may its xDS stream: a node served by any replica may report.
-            self.nodes = SharedNodes(self.etcd, replica, self.xds.registry.nodes.keys)
-            self.election = LeaderElection(
-                self.etcd,
-                replica,
+            self.replica.share(
+                self.weights.store,
+                self.rollouts.analysed_endpoints,
+                self.xds.registry.nodes.keys,
                 options.leader_ttl_s,
-                on_change=self._on_leadership,
+                on_leadership=self._on_leadership,
                 on_store=self.metrics.store_reachable.set,
             )
+            assert self.replica.reports is not None
+            self.rollouts.peer_reports = self.replica.reports.counters
         self.metrics.rollouts.leader.set(1 if self.rollouts.leader else 0)
         self.health = health.aio.HealthServicer()
         self.admin_health = health.aio.HealthServicer()
@@ -202,39 +181,17 @@ class ControlPlane:
         while True:
             await self.weights.next_round()
             await self.discovery.one_round(self.weights.interval_s())
-            if self.etcd is not None:
+            if self.replica is not None:
                 continue
             try:
                 await self.provider.step()
             except Exception:
                 log.exception("emulator provider round failed; will retry")
 
-    async def _keep_history(self, every_s: float = HISTORY_SAVE_S) -> None:
-        """Save the forecasts' history (predictive pre-warm) every `every_s`, and at stop,
-        in a worker thread: a restart loses at most that much of what was learnt."""
-        forecaster = self.weights.autoscaler.forecaster
-        try:
-            while True:
-                await asyncio.sleep(every_s)
-                if forecaster.histories:
-                    # Copied on the loop (the loop mutates it), written in a thread.
-                    await asyncio.to_thread(self._save_history, forecaster.dump())
-        finally:
-            if forecaster.histories:
-                self._save_history(forecaster.dump())
-
-    def _save_history(self, data: dict[str, Any]) -> None:
-        try:
-            self.history.write(data)
-        except OSError as e:
-            log.warning(
-                "autoscaling history not saved; will retry", path=str(self.history.path), error=str(e)
-            )
-
     def _holds_xds_stream(self, node_id: str) -> bool:
         """Whether a node may report load: it holds an xDS stream here, or on another replica."""
         return self.xds.registry.holds_stream(node_id) or (
-            self.nodes is not None and self.nodes.holds(node_id)
+            self.replica is not None and self.replica.holds(node_id)
         )
 
     def _on_leadership(self, leads: bool) -> None:
@@ -251,7 +208,7 @@ class ControlPlane:
         # A server the edit added is sent held out (routing/clusters.py): probe it now, so
         # that it takes traffic as soon as it is seen ready, not a signals interval later.
         self.weights.wake()
-        if self.provider.active() and self.etcd is not None:
+        if self.provider.active() and self.replica is not None:
             log.warning("autoscaling.provider emulator runs on a single replica only; not with --store")
         self.metrics.config_reloads.labels("success").inc()
         self.metrics.config_last_success.set(time.time())
@@ -345,16 +302,29 @@ class ControlPlane:
             self.http.server.server_close()
             raise OSError(f"--xds-listen {self.options.xds_listen}: cannot listen ({e})") from e
         try:
-            admin = self._admin_server()
-        except (OSError, auth.TokenFileError):
-            self.http.server.server_close()
-            raise
-        scaler = self._scaler_server() if self.options.scaler_listen else None
-        # The holding service's port last, once every port given on the command line is
-        # bound: a free port picked now can never be one of those.
-        try:
+            o = self.options
+            admin, self.admin_port = admin_server(
+                o.admin_listen,
+                o.admin_token_file,
+                o.admin_readonly_token_file,
+                o.state_dir,
+                self.rollouts,
+                self.drains,
+                self.discovery.source_of,
+                self.xds.registry,
+                self.weights,
+                self.metrics,
+                self.admin_health,
+            )
+            scaler = None
+            if o.scaler_listen:
+                scaler, self.scaler_port = scaler_server(
+                    o.scaler_listen, self.weights.autoscaler, lambda: self.reconciler.fleet, self.admin_health
+                )
+            # The holding service's port last, once every port given on the command line is
+            # bound: a free port picked now can never be one of those.
             self._start_holding()
-        except OSError:
+        except (OSError, auth.TokenFileError):
             self.http.server.server_close()
             raise
         self.reconciler.rebuild_now()
@@ -369,12 +339,10 @@ class ControlPlane:
         await self._set_health()
         self._tasks += [
             asyncio.create_task(self.rollouts.run()),
-            *([asyncio.create_task(self.election.run())] if self.election is not None else []),
-            *([asyncio.create_task(self.reports.run())] if self.reports is not None else []),
-            *([asyncio.create_task(self.nodes.run())] if self.nodes is not None else []),
+            *(asyncio.create_task(loop) for loop in (self.replica.loops() if self.replica else [])),
             asyncio.create_task(self.reconciler.run()),
             asyncio.create_task(self._run_provider()),
-            asyncio.create_task(self._keep_history()),
+            asyncio.create_task(self.history.keep(self.weights.autoscaler.forecaster)),
             asyncio.create_task(self.source.run()),
             asyncio.create_task(self.weights.run()),
             asyncio.create_task(self.xds.keep_memory(self.memory_path)),
@@ -410,122 +378,25 @@ class ControlPlane:
         self.reconciler.lingering_seed = {n: Lingering(a, now) for n, a in found.assignments.items()}
         log.info("xds memory restored", path=str(path), clusters=found.clusters, routes=found.routes)
 
-    def _admin_server(self) -> grpc.aio.Server:
-        """The operator API: bearer-token auth, reflection and health (both open)."""
-        o = self.options
-        token, where, created = auth.load_or_create_token(o.admin_token_file, o.state_dir)
-        read_only = auth.read_token(o.admin_readonly_token_file) if o.admin_readonly_token_file else None
-        # cpctl finds the token by itself only at its default path.
-        hint = (
-            "cpctl reads it from there"
-            if where == DEFAULT_STATE_DIR / TOKEN_FILE_NAME
-            else "point cpctl at it: --token-file or CPCTL_TOKEN_FILE"
-        )
-        if created:
-            log.info(f"admin token created (mode 0600); {hint}", token_file=str(where))
-        else:
-            log.info(f"admin token loaded; {hint}", token_file=str(where))
-        tokens = auth.Tokens(token, read_only)
-        server = grpc.aio.server(interceptors=[auth.TokenAuth(tokens)], options=[("grpc.so_reuseport", 0)])
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(
-            RolloutService(self.rollouts, tokens, self.metrics), server
-        )
-        endpoint_pb2_grpc.add_EndpointServiceServicer_to_server(
-            EndpointService(self.rollouts, tokens, self.metrics, self.discovery.source_of), server
-        )
-        proxy_pb2_grpc.add_ProxyServiceServicer_to_server(
-            ProxyService(self.rollouts, tokens, self.metrics, self.xds.registry), server
-        )
-        autoscaling_pb2_grpc.add_AutoscalingServiceServicer_to_server(
-            AutoscalingService(self.rollouts, tokens, self.metrics, self.weights), server
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.admin_health, server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        try:
-            self.admin_port = server.add_insecure_port(o.admin_listen)
-        except RuntimeError as e:
-            raise OSError(f"--admin-listen {o.admin_listen}: cannot listen ({e})") from e
-        return server
-
     def _start_holding(self) -> None:
         """The holding service on its own thread; proxies learn its address from the snapshot."""
         if self.options.hold_listen is None:
             return
-        host, port = split_host_port(self.options.hold_listen)
-
-        def named(model: str) -> tuple[Fleet, Model] | None:
-            fleet = self.reconciler.fleet  # read from the holding service's thread: replaced whole
-            m = next((x for x in fleet.models if x.name == model), None) if fleet else None
-            return (fleet, m) if fleet is not None and m is not None else None
-
-        def hold_max(model: str) -> int | None:
-            found = named(model)
-            return found[0].scaling_of(found[1]).hold_max if found else None
-
-        def timeout_s(model: str) -> float:
-            found = named(model)
-            return found[0].traffic_of(found[1]).timeout_s if found else 60.0
-
-        def max_body(model: str) -> int:
-            found = named(model)
-            return found[0].traffic_of(found[1]).max_body_bytes if found else 8 << 20
-
         loop = asyncio.get_running_loop()
-        self.hold = HoldingService(
+        self.hold, address, bound = start_holding(
+            self.options.hold_listen,
+            self.options.hold_address,
+            self.options.state_dir,
+            lambda: self.reconciler.fleet,  # read from the holding service's thread: replaced whole
             lambda: self.reconciler.ready,
-            hold_max,
-            timeout_s,
-            self.metrics.hold,
-            candidates=lambda: self.reconciler.candidates,
+            lambda: self.reconciler.candidates,
             # A model's first held request starts a signals round at once: it wakes the model.
-            on_held=lambda model: loop.call_soon_threadsafe(self.weights.wake),
-            max_body=max_body,
+            lambda model: loop.call_soon_threadsafe(self.weights.wake),
+            self.metrics.hold,
         )
-        remembered = self.options.state_dir / HOLD_PORT_FILE
-        bound = 0
-        if port == 0 and remembered.is_file():
-            # The port of the last run, if free: the proxies' holding cluster stays as it was
-            # across a restart instead of changing address every time.
-            with contextlib.suppress(OSError, ValueError):
-                bound = self.hold.start(host, int(remembered.read_text().strip()))
-        if not bound:
-            bound = self.hold.start(host, port)
-        if port == 0:
-            with contextlib.suppress(OSError):
-                remembered.parent.mkdir(parents=True, exist_ok=True)
-                remembered.write_text(f"{bound}\n")
-        if self.options.hold_address is not None:
-            address = self.options.hold_address
-        elif host in ("0.0.0.0", "::", ""):
-            raise OSError(
-                f"--hold-listen {self.options.hold_listen}: give --hold-address HOST:PORT, the "
-                "address proxies dial to reach it"
-            )
-        else:
-            address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         self.reconciler.hold_address = address
         self.weights.held = self.hold.held
-        log.info("holding service listening", listen=f"{host}:{bound}", address=address)
-
-    def _scaler_server(self) -> grpc.aio.Server:
-        """KEDA's external scaler: read-only desired replicas and activity per model."""
-        listen = self.options.scaler_listen
-        assert listen is not None
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        externalscaler_pb2_grpc.add_ExternalScalerServicer_to_server(
-            ExternalScaler(self.weights.autoscaler, lambda: self.reconciler.fleet), server
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.admin_health, server)
-        reflection.enable_server_reflection(
-            (keda.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        try:
-            self.scaler_port = server.add_insecure_port(listen)
-        except RuntimeError as e:
-            raise OSError(f"--scaler-listen {listen}: cannot listen ({e})") from e
-        return server
+        log.info("holding service listening", listen=self.options.hold_listen, port=bound, address=address)
 
     def _on_publish(self, snapshot: object) -> None:
         if self.grpc_server is not None and not self._serving:

@@ -37,9 +37,9 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.fleet import parse_fleet
-from controlplane.obs.latency_metrics import ModelLatency
 from controlplane.signals import parse
 from controlplane.signals.collector_worker import SentHistograms, Stats
+from controlplane.signals.model_latency import ModelLatency
 from controlplane.signals.parse import ServerHistogram, ServerSample
 from controlplane.signals.store import ScrapeResult
 from controlplane.sim.emulator_metrics import sample_full_page

@@ -27,8 +27,9 @@ import structlog
 
 from controlplane.autoscaling.autoscaler import MODEL, Autoscaler
 from controlplane.autoscaling.scale_down import DRAINED, DRAINING, READY, STARTING, Replica, plan
+from controlplane.drain.controller import EndpointDrains
 from controlplane.fleet.model import Endpoint, Fleet
-from controlplane.rollout.controller import CommandRejected, RolloutController
+from controlplane.rollout.controller import CommandRejected
 from controlplane.signals.store import SignalStore
 from controlplane.sim.procs import die_with_parent, free_port
 
@@ -49,14 +50,14 @@ class _Server:
 class EmulatorProvider:
     def __init__(
         self,
-        rollouts: RolloutController,
+        drains: EndpointDrains,
         autoscaler: Autoscaler,
         store: SignalStore,
         on_change: Callable[[], None],
         log_dir: Path,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.rollouts = rollouts
+        self.drains = drains
         self.autoscaler = autoscaler
         self.store = store
         self.on_change = on_change
@@ -94,7 +95,7 @@ class EmulatorProvider:
         for s in self.servers.values():
             if s.model != model:
                 continue
-            drain = self.rollouts.drains.get(s.address)
+            drain = self.drains.drains.get(s.address)
             sig = self.store.endpoints.get((model, s.address))
             sample = sig.sample if sig is not None else None
             load = (sample.running or 0.0) + (sample.waiting or 0.0) if sample is not None else 0.0
@@ -123,11 +124,11 @@ class EmulatorProvider:
                 changed = True
             for address in p.undrain:
                 with contextlib.suppress(CommandRejected):
-                    await self.rollouts.undrain(address, f"scale up: {d.desired} wanted", WHO)
+                    await self.drains.undrain(address, f"scale up: {d.desired} wanted", WHO)
             for address in p.drain:
                 timeout = fleet.traffic_of(m).timeout_s
                 with contextlib.suppress(CommandRejected):
-                    await self.rollouts.drain(address, timeout, f"scale down: {d.desired} wanted", WHO)
+                    await self.drains.drain(address, timeout, f"scale down: {d.desired} wanted", WHO)
             for address in p.stop:
                 await self._stop(address, f"scale down: {d.desired} wanted")
                 changed = True
@@ -187,7 +188,7 @@ class EmulatorProvider:
             except subprocess.TimeoutExpired:
                 s.proc.kill()
         with contextlib.suppress(CommandRejected):
-            await self.rollouts.forget_drain(address, f"stopped ({why})", WHO)
+            await self.drains.forget(address, f"stopped ({why})", WHO)
         log.info("emulated server stopped", model=s.model, address=address, why=why)
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from controlplane.autoscaling.autoscaler import MODEL, ClusterLoads
 from controlplane.autoscaling.kpa import Decision
 from controlplane.autoscaling.scale_down import READY, Replica, removal_order
 from controlplane.fleet.model import Fleet, Model
-from controlplane.routing.names import cluster_name
+from controlplane.resources.names import cluster_name
 from controlplane.signals.load import EndpointLoad
 from controlplane.signals.load import counted as figure_or_zero
 from controlplane.v1 import autoscaling_pb2

@@ -15,12 +15,13 @@ from controlplane import limits
 from controlplane.admin.auth import USER_METADATA, Tokens
 from controlplane.admin.scaling import scaling_messages
 from controlplane.balancing.controller import WeightController
-from controlplane.obs.metrics import Metrics, type_label
+from controlplane.drain.controller import EndpointDrains
+from controlplane.obs.metrics import Metrics
+from controlplane.resources.names import cluster_name
+from controlplane.resources.types import TYPE_URLS, type_label
 from controlplane.rollout import machine
 from controlplane.rollout.controller import CommandRejected, RolloutController
 from controlplane.rollout.overlay import active
-from controlplane.routing.names import cluster_name
-from controlplane.routing.translate import TYPE_URLS
 from controlplane.signals.store import EndpointSignals
 from controlplane.v1 import (
     autoscaling_pb2,
@@ -275,9 +276,16 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
         tokens: Tokens,
         metrics: Metrics,
         source_of: Callable[[str, str, str], tuple[str, float | None]] = lambda m, v, a: ("file", None),
+        drains: EndpointDrains | None = None,  # None: listing only (Drain and Undrain refuse)
     ) -> None:
         super().__init__(controller, tokens, metrics)
         self.source_of = source_of  # discovery: where an endpoint comes from, when last seen
+        self.drains = drains
+
+    def _drains(self) -> EndpointDrains:
+        if self.drains is None:
+            raise CommandRejected("FAILED_PRECONDITION", "this server does not drain endpoints")
+        return self.drains
 
     def _endpoints(self, model_filter: str) -> list[endpoint_pb2.Endpoint]:
         c = self.controller
@@ -373,7 +381,7 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
         who = self.who(context)
 
         async def drain() -> endpoint_pb2.Endpoint:
-            await self.controller.drain(request.address, request.timeout_seconds or None, request.reason, who)
+            await self._drains().drain(request.address, request.timeout_seconds or None, request.reason, who)
             return self._one(request.address)
 
         return await self.call(context, "Drain", drain, request=request)
@@ -382,7 +390,7 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
         who = self.who(context)
 
         async def undrain() -> endpoint_pb2.Endpoint:
-            await self.controller.undrain(request.address, request.reason, who)
+            await self._drains().undrain(request.address, request.reason, who)
             return self._one(request.address)
 
         return await self.call(context, "Undrain", undrain, request=request)

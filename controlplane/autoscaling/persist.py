@@ -8,6 +8,7 @@ plane from starting.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -16,9 +17,12 @@ from typing import Any
 
 import structlog
 
+from controlplane.autoscaling.forecast import Forecaster
+
 log = structlog.get_logger("controlplane.autoscaling")
 
 HISTORY_FILE = "autoscaling-history.json"
+HISTORY_SAVE_S = 30.0  # how often the forecasts' history is saved (and at stop)
 
 
 class HistoryFile:
@@ -49,3 +53,23 @@ class HistoryFile:
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(self.path)
+
+    def save(self, data: dict[str, Any]) -> None:
+        """write(), logging a failure instead of raising (the next save tries again)."""
+        try:
+            self.write(data)
+        except OSError as e:
+            log.warning("autoscaling history not saved; will retry", path=str(self.path), error=str(e))
+
+    async def keep(self, history: Forecaster, every_s: float = HISTORY_SAVE_S) -> None:
+        """Save `history` every `every_s`, and when cancelled (at stop), in a worker thread: a
+        restart loses at most that much of what was learnt."""
+        try:
+            while True:
+                await asyncio.sleep(every_s)
+                if history.histories:
+                    # Copied on the loop (the loop mutates it), written in a thread.
+                    await asyncio.to_thread(self.save, history.dump())
+        finally:
+            if history.histories:
+                self.save(history.dump())

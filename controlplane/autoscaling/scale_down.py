@@ -1,6 +1,6 @@
 """Which replicas to start, drain and stop to reach the desired count (pure).
 
-A provider (sim/provider.py for emulated servers) hands its replicas of one model version
+A provider (actuators/emulator.py for emulated servers) hands its replicas of one model version
 and the desired count each round; `plan` answers what to do, so that scale-down never
 drops a request:
 

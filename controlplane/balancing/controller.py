@@ -21,13 +21,15 @@ import structlog
 
 from controlplane.autoscaling.autoscaler import MODEL, Autoscaler
 from controlplane.autoscaling.kpa import Decision
+from controlplane.balancing.readiness import held_out
 from controlplane.balancing.shedding import saturation, shed_classes
 from controlplane.balancing.weigher import Weigher, load_balance_degree, relative_capacity
 from controlplane.fleet.model import Endpoint, Fleet, Model, ScalingPolicy
 from controlplane.obs.endpoint_metrics import EndpointRow
 from controlplane.obs.metrics import SIGNALS, WEIGHTS, Metrics
-from controlplane.routing.names import cluster_name
+from controlplane.resources.names import cluster_name
 from controlplane.signals.load import EndpointLoad
+from controlplane.signals.model_latency import ModelLatency
 from controlplane.signals.scrape import scrape_targets
 from controlplane.signals.source import SignalSource, make_source
 from controlplane.signals.store import SCRAPE_ERROR_REASONS, EndpointSignals, SignalStore
@@ -51,6 +53,8 @@ class WeightController:
         self.metrics = metrics
         self.store = store or SignalStore()
         self.weigher = Weigher()
+        # Per model version TTFT and TPOT histograms, merged from the servers' own when read.
+        self.model_latency = ModelLatency(metrics.registry)
         self.autoscaler = Autoscaler()
         self.held: Callable[[], Mapping[str, float]] | None = None  # requests held per model
         self._scaling_exported: set[tuple[str, str]] = set()
@@ -116,7 +120,7 @@ class WeightController:
             for key, result in results.items():
                 self.store.record_scrape(key, result, now)
             # Servers' TTFT/TPOT histograms, merged per version when /metrics is read: O(1) here.
-            self.metrics.model_latency.observe(fleet, ((k, self.store.sample(k)) for k in results))
+            self.model_latency.observe(fleet, ((k, self.store.sample(k)) for k in results))
         else:
             loops.idle(SIGNALS)
             if self._source is not None:
@@ -131,17 +135,8 @@ class WeightController:
                     {ep.address: self.store.learnt_throughput((m.name, ep.address)) for ep in v.endpoints},
                 )
                 capacity.update({(m.name, a): c for a, c in rel.items()})
-        # No request is sent to a server no one has seen ready, as far as the data plane can
-        # do without us: a server the probes have not seen ready (it may be loading) is held
-        # out while its cluster has another server seen ready. Heard is not enough: its
-        # /metrics may answer while its health probe times out (a CI run sent 30 requests to
-        # a loading server that way). A cluster with no server seen ready keeps the benefit
-        # of the doubt (a version replaced in one edit; a control plane that cannot see):
-        # holding its requests on an unknown would tie the data plane to us being there.
-        # Servers there from the first round (the first snapshot waits only one scrape
-        # timeout for them) are held so only while they are at most half of their cluster,
-        # as for servers out of sight (balancing/sight.py): a control plane restarted into a
-        # fleet it half sees must not pile the traffic onto the half it does.
+        # Servers no probe has seen ready yet are held out while their cluster has one that is
+        # (balancing/readiness.py: the rule, and its exceptions, for whom and why).
         targets_now = set(scrape_targets(fleet)) if fleet.signals.enabled else set()
         for key in targets_now:
             if key not in self._first_round:
@@ -151,26 +146,26 @@ class WeightController:
         for key in [k for k in self._first_round if k not in targets_now]:
             del self._first_round[key]
         self._observe_cold_starts(targets_now, now)
-        unproven = {k for k in targets_now if not self.store.seen_ready(k)}
-        if unproven:
-            for m in fleet.models:
-                for v in m.versions:
-                    keys = [(m.name, ep.address) for ep in v.endpoints]
-                    if not any(k in unproven for k in keys):
-                        continue
-                    ready = {k for k in keys if self.store.load(k, 1.0, now).ready}
-                    if not any(k not in unproven for k in ready):
-                        unproven.difference_update(keys)
-                        continue
-                    # First-round servers that only the benefit of the doubt would serve.
-                    doubted = [k for k in keys if k in unproven and k in ready and self._first_round[k] == 0]
-                    if 2 * len(doubted) > len(keys):
-                        unproven.difference_update(doubted)
+        seen = {k for k in targets_now if self.store.seen_ready(k)}
+        # Each version's keys, when any server is still to be seen ready; the probes' word now
+        # (a whole load each) is read only where the rule looks at it.
+        clusters = (
+            [[(m.name, ep.address) for ep in v.endpoints] for m in fleet.models for v in m.versions]
+            if len(seen) < len(targets_now)
+            else []
+        )
+        doubt = {k for keys in clusters if not seen.issuperset(keys) for k in keys}
+        held = held_out(
+            clusters,
+            seen_ready=seen,
+            ready={k for k in doubt if self.store.load(k, 1.0, now).ready},
+            first_round={k for k, joined in self._first_round.items() if joined == 0},
+        )
 
         def load_of(m: Model, ep: Endpoint) -> EndpointLoad:
             key = (m.name, ep.address)
             load = self.store.load(key, capacity.get(key, 1.0), now)
-            return dataclasses.replace(load, ready=False) if key in unproven else load
+            return dataclasses.replace(load, ready=False) if key in held else load
 
         changed = self.weigher.update(fleet, load_of)
         for cname, why in self.weigher.errors.items():
@@ -188,7 +183,7 @@ class WeightController:
         self._export(fleet, now)
         # Series of models the fleet no longer has, whichever room exported them.
         self.metrics.retain_models({m.name for m in fleet.models})
-        self.metrics.model_latency.retain(fleet)
+        self.model_latency.retain(fleet)
         self.rounds += 1
 
     def _observe_cold_starts(self, targets: set[tuple[str, str]], now: float) -> None:

@@ -22,7 +22,7 @@ from controlplane.balancing.policies import (
 )
 from controlplane.balancing.sight import judge_sight
 from controlplane.fleet.model import Endpoint, Fleet, Model
-from controlplane.routing.names import cluster_name
+from controlplane.resources.names import cluster_name
 from controlplane.signals.load import EndpointLoad, counted
 
 LoadOf = Callable[[Model, Endpoint], EndpointLoad]

@@ -53,7 +53,7 @@ from controlplane.fleet.model import (
     TrafficPolicy,
 )
 from controlplane.fleet.schema_policies import SCALING_KEYS
-from controlplane.routing import names
+from controlplane.resources import names
 from controlplane.signals.store import UNREACHABLE_AFTER
 
 __all__ = [
@@ -232,12 +232,13 @@ def _envoy(
     )
     from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
 
+    from controlplane.resources import types
     from controlplane.routing import translate
 
     res = translate.translate(fleet)
     stable_cluster = names.cluster_name(model.name, model.stable)
-    cluster = res.by_type[translate.CLUSTER][stable_cluster]
-    gateway = res.by_type[translate.ROUTE][names.GATEWAY_ROUTES]
+    cluster = res.by_type[types.CLUSTER][stable_cluster]
+    gateway = res.by_type[types.ROUTE][names.GATEWAY_ROUTES]
     header_route = _find_route(gateway, f"header/{model.name}", stable_cluster)
     out: dict[str, Any] = {"cluster": stable_cluster}
 
@@ -280,7 +281,7 @@ def _envoy(
         if header_route.typed_per_filter_config[translate.BUFFER_FILTER].Unpack(per_route):
             header_limit = per_route.buffer.max_request_bytes.value
     listener_limit = None
-    listener = res.by_type[translate.LISTENER][names.GATEWAY_LISTENER]
+    listener = res.by_type[types.LISTENER][names.GATEWAY_LISTENER]
     hcm = hcm_pb2.HttpConnectionManager()
     if listener.filter_chains and listener.filter_chains[0].filters[0].typed_config.Unpack(hcm):
         for f in hcm.http_filters:
@@ -341,7 +342,7 @@ def _envoy(
         )
 
     # Proxyless gRPC clients get a route of their own, without retries or idle timeout.
-    api = res.by_type[translate.ROUTE].get(names.api_route_name(model.name))
+    api = res.by_type[types.ROUTE].get(names.api_route_name(model.name))
     grpc: dict[str, Any] | None = None
     if api is not None and api.virtual_hosts and api.virtual_hosts[0].routes:
         a = api.virtual_hosts[0].routes[0].route
@@ -356,7 +357,7 @@ def _envoy(
     placement: dict[str, dict[tuple[str, int], int]] = {}
     for version in model.versions:
         cname = names.cluster_name(model.name, version.name)
-        cla = res.by_type[translate.ENDPOINT][cname]
+        cla = res.by_type[types.ENDPOINT][cname]
         placed: dict[tuple[str, int], int] = {}
         for loc in cla.endpoints:
             for lb in loc.lb_endpoints:

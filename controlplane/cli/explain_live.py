@@ -51,30 +51,31 @@ def _client(
     server: str | None, token_file: Path | None, env: Mapping[str, str] | None, timeout_s: float
 ) -> tuple[str, Any, str | None]:
     """(server, a cpctl Client or None, why not): the control plane and its token found as cpctl
-    finds them (--server, else $CPCTL_SERVER, else the default address; cpctl.resolve_token)."""
+    finds them (--server, else $CPCTL_SERVER, else the default address; client.resolve_token)."""
     from controlplane.admin.defaults import DEFAULT_ADMIN_LISTEN
-    from controlplane.cli import cpctl
+    from controlplane.cli.cpctl_commands.client import Client, resolve_token
+    from controlplane.cli.cpctl_commands.command import CliError
 
     env = os.environ if env is None else env
-    # cpctl's order (cpctl._server, private and reading os.environ): flag, $CPCTL_SERVER, default.
+    # cpctl's order (client.server_address, which reads os.environ): flag, $CPCTL_SERVER, default.
     server = server or env.get("CPCTL_SERVER") or DEFAULT_ADMIN_LISTEN
     try:
-        credential = cpctl.resolve_token(token_file, env)
-    except cpctl.CliError as e:
+        credential = resolve_token(token_file, env)
+    except CliError as e:
         # cpctl's advice on where tokens come from follows the first clause; one line is enough.
         return server, None, f"no token to ask the control plane at {server} ({str(e).split('; ')[0]})"
-    return server, cpctl.Client(server, credential, timeout_s), None
+    return server, Client(server, credential, timeout_s), None
 
 
 def _rpc_error(e: Any, server: str, client: Any) -> str:
     """A failed call in one line: nobody answering, or cpctl's own line for the status."""
     import grpc
 
-    from controlplane.cli import cpctl
+    from controlplane.cli.cpctl_commands.client import rpc_error_line
 
     if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return f"no control plane answered at {server}"
-    line, _ = cpctl.rpc_error_line(e, server, client.token_source)
+    line, _ = rpc_error_line(e, server, client.token_source)
     return str(line).removeprefix("cpctl: ")
 
 
@@ -86,7 +87,7 @@ def fetch_rollout(
     timeout_s: float = LIVE_DEADLINE_S,
 ) -> LiveRollout:
     """Ask the control plane for `model`'s latest rollout, finding it and its token as cpctl
-    does (--server, else $CPCTL_SERVER, else the default address; cpctl.resolve_token). Never
+    does (--server, else $CPCTL_SERVER, else the default address; client.resolve_token). Never
     raises: a control plane that is not there, or refuses, is a LiveRollout with an error."""
     import grpc
 

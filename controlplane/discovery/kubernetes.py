@@ -26,7 +26,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import structlog
 from lightkube import AsyncClient, KubeConfig
 from lightkube.resources.core_v1 import Pod
@@ -35,6 +34,7 @@ from lightkube.resources.discovery_v1 import EndpointSlice
 from controlplane.discovery.source import SourceKey, SourceReports
 from controlplane.discovery.state import Found
 from controlplane.fleet.model import Discover, DiscoverySettings
+from controlplane.net.http import kubernetes_client
 
 log = structlog.get_logger("controlplane.discovery")
 
@@ -58,7 +58,7 @@ def client_for(settings: DiscoverySettings) -> AsyncClient:
         config = KubeConfig.from_file(Path(os.path.expanduser(settings.kubeconfig)))
     else:
         config = KubeConfig.from_env()
-    return AsyncClient(config=config, timeout=httpx2.Timeout(10.0, read=WATCH_TIMEOUT_S + 30))
+    return kubernetes_client(config, timeout_s=10.0, read_timeout_s=WATCH_TIMEOUT_S + 30)
 
 
 def _request(client: AsyncClient, res: Any, d: Discover, selector: str | None, watch_from: str | None) -> Any:

@@ -27,9 +27,10 @@ import structlog
 from controlplane.discovery.dns import DnsFailure, resolve, resolver_for
 from controlplane.discovery.source import SourceKey
 from controlplane.discovery.state import Found, SourceState
+from controlplane.drain.controller import EndpointDrains
 from controlplane.fleet.model import Discover, Endpoint, Fleet, Model
 from controlplane.obs.metrics import DISCOVERY, Metrics
-from controlplane.rollout.controller import CommandRejected, RolloutController
+from controlplane.rollout.controller import CommandRejected
 
 log = structlog.get_logger("controlplane.discovery")
 
@@ -49,12 +50,12 @@ class Discovery:
 
     def __init__(
         self,
-        rollouts: RolloutController,
+        drains: EndpointDrains,
         metrics: Metrics,
         on_change: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.rollouts = rollouts
+        self.drains = drains
         self.metrics = metrics
         self.on_change = on_change
         self.clock = clock
@@ -289,25 +290,25 @@ class Discovery:
                     to_drain[f.address] = (models[model], f"terminating: {f.origin}")
         changed = False
         for address, (m, why) in to_drain.items():
-            drain = self.rollouts.drains.get(address)
+            drain = self.drains.drains.get(address)
             if drain is None:
                 timeout = fleet.traffic_of(m).timeout_s
                 with contextlib.suppress(CommandRejected):
-                    await self.rollouts.drain(address, timeout, why, WHO)
+                    await self.drains.drain(address, timeout, why, WHO)
                     self._drained_by_us.add(address)
             elif drain.state == "drained" and address in self.leaving:
                 del self.leaving[address]
                 with contextlib.suppress(CommandRejected):
-                    await self.rollouts.forget_drain(address, "gone from its discovery source", WHO)
+                    await self.drains.forget(address, "gone from its discovery source", WHO)
                 self._drained_by_us.discard(address)
                 log.info("discovered endpoint drained and removed", model=m.name, address=address)
                 changed = True
         # A server that came back (listed again, ready again) is taken back.
         for address in [a for a in self._drained_by_us if a not in to_drain]:
             self._drained_by_us.discard(address)
-            if address in self.rollouts.drains:
+            if address in self.drains.drains:
                 with contextlib.suppress(CommandRejected):
-                    await self.rollouts.undrain(address, "back in its discovery source", WHO)
+                    await self.drains.undrain(address, "back in its discovery source", WHO)
         if changed:
             self.on_change()
 

@@ -28,7 +28,7 @@ from controlplane.fleet.schema_policies import TRAFFIC_KEYS, _scaling, _slo, _tr
 from controlplane.fleet.values import _VERSION, _int, _kind, _mapping, _number, _port, _url_path
 
 # A leaf module (no imports of its own): the names a model must not clash with in Envoy.
-from controlplane.routing.names import GATEWAY_LISTENER, stat_name
+from controlplane.resources.names import GATEWAY_LISTENER, stat_name
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
 PROTOCOLS = ("http1", "http2")

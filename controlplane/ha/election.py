@@ -57,7 +57,7 @@ class LeaderElection:
         now = self.is_leader()
         if now != self._was:
             self._was = now
-            log.info("leadership " + ("gained" if now else "lost"), replica=self.replica)
+            log.info("leadership gained" if now else "leadership lost", replica=self.replica)
             if self.on_change is not None:
                 self.on_change(now)
 

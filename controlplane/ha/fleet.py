@@ -18,6 +18,7 @@ from controlplane.fleet.errors import FleetConfigInvalid
 from controlplane.fleet.model import Fleet
 from controlplane.fleet.watch import parse_file_bytes
 from controlplane.ha.etcd import Etcd
+from controlplane.obs.outage import Outage
 from controlplane.rollout.store import StoreUnavailable
 
 log = structlog.get_logger("controlplane.ha")
@@ -78,17 +79,14 @@ class EtcdFleetSource:
 
     async def run(self) -> None:
         """Poll until cancelled; an unreachable etcd keeps the last fleet in service."""
-        unreachable = False
+        outage = Outage(log, "etcd unreachable; serving the last fleet", "etcd reachable again")
+        where = self.etcd.url.where
         while True:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.check()
             except StoreUnavailable as e:
-                if not unreachable:
-                    log.warning("etcd unreachable; serving the last fleet", error=str(e))
-                unreachable = True
+                outage.failed(e)
                 await asyncio.sleep(self.interval_s * 4)
                 continue
-            if unreachable:
-                log.info("etcd reachable again", store=self.etcd.url.where)
-                unreachable = False
+            outage.ok(store=where)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 import structlog
 
 from controlplane.ha.etcd import Etcd, LeasedKey
+from controlplane.obs.outage import Outage
 from controlplane.rollout.store import StoreUnavailable
 
 log = structlog.get_logger("controlplane.ha")
@@ -82,16 +83,14 @@ class SharedNodes:
 
     async def run(self) -> None:
         """Sync every PUBLISH_S until cancelled; the key goes with the replica."""
-        unreachable = False
+        outage = Outage(log, "cannot share the proxies served here: etcd unreachable")
         try:
             while True:
                 try:
                     await self.sync()
-                    unreachable = False
+                    outage.ok()
                 except StoreUnavailable as e:
-                    if not unreachable:
-                        log.warning("cannot share the proxies served here: etcd unreachable", error=str(e))
-                    unreachable = True
+                    outage.failed(e)
                 await asyncio.sleep(PUBLISH_S)
         finally:
             await self._mine.close()

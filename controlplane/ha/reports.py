@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 
 from controlplane.ha.etcd import Etcd, LeasedKey
+from controlplane.obs.outage import Outage
 from controlplane.rollout.store import StoreUnavailable
 from controlplane.signals.store import EndpointCounters, EndpointKey, SignalStore
 
@@ -144,7 +145,7 @@ class SharedReports:
 
     async def run(self) -> None:
         """Publish and read every second while some rollout is analysed, until cancelled."""
-        unreachable = False
+        outage = Outage(log, "cannot share load reports: etcd unreachable")
         try:
             while True:
                 await asyncio.sleep(PUBLISH_S)
@@ -155,10 +156,8 @@ class SharedReports:
                     await self._publish(keys)
                     if keys:
                         await self._read()
-                    unreachable = False
+                    outage.ok()
                 except StoreUnavailable as e:
-                    if not unreachable:
-                        log.warning("cannot share load reports: etcd unreachable", error=str(e))
-                    unreachable = True
+                    outage.failed(e)
         finally:
             await self._mine.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from controlplane.fleet.model import Fleet, Model
-from controlplane.routing.names import cluster_name
+from controlplane.resources.names import cluster_name
 from controlplane.routing.translate import RoutingOverlay
 
 Weights = Mapping[str, Mapping[str, int]]  # cluster -> address -> weight

@@ -32,8 +32,9 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from controlplane.net.http import client_session
 from controlplane.obs.metrics import HoldMetrics
-from controlplane.routing.names import HOLD_MODEL_HEADER
+from controlplane.resources.names import HOLD_MODEL_HEADER
 
 log = structlog.get_logger("controlplane.hold")
 
@@ -272,7 +273,7 @@ class HoldingService:
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         self.port = sockets[0].getsockname()[1] if sockets else port
-        self._session = aiohttp.ClientSession(
+        self._session = client_session(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=2), auto_decompress=False
         )
 

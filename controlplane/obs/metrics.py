@@ -18,18 +18,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from controlplane import __version__
 from controlplane.obs.endpoint_metrics import EndpointRows
-
-_TYPE_SHORT = {
-    "type.googleapis.com/envoy.config.listener.v3.Listener": "listener",
-    "type.googleapis.com/envoy.config.route.v3.RouteConfiguration": "route",
-    "type.googleapis.com/envoy.config.cluster.v3.Cluster": "cluster",
-    "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment": "endpoint",
-}
-
-
-def type_label(type_url: str) -> str:
-    """A short label for an xDS type URL: listener, route, cluster, endpoint (else 'other')."""
-    return _TYPE_SHORT.get(type_url, "other")
+from controlplane.resources.types import TYPE_LABELS
 
 
 class Metrics:
@@ -175,10 +164,6 @@ class Metrics:
         self.discovery = DiscoveryMetrics(r)
         self.hold = HoldMetrics(r)
         self.loops = LoopMetrics(r)
-        from controlplane.obs.latency_metrics import ModelLatency
-
-        # Per model version TTFT and TPOT histograms, merged from the servers' own when read.
-        self.model_latency = ModelLatency(r)
         self.build_info = Gauge(
             "controlplane_build_info",
             "Always 1; the labels say which build of the control plane runs.",
@@ -204,7 +189,7 @@ class Metrics:
             registry=r,
         )
         # Series at 0 from the start, so rate() and increase() see the first NACK too.
-        for label in _TYPE_SHORT.values():
+        for label in TYPE_LABELS.values():
             self.nacks.labels(label)
             self.proxies_nacked.labels(label).set(0)
         groups = (self, self.balancing, self.rollouts, self.autoscaling, self.discovery, self.hold)

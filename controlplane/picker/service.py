@@ -49,10 +49,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from controlplane.obs.side_service import serve_until_signalled
+from controlplane.obs.outage import Outage
 from controlplane.picker.choose import PREFIX_ENTRIES, PREFIX_LOAD_BOUND, PickerState, ServerLoad
-from controlplane.routing.names import PICKED_HEADER, PICKED_METADATA_NS, SUBSET_METADATA_NS
-from controlplane.routing.translate import CLUSTER, ENDPOINT, METADATA_NS
+from controlplane.process.side_service import serve_until_signalled
+from controlplane.resources.names import METADATA_NS, PICKED_HEADER, PICKED_METADATA_NS, SUBSET_METADATA_NS
+from controlplane.resources.types import CLUSTER, ENDPOINT
 from controlplane.v1 import endpoint_pb2 as admin_endpoint_pb2
 from controlplane.v1 import endpoint_pb2_grpc
 
@@ -222,7 +223,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 self.metrics.picks.labels(reason).inc()
                 self.metrics.inflight.inc()
                 log.debug(
-                    "picker.pick",
+                    "request picked",
                     request_id=_header(req, "x-request-id"),
                     cluster=cluster,
                     picked=value,
@@ -245,7 +246,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def follow_peer(self, peer: str) -> None:
         """Read another picker's requests in flight every peers_interval_s, for ever."""
-        failing = False
+        outage = Outage(log, "a peer's requests in flight unread", error_chars=300)
         async with grpc.aio.insecure_channel(peer) as channel:
             call = channel.unary_unary(f"/{PEER_SERVICE}/InFlight")
             while True:
@@ -257,12 +258,10 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     clean = {str(k): int(v) for k, v in counts.items() if isinstance(v, int) and v > 0}
                 except (grpc.RpcError, ValueError, TypeError) as e:
                     self.metrics.peer_reads.labels("error").inc()
-                    if not failing:
-                        log.warning("picker.peer_unread", peer=peer, error=str(e)[:300])
-                    failing = True
+                    outage.failed(e, peer=peer)
                 else:
                     self.metrics.peer_reads.labels("ok").inc()
-                    failing = False
+                    outage.ok()
                     self.state.observe_peer(peer, clean, time.monotonic())
                 await asyncio.sleep(self.peers_interval_s)
 
@@ -272,7 +271,8 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """Read every endpoint's load from the operator API, every loads_interval_s, for ever."""
         assert self.admin is not None
         md = [("authorization", f"Bearer {self.token}"), ("x-cpctl-user", self.node_id)]
-        failing = False
+        # Logged once per outage, not every interval.
+        outage = Outage(log, "the servers' loads unread from the control plane")
         async with grpc.aio.insecure_channel(self.admin) as channel:
             stub = endpoint_pb2_grpc.EndpointServiceStub(channel)
             while True:
@@ -282,14 +282,10 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     )
                 except grpc.RpcError as e:
                     self.metrics.load_reads.labels("error").inc()
-                    if not failing:  # once per outage, not every interval
-                        log.warning(
-                            "picker.loads_unread", admin=self.admin, error=str(e.details() or e.code())
-                        )
-                    failing = True
+                    outage.failed(e.details() or e.code(), admin=self.admin)
                 else:
                     self.metrics.load_reads.labels("ok").inc()
-                    failing = False
+                    outage.ok()
                     self.state.observe(server_loads(resp.endpoints, time.monotonic()))
                 await asyncio.sleep(self.loads_interval_s)
 
@@ -304,7 +300,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log.warning("picker.control_plane_stream_ended", error=str(e).splitlines()[0][:300])
+                log.warning("control plane stream ended; reconnecting", error=str(e).splitlines()[0][:300])
             finally:
                 self.metrics.connected.set(0)
             if time.monotonic() - started > 10 * RECONNECT_MAX_S:
@@ -367,7 +363,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     self.ready.set()
                     await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
                     await self.health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-                    log.info("picker.ready", clusters=len(self.state.clusters))
+                    log.info("picker ready", clusters=len(self.state.clusters))
 
 
 def server_loads(endpoints: Iterable[Any], now: float) -> dict[str, ServerLoad]:
@@ -500,6 +496,6 @@ async def serve(
         metrics.registry,
         background,
         lambda: log.info(
-            "picker.listening", listen=listen, control_plane=control_plane, metrics=metrics_listen
+            "picker listening", listen=listen, control_plane=control_plane, metrics=metrics_listen
         ),
     )

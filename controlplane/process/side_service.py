@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from collections.abc import Coroutine
 from typing import Any
 
@@ -14,6 +13,7 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from controlplane.obs.http import split_host_port
+from controlplane.process.stop import stop_on_signals
 
 
 async def serve_until_signalled(
@@ -38,13 +38,10 @@ async def serve_until_signalled(
         status, _ = start_http_server(port, host, registry=registry)
     if on_started is not None:
         on_started()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     tasks = [asyncio.create_task(coro) for coro in background]
     try:
-        await stop.wait()
+        with stop_on_signals() as stop:
+            await stop.wait()
     finally:
         for task in tasks:
             task.cancel()

@@ -29,7 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from controlplane.fleet import FleetConfigInvalid, load_fleet
 from controlplane.fleet.errors import ConfigError
 from controlplane.fleet.model import QuotaSpec
-from controlplane.obs.side_service import serve_until_signalled
+from controlplane.obs.outage import Outage
+from controlplane.process.side_service import serve_until_signalled
 from controlplane.quota.limiter import KINDS, Decision, Limiter, decision, needed
 from controlplane.quota.redis_store import RedisStore, RedisUnavailable
 from controlplane.routing.quotas import (
@@ -101,7 +102,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self.metrics = metrics or QuotaMetrics()
         self.store = store  # Redis: buckets shared by every service using it
         self.token: str | None = None  # the bearer token cpctl quota status must send
-        self._store_down = False
+        self._store_outage = Outage(
+            log,
+            "redis unreachable; requests served without a limit",
+            "redis reachable again",
+            error_chars=300,
+        )
 
     def set_spec(self, spec: QuotaSpec) -> None:
         """New quotas; the buckets in use stay (each refills to its new limit)."""
@@ -208,15 +214,11 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
 
     def _store_ok(self) -> None:
         self.metrics.store_ops.labels("ok").inc()
-        if self._store_down:
-            log.info("quota.store_reachable_again")
-        self._store_down = False
+        self._store_outage.ok()
 
     def _store_failed(self, e: Exception) -> None:
         self.metrics.store_ops.labels("error").inc()
-        if not self._store_down:
-            log.warning("quota.store_unreachable", error=str(e)[:300])
-        self._store_down = True
+        self._store_outage.failed(e)
 
     async def decide_async(self, request: rls_pb2.RateLimitRequest, now: float) -> rls_pb2.RateLimitResponse:
         statuses = []
@@ -375,15 +377,19 @@ async def serve(
                     )
             except (OSError, FleetConfigInvalid) as e:
                 metrics.reloads.labels("error").inc()
-                log.warning("quota.reload_failed", error=str(e)[:500])
+                log.warning("quotas not reloaded; the last good ones stay", error=str(e)[:500])
                 continue
             service.set_spec(new.quotas)
             metrics.reloads.labels("ok").inc()
-            log.info("quota.reloaded")
+            log.info("quotas reloaded")
 
     def started() -> None:
         log.info(
-            "quota.listening", listen=listen, config=str(config), metrics=metrics_listen, store=store_url
+            "rate-limit service listening",
+            listen=listen,
+            config=str(config),
+            metrics=metrics_listen,
+            store=store_url,
         )
 
     try:

@@ -13,18 +13,20 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import structlog
-from prometheus_client.utils import floatToGoString
 
 from controlplane import limits
 from controlplane.fleet.model import Fleet, Model
-from controlplane.obs.metrics import PHASES, ROLLOUT, Metrics
+from controlplane.obs.metrics import ROLLOUT, Metrics
+from controlplane.resources.names import cluster_name
+from controlplane.resources.types import ENDPOINT
 from controlplane.rollout import machine
 from controlplane.rollout.analysis import VersionFigures, analysis, figures, with_peer_reports
+from controlplane.rollout.export import RolloutSeries
 from controlplane.rollout.machine import (
     Effect,
     Rollout,
@@ -47,12 +49,9 @@ from controlplane.rollout.store import (
     StoreConflict,
     StoreUnavailable,
 )
-from controlplane.routing.names import cluster_name, stat_name
-from controlplane.routing.translate import ENDPOINT, RoutingOverlay
 from controlplane.signals.load import counted
 from controlplane.signals.store import EndpointCounters, EndpointKey, SignalStore
 from controlplane.xds.reconciler import Reconciler
-from controlplane.xds.server import ADS_LABEL, ProxyRegistry
 
 log = structlog.get_logger("controlplane.rollout")
 
@@ -69,6 +68,19 @@ LEAVE_REPORT_S = 30.0
 # maybe): for this long after this replica starts or takes the lead, a window without load
 # reports proves nothing, so its analysis counts as watched only from then on.
 LRS_RECONNECT_S = 12.0
+
+
+class ProxyView(Protocol):
+    """What rollouts and drains ask of the connected proxies (xds/server.py's ProxyRegistry)."""
+
+    def routing_to(self, cluster: str, envoys_only: bool = False) -> tuple[str, ...]:
+        """Proxies whose routes name the cluster (Envoys only: `envoys_only`)."""
+
+    def lacking(self, cluster: str) -> tuple[str, ...]:
+        """Envoys that have not ACKed the cluster and its endpoints."""
+
+    def all_synced(self, type_url: str) -> bool:
+        """Whether every proxy that asked for the type has ACKed its latest."""
 
 
 class CommandRejected(Exception):
@@ -95,7 +107,7 @@ class RolloutController:
         store: StateStore,
         reconciler: Reconciler,
         signals: SignalStore,
-        registry: ProxyRegistry,
+        registry: ProxyView,
         metrics: Metrics,
         clock: Callable[[], float] = time.time,
         tick_s: float = 1.0,
@@ -126,9 +138,10 @@ class RolloutController:
         self._baselines: dict[str, _Baseline] = {}
         self._driving_since: float | None = None  # when this replica began ticking rollouts
         self._leave_reported: set[tuple[str, str]] = set()
-        self._weights_exported: set[tuple[str, str]] = set()  # version_weight series set
-        self._analysed_exported: set[tuple[str, str, str]] = set()  # analysis_* series set
-        self._routing_exported: set[tuple[str, str]] = set()  # version_traffic series set
+        self.series = RolloutSeries(metrics)
+        # Run at each tick after the rollouts' own, before versions retire (endpoint drains:
+        # drain/controller.py).
+        self.tick_hooks: list[Callable[[float], Awaitable[None]]] = []
         self._changed = asyncio.Event()
         # Whether this replica drives rollouts and drains (ticks them). With one replica it
         # always does; with several, the one holding the etcd lease does (controlplane/ha/).
@@ -243,7 +256,7 @@ class RolloutController:
         if fleet != self.reconciler.fleet:
             self.reconciler.set_fleet(fleet)
         self.reconciler.set_overlay(overlay)
-        self._export_routing(fleet, overlay)
+        self.series.export_routing(fleet, overlay)
         self._export()
         self._notify()
 
@@ -396,115 +409,21 @@ class RolloutController:
         self._model(model)
         return await self.store.history(model)
 
-    # ---- endpoint drains ------------------------------------------------------------------
+    # ---- endpoint drains (drain/controller.py decides; the state is stored here) -----------
 
-    def endpoint_models(self, address: str) -> list[tuple[str, str]]:
-        """(model, version) pairs the address serves in the file."""
-        fleet = self.file_fleet
-        if fleet is None:
-            return []
-        return [
-            (m.name, v.name)
-            for m in fleet.models
-            for v in m.versions
-            for ep in v.endpoints
-            if ep.address == address
-        ]
-
-    async def drain(self, address: str, timeout_s: float | None, reason: str, who: str) -> EndpointDrain:
-        served = self.endpoint_models(address)
-        if not served:
-            raise CommandRejected(
-                "NOT_FOUND",
-                f"no endpoint {address!r} in the fleet; `cpctl endpoints list` shows the addresses",
-            )
-        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise CommandRejected(
-                "INVALID_ARGUMENT", f"timeout: must be a finite number of seconds > 0, got {timeout_s}"
-            )
-        current = self.drains.get(address)
-        if current is not None:
-            return current  # draining already: idempotent
-        d = EndpointDrain(
-            address,
-            "draining",
-            self.clock(),
-            timeout_s or DRAIN_TIMEOUT_S,
-            who,
-            reason or "drained by operator",
-        )
-        model = served[0][0]
-        await self._write(
-            who, [Transition(model, "Draining", -1, 0, f"endpoint {address}: {d.reason}")], drains=[d]
-        )
-        self.drains[address] = d
-        log.info("endpoint draining", address=address, who=who, reason=d.reason)
-        self.publish()
-        return d
-
-    async def undrain(self, address: str, reason: str, who: str) -> None:
-        served = self.endpoint_models(address)
-        if not served and address not in self.drains:
-            raise CommandRejected("NOT_FOUND", f"no endpoint {address!r} in the fleet")
-        if address not in self.drains:
-            raise CommandRejected("FAILED_PRECONDITION", f"endpoint {address} is not draining or drained")
-        model = served[0][0] if served else ""
-        await self._write(
-            who,
-            [
-                Transition(
-                    model, "Undrained", -1, 0, f"endpoint {address}: {reason or 'undrained by operator'}"
-                )
-            ],
-            drop_drains=[address],
-        )
-        del self.drains[address]
-        log.info("endpoint undrained", address=address, who=who)
+    async def save_drain(self, who: str, audit: Transition, drain: EndpointDrain) -> None:
+        """Store a drain (new, or now drained) with its audit record, then serve it."""
+        await self._write(who, [audit], drains=[drain])
+        self.drains[drain.address] = drain
         self.publish()
 
-    async def forget_drain(self, address: str, why: str, who: str) -> None:
-        """The endpoint is gone for good (a provider stopped it): drop its drain record, so an
-        endpoint started later at the same address is not born drained."""
-        if address not in self.drains:
-            return
-        served = self.endpoint_models(address)
-        model = served[0][0] if served else ""
-        await self._write(
-            who, [Transition(model, "Removed", -1, 0, f"endpoint {address}: {why}")], drop_drains=[address]
-        )
+    async def drop_drain(self, who: str, audit: Transition, address: str) -> None:
+        """Store that an endpoint is no longer drained, with its audit record, then serve it."""
+        await self._write(who, [audit], drop_drains=[address])
         del self.drains[address]
         self.publish()
 
     # ---- ticks ------------------------------------------------------------------------------
-
-    def proxies_routing_to(self, cname: str, envoys_only: bool = False) -> tuple[str, ...]:
-        """Connected proxies whose ACKed routes (or routes on their way) name the cluster. With
-        `envoys_only`, proxyless gRPC clients are left out (they follow the stable version,
-        which moves only when a rollout completes)."""
-        out = []
-        for s in self.registry.streams.values():
-            if envoys_only and (s.service != ADS_LABEL or not s.protocol.wants_every_cluster):
-                continue
-            if s.protocol.routes_to(cname):
-                out.append(s.protocol.node_id or s.peer)
-        return tuple(sorted(set(out)))
-
-    def proxies_without(self, cname: str) -> tuple[str, ...]:
-        """Connected Envoys (ADS, every cluster) that have not ACKed the cluster and its endpoints."""
-        out = []
-        for s in self.registry.streams.values():
-            if s.service != ADS_LABEL or not s.protocol.wants_every_cluster:
-                continue  # proxyless gRPC clients follow the stable version only
-            if not s.protocol.holds_cluster(cname):
-                out.append(s.protocol.node_id or s.peer)
-        return tuple(sorted(set(out)))
-
-    def _proxies_synced(self, type_url: str = ENDPOINT) -> bool:
-        return all(
-            s.protocol.status(type_url) == "SYNCED"
-            for s in self.registry.streams.values()
-            if type_url in s.protocol.types and s.protocol.types[type_url].requested
-        )
 
     def analysed_endpoints(self) -> set[EndpointKey]:
         """The endpoints whose load reports running rollouts' analysis reads (both versions)."""
@@ -563,10 +482,10 @@ class RolloutController:
             if not active(r):
                 self.inconclusive.pop(model, None)
                 continue
-            unacked = self.proxies_without(cluster_name(model, r.spec.canary)) if r.step < 0 else ()
+            unacked = self.registry.lacking(cluster_name(model, r.spec.canary)) if r.step < 0 else ()
             a = self._analyse(r, now) if r.step >= 0 else None
             still = (
-                self.proxies_routing_to(cluster_name(model, r.spec.stable), envoys_only=True)
+                self.registry.routing_to(cluster_name(model, r.spec.stable), envoys_only=True)
                 if r.finishing
                 else ()
             )
@@ -581,7 +500,9 @@ class RolloutController:
                     self.metrics.rollouts.aborts.labels(model, "analysis").inc()
                     log.warning("rollout aborted by analysis", model=model, reason=new.reason)
                 await self._commit(new, effects, self.actor)
-        await self._tick_drains(now)
+        for hook in self.tick_hooks:
+            await hook(now)
+        await self._tick_versions(now)
         self._export()
 
     def _in_flight(self, model: str, address: str) -> float:
@@ -589,38 +510,21 @@ class RolloutController:
         in_progress = self.signals.lrs_totals((model, address), time.monotonic())[0]
         return in_progress + counted(load.running) + counted(load.waiting)
 
-    def _drained(
+    def drained_reason(
         self, models: list[str], addresses: list[str], since: float, timeout_s: float, now: float
     ) -> str | None:
-        """Why the endpoints count as drained now, or None while they do not."""
+        """Why endpoints draining since `since` count as drained now (every proxy has their
+        DRAINING state, none has requests in flight, DRAIN_SETTLE_S passed; or the deadline
+        passed), or None while they do not."""
         if now - since >= timeout_s:
             return f"the drain deadline ({timeout_s:g}s) passed"
-        if now - since < DRAIN_SETTLE_S or not self._proxies_synced():
+        if now - since < DRAIN_SETTLE_S or not self.registry.all_synced(ENDPOINT):
             return None
         busy = sum(self._in_flight(m, a) for m in models for a in addresses)
         return "no requests in flight" if busy <= 0 else None
 
-    async def _tick_drains(self, now: float) -> None:
-        for address, d in list(self.drains.items()):
-            if d.state != "draining":
-                continue
-            models = [m for m, _ in self.endpoint_models(address)]
-            why = self._drained(models, [address], d.started_at, d.timeout_s, now)
-            if why is None:
-                continue
-            done = replace(d, state="drained")
-            await self._write(
-                self.actor,
-                [
-                    Transition(
-                        models[0] if models else "", "Drained", -1, 0, f"endpoint {address} removed: {why}"
-                    )
-                ],
-                drains=[done],
-            )
-            self.drains[address] = done
-            log.info("endpoint drained and removed", address=address, why=why)
-            self.publish()
+    async def _tick_versions(self, now: float) -> None:
+        """Versions a rollout left: DRAINING once no route sends to them, then retired once drained."""
         fleet = self.file_fleet
         if fleet is None:
             return
@@ -635,7 +539,7 @@ class RolloutController:
                 if state == "leaving":
                     if now - since < ROUTES_SETTLE_S:
                         continue
-                    routing = self.proxies_routing_to(cluster_name(m.name, version))
+                    routing = self.registry.routing_to(cluster_name(m.name, version))
                     why = f"version {version}: no route sends to it; draining"
                     if routing and now - since < DRAIN_TIMEOUT_S:
                         await self._report_leaving(m.name, version, since, routing, now)
@@ -658,17 +562,21 @@ class RolloutController:
                 if state != "draining":
                     continue
                 eps = [ep.address for v in m.versions if v.name == version for ep in v.endpoints]
-                why = self._drained([m.name], eps, since, DRAIN_TIMEOUT_S, now)
-                if why is None:
+                drained = self.drained_reason([m.name], eps, since, DRAIN_TIMEOUT_S, now)
+                if drained is None:
                     continue
                 layer = layer.with_version(version, "retired", now)
                 await self._write(
                     self.actor,
-                    [Transition(m.name, "Retired", -1, 0, f"version {version} drained and removed: {why}")],
+                    [
+                        Transition(
+                            m.name, "Retired", -1, 0, f"version {version} drained and removed: {drained}"
+                        )
+                    ],
                     layers=[layer],
                 )
                 self.layers[m.name] = layer
-                log.info("version drained and removed", model=m.name, version=version, why=why)
+                log.info("version drained and removed", model=m.name, version=version, why=drained)
                 self.publish()
 
     async def _report_leaving(
@@ -729,43 +637,6 @@ class RolloutController:
             except Exception as e:
                 log.warning("could not reload the state another replica changed", error=str(e))
 
-    # ---- metrics ------------------------------------------------------------------------------
-
-    def _export_routing(self, fleet: Fleet, overlay: RoutingOverlay) -> None:
-        """Every replica serves the same routes: each version's share of its model's traffic,
-        and the Envoy cluster name of each version (for joins with Envoy's stats)."""
-        m = self.metrics
-        exported: set[tuple[str, str]] = set()
-        for model in fleet.models:
-            slo = fleet.slo_of(model)
-            for sli, objective in (
-                ("availability", slo.availability),
-                ("ttft", slo.ttft_objective),
-                ("tpot", slo.tpot_objective),
-            ):
-                m.slo_objective.labels(model.name, sli).set(objective)
-            for sli, threshold in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s)):
-                # Only the current threshold's series: a changed one must not linger beside it.
-                with m.slo_threshold._lock:
-                    stale = [k for k in m.slo_threshold._metrics if k[:2] == (model.name, sli)]
-                le = floatToGoString(threshold)  # type: ignore[no-untyped-call]
-                for key in stale:
-                    if key[2] != le:
-                        m.slo_threshold.remove(*key)
-                m.slo_threshold.labels(model.name, sli, le).set(threshold)
-            split = dict(overlay.splits.get(model.name, ())) or {model.stable: 100}
-            total = sum(split.values()) or 1
-            for v in model.versions:
-                m.version_traffic.labels(model.name, v.name).set(split.get(v.name, 0) / total)
-                m.cluster_info.labels(stat_name(cluster_name(model.name, v.name)), model.name, v.name).set(1)
-                exported.add((model.name, v.name))
-        for model_name, version in self._routing_exported - exported:
-            with contextlib.suppress(KeyError):
-                m.version_traffic.remove(model_name, version)
-            with contextlib.suppress(KeyError):
-                m.cluster_info.remove(stat_name(cluster_name(model_name, version)), model_name, version)
-        self._routing_exported = exported
-
     def set_leader(self, leads: bool) -> None:
         """This replica gained or lost the leader lease: only the leader exports the rollout
         and drain series, so a former leader's do not stay frozen beside the new one's."""
@@ -773,53 +644,4 @@ class RolloutController:
         self._export()
 
     def _export(self) -> None:
-        rm = self.metrics.rollouts
-        fleet = self.file_fleet
-        # A model that left the file keeps its rollout record (history), not its series.
-        served = {m.name for m in fleet.models} if fleet is not None else set(self.rollouts)
-        if not self.leader:
-            served = set()
-        weights: set[tuple[str, str]] = set()
-        analysed: set[tuple[str, str, str]] = set()
-        for model, r in self.rollouts.items():
-            if model not in served:
-                for p in PHASES:
-                    with contextlib.suppress(KeyError):
-                        rm.phase.remove(model, p)
-                with contextlib.suppress(KeyError):
-                    rm.step.remove(model)
-                continue
-            for p in PHASES:
-                rm.phase.labels(model, p).set(1 if r.phase == p else 0)
-            rm.step.labels(model).set(r.step + 1)
-            for v, w in r.weights.items():
-                rm.version_weight.labels(model, v).set(w / 100.0)
-                weights.add((model, v))
-            f = self.figures.get(model)
-            # A finished rollout has no step to judge: its last figures would mislead.
-            if f is not None and active(r):
-                for role, version, fig in (("canary", r.spec.canary, f[0]), ("stable", r.spec.stable, f[1])):
-                    rm.analysis_error_ratio.labels(model, version, role).set(fig.error_rate)
-                    rm.analysis_requests.labels(model, version, role).set(round(fig.requests))
-                    if fig.p99_s is not None:
-                        rm.analysis_p99.labels(model, version, role).set(fig.p99_s)
-                    else:
-                        with contextlib.suppress(KeyError):
-                            rm.analysis_p99.remove(model, version, role)
-                    analysed.add((model, version, role))
-        # Versions of an earlier rollout of the model that this one does not name.
-        for model, v in self._weights_exported - weights:
-            with contextlib.suppress(KeyError):
-                rm.version_weight.remove(model, v)
-        self._weights_exported = weights
-        for key in self._analysed_exported - analysed:
-            for family in (rm.analysis_error_ratio, rm.analysis_requests, rm.analysis_p99):
-                with contextlib.suppress(KeyError):
-                    family.remove(*key)
-        self._analysed_exported = analysed
-        for state in ("draining", "drained"):
-            if self.leader:
-                rm.draining.labels(state).set(sum(1 for d in self.drains.values() if d.state == state))
-            else:
-                with contextlib.suppress(KeyError):
-                    rm.draining.remove(state)
+        self.series.export(self.file_fleet, self.rollouts, self.drains, self.figures, self.leader)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from controlplane.fleet.model import Fleet, Model, Version
+from controlplane.resources.names import cluster_name
 from controlplane.rollout.machine import Rollout
-from controlplane.routing.names import cluster_name
 from controlplane.routing.translate import RoutingOverlay
 
 # A version traffic left: leaving (routes moved off it, endpoints untouched until every proxy

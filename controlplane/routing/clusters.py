@@ -27,7 +27,8 @@ from google.protobuf import json_format, wrappers_pb2
 from google.protobuf.message import Message
 
 from controlplane.fleet.model import Affinity, CircuitBreaker, Endpoint, Model, TrafficPolicy, Version
-from controlplane.routing import names, pb
+from controlplane.resources import names
+from controlplane.routing import pb
 
 # A request Envoy sends on a pooled connection just as the server closes it is lost: a 503
 # (upstream_cx_destroy_remote_with_active_rq) that is not retried, since the server may have

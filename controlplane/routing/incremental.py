@@ -34,7 +34,8 @@ from controlplane.fleet.model import (
     TrafficPolicy,
     Version,
 )
-from controlplane.routing import names
+from controlplane.resources import names
+from controlplane.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from controlplane.routing.clusters import (
     EndpointWeights,
     build_assignment,
@@ -45,11 +46,7 @@ from controlplane.routing.clusters import (
 )
 from controlplane.routing.quotas import build_ratelimit_cluster
 from controlplane.routing.translate import (
-    CLUSTER,
-    ENDPOINT,
-    LISTENER,
     NO_OVERLAY,
-    ROUTE,
     DesiredResources,
     RoutingOverlay,
     ShedClasses,

@@ -25,9 +25,10 @@ from envoy.type.metadata.v3 import metadata_pb2
 from envoy.type.v3 import http_status_pb2
 
 from controlplane.fleet.model import Fleet, Model, QuotaSpec
-from controlplane.routing import names, pb
+from controlplane.resources import names
+from controlplane.resources.names import METADATA_NS
+from controlplane.routing import pb
 from controlplane.routing.clusters import build_side_service_cluster
-from controlplane.routing.names import METADATA_NS
 
 RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
 DOMAIN = "inference"  # the rate-limit domain every descriptor is under

@@ -35,7 +35,9 @@ from google.protobuf import any_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
 from controlplane.fleet.model import Fleet, Model, PriorityClass, TrafficPolicy
-from controlplane.routing import names, pb
+from controlplane.resources import names
+from controlplane.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
+from controlplane.routing import pb
 from controlplane.routing.clusters import (
     EndpointWeights,
     build_assignment,
@@ -52,12 +54,6 @@ from controlplane.routing.quotas import (
     build_ratelimit_filter,
     counts_tokens,
 )
-
-LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
-ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
-CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
-ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-TYPE_URLS = (CLUSTER, ENDPOINT, LISTENER, ROUTE)  # the ADS make-before-break order
 
 MODEL_HEADER = "x-model"
 METADATA_NS = names.METADATA_NS

@@ -13,7 +13,7 @@ parsed here (`parse_metrics`, only the families read), so the control plane rece
 A sample's TTFT and TPOT histograms (about 40 buckets, most of a record's bytes) are sent
 only when they changed since the endpoint's previous record, and whole every `REFRESH_S`
 in any case, so a record lost on the way (or collapsed into a later one) costs at most that
-long; None on the control plane's side means "unchanged" (obs/latency_metrics.py). Each is
+long; None on the control plane's side means "unchanged" (signals/model_latency.py). Each is
 stamped with a lifetime id (`ServerHistogram.life`, new when a counter went down), so the
 control plane need not compare buckets to tell a restarted server.
 
@@ -38,8 +38,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-import aiohttp
-
+from controlplane.net.http import client_session
 from controlplane.signals.parse import (
     MetricsPageInvalid,
     ServerHistogram,
@@ -50,7 +49,7 @@ from controlplane.signals.parse import (
 from controlplane.signals.probe import Probe, Prober, at_port
 from controlplane.signals.schedule import Schedule
 from controlplane.signals.stalls import LoopStalls
-from controlplane.signals.store import EndpointKey, ScrapeResult, fetch_error_reason, page_error_reason
+from controlplane.signals.store import EndpointKey, ScrapeResult, fetch_error, page_error
 
 FLUSH_S = 0.05  # records are sent at most this long after their scrape ended
 NICE = 10  # collectors yield the CPU to the xDS process
@@ -203,8 +202,9 @@ class _Worker:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._reader, args=(loop,), daemon=True, name="collector-reader").start()
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=2, force_close=False),
+        session = client_session(
+            limit=0,
+            limit_per_host=2,
             headers={"User-Agent": "inference-controlplane-scraper"},
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding",),  # plain text: nothing to decompress
@@ -253,21 +253,17 @@ class _Worker:
         if not reached:
             self.stats.unreachable += 1
         sample = None
-        m_err = r.metrics_error
-        reason = None if m_err is None else fetch_error_reason(r.metrics_status)
-        if m_err is None and r.metrics_status is not None and r.metrics_status != 200:
-            m_err = f"GET {probe.metrics_path} answered HTTP {r.metrics_status}"
-            reason = "http_error"
+        error = fetch_error(probe.metrics_path, r.metrics_status, r.metrics_error)
+        if error is not None and error.reason == "http_error":
             self.stats.http_errors += 1
-        if m_err is None and r.body is not None:
+        if error is None and r.body is not None:
             self.stats.pages += 1
             self.stats.page_bytes += len(r.body)
             t0 = time.perf_counter()
             try:
                 sample = parse_metrics(r.body.decode("utf-8", errors="replace"), key[0])
             except MetricsPageInvalid as e:
-                m_err = f"unreadable metrics page: {e}"
-                reason = page_error_reason(e)
+                error = page_error(e)
                 self.stats.unreadable += 1
             self.stats.parse_s += time.perf_counter() - t0
             if sample is not None:
@@ -278,10 +274,10 @@ class _Worker:
                 ScrapeResult(
                     health_status=r.health_status,
                     health_error=r.health_error,
-                    metrics_error=m_err,
+                    metrics_error=None if error is None else error.text,
                     sample=sample,
                     reached=reached,
-                    error_reason=reason,
+                    error_reason=None if error is None else error.reason,
                     serving_refused=r.serving_refused,
                 ),
             )

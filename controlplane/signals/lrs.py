@@ -22,9 +22,9 @@ from prometheus_client import Counter, Gauge
 
 from controlplane import limits
 from controlplane.fleet.model import format_address
-from controlplane.routing.names import model_of_cluster
+from controlplane.net.tls import identity_mismatch
+from controlplane.resources.names import model_of_cluster
 from controlplane.signals.store import SignalStore
-from controlplane.xds.tls import identity_mismatch
 
 log = structlog.get_logger("controlplane.lrs")
 

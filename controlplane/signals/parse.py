@@ -11,7 +11,7 @@ averaged. Counters are cumulative; `derive` turns two samples into interval rate
 
 The time-to-first-token and time-per-output-token histograms are read whole (`_HISTOGRAMS`:
 cumulative buckets, _count, _sum, summed over the model's label sets) into `ServerHistogram`s,
-which the control plane merges per model version (obs/latency_metrics.py). vLLM and SGLang
+which the control plane merges per model version (signals/model_latency.py). vLLM and SGLang
 export both; TGI only a per-request mean time per token (read as TPOT); Triton and llama.cpp
 neither.
 

@@ -44,6 +44,7 @@ import aiohttp
 import structlog
 
 from controlplane.fleet.model import Fleet, PrometheusSpec
+from controlplane.net.http import client_session
 from controlplane.obs.metrics import PROMETHEUS_OUTCOMES, Metrics
 from controlplane.signals.parse import ServerSample
 from controlplane.signals.store import EndpointKey, ScrapeResult
@@ -609,8 +610,8 @@ class PrometheusSource:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=16),
+            self._session = client_session(
+                limit=16,
                 # Uncompressed: gzip would cost more CPU here (and in Prometheus) than it saves
                 # on a cluster network (about 1 KB per endpoint and round).
                 headers={

@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 
-import aiohttp
-
 from controlplane.fleet.model import Fleet
+from controlplane.net.http import client_session
 from controlplane.signals.probe import Probe, Prober, probes_of
-from controlplane.signals.store import EndpointKey, ScrapeResult, fetch_error_reason
+from controlplane.signals.store import EndpointKey, ScrapeResult, fetch_error
 
 
 def scrape_targets(fleet: Fleet) -> list[EndpointKey]:
@@ -38,9 +37,8 @@ class Scraper:
     def _client(self) -> Prober:
         if self._prober is None or self._prober.session.closed:
             self._prober = Prober(
-                aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=256, limit_per_host=2, force_close=False),
-                    headers={"User-Agent": "inference-controlplane-scraper"},
+                client_session(
+                    limit=256, limit_per_host=2, headers={"User-Agent": "inference-controlplane-scraper"}
                 )
             )
         return self._prober
@@ -61,19 +59,15 @@ class Scraper:
 
     async def _scrape(self, address: str, probe: Probe) -> ScrapeResult:
         r = await self._client().probe(address, probe, self.timeout_s)
-        m_err = r.metrics_error
-        reason = None if m_err is None else fetch_error_reason(r.metrics_status)
-        if m_err is None and r.metrics_status is not None and r.metrics_status != 200:
-            m_err = f"GET {probe.metrics_path} answered HTTP {r.metrics_status}"
-            reason = "http_error"
-        text = r.body.decode("utf-8", errors="replace") if r.body is not None and m_err is None else None
+        error = fetch_error(probe.metrics_path, r.metrics_status, r.metrics_error)
+        text = r.body.decode("utf-8", errors="replace") if r.body is not None and error is None else None
         return ScrapeResult(
             health_status=r.health_status,
             health_error=r.health_error,
             metrics_text=text,
-            metrics_error=m_err,
+            metrics_error=None if error is None else error.text,
             reached=r.reached,
-            error_reason=reason,
+            error_reason=None if error is None else error.reason,
             serving_refused=r.serving_refused,
         )
 

@@ -55,17 +55,32 @@ EndpointKey = tuple[str, str]  # (model, address)
 SCRAPE_ERROR_REASONS = ("unreachable", "http_error", "no_dialect", "unreadable", "no_series")
 
 
-def page_error_reason(e: MetricsPageInvalid) -> str:
-    """The reason class of a page parse_metrics refused: no_dialect or unreadable."""
+@dataclass(frozen=True)
+class ScrapeError:
+    """Why a scrape read no load: the text shown (`ScrapeResult.metrics_error`) and its class
+    (`ScrapeResult.error_reason`, one of SCRAPE_ERROR_REASONS)."""
+
+    text: str
+    reason: str
+
+
+def fetch_error(metrics_path: str, status: int | None, error: str | None) -> ScrapeError | None:
+    """Why a metrics fetch (its HTTP status, and the probe's error) brought no page to read;
+    None when it brought one. No HTTP answer is unreachable; an answer refused (a page over
+    the size limit) unreadable; any status but 200 http_error."""
+    if error is not None:
+        return ScrapeError(error, "unreachable" if status is None else "unreadable")
+    if status is not None and status != 200:
+        return ScrapeError(f"GET {metrics_path} answered HTTP {status}", "http_error")
+    return None
+
+
+def page_error(e: MetricsPageInvalid) -> ScrapeError:
+    """Why a page parse_metrics refused gave no load: no_dialect or unreadable."""
     # parse.py says "no vLLM, SGLang, ... metrics on the page (N samples; ...)" (a test holds it).
     text = str(e)
-    return "no_dialect" if text.startswith("no ") and " metrics on the page (" in text else "unreadable"
-
-
-def fetch_error_reason(metrics_status: int | None) -> str:
-    """The reason class of a metrics fetch that brought no page (the probe's error set): no
-    HTTP answer is unreachable; an answer refused (a page over the size limit) unreadable."""
-    return "unreachable" if metrics_status is None else "unreadable"
+    reason = "no_dialect" if text.startswith("no ") and " metrics on the page (" in text else "unreadable"
+    return ScrapeError(f"unreadable metrics page: {text}", reason)
 
 
 @dataclass(frozen=True)
@@ -185,7 +200,8 @@ class SignalStore:
             try:
                 sample = parse_metrics(result.metrics_text, key[0])
             except MetricsPageInvalid as e:
-                self._scrape_failed(sig, f"unreadable metrics page: {e}", page_error_reason(e))
+                error = page_error(e)
+                self._scrape_failed(sig, error.text, error.reason)
                 return
         sig.scrape_error = sig.scrape_error_reason = None
         now -= max(0.0, result.age_s)

@@ -290,7 +290,7 @@ class EmulatedServer:
         self.faults = replace(self.faults, crash=False)
         await self.start()
         log.info(
-            "emulated server restarted" + (": recovered from its crash" if crashed else ""),
+            "emulated server restarted: recovered from its crash" if crashed else "emulated server restarted",
             address=self.address,
             model=self.config.model,
             cold_start_s=self.config.cold_start_s,

@@ -17,13 +17,15 @@ import argparse
 import asyncio
 import contextlib
 import json
-import signal
 import sys
 import time
 from collections import Counter
 from typing import IO
 
 import aiohttp
+
+from controlplane.net.http import client_session
+from controlplane.process.stop import stop_on_signals
 
 
 async def _one(
@@ -48,33 +50,31 @@ async def _one(
 
 
 async def run(args: argparse.Namespace, out: IO[str]) -> Counter[str]:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     body = json.dumps({"model": args.model, "prompt": "hello " * 8, "max_tokens": args.max_tokens}).encode()
     headers = {"content-type": "application/json", **dict(h.split(":", 1) for h in args.header)}
     url = args.url.rstrip("/") + "/v1/completions"
     tally: Counter[str] = Counter()
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    # --fresh-connections: one TCP connection per request, so that several proxies sharing
-    # a port (SO_REUSEPORT) each get a share; kept-alive connections stick to one proxy.
-    connector = aiohttp.TCPConnector(limit=args.connections, force_close=args.fresh_connections)
-    tasks: set[asyncio.Task[None]] = set()
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        start = time.monotonic()
-        n = 0
-        while not stop.is_set() and (args.duration <= 0 or time.monotonic() - start < args.duration):
-            t = asyncio.create_task(_one(session, url, body, headers, out, tally))
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
-            n += 1
-            delay = start + n / args.rate - time.monotonic()
-            if delay > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
-        if tasks:
-            await asyncio.wait(tasks, timeout=args.timeout)
+    with stop_on_signals() as stop:
+        tasks: set[asyncio.Task[None]] = set()
+        # --fresh-connections: one TCP connection per request, so that several proxies sharing
+        # a port (SO_REUSEPORT) each get a share; kept-alive connections stick to one proxy.
+        async with client_session(
+            limit=args.connections, force_close=args.fresh_connections, timeout=timeout
+        ) as session:
+            start = time.monotonic()
+            n = 0
+            while not stop.is_set() and (args.duration <= 0 or time.monotonic() - start < args.duration):
+                t = asyncio.create_task(_one(session, url, body, headers, out, tally))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+                n += 1
+                delay = start + n / args.rate - time.monotonic()
+                if delay > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), delay)
+            if tasks:
+                await asyncio.wait(tasks, timeout=args.timeout)
     return tally
 
 

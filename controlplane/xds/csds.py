@@ -27,7 +27,7 @@ from envoy.type.matcher.v3 import node_pb2, number_pb2, string_pb2, struct_pb2, 
 from google.protobuf import any_pb2, message, unknown_fields
 from google.protobuf import struct_pb2 as pb_struct
 
-from controlplane.routing.translate import TYPE_URLS
+from controlplane.resources.types import TYPE_URLS
 from controlplane.xds.server import ConnectedStream, ProxyRegistry
 
 SERVICE_NAME = "envoy.service.status.v3.ClientStatusDiscoveryService"

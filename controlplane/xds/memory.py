@@ -26,7 +26,7 @@ from envoy.config.route.v3 import route_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf.message import DecodeError, Message
 
-from controlplane.routing.translate import CLUSTER, ENDPOINT, ROUTE
+from controlplane.resources.types import CLUSTER, ENDPOINT, ROUTE
 from controlplane.xds import wire
 from controlplane.xds.snapshot import Placeholder, Snapshot, SnapshotResource, encode_resource, pair_hash
 

@@ -38,7 +38,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from controlplane import limits
-from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
+from controlplane.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
 from controlplane.xds import capabilities, variants, wire
 from controlplane.xds.capabilities import Capabilities
 from controlplane.xds.events import (

@@ -11,10 +11,11 @@ import structlog
 
 from controlplane.fleet.model import Fleet
 from controlplane.hold.policy import can_hold, candidate_servers, ready_servers
-from controlplane.obs.metrics import Metrics, type_label
+from controlplane.obs.metrics import Metrics
+from controlplane.resources.names import cluster_name
+from controlplane.resources.types import TYPE_URLS, type_label
 from controlplane.routing.incremental import IncrementalTranslator
-from controlplane.routing.names import cluster_name
-from controlplane.routing.translate import NO_OVERLAY, TYPE_URLS, RoutingOverlay
+from controlplane.routing.translate import NO_OVERLAY, RoutingOverlay
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.snapshot import SERIALISED, Lingering, Snapshot, build_snapshot
 

@@ -25,8 +25,9 @@ from envoy.service.discovery.v3 import discovery_pb2
 from prometheus_client.core import GaugeMetricFamily
 
 from controlplane import limits
-from controlplane.obs.metrics import Metrics, type_label
-from controlplane.routing.translate import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS
+from controlplane.net.tls import identity_mismatch
+from controlplane.obs.metrics import Metrics
+from controlplane.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE, TYPE_URLS, type_label
 from controlplane.xds import memory as xds_memory
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.events import (
@@ -43,7 +44,6 @@ from controlplane.xds.events import (
 from controlplane.xds.memory import ClusterMemory
 from controlplane.xds.protocol import CLUSTER_REMOVAL_GRACE_S, XdsStream
 from controlplane.xds.snapshot import Snapshot
-from controlplane.xds.tls import identity_mismatch
 
 log = structlog.get_logger("controlplane.xds")
 
@@ -207,6 +207,41 @@ class ProxyRegistry:
     def holds_stream(self, node_id: str) -> bool:
         """Whether a proxy with this node id holds an xDS stream here (on the loop)."""
         return self.nodes.get(node_id, 0) > 0
+
+    # ---- what rollouts and drains ask of the proxies (on the loop) --------------------------
+
+    def routing_to(self, cluster: str, envoys_only: bool = False) -> tuple[str, ...]:
+        """Connected proxies whose ACKed routes (or routes on their way) name the cluster. With
+        `envoys_only`, proxyless gRPC clients are left out (they follow the stable version,
+        which moves only when a rollout completes)."""
+        out = {
+            s.protocol.node_id or s.peer
+            for s in self.streams.values()
+            if not (envoys_only and not self._every_cluster(s)) and s.protocol.routes_to(cluster)
+        }
+        return tuple(sorted(out))
+
+    def lacking(self, cluster: str) -> tuple[str, ...]:
+        """Connected Envoys (ADS, every cluster) that have not ACKed the cluster and its
+        endpoints. Proxyless gRPC clients are left out: they follow the stable version only."""
+        out = {
+            s.protocol.node_id or s.peer
+            for s in self.streams.values()
+            if self._every_cluster(s) and not s.protocol.holds_cluster(cluster)
+        }
+        return tuple(sorted(out))
+
+    def all_synced(self, type_url: str) -> bool:
+        """Whether every connected stream that asked for the type has ACKed its latest."""
+        return all(
+            s.protocol.status(type_url) == "SYNCED"
+            for s in self.streams.values()
+            if type_url in s.protocol.types and s.protocol.types[type_url].requested
+        )
+
+    @staticmethod
+    def _every_cluster(s: ConnectedStream) -> bool:
+        return s.service == ADS_LABEL and s.protocol.wants_every_cluster
 
     def identified(self, node_id: str) -> None:
         self.nodes[node_id] = self.nodes.get(node_id, 0) + 1

@@ -11,12 +11,9 @@ from dataclasses import dataclass, field
 from envoy.config.cluster.v3 import cluster_pb2
 from google.protobuf.message import Message
 
+from controlplane.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from controlplane.routing.clusters import empty_assignment
 from controlplane.routing.translate import (
-    CLUSTER,
-    ENDPOINT,
-    LISTENER,
-    ROUTE,
     DesiredResources,
     cluster_refs,
     rds_names,

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 
 from envoy.config.route.v3 import route_pb2
 
+from controlplane.resources.types import ROUTE
 from controlplane.routing.blend import blend_routes
-from controlplane.routing.translate import ROUTE
 from controlplane.xds import capabilities
 from controlplane.xds.snapshot import SnapshotResource, encode_resource
 

@@ -99,7 +99,7 @@ class PickerProc:
         assert self.proc is not None
         out = {}
         for line in self.proc.log().splitlines():
-            if '"picker.pick"' not in line:
+            if '"request picked"' not in line:
                 continue
             doc = json.loads(line)
             out[doc["request_id"]] = doc["picked"].split(",")[0]
@@ -497,16 +497,33 @@ def test_two_pickers_count_each_others_requests(rig: Rig) -> None:
         def long_one(i: int) -> None:
             done.append(send(rig.listener, f"pair-{i}", max_tokens=600))
 
+        picks = 'controlplane_picker_picks_total{reason="least_loaded"}'
+
+        def picked() -> float:
+            return first.metric(picks) + second.metric(picks)
+
+        def read_by_both() -> tuple[float, float]:
+            return first.metric(reads), second.metric(reads)
+
+        def both_read_since(seen: tuple[float, float]) -> bool:
+            """Each picker counted two reads of the other since `seen`: the second began after
+            it (the one in flight then may have asked before)."""
+            return all(now >= was + 2 for now, was in zip(read_by_both(), seen, strict=True))
+
         threads = []
         for i in range(3):
+            before = picked()
             threads.append(threading.Thread(target=long_one, args=(i,)))
             threads[-1].start()
-            time.sleep(0.15)  # three peer reads apart, as requests arrive
+            # As requests arrive: the next comes once each picker has read the other's requests
+            # in flight since this one was picked.
+            wait_until(lambda n=before + 1: picked() >= n, 10, f"request {i} to be picked")  # type: ignore[misc]
+            seen = read_by_both()
+            wait_until(lambda s=seen: both_read_since(s), 10, "the pickers to read each other since")  # type: ignore[misc]
         for t in threads:
             t.join(30)
         assert [s for s, _ in done] == [200] * 3
         by_server = Counter(b for _, b in done)
-        picks = 'controlplane_picker_picks_total{reason="least_loaded"}'
         took = (first.metric(picks), second.metric(picks))
         assert min(took) >= 1, took  # both pickers picked
         assert sorted(by_server.values()) == [1, 1, 1], (by_server, took)
@@ -531,7 +548,10 @@ def test_picks_follow_the_servers_own_pages(rig: Rig) -> None:
             15,
             "the control plane to read the backlog from the page",
         )
-        time.sleep(0.5)  # a loads read after it
+        # A loads read begun after the control plane had it: the second read counted from now
+        # (the one in flight now may have asked before).
+        so_far = rig.picker.metric(reads)
+        wait_until(lambda: rig.picker.metric(reads) >= so_far + 2, 10, "the picker to read the loads since")
         served = [send(rig.listener, f"q-{i}")[1] for i in range(30)]
     finally:
         slow.set_faults(backlog=0)

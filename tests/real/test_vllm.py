@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from controlplane.routing.names import stat_name
+from controlplane.resources.names import stat_name
 from controlplane.sim.procs import die_with_parent
 from controlplane.v1 import endpoint_pb2
 from tests.integration.harness import BIN, ControlPlane, Envoy, Operator

@@ -338,3 +338,24 @@ def test_first_round_servers_not_heard_keep_the_benefit_of_the_doubt_when_they_a
         assert weight(weights, A1) > 0 and weight(weights, A2) == 0 and weight(weights, A3) == 0
 
     asyncio.run(body())
+
+
+def test_servers_that_join_later_are_held_however_many_until_seen_ready() -> None:
+    """Only servers there from the first round are let in as a majority of their cluster: two
+    joining a one-server version, heard only through their pages, are both held."""
+
+    async def body() -> None:
+        weights, source, _ = controller(FLEET.replace(', "127.0.0.12:8000"]', "]"))
+        source.results = {A1: busy(0, 0)}
+        await weights.one_round()
+        weights.reconciler.set_fleet(parse_fleet(THREE))
+        idle = ServerSample("vllm", running=0, waiting=0)
+        page_only = ScrapeResult(health_error="timeout after 0.25 s", sample=idle, reached=True)
+        source.results = {A1: busy(0, 0), A2: page_only, A3: page_only}
+        await weights.one_round()
+        assert weight(weights, A1) > 0 and weight(weights, A2) == 0 and weight(weights, A3) == 0
+        source.results[A2] = busy(0, 0)
+        await weights.one_round()
+        assert weight(weights, A2) > 0 and weight(weights, A3) == 0
+
+    asyncio.run(body())

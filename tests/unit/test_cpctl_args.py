@@ -19,8 +19,9 @@ import grpc
 import pytest
 import yaml
 
-from controlplane.cli import cpctl
+from controlplane.cli import argtypes, cpctl
 from controlplane.cli import cpctl_output as out
+from controlplane.cli.cpctl_commands import autoscaling, client, command, completion, endpoints, rollout
 from controlplane.v1 import autoscaling_pb2, endpoint_pb2, proxy_pb2, rollout_pb2
 
 
@@ -46,20 +47,20 @@ def free_port() -> int:
     ],
 )
 def test_durations(text: str, seconds: float) -> None:
-    assert cpctl.parse_duration(text) == pytest.approx(seconds)
+    assert argtypes.parse_duration(text) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("text", ["", "x", "3x", "s", "-1s", "0", "0ms", "1e3", "2 minutes", "nan"])
 def test_bad_durations(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
-        cpctl.parse_duration(text)
+        argtypes.parse_duration(text)
 
 
 def test_steps() -> None:
-    assert cpctl.parse_steps("5,25,50,100") == [5, 25, 50, 100]
-    assert cpctl.parse_steps(" 10, 100") == [10, 100]
+    assert argtypes.parse_steps("5,25,50,100") == [5, 25, 50, 100]
+    assert argtypes.parse_steps(" 10, 100") == [10, 100]
     # Parsing takes any percents; their order is judged with the rest (start_problem).
-    assert cpctl.parse_steps("50,25") == [50, 25]
+    assert argtypes.parse_steps("50,25") == [50, 25]
 
 
 def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -166,7 +167,7 @@ def test_start_sets_only_the_fields_given() -> None:
     p = cpctl.build_parser()
     for argv in (["--manual"], ["--steps", "10,100", "--interval", "2m", "--max-error-rate", "0.05"]):
         args = p.parse_args(["rollout", "start", "llama", "--to", "v2", *argv])
-        assert cpctl.cmd_start(_FakeClient(rollouts=Stub()), args) == 0  # type: ignore[arg-type]
+        assert rollout.cmd_start(_FakeClient(rollouts=Stub()), args) == 0  # type: ignore[arg-type]
     manual, timed = sent
     assert manual.manual and manual.interval_seconds == 0 and list(manual.steps) == []
     for field in ("max_error_rate", "max_latency_ratio", "min_requests", "ack_deadline_seconds"):
@@ -180,32 +181,32 @@ def test_start_sets_only_the_fields_given() -> None:
 
 
 def _token(token_file: Path | None, env: dict[str, str]) -> str:
-    return cpctl.resolve_token(token_file, env).token
+    return client.resolve_token(token_file, env).token
 
 
 def test_token_sources(tmp_path: Path) -> None:
     f = tmp_path / "tok"
     f.write_text("  from-file\n")
-    assert cpctl.resolve_token(f, {"CPCTL_TOKEN": "from-env"}) == cpctl.Credential("from-file", str(f))
-    assert cpctl.resolve_token(None, {"CPCTL_TOKEN": " from-env "}) == cpctl.Credential(
+    assert client.resolve_token(f, {"CPCTL_TOKEN": "from-env"}) == client.Credential("from-file", str(f))
+    assert client.resolve_token(None, {"CPCTL_TOKEN": " from-env "}) == client.Credential(
         "from-env", "$CPCTL_TOKEN"
     )
-    with pytest.raises(cpctl.CliError) as e:
-        cpctl.resolve_token(tmp_path / "missing", {})
+    with pytest.raises(command.CliError) as e:
+        client.resolve_token(tmp_path / "missing", {})
     assert e.value.code == 4
     assert str(tmp_path / "missing") in str(e.value) and "--token-file" in str(e.value)
-    with pytest.raises(cpctl.CliError):
-        cpctl.resolve_token(None, {"CPCTL_TOKEN": "two words"})
+    with pytest.raises(command.CliError):
+        client.resolve_token(None, {"CPCTL_TOKEN": "two words"})
     other = tmp_path / "state" / "admin-token"  # serve --state-dir DIR
     other.parent.mkdir()
     other.write_text("from-state-dir\n")
-    assert cpctl.resolve_token(None, {"CPCTL_TOKEN_FILE": str(other)}) == cpctl.Credential(
+    assert client.resolve_token(None, {"CPCTL_TOKEN_FILE": str(other)}) == client.Credential(
         "from-state-dir", str(other)
     )
     assert _token(f, {"CPCTL_TOKEN_FILE": str(other)}) == "from-file"  # the flag wins
     assert _token(None, {"CPCTL_TOKEN_FILE": str(other), "CPCTL_TOKEN": "t"}) == "t"
-    with pytest.raises(cpctl.CliError) as e:
-        cpctl.resolve_token(None, {"CPCTL_TOKEN_FILE": str(tmp_path / "nope")})
+    with pytest.raises(command.CliError) as e:
+        client.resolve_token(None, {"CPCTL_TOKEN_FILE": str(tmp_path / "nope")})
     assert str(tmp_path / "nope") in str(e.value)
 
 
@@ -265,15 +266,15 @@ class _Failed(grpc.RpcError, grpc.Call):  # type: ignore[misc]
     ],
 )
 def test_rpc_error_lines(code: grpc.StatusCode, exit_code: int) -> None:
-    line, got = cpctl.rpc_error_line(_Failed(code, "it went\nwrong"), "h:1")
+    line, got = client.rpc_error_line(_Failed(code, "it went\nwrong"), "h:1")
     assert line == f"cpctl: {code.name}: it went wrong"
     assert got == exit_code
 
 
 def test_rpc_error_hints() -> None:
-    line, code = cpctl.rpc_error_line(_Failed(grpc.StatusCode.UNAVAILABLE, "refused"), "h:1")
+    line, code = client.rpc_error_line(_Failed(grpc.StatusCode.UNAVAILABLE, "refused"), "h:1")
     assert code == 1 and "is the control plane running at h:1? (--server" in line
-    line, _ = cpctl.rpc_error_line(_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "slow"), "h:1")
+    line, _ = client.rpc_error_line(_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "slow"), "h:1")
     assert "(raise --request-timeout?)" in line
 
 
@@ -396,7 +397,7 @@ def test_watch_exit_codes_and_json_lines(
             return stream
 
     args = cpctl.build_parser().parse_args(["rollout", "status", "llama", "-w", "-o", "json"])
-    assert cpctl.cmd_status(_FakeClient(rollouts=Stub()), args) == exit_code  # type: ignore[arg-type]
+    assert rollout.cmd_status(_FakeClient(rollouts=Stub()), args) == exit_code  # type: ignore[arg-type]
     lines = capsys.readouterr().out.splitlines()
     assert [json.loads(line)["phase"] for line in lines] == ["Progressing", last]
     assert stream.cancelled
@@ -413,9 +414,9 @@ def test_watch_table_without_a_tty_prints_a_line_per_change(capsys: pytest.Captu
             return _FakeStream([_rollout(), later, paused, paused, _rollout("Completed", 4, analysis=False)])
 
     args = cpctl.build_parser().parse_args(["rollout", "status", "llama", "--watch"])
-    assert cpctl.cmd_status(_FakeClient(rollouts=Stub()), args) == 0  # type: ignore[arg-type]
+    assert rollout.cmd_status(_FakeClient(rollouts=Stub()), args) == 0  # type: ignore[arg-type]
     text = capsys.readouterr().out
-    assert cpctl.CLEAR_SCREEN not in text
+    assert rollout.CLEAR_SCREEN not in text
     lines = text.splitlines()
     assert len(lines) == 3, lines
     assert all(re.fullmatch(r"\d\d:\d\d:\d\d  llama: .*", line) for line in lines), lines
@@ -433,8 +434,8 @@ def test_watch_table_on_a_tty_redraws(
 
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     args = cpctl.build_parser().parse_args(["rollout", "status", "llama", "-w"])
-    assert cpctl.cmd_status(_FakeClient(rollouts=Stub()), args) == 3  # type: ignore[arg-type]
-    screens = capsys.readouterr().out.split(cpctl.CLEAR_SCREEN)
+    assert rollout.cmd_status(_FakeClient(rollouts=Stub()), args) == 3  # type: ignore[arg-type]
+    screens = capsys.readouterr().out.split(rollout.CLEAR_SCREEN)
     assert screens[0] == "" and len(screens) == 3
     assert "Phase:    Aborted" in screens[2] and "Phase:    Aborted" not in screens[1]
 
@@ -655,7 +656,7 @@ def test_autoscaling_list_asks_for_the_model_given(fmt: str, capsys: pytest.Capt
 
     for argv in (["autoscaling", "list", "llama", "-o", fmt], ["autoscaling", "list", "-o", fmt]):
         args = cpctl.build_parser().parse_args(argv)
-        assert cpctl.cmd_autoscaling(_FakeClient(autoscaling=Stub()), args) == 0  # type: ignore[arg-type]
+        assert autoscaling.cmd_autoscaling(_FakeClient(autoscaling=Stub()), args) == 0  # type: ignore[arg-type]
         text = capsys.readouterr().out
         if fmt == "json":
             rows = json.loads(text)["scaling"]
@@ -746,7 +747,7 @@ def test_start_settings_the_server_would_refuse_exit_2_first(
 )
 def test_start_settings_the_server_accepts_pass(argv: list[str]) -> None:
     args = cpctl.build_parser().parse_args(["rollout", "start", "llama", "--to", "v2", *argv])
-    assert cpctl.start_problem(args) is None
+    assert rollout.start_problem(args) is None
 
 
 def test_the_client_check_is_the_servers_rule() -> None:
@@ -766,13 +767,13 @@ def test_the_client_check_is_the_servers_rule() -> None:
         [],
     ):
         args = p.parse_args(["rollout", "start", "llama", "--to", "v2", *argv])
-        spec = _start_request(cpctl.start_request(args))
+        spec = _start_request(rollout.start_request(args))
         try:
             spec.check()
             server = None
         except RolloutRejected as e:
             server = str(e)
-        assert cpctl.start_problem(args) == server, argv
+        assert rollout.start_problem(args) == server, argv
 
 
 @pytest.mark.parametrize(
@@ -959,12 +960,12 @@ class _EndpointStub:
 def test_drain_wait_as_a_document_prints_the_drained_endpoint_once(
     fmt: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cpctl, "DRAIN_POLL_S", 0.0)
+    monkeypatch.setattr(endpoints, "DRAIN_POLL_S", 0.0)
     stub = _EndpointStub(["DRAINING", "DRAINING", "DRAINED"])
     args = cpctl.build_parser().parse_args(
         ["endpoints", "drain", "127.0.0.1:9", "--drain-timeout", "20s", "--wait", "-o", fmt]
     )
-    assert cpctl.cmd_drain(_FakeClient(endpoints=stub), args) == 0  # type: ignore[arg-type]
+    assert endpoints.cmd_drain(_FakeClient(endpoints=stub), args) == 0  # type: ignore[arg-type]
     text = capsys.readouterr().out
     doc = json.loads(text) if fmt == "json" else yaml.safe_load(text)
     assert doc["state"] == "DRAINED" and doc["address"] == "127.0.0.1:9"
@@ -973,10 +974,10 @@ def test_drain_wait_as_a_document_prints_the_drained_endpoint_once(
 def test_drain_and_undrain_as_json(capsys: pytest.CaptureFixture[str]) -> None:
     p = cpctl.build_parser()
     args = p.parse_args(["endpoints", "drain", "127.0.0.1:9", "--timeout", "20s", "-o", "json"])
-    assert cpctl.cmd_drain(_FakeClient(endpoints=_EndpointStub(["DRAINING"])), args) == 0  # type: ignore[arg-type]
+    assert endpoints.cmd_drain(_FakeClient(endpoints=_EndpointStub(["DRAINING"])), args) == 0  # type: ignore[arg-type]
     assert json.loads(capsys.readouterr().out)["state"] == "DRAINING"
     args = p.parse_args(["endpoints", "undrain", "127.0.0.1:9", "-o", "json"])
-    assert cpctl.cmd_undrain(_FakeClient(endpoints=_EndpointStub(["SERVING"])), args) == 0  # type: ignore[arg-type]
+    assert endpoints.cmd_undrain(_FakeClient(endpoints=_EndpointStub(["SERVING"])), args) == 0  # type: ignore[arg-type]
     assert json.loads(capsys.readouterr().out)["state"] == "SERVING"
 
 
@@ -1005,7 +1006,7 @@ def test_watch_line() -> None:
 
 @pytest.mark.parametrize("tty", [False, True])
 def test_watch_json_prints_a_document_per_change_on_one_line(tty: bool) -> None:
-    watch = cpctl.RolloutWatch("json", tty)
+    watch = rollout.RolloutWatch("json", tty)
     same = [watch.text(_rollout(), 0.0), watch.text(_rollout(), 1.0)]
     assert same[0] is not None and "\n" not in same[0] and same[1] is None
     moved = _rollout()
@@ -1014,17 +1015,17 @@ def test_watch_json_prints_a_document_per_change_on_one_line(tty: bool) -> None:
 
 
 def test_watch_yaml_separates_documents() -> None:
-    watch = cpctl.RolloutWatch("yaml", False)
+    watch = rollout.RolloutWatch("yaml", False)
     text = watch.text(_rollout(), 0.0)
     assert text is not None and text.startswith("---\n")
     assert yaml.safe_load(text)["phase"] == "Progressing"
 
 
 def test_watch_on_a_tty_redraws_every_time() -> None:
-    watch = cpctl.RolloutWatch("table", True)
+    watch = rollout.RolloutWatch("table", True)
     first, second = watch.text(_rollout(), 0.0), watch.text(_rollout(), 1.0)
     assert first is not None and second is not None
-    assert first.startswith(cpctl.CLEAR_SCREEN) and "Phase:    Progressing" in first
+    assert first.startswith(rollout.CLEAR_SCREEN) and "Phase:    Progressing" in first
     assert "(watching; updated " in second
 
 
@@ -1075,15 +1076,15 @@ def test_version_without_a_token_prints_the_client_then_exits_4(
 
 def test_unauthenticated_names_the_token_file() -> None:
     e = _Failed(grpc.StatusCode.UNAUTHENTICATED, "the token is not valid")
-    line, code = cpctl.rpc_error_line(e, "127.0.0.1:18001", "/tmp/state/admin-token")
+    line, code = client.rpc_error_line(e, "127.0.0.1:18001", "/tmp/state/admin-token")
     assert code == 4
     assert line.startswith("cpctl: UNAUTHENTICATED: the token is not valid; cpctl sent the token from ")
     assert "/tmp/state/admin-token: is it the one 127.0.0.1:18001 uses?" in line
     assert "DIR/admin-token" in line and "\n" not in line
-    line, _ = cpctl.rpc_error_line(e, "h:1", "$CPCTL_TOKEN")
+    line, _ = client.rpc_error_line(e, "h:1", "$CPCTL_TOKEN")
     assert "from $CPCTL_TOKEN" in line
     denied = _Failed(grpc.StatusCode.PERMISSION_DENIED, "Pause changes state")
-    assert cpctl.rpc_error_line(denied, "h:1", "/ro-token")[0].endswith("(the token from /ro-token)")
+    assert client.rpc_error_line(denied, "h:1", "/ro-token")[0].endswith("(the token from /ro-token)")
 
 
 # ---- completion of names through the API --------------------------------------------------
@@ -1102,10 +1103,10 @@ def test_completion_names() -> None:
             return endpoint_pb2.ListEndpointsResponse(endpoints=eps)
 
     c = _FakeClient(endpoints=Stub())
-    assert cpctl.completion_names(c, "models", "") == ["llama", "mistral"]  # type: ignore[arg-type]
-    assert cpctl.completion_names(c, "versions", "llama") == ["v1", "v2"]  # type: ignore[arg-type]
-    assert cpctl.completion_names(c, "versions", "gpt-9") == []  # type: ignore[arg-type]
-    assert cpctl.completion_names(c, "addresses", "")[-1] == "127.0.0.1:4"  # type: ignore[arg-type]
+    assert completion.completion_names(c, "models", "") == ["llama", "mistral"]  # type: ignore[arg-type]
+    assert completion.completion_names(c, "versions", "llama") == ["v1", "v2"]  # type: ignore[arg-type]
+    assert completion.completion_names(c, "versions", "gpt-9") == []  # type: ignore[arg-type]
+    assert completion.completion_names(c, "addresses", "")[-1] == "127.0.0.1:4"  # type: ignore[arg-type]
 
 
 def test_complete_prints_nothing_when_it_cannot_ask(

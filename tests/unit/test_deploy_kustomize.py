@@ -245,7 +245,7 @@ def controlplane_argv(container: Doc) -> list[str] | None:
 
 
 def check_serve(ns: argparse.Namespace) -> None:
-    """What `controlplane serve` checks before it starts (controlplane/cli/main.py)."""
+    """What `controlplane serve` checks before it starts (controlplane/cli/commands/serve.py)."""
     assert ns.command == "serve"
     assert (ns.config is None) != (ns.store is None), "serve takes --config or --store, one of them"
     if ns.store is not None:

@@ -21,7 +21,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 
 from controlplane.fleet import parse_fleet
-from controlplane.routing.names import stat_name
+from controlplane.resources.names import stat_name
 from controlplane.routing.translate import CLUSTER, LISTENER, RoutingOverlay, translate
 from controlplane.xds.bootstrap import envoy_bootstrap
 from tests.fleets import BASIC

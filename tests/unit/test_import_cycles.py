@@ -9,6 +9,7 @@ still has to hold both modules in mind at once; so the graph is read from the so
 from __future__ import annotations
 
 import ast
+import itertools
 from collections.abc import Mapping, Set
 from pathlib import Path
 
@@ -117,8 +118,9 @@ def _a_cycle(graph: Mapping[str, Set[str]], component: Set[str]) -> list[str]:
 
 def test_no_module_imports_itself_through_others() -> None:
     graph = import_graph()
-    # The real tree is read, lazy imports too: main names explain only inside a function.
-    assert "controlplane.cli.explain" in graph.get("controlplane.cli.main", set()), "imports not read"
+    # The real tree is read, lazy imports too: the explain command names explain only in a function.
+    explain_command = graph.get("controlplane.cli.commands.explain", set())
+    assert "controlplane.cli.explain" in explain_command, "imports not read"
     found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in found)
 
@@ -183,3 +185,78 @@ def test_a_package_importing_its_own_name_and_outside_modules_is_no_cycle(tmp_pa
         },
     )
     assert cycles(graph) == []
+
+
+# ---- rooms: the folders under controlplane/ import one way ---------------------------------------
+
+
+def room_of(module: str) -> str:
+    """The room a module lives in: the folder under controlplane/ (controlplane.xds.server ->
+    xds); a module directly under controlplane/ is a room of its own (controlplane.app -> app)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def room_graph(graph: Mapping[str, Set[str]]) -> dict[str, set[str]]:
+    """room -> the other rooms its modules import. The package itself (`controlplane`, its
+    __init__ and __version__) is below every room and not counted."""
+    rooms: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        room = room_of(module)
+        targets = rooms.setdefault(room, set())
+        targets.update(room_of(d) for d in deps if d != PACKAGE and room_of(d) != room)
+    return rooms
+
+
+def room_imports(graph: Mapping[str, Set[str]], a: str, b: str) -> list[str]:
+    """The module imports that make room `a` import room `b`, for the failure message."""
+    return sorted(
+        f"{m} -> {d}" for m, deps in graph.items() if room_of(m) == a for d in deps if room_of(d) == b
+    )
+
+
+def test_no_room_imports_itself_through_others() -> None:
+    graph = import_graph()
+    rooms = room_graph(graph)
+    assert {"fleet", "routing", "xds", "signals", "obs"} <= set(rooms), "rooms not read"
+    found = cycles(rooms)
+    lines = []
+    for c in found:
+        lines.append("  " + " -> ".join(c))
+        lines += [f"      {edge}" for a, b in itertools.pairwise(c) for edge in room_imports(graph, a, b)]
+    assert not found, "rooms that import each other, directly or round a loop:\n" + "\n".join(lines)
+
+
+def test_a_room_loop_is_found_even_when_modules_do_not_loop(tmp_path: Path) -> None:
+    # fleet.schema -> routing.names and routing.translate -> fleet.model: no module cycle, but
+    # the two rooms import each other.
+    graph = _graph_of(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "fleet/__init__.py": "",
+            "fleet/model.py": "",
+            "fleet/schema.py": "from controlplane.routing.names import stat_name\n",
+            "routing/__init__.py": "",
+            "routing/names.py": "",
+            "routing/translate.py": "from controlplane.fleet.model import Fleet\n",
+            "app.py": "import controlplane.routing.translate\nfrom controlplane import fleet\n",
+        },
+    )
+    assert cycles(graph) == []
+    assert cycles(room_graph(graph)) == [["fleet", "routing", "fleet"]]
+    edges = room_imports(graph, "fleet", "routing")
+    assert edges == ["controlplane.fleet.schema -> controlplane.routing.names"]
+
+
+def test_a_module_under_the_package_is_a_room_of_its_own(tmp_path: Path) -> None:
+    graph = _graph_of(
+        tmp_path,
+        {
+            "__init__.py": "__version__ = '1'\n",
+            "limits.py": "from controlplane import __version__\n",
+            "x/__init__.py": "",
+            "x/a.py": "from controlplane import limits\n",
+        },
+    )
+    assert room_graph(graph) == {"controlplane": set(), "limits": set(), "x": {"limits"}}

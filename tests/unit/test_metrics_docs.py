@@ -8,6 +8,7 @@ from pathlib import Path
 from controlplane.obs.metrics import Metrics
 from controlplane.picker.service import PickerMetrics
 from controlplane.quota.service import QuotaMetrics
+from controlplane.signals.model_latency import ModelLatency
 from controlplane.xds.cache import SnapshotCache
 from controlplane.xds.server import XdsServer
 
@@ -18,6 +19,7 @@ def registered() -> set[str]:
     names = set()
     metrics = Metrics()
     XdsServer(SnapshotCache(), metrics)  # registers the collectors counted at scrape time
+    ModelLatency(metrics.registry)  # the weight loop's (balancing/controller.py), merged at scrape time
     picker = PickerMetrics()  # `controlplane picker`'s own, on its --metrics-listen
     quota = QuotaMetrics()  # `controlplane ratelimit`'s own
     for metric in [*metrics.registry.collect(), *picker.registry.collect(), *quota.registry.collect()]:

@@ -21,7 +21,7 @@ from controlplane.fleet import FleetConfigInvalid, parse_fleet
 from controlplane.fleet.model import QuotaLimit, QuotaSpec
 from controlplane.quota.limiter import WINDOW_S, Limiter, duration
 from controlplane.quota.service import RateLimitService
-from controlplane.routing import names
+from controlplane.resources import names
 from controlplane.routing.incremental import IncrementalTranslator
 from controlplane.routing.quotas import DOMAIN, RATELIMIT_FILTER
 from controlplane.routing.translate import CLUSTER, LISTENER, ROUTE, translate

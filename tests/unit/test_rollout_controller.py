@@ -111,9 +111,6 @@ async def test_second_rollout_and_promoting_an_aborted_one_are_preconditions(tmp
     with pytest.raises(CommandRejected, match="Aborted; start a new one") as e:
         await c.command("m", machine.Promote(), "t")
     assert e.value.code == "FAILED_PRECONDITION"
-    with pytest.raises(CommandRejected) as e:
-        await c.drain("10.9.9.9:1", None, "", "t")
-    assert e.value.code == "NOT_FOUND"
 
 
 @run_async
@@ -244,28 +241,6 @@ async def test_a_file_caught_half_written_does_not_abort_a_rollout(tmp_path: Pat
     await c.reconcile_file()
     assert c.rollouts["m"].phase == "Progressing"
     assert [h.phase for h in await c.history("m")] == ["Progressing"]
-
-
-@run_async
-async def test_drain_marks_then_removes_and_undrain_restores(tmp_path: Path) -> None:
-    clock, signals = Clock(), SignalStore()
-    c = await controller(tmp_path, clock, signals)
-    await c.drain(V1, 60, "maintenance", "t")
-    assert c.reconciler.overlay.draining == {V1}
-    signals.record_lrs(("m", V1), "envoy", in_progress=2, issued=0, succeeded=0, failed=0, now=10**9)
-    clock.t += 5
-    await c.tick()
-    assert c.drains[V1].state == "draining"  # two requests still in flight
-    signals.forget_node("envoy")
-    await c.tick()
-    assert c.drains[V1].state == "drained"
-    assert c.reconciler.fleet is not None
-    assert c.reconciler.fleet.models[0].versions[0].endpoints == ()
-    await c.undrain(V1, "", "t")
-    assert len(c.reconciler.fleet.models[0].versions[0].endpoints) == 1
-    with pytest.raises(CommandRejected) as e:
-        await c.undrain(V1, "", "t")
-    assert e.value.code == "FAILED_PRECONDITION"
 
 
 @run_async

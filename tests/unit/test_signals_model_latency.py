@@ -1,4 +1,4 @@
-"""Per-version TTFT/TPOT histograms merged from the servers' own (obs/latency_metrics.py)."""
+"""Per-version TTFT/TPOT histograms merged from the servers' own (signals/model_latency.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.fleet import parse_fleet
 from controlplane.fleet.model import Fleet
-from controlplane.obs.latency_metrics import FOLD_AFTER_S, ModelLatency
 from controlplane.signals.collector_worker import SentHistograms
+from controlplane.signals.model_latency import FOLD_AFTER_S, ModelLatency
 from controlplane.signals.parse import ServerHistogram, ServerSample, continues
 from tests.fleets import fleet_yaml
 

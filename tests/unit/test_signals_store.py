@@ -13,11 +13,13 @@ from controlplane.balancing.weigher import load_balance_degree
 from controlplane.signals.load import counted
 from controlplane.signals.parse import MetricsPageInvalid, ServerSample, parse_metrics
 from controlplane.signals.store import (
+    SCRAPE_ERROR_REASONS,
     UNREACHABLE_AFTER,
+    ScrapeError,
     ScrapeResult,
     SignalStore,
-    fetch_error_reason,
-    page_error_reason,
+    fetch_error,
+    page_error,
 )
 from tests.unit.test_signals_parse import VLLM
 
@@ -343,15 +345,44 @@ def test_the_last_scrape_error_is_kept_with_its_reason_until_a_page_is_read() ->
 
 
 def test_a_page_of_no_dialect_is_told_from_other_unreadable_pages() -> None:
-    """page_error_reason reads parse.py's message: this holds it to the words it looks for."""
+    """page_error reads parse.py's message: this holds it to the words it looks for."""
     with pytest.raises(MetricsPageInvalid) as e:
         parse_metrics(NODE_EXPORTER, "m")
-    assert page_error_reason(e.value) == "no_dialect"
+    assert page_error(e.value) == ScrapeError(f"unreadable metrics page: {e.value}", "no_dialect")
     for text in ("<html>oops</html>", VLLM.replace("3.0", "-3.0")):
         with pytest.raises(MetricsPageInvalid) as e:
             parse_metrics(text, "llama-3-8b")
-        assert page_error_reason(e.value) == "unreadable"
-    assert (fetch_error_reason(None), fetch_error_reason(200)) == ("unreachable", "unreadable")
+        assert page_error(e.value) == ScrapeError(f"unreadable metrics page: {e.value}", "unreadable")
+
+
+REFUSED = "GET /m failed: ClientConnectorError: refused"
+TIMED_OUT = "GET /m timed out after 0.5s"
+TOO_BIG = "page is over the 4194304 byte limit"
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "expected"),
+    [
+        # no HTTP answer (refused, timed out): the probe's words, unreachable
+        (None, REFUSED, ScrapeError(REFUSED, "unreachable")),
+        (None, TIMED_OUT, ScrapeError(TIMED_OUT, "unreachable")),
+        # an answer whose page was refused (over the size limit): unreadable, whatever the status
+        (200, TOO_BIG, ScrapeError(TOO_BIG, "unreadable")),
+        (503, TOO_BIG, ScrapeError(TOO_BIG, "unreadable")),
+        # an answer other than 200: http_error, named with the path the fleet gave
+        (404, None, ScrapeError("GET /m answered HTTP 404", "http_error")),
+        (503, None, ScrapeError("GET /m answered HTTP 503", "http_error")),
+        (204, None, ScrapeError("GET /m answered HTTP 204", "http_error")),
+        # a page to read, or nothing fetched (metrics: none): no error
+        (200, None, None),
+        (None, None, None),
+    ],
+)
+def test_a_fetch_that_brought_no_page_says_why(
+    status: int | None, error: str | None, expected: ScrapeError | None
+) -> None:
+    assert fetch_error("/m", status, error) == expected
+    assert expected is None or expected.reason in SCRAPE_ERROR_REASONS
 
 
 def test_a_server_never_seen_ready_whose_serving_port_refuses_is_not_ready_and_in_sight() -> None:

@@ -232,7 +232,7 @@ def test_the_emulate_command_takes_the_page_mode(
         metrics_ports.append(mports)
         return 0
 
-    monkeypatch.setattr("controlplane.cli.main._run_emulators_until_signal", run)
+    monkeypatch.setattr("controlplane.cli.commands.emulate._run_emulators_until_signal", run)
     assert main(["emulate", "--model", MODEL, "--metrics-page", "compact"]) == 0
     assert main(["emulate", "--model", MODEL]) == 0
     assert (

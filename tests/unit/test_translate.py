@@ -520,7 +520,7 @@ def test_zones_rank_before_gpu_classes_and_become_localities() -> None:
 
 
 def test_a_holding_model_routes_to_the_holding_service_with_its_name() -> None:
-    from controlplane.routing import names
+    from controlplane.resources import names
     from controlplane.routing.translate import RoutingOverlay
 
     fleet = parse_fleet(BASIC)

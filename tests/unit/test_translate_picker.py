@@ -15,7 +15,7 @@ from envoy.extensions.load_balancing_policies.override_host.v3 import override_h
 from google.protobuf.message import Message
 
 from controlplane.fleet import FleetConfigInvalid, parse_fleet
-from controlplane.routing import names
+from controlplane.resources import names
 from controlplane.routing.incremental import IncrementalTranslator
 from controlplane.routing.translate import CLUSTER, EXT_PROC_FILTER, LISTENER, ROUTE, translate
 

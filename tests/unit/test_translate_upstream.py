@@ -10,7 +10,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 
 from controlplane.fleet import parse_fleet
-from controlplane.routing import names
+from controlplane.resources import names
 from controlplane.routing.clusters import (
     HTTP_PROTOCOL_OPTIONS,
     UPSTREAM_HTTP1_REQUESTS_PER_CONNECTION,
