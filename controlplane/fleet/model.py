@@ -350,6 +350,17 @@ class PriorityClass:
 
 
 @dataclass(frozen=True)
+class SideTls:
+    """How proxies reach a side service (the pickers, the rate-limit services) over TLS: the
+    files are paths on each proxy's own host (docs/picker.md#trust, docs/quotas.md#trust)."""
+
+    ca: str  # the CA that signed the services' certificates: they are verified against it
+    cert: str | None = None  # the proxy's client certificate, with `key`: mutual TLS
+    key: str | None = None
+    server_name: str | None = None  # sent as SNI; the services' certificate must carry it
+
+
+@dataclass(frozen=True)
 class PickerSpec:
     """The per-request endpoint pickers (`controlplane picker` processes) that proxies ask for
     models with `balancing: picker` (docs/picker.md)."""
@@ -357,6 +368,7 @@ class PickerSpec:
     endpoints: tuple[tuple[str, int], ...] = ()  # where proxies reach the pickers
     # How long a proxy waits for a pick before it routes by the weights instead.
     timeout_s: float = 0.005
+    tls: SideTls | None = None  # None: plaintext (pickers on loopback, or a trusted network)
 
 
 @dataclass(frozen=True)
@@ -384,6 +396,7 @@ class QuotaSpec:
     endpoints: tuple[tuple[str, int], ...] = ()  # the rate-limit services (`controlplane ratelimit`)
     timeout_s: float = 0.02  # how long a proxy waits for a decision
     failure_mode_deny: bool = False  # the service unreachable: serve (fail open) unless set
+    service_tls: SideTls | None = None  # None: plaintext (services on loopback, or a trusted network)
 
     def limit(self, tenant: str, model: str, kind: str) -> int | None:
         """The per-minute limit of `kind` (requests_per_minute, tokens_per_minute) for `tenant`

@@ -47,6 +47,7 @@ from controlplane.fleet.values import (
     _kind,
     _mapping,
     _number,
+    _side_tls,
 )
 
 
@@ -116,7 +117,7 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
 def _picker(value: Any, errs: _Errors) -> PickerSpec | None:
     """The fleet-level `picker:` (docs/picker.md): where proxies reach the endpoint pickers,
     and how long they wait for a pick before routing by the weights."""
-    m = _mapping(value, "picker", errs, {"endpoints", "timeout"})
+    m = _mapping(value, "picker", errs, {"endpoints", "timeout", "tls"})
     if m is None:
         return None
     before = len(errs.items)
@@ -133,6 +134,8 @@ def _picker(value: Any, errs: _Errors) -> PickerSpec | None:
             "every picked request may wait this long when the picker is slow",
             errs,
         )
+    if "tls" in m:
+        kw["tls"] = _side_tls(m["tls"], "picker.tls", errs)
     return PickerSpec(**kw) if len(errs.items) == before else None
 
 

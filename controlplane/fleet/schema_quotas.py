@@ -9,7 +9,7 @@ from typing import Any
 from controlplane import limits
 from controlplane.fleet.errors import _Errors
 from controlplane.fleet.model import QuotaLimit, QuotaSpec
-from controlplane.fleet.values import _addresses, _bounded_duration, _int, _kind, _mapping
+from controlplane.fleet.values import _addresses, _bounded_duration, _int, _kind, _mapping, _side_tls
 
 _HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,99}$")
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # with key.bearer: key-<16 hex digits>
@@ -92,7 +92,7 @@ def _quotas(value: Any, model_names: set[str], errs: _Errors) -> QuotaSpec | Non
         model_default = _limit(mm.get("default", {}), f"{path}.default", errs) or QuotaLimit()
         per_model[name] = (model_default, _tenants(mm.get("tenants", {}), f"{path}.tenants", errs))
     kw["models"] = per_model
-    service = _mapping(m.get("service"), "quotas.service", errs, {"endpoints", "timeout", "on_error"})
+    service = _mapping(m.get("service"), "quotas.service", errs, {"endpoints", "timeout", "on_error", "tls"})
     if service is not None:
         endpoints = service.get("endpoints")
         if not isinstance(endpoints, list) or not endpoints:
@@ -121,4 +121,6 @@ def _quotas(value: Any, model_names: set[str], errs: _Errors) -> QuotaSpec | Non
                 f"expected allow (serve when the service cannot decide) or deny, got {on_error!r}",
             )
         kw["failure_mode_deny"] = on_error == "deny"
+        if "tls" in service:
+            kw["service_tls"] = _side_tls(service["tls"], "quotas.service.tls", errs)
     return QuotaSpec(**kw) if len(errs.items) == before else None

@@ -15,6 +15,7 @@ from typing import Any
 
 from controlplane import limits
 from controlplane.fleet.errors import _Errors
+from controlplane.fleet.model import SideTls
 
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
@@ -180,3 +181,30 @@ def _bounded_duration(
         )
         return None
     return got
+
+
+def _side_tls(value: Any, path: str, errs: _Errors) -> SideTls | None:
+    """`tls: {ca, cert, key, server_name}` of a side service: each a non-empty string (files
+    on the proxy's host); cert and key together. None (and errors) when it does not parse."""
+    m = _mapping(value, path, errs, {"ca", "cert", "key", "server_name"})
+    if m is None:
+        return None
+    before = len(errs.items)
+    got: dict[str, str] = {}
+    for key in ("ca", "cert", "key", "server_name"):
+        if key not in m:
+            continue
+        v = m[key]
+        if not isinstance(v, str) or not v.strip():
+            errs.add(f"{path}.{key}", f"expected a non-empty string, got {_kind(v)}")
+        else:
+            got[key] = v.strip()
+    if "ca" not in m:
+        errs.add(
+            f"{path}.ca", "missing: the CA file (on the proxy's host) that signed the services' certificates"
+        )
+    if ("cert" in m) != ("key" in m):
+        errs.add(path, "cert and key go together (the proxy's client certificate for mutual TLS)")
+    if len(errs.items) != before:
+        return None
+    return SideTls(got["ca"], got.get("cert"), got.get("key"), got.get("server_name"))

@@ -1,10 +1,13 @@
-"""TLS and mutual TLS on the xDS and LRS port (I/O shell).
+"""TLS and mutual TLS on the gRPC ports we serve (I/O shell): the xDS and LRS port, and the
+side services' (the pickers' ext_proc and peer port, the rate-limit service's).
 
 `--xds-tls-cert` and `--xds-tls-key` turn TLS on; `--xds-client-ca` also requires every
 client (Envoy, a proxyless gRPC client) to present a certificate signed by that CA, so
 that nobody who merely reaches the port can subscribe, report load or exhaust the server.
 `controlplane bootstrap --xds-tls-ca/--xds-tls-cert/--xds-tls-key` writes the matching
 Envoy configuration. docs/xds.md#tls-on-the-xds-port says how to run it on Kubernetes.
+The side services take `--tls-cert`, `--tls-key` and `--tls-client-ca` the same way
+(`SIDE_FLAGS`); proxies reach them over TLS when the fleet says `tls:` (routing/clusters.py).
 """
 
 from __future__ import annotations
@@ -20,10 +23,29 @@ class TlsConfigInvalid(ValueError):
 
 
 @dataclass(frozen=True)
-class XdsTls:
+class ServerTls:
+    """A server's certificate and key; with a client CA, mutual TLS (a client certificate
+    signed by it is required)."""
+
     cert: Path
     key: Path
     client_ca: Path | None = None  # set: mutual TLS, a client certificate is required
+
+
+XdsTls = ServerTls  # the xDS port's (serve --xds-tls-*)
+
+
+@dataclass(frozen=True)
+class TlsFlags:
+    """The command-line flags a server's TLS files came from, for the errors that name them."""
+
+    cert: str
+    key: str
+    client_ca: str
+
+
+XDS_FLAGS = TlsFlags("--xds-tls-cert", "--xds-tls-key", "--xds-client-ca")
+SIDE_FLAGS = TlsFlags("--tls-cert", "--tls-key", "--tls-client-ca")
 
 
 def _read(flag: str, path: Path) -> bytes:
@@ -36,16 +58,41 @@ def _read(flag: str, path: Path) -> bytes:
     return data
 
 
-def server_credentials(tls: XdsTls) -> grpc.ServerCredentials:
-    """The gRPC server credentials for the xDS port; raise TlsConfigInvalid naming the flag."""
-    cert = _read("--xds-tls-cert", tls.cert)
-    key = _read("--xds-tls-key", tls.key)
+def server_credentials(tls: ServerTls, flags: TlsFlags = XDS_FLAGS) -> grpc.ServerCredentials:
+    """The gRPC server credentials for a port; raise TlsConfigInvalid naming the flag."""
+    cert = _read(flags.cert, tls.cert)
+    key = _read(flags.key, tls.key)
     if b"PRIVATE KEY" not in key:
-        raise TlsConfigInvalid(f"--xds-tls-key {tls.key}: no PRIVATE KEY block")
-    ca = _read("--xds-client-ca", tls.client_ca) if tls.client_ca is not None else None
+        raise TlsConfigInvalid(f"{flags.key} {tls.key}: no PRIVATE KEY block")
+    ca = _read(flags.client_ca, tls.client_ca) if tls.client_ca is not None else None
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
     )
+
+
+def client_credentials(tls: ServerTls, flags: TlsFlags = SIDE_FLAGS) -> grpc.ChannelCredentials:
+    """Credentials to dial a peer that serves with the same files (the pickers read each
+    other): trust the client CA (which signed every peer), present this server's certificate."""
+    if tls.client_ca is None:
+        raise TlsConfigInvalid(f"{flags.client_ca}: needed to verify peers")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(flags.client_ca, tls.client_ca),
+        private_key=_read(flags.key, tls.key),
+        certificate_chain=_read(flags.cert, tls.cert),
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen host is a loopback address (127.0.0.0/8, ::1, localhost): only this
+    machine can reach it. A wildcard or any other address is reachable from elsewhere."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def certificate_identities(context: grpc.aio.ServicerContext) -> set[str]:

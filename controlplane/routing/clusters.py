@@ -20,13 +20,23 @@ from envoy.extensions.load_balancing_policies.override_host.v3 import override_h
 from envoy.extensions.load_balancing_policies.ring_hash.v3 import ring_hash_pb2
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
 from envoy.extensions.load_balancing_policies.wrr_locality.v3 import wrr_locality_pb2
+from envoy.extensions.transport_sockets.tls.v3 import common_pb2 as common_tls_pb2
+from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.metadata.v3 import metadata_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import json_format, wrappers_pb2
 from google.protobuf.message import Message
 
-from controlplane.fleet.model import Affinity, CircuitBreaker, Endpoint, Model, TrafficPolicy, Version
+from controlplane.fleet.model import (
+    Affinity,
+    CircuitBreaker,
+    Endpoint,
+    Model,
+    SideTls,
+    TrafficPolicy,
+    Version,
+)
 from controlplane.resources import names
 from controlplane.routing import pb
 
@@ -237,16 +247,21 @@ def picked_policy(fallback: cluster_pb2.LoadBalancingPolicy | None = None) -> cl
     )
 
 
-def build_picker_cluster(endpoints: tuple[tuple[str, int], ...]) -> cluster_pb2.Cluster:
+def build_picker_cluster(
+    endpoints: tuple[tuple[str, int], ...], tls: SideTls | None = None
+) -> cluster_pb2.Cluster:
     """The pickers as proxies reach them (build_side_service_cluster)."""
-    return build_side_service_cluster(names.PICKER_CLUSTER, endpoints)
+    return build_side_service_cluster(names.PICKER_CLUSTER, endpoints, tls)
 
 
-def build_side_service_cluster(name: str, endpoints: tuple[tuple[str, int], ...]) -> cluster_pb2.Cluster:
+def build_side_service_cluster(
+    name: str, endpoints: tuple[tuple[str, int], ...], tls: SideTls | None = None
+) -> cluster_pb2.Cluster:
     """A service every request may call on the side (the pickers, the rate-limit services) as
     proxies reach it: gRPC (HTTP/2), static IPs, round robin, no circuit breaker of its own.
     One that refuses or resets is ejected for a while, so its share of requests stops paying
-    a failed call before they go on without it (each caller fails open)."""
+    a failed call before they go on without it (each caller fails open). With `tls`, over TLS
+    verified against its CA (and with the proxy's certificate: mutual TLS)."""
     c = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.STATIC,
@@ -274,7 +289,30 @@ def build_side_service_cluster(name: str, endpoints: tuple[tuple[str, int], ...]
     c.circuit_breakers.thresholds.extend(
         [_thresholds(base_pb2.DEFAULT, unbounded), _thresholds(base_pb2.HIGH, unbounded)]
     )
+    if tls is not None:
+        c.transport_socket.name = "envoy.transport_sockets.tls"
+        c.transport_socket.typed_config.Pack(upstream_tls(tls))
     return c
+
+
+def upstream_tls(tls: SideTls) -> tls_pb2.UpstreamTlsContext:
+    """TLS to a side service, from files on the proxy's host: its CA verifies the service
+    (and the SNI name it must carry, when given); a certificate and key make it mutual. HTTP/2
+    is negotiated by ALPN, as gRPC servers require."""
+    ctx = tls_pb2.UpstreamTlsContext()
+    common = ctx.common_tls_context
+    common.alpn_protocols.append("h2")
+    common.validation_context.trusted_ca.filename = tls.ca
+    if tls.server_name:
+        ctx.sni = tls.server_name
+        common.validation_context.match_typed_subject_alt_names.add(
+            san_type=common_tls_pb2.SubjectAltNameMatcher.DNS
+        ).matcher.exact = tls.server_name
+    if tls.cert and tls.key:
+        cert = common.tls_certificates.add()
+        cert.certificate_chain.filename = tls.cert
+        cert.private_key.filename = tls.key
+    return ctx
 
 
 def hashing_policy(affinity: Affinity) -> cluster_pb2.LoadBalancingPolicy:

@@ -31,6 +31,7 @@ from controlplane.fleet.model import (
     PickerSpec,
     PriorityClass,
     QuotaSpec,
+    SideTls,
     TrafficPolicy,
     Version,
 )
@@ -113,8 +114,9 @@ class IncrementalTranslator:
         ] = {}
         self._gateway: tuple[_RouteKey, Message, Message] | None = None
         self._hold: tuple[str, Message] | None = None  # the holding service's cluster, by address
-        self._picker: tuple[tuple[tuple[str, int], ...], Message] | None = None  # the pickers' cluster
-        self._quota: tuple[tuple[tuple[str, int], ...], Message] | None = None  # the rate-limit cluster
+        self._picker: tuple[PickerSpec, Message] | None = None  # the pickers' cluster
+        # the rate-limit cluster, by its endpoints and TLS
+        self._quota: tuple[tuple[tuple[tuple[str, int], ...], SideTls | None], Message] | None = None
         self.built = 0  # messages built by the last translate() call, for tests and benchmarks
         # Isolation: a model whose resources fail to build keeps its last good ones (or, new,
         # is left out) while every other model's go out as usual. model -> why, last call.
@@ -159,14 +161,15 @@ class IncrementalTranslator:
                 self._hold = (overlay.hold_address, build_hold_cluster(overlay.hold_address))
             clusters[names.HOLD_CLUSTER] = self._hold[1]
         if picks(fleet):
-            if self._picker is None or self._picker[0] != fleet.picker.endpoints:
+            if self._picker is None or self._picker[0] != fleet.picker:
                 self.built += 1
-                self._picker = (fleet.picker.endpoints, build_picker_cluster(fleet.picker.endpoints))
+                self._picker = (fleet.picker, build_picker_cluster(fleet.picker.endpoints, fleet.picker.tls))
             clusters[names.PICKER_CLUSTER] = self._picker[1]
         if fleet.quotas is not None:
-            if self._quota is None or self._quota[0] != fleet.quotas.endpoints:
+            key = (fleet.quotas.endpoints, fleet.quotas.service_tls)
+            if self._quota is None or self._quota[0] != key:
                 self.built += 1
-                self._quota = (fleet.quotas.endpoints, build_ratelimit_cluster(fleet.quotas))
+                self._quota = (key, build_ratelimit_cluster(fleet.quotas))
             clusters[names.RATELIMIT_CLUSTER] = self._quota[1]
         if left_out:
             fleet = dataclasses.replace(

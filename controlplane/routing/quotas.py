@@ -65,7 +65,7 @@ def build_ratelimit_filter(quotas: QuotaSpec) -> hcm_pb2.HttpFilter:
 
 def build_ratelimit_cluster(quotas: QuotaSpec) -> cluster_pb2.Cluster:
     """The rate-limit services as proxies reach them (clusters.build_side_service_cluster)."""
-    return build_side_service_cluster(names.RATELIMIT_CLUSTER, quotas.endpoints)
+    return build_side_service_cluster(names.RATELIMIT_CLUSTER, quotas.endpoints, quotas.service_tls)
 
 
 def counts_tokens(quotas: QuotaSpec) -> bool:

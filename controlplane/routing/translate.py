@@ -156,7 +156,7 @@ def translate(
     if overlay.hold_address is not None:
         clusters[names.HOLD_CLUSTER] = build_hold_cluster(overlay.hold_address)
     if picks(fleet):
-        clusters[names.PICKER_CLUSTER] = build_picker_cluster(fleet.picker.endpoints)
+        clusters[names.PICKER_CLUSTER] = build_picker_cluster(fleet.picker.endpoints, fleet.picker.tls)
     if fleet.quotas is not None:
         clusters[names.RATELIMIT_CLUSTER] = build_ratelimit_cluster(fleet.quotas)
     gateway_routes = build_gateway_routes(fleet, shed or {}, overlay)
