@@ -140,7 +140,9 @@ class Scaler:
             reason = f"stable: the last {policy.stable_window_s:g}s want {want_stable}"
         if demand > 0 and desired == 0:
             desired, reason = 1, "woken: demand arrived"
-        elif idle and policy.min_replicas == 0 and (self._last_desired or 0) > 0:
+        elif idle and policy.min_replicas == 0 and (desired > 0 or (self._last_desired or 0) > 0):
+            # Once idle, zero until demand comes back: not the scale-down rate's floor over the
+            # replicas still ready (they drain away one by one after this).
             desired, reason = 0, f"idle {idle_for:.0f}s (idle_grace {policy.idle_grace_s:g}s): scaled to zero"
         elif desired == 0 and policy.min_replicas == 0 and not idle:
             desired = 1 if (self._last_desired or 0) > 0 else 0

@@ -382,7 +382,7 @@ def run_demo(
         )
         _wait(lambda: _get(f"http://127.0.0.1:{metrics}/healthz") == 200, 15, "the control plane")
         token_file = work / "state" / "admin-token"
-        print(f"demo: control plane: xDS 127.0.0.1:{xds}, operator API {admin}, metrics :{metrics}")
+        print(f"demo: control plane: xDS 127.0.0.1:{xds}, operator API {admin}, metrics 127.0.0.1:{metrics}")
         bootstrap = work / "envoy.yaml"
         bootstrap.write_text(
             envoy_bootstrap("demo-envoy", [f"127.0.0.1:{xds}"], delta=delta, admin_port=envoy_admin)

@@ -140,9 +140,9 @@ def _endpoint_table(state: DemoState) -> Table:
             e.gpu,
             Text(e.state, style=_STATE_STYLE.get(e.state, "")),
             str(e.weight),
-            "-" if e.running is None else f"{e.running:.0f}",
-            "-" if e.waiting is None else f"{e.waiting:.0f}",
-            "-" if e.latency_s is None else f"{e.latency_s * 1000:.0f} ms",
+            _figure(e.running, e.state),
+            _figure(e.waiting, e.state),
+            _figure(e.latency_s, e.state) if e.latency_s is None else f"{e.latency_s * 1000:.0f} ms",
             str(state.by_server.get(e.name, 0)),
         )
     return t
@@ -171,8 +171,20 @@ def render(state: DemoState) -> Group:
     return Group(header, _endpoint_table(state), _tier_table(state, "traffic by tier"), events)
 
 
-def _figure(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
+OUT_OF_SERVICE = ("RETIRED", "DRAINED")  # no longer read: their last figures are gone
+
+
+def _figure(value: float | None, state: str = "") -> str:
+    """A server's figure; "-" for one never read, "out" for a server out of service."""
+    if value is None:
+        return "out" if state in OUT_OF_SERVICE else "-"
+    return f"{value:.0f}"
+
+
+def _load(e: EndpointRow) -> str:
+    if e.running is None and e.waiting is None and e.state in OUT_OF_SERVICE:
+        return "out"
+    return f"{_figure(e.running)}+{_figure(e.waiting)}"
 
 
 def plain_lines(state: DemoState) -> list[str]:
@@ -183,14 +195,14 @@ def plain_lines(state: DemoState) -> list[str]:
         for tier, (n, e, lat) in state.by_tier().items()
     )
     weights = ", ".join(f"{e.name}={e.weight}" for e in state.endpoints)
-    loads = ", ".join(f"{e.name}={_figure(e.running)}+{_figure(e.waiting)}" for e in state.endpoints)
+    loads = ", ".join(f"{e.name}={_load(e)}" for e in state.endpoints)
     states = (
         ", ".join(f"{e.name}={e.state}" for e in state.endpoints if e.state != "SERVING") or "all serving"
     )
     return [
         f"demo: t={elapsed:5.1f}s  {tiers}",
         f"demo: t={elapsed:5.1f}s  weights {weights}",
-        f"demo: t={elapsed:5.1f}s  load (running+waiting; - never read) {loads}",
+        f"demo: t={elapsed:5.1f}s  load (running+waiting; out: retired or drained; - never read) {loads}",
         f"demo: t={elapsed:5.1f}s  states {states}",
         f"demo: t={elapsed:5.1f}s  rollout {rollout_line(state.rollout)}",
     ]

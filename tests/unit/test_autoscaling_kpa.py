@@ -83,6 +83,23 @@ def test_scale_to_zero_only_after_the_idle_grace_and_one_request_wakes_it() -> N
     assert woken.desired == 1 and "woken" in woken.reason
 
 
+def test_scaled_to_zero_it_stays_at_zero_while_its_servers_drain_away() -> None:
+    # The demo's surge: 3 replicas ready when the idle grace ends. They drain one by one while
+    # nothing asks; desired must stay 0 all along (it flipped 0, 2, 0, 1, 0: the scale-down
+    # rate limit raised the next round's answer back over the replicas still ready).
+    p = dataclasses.replace(P, min_replicas=0, idle_grace_s=5.0, stable_window_s=10.0, panic_window_s=2.0,
+                            target_per_replica=2.0)  # fmt: skip
+    s = Scaler()
+    run(s, p, [6.0] * 10, follow=False, ready=3)
+    after = [
+        s.decide(p, 10.0 + t, 0.0, ready).desired
+        for t, ready in enumerate([3] * 8 + [2] * 3 + [1] * 3 + [0] * 3)
+    ]
+    zero = after.index(0)
+    assert zero == 4 and after[zero:] == [0] * (len(after) - zero), after
+    assert s.decide(p, 40.0, 1.0, ready=0).desired == 1  # one request still wakes it
+
+
 def test_a_model_never_busy_starts_at_zero_with_min_zero() -> None:
     p = dataclasses.replace(P, min_replicas=0)
     assert Scaler().decide(p, 0.0, 0.0, ready=0).desired == 0

@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from controlplane.sim.demo_view import DemoState, plain_lines, render, rollout_line
+from controlplane.sim.demo_view import DemoState, EndpointRow, plain_lines, render, rollout_line
 
 
 def state_at(t: float) -> DemoState:
@@ -66,3 +66,19 @@ def test_plain_progress_lines_name_the_rollout() -> None:
     state.rollout = rollout
     assert rollout_line(rollout) == "m -> v2: Progressing, step 2/3, v1 50%, v2 50%"
     assert plain_lines(state)[-1] == "demo: t=  5.0s  rollout m -> v2: Progressing, step 2/3, v1 50%, v2 50%"
+
+
+def test_a_server_out_of_service_shows_out_not_never_read() -> None:
+    state = state_at(5.0)
+    state.endpoints = [
+        EndpointRow("m", "v1", "old", "A100", "RETIRED", 0, None, None, None),
+        EndpointRow("m", "v1", "gone", "A100", "DRAINED", 0, None, None, None),
+        EndpointRow("m", "v2", "cold", "A100", "HELD_OUT", 0, None, None, None),
+        EndpointRow("m", "v2", "new", "A100", "SERVING", 5, 2.0, 1.0, 0.25),
+    ]
+    line = next(x for x in plain_lines(state) if " load (" in x)
+    assert line.endswith("never read) old=out, gone=out, cold=-+-, new=2+1"), line
+    table = text_of(render(state))
+    rows = [[c.strip() for c in row.split("│")] for row in table.splitlines() if row.count("│") > 10]
+    cells = {r[3]: r[7:10] for r in rows if r[3] in ("old", "cold")}
+    assert cells == {"old": ["out", "out", "out"], "cold": ["-", "-", "-"]}, cells
