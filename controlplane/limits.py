@@ -78,3 +78,26 @@ XDS_MAX_UNKNOWN_NAMES = 1_000
 XDS_INBOX_MAX_REQUESTS = 64
 XDS_INBOX_MAX_BYTES = 1 << 20  # one request is always taken, however large (up to 4 MiB)
 XDS_MAX_STREAMS_PER_CONNECTION = 16  # an Envoy opens 1-6 (ADS or one per type, and LRS)
+
+# ---- the picker's ports (controlplane picker, docs/picker.md#hostile-input) -----------------
+
+# A prefix key as the gateway's Lua filter sends it: the prompt's first bytes, at most the
+# fleet's prefix.max_bytes / prompt_bytes, whose largest allowed value is 1 MiB
+# (fleet/schema_models.py). The index keeps a 16-byte digest of it, never the key.
+PICKER_PREFIX_KEY_MAX_BYTES = 1 << 20
+PICKER_PREFIX_DIGEST_BYTES = 16
+# A subset hint (the Endpoint Picker Protocol's): the servers a request may go to.
+PICKER_SUBSET_MAX_ADDRESSES = 1024
+PICKER_SUBSET_MAX_BYTES = 64 << 10
+# The route's cluster as Envoy names it (ours are a model and a version: well under 300).
+PICKER_CLUSTER_MAX_CHARS = 1024
+# One ext_proc message: Envoy's headers-only messages are a few KB (a 3 MB header is legal).
+PICKER_MAX_MESSAGE_BYTES = 4 << 20
+# A peer's answer (its requests in flight per server): entries, bytes on the wire, and the
+# most one server may hold by its word: its slots (learnt from its page, else the most any
+# server showed, else PICKER_PEER_DEFAULT_SLOTS) times PICKER_PEER_SLOTS_FACTOR, and never
+# above METRICS_MAX_QUEUE (what a page may show running or waiting on one server).
+PICKER_PEER_MAX_SERVERS = 10_000
+PICKER_PEER_MAX_BYTES = 1 << 20
+PICKER_PEER_SLOTS_FACTOR = 16
+PICKER_PEER_DEFAULT_SLOTS = 64

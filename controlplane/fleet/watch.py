@@ -1,8 +1,10 @@
 """Watch the fleet file and hand every valid edit on; refuse invalid ones loudly.
 
 A file being rewritten in place can be read half-written: a truncated fleet is valid YAML
-with models missing, and serving it answers 404 for them. So an edit that removes
-something (a model, a version, an endpoint) is acted on only once the file has held still
+with models missing, and serving it answers 404 for them (or with a tenant's limit missing,
+and the tenant is suddenly unlimited). So an edit that removes something (a model, a
+version, an endpoint; the quotas, a tenant's or a model's quota, one of their limits, a
+rate-limit service) is acted on only once the file has held still
 for `settle_s` (limits.FILE_SETTLE_S); an edit that only adds or changes goes out at once,
 and so does a file that does not load (refusing it changes nothing served). The first load
 is never held. A file that never holds still (edits every second) is not held forever: once
@@ -23,7 +25,7 @@ import structlog
 from controlplane import limits
 from controlplane.fleet.errors import ConfigError, FleetConfigInvalid
 from controlplane.fleet.loader import decode_fleet, parse_fleet, read_fleet_bytes
-from controlplane.fleet.model import Fleet
+from controlplane.fleet.model import Fleet, QuotaLimit, QuotaSpec
 
 log = structlog.get_logger("controlplane.fleet")
 
@@ -174,8 +176,8 @@ def parse_file_bytes(data: bytes, file: str) -> Fleet | FleetConfigInvalid:
 
 
 def removals(old: Fleet, new: Fleet) -> str:
-    """What `new` takes away from `old` (models, versions, endpoints), as a short phrase;
-    "" when it only adds or changes (pure)."""
+    """What `new` takes away from `old` (models, versions, endpoints, and quotas:
+    quota_removals), as a short phrase; "" when it only adds or changes (pure)."""
     gone: list[str] = []
     versions = {m.name: {v.name: v for v in m.versions} for m in new.models}
     for m in old.models:
@@ -191,7 +193,49 @@ def removals(old: Fleet, new: Fleet) -> str:
             lost = sum(1 for e in v.endpoints if (e.host, e.port) not in left)
             if lost:
                 gone.append(f"{lost} endpoint(s) of {m.name}@{v.name}")
+    gone += quota_removals(old.quotas, new.quotas)
     if not gone:
         return ""
     shown = ", ".join(gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
     return f"it removes {shown}"
+
+
+_QUOTA_KINDS = ("requests_per_minute", "tokens_per_minute")
+
+
+def quota_removals(old: QuotaSpec | None, new: QuotaSpec | None) -> list[str]:
+    """What `new` takes away from `old`'s quotas, by their keys in the file: the whole block,
+    a tenant's or a model's entry, one limit of one (a tenant would be suddenly unlimited, or
+    on a looser level's limit), a rate-limit service. A limit changed in value is not a
+    removal (pure)."""
+    if old is None:
+        return []
+    if new is None:
+        return ["quotas"]
+    gone: list[str] = []
+
+    def limits_lost(path: str, was: QuotaLimit, now: QuotaLimit | None) -> None:
+        for kind in _QUOTA_KINDS:
+            if getattr(was, kind) is not None and (now is None or getattr(now, kind) is None):
+                gone.append(f"{path}.{kind}")
+
+    def tenants_lost(path: str, was: dict[str, QuotaLimit], now: dict[str, QuotaLimit]) -> None:
+        for tenant, limit in was.items():
+            if tenant not in now:
+                gone.append(f"{path}.{tenant}")
+            else:
+                limits_lost(f"{path}.{tenant}", limit, now[tenant])
+
+    limits_lost("quotas.default", old.default, new.default)
+    tenants_lost("quotas.tenants", dict(old.tenants), dict(new.tenants))
+    for model, (default, tenants) in old.models.items():
+        if model not in new.models:
+            gone.append(f"quotas.models.{model}")
+            continue
+        new_default, new_tenants = new.models[model]
+        limits_lost(f"quotas.models.{model}.default", default, new_default)
+        tenants_lost(f"quotas.models.{model}.tenants", dict(tenants), dict(new_tenants))
+    lost = [e for e in old.endpoints if e not in new.endpoints]
+    if lost:
+        gone.append(f"{len(lost)} endpoint(s) of quotas.service")
+    return gone

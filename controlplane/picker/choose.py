@@ -33,7 +33,15 @@ that took the key last while that server's time is at most PREFIX_LOAD_BOUND tim
 mean of the eligible servers' (consistent hashing's bounded load: a hot prefix spills over
 instead of piling onto one server); a miss, or a spill, goes to the best server, which then
 holds the key. The index keeps at most `prefix_entries`
-keys, the least recently used dropped first.
+keys, the least recently used dropped first, each as a 16-byte digest of the cluster and
+the key (a key is up to 1 MiB of prompt: the index is bounded in bytes, not only in count).
+
+Everything it is told is checked here, so no input can make a pick raise or rank by
+nonsense: a page's figures that are not finite or are negative say nothing; a peer's
+answer with more servers than PICKER_PEER_MAX_SERVERS, or a count that is not a whole
+number from 0 to what the server can hold (peer_bound: its slots times
+PICKER_PEER_SLOTS_FACTOR), is refused whole, and that peer counts for nothing until it
+answers sensibly (observe_peer says why).
 
 Ties go to the server with the lower load, then to the one picked least recently, so equal
 servers take turns. Nothing here does I/O; picker/service.py feeds it the assignments, the
@@ -42,13 +50,17 @@ pages and the requests.
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
+
+from controlplane import limits
 
 # Health statuses a server may be picked in: what Envoy's override_host takes by default.
 ELIGIBLE = frozenset({health_check_pb2.UNKNOWN, health_check_pb2.HEALTHY})
@@ -59,6 +71,52 @@ PREFIX_LOAD_BOUND = 1.5  # a prefix goes back to its server while its time is at
 PREFIX_ENTRIES = 65536  # prefix keys remembered (least recently used dropped first)
 EVENTS_KEEP = 4096  # starts and ends remembered per server (to know its in-flight count at a reading)
 PEER_MAX_AGE_S = 1.0  # another picker's counts read longer ago than this say nothing
+
+
+def prefix_digest(cluster: str, prefix: str) -> bytes:
+    """What the prefix index keeps for a key: 16 bytes, whatever the key's length (up to
+    limits.PICKER_PREFIX_KEY_MAX_BYTES of prompt), per cluster."""
+    h = hashlib.blake2b(digest_size=limits.PICKER_PREFIX_DIGEST_BYTES)
+    name = cluster.encode(errors="surrogatepass")
+    h.update(len(name).to_bytes(8, "big"))  # length first: no cluster and key run into another pair
+    h.update(name)
+    h.update(prefix.encode(errors="surrogatepass"))
+    return h.digest()
+
+
+def _real(x: object) -> float | None:
+    """`x` as a finite number, else None (not a number, NaN, infinite, too large for a float)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    try:
+        f = float(x)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _finite(x: object) -> float | None:
+    """`x` as a finite number from 0 up, else None."""
+    f = _real(x)
+    return f if f is not None and f >= 0 else None
+
+
+def sane_load(page: ServerLoad) -> ServerLoad | None:
+    """A page's figures as the ranking may use them: the queue and the read time must be
+    finite (else the page says nothing: None); a capacity, running, waiting or KV use that
+    is not a finite number from 0 up is unknown."""
+    queued, read_at = _finite(page.queued), _real(page.read_at)
+    if queued is None or read_at is None:
+        return None
+    kv = _finite(page.kv_use)
+    return ServerLoad(
+        min(queued, float(limits.METRICS_MAX_QUEUE)),
+        read_at,
+        _finite(page.capacity) or None,
+        running=_finite(page.running),
+        waiting=_finite(page.waiting),
+        kv_use=None if kv is None else min(kv, 1.0),
+    )
 
 
 @dataclass(frozen=True)
@@ -124,8 +182,12 @@ def candidates(cla: endpoint_pb2.ClusterLoadAssignment) -> tuple[Candidate, ...]
 def wait_and_service(load: float, slots: float, scale: float) -> float:
     """The time a new request takes on a server with `load` requests, `slots` slots and
     speed `scale`, in units of a speed-1 service: one service with a slot free, else the wait
-    for (load - slots + 1) of its requests to end, `slots` at a time, first."""
-    slots = max(1.0, slots)
+    for (load - slots + 1) of its requests to end, `slots` at a time, first. Total: a load
+    or slots that is not a finite number from 0 up counts as 0 (one slot), a speed that is
+    not a finite positive number as 1."""
+    load = _finite(load) or 0.0
+    slots = max(1.0, _finite(slots) or 1.0)
+    scale = _finite(scale) or 1.0
     if load < slots:
         return 1.0 / scale
     return (1.0 + (load - slots + 1.0) / slots) / scale
@@ -143,21 +205,33 @@ class PickerState:
     loads: dict[str, ServerLoad] = field(default_factory=dict)
     slots: dict[str, float] = field(default_factory=dict)
     peers: dict[str, tuple[float, dict[str, int]]] = field(default_factory=dict)  # peer -> (read at, counts)
-    prefixes: OrderedDict[tuple[str, str], str] = field(default_factory=OrderedDict)
+    prefixes: OrderedDict[bytes, str] = field(default_factory=OrderedDict)  # prefix_digest -> server
     _events: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     _last_pick: dict[str, int] = field(default_factory=dict)
     _picks: int = 0
+    _known: set[str] = field(default_factory=set)
 
     def assign(self, assignments: Iterable[endpoint_pb2.ClusterLoadAssignment]) -> None:
         """The control plane's assignments, whole (state of the world): clusters not in them
-        are gone. In-flight counts stay: requests already sent still end."""
+        are gone. In-flight counts stay: requests already sent still end; what was kept of
+        a server in no cluster and with nothing in flight goes (so a fleet that changes for
+        years does not grow the picker)."""
         self.clusters = {cla.cluster_name: candidates(cla) for cla in assignments}
+        self._known = {c.address for servers in self.clusters.values() for c in servers}
+        known = self._known
+        for kept in (self._events, self._last_pick, self.slots):
+            for address in [a for a in kept if a not in known and a not in self.inflight]:
+                del kept[address]
+
+    def known(self) -> set[str]:
+        """Every server of every cluster in the last assignments."""
+        return self._known
 
     def observe(self, loads: Mapping[str, ServerLoad]) -> None:
         """The servers' pages as the control plane last read them (replacing the previous).
         A page that shows requests waiting shows the server full: its running count is its
-        slots (the most seen so)."""
-        self.loads = dict(loads)
+        slots (the most seen so). A page whose figures are not finite says nothing (sane_load)."""
+        self.loads = {a: p for a, page in loads.items() if (p := sane_load(page)) is not None}
         for address, page in self.loads.items():
             if page.waiting and page.running and page.running > self.slots.get(address, 0.0):
                 self.slots[address] = page.running
@@ -172,9 +246,58 @@ class PickerState:
             later += delta
         return max(0.0, float(self.inflight.get(address, 0) - later))
 
-    def observe_peer(self, peer: str, counts: Mapping[str, int], now: float) -> None:
-        """Another picker's requests in flight per server, as it said at `now`."""
-        self.peers[peer] = (now, dict(counts))
+    def observe_peer(
+        self, peer: str, counts: Mapping[str, object] | Sequence[tuple[str, object]], now: float
+    ) -> str | None:
+        """Another picker's requests in flight per server (a mapping, or the pairs as it sent
+        them), as it said at `now`; None if taken. An answer with more than
+        PICKER_PEER_MAX_SERVERS servers, a server named twice, or any count that is not a
+        whole number from 0 to peer_bound(server), is refused whole: the reason is returned,
+        and the peer counts for nothing until it answers sensibly. Servers the picker does
+        not know (not in its assignments, or not yet) are left out."""
+        items = list(counts.items()) if isinstance(counts, Mapping) else counts
+        why = self._nonsense(items)
+        if why is not None:
+            self.peers.pop(peer, None)
+            return why
+        known = self.known()
+        self.peers[peer] = (now, {a: int(n) for a, n in items if a in known and n})  # type: ignore[call-overload]
+        return None
+
+    def _nonsense(self, items: Sequence[tuple[str, object]]) -> str | None:
+        """Why a peer's answer cannot be taken, or None."""
+        if len(items) > limits.PICKER_PEER_MAX_SERVERS:
+            return f"more than {limits.PICKER_PEER_MAX_SERVERS} servers"
+        seen: set[str] = set()
+        unknown_slots = self._unknown_slots()  # once: not once per entry
+        for address, n in items:
+            if address in seen:
+                return "a server named twice"
+            seen.add(address)
+            if isinstance(n, bool) or not isinstance(n, int):
+                return f"a count that is not a whole number ({type(n).__name__})"
+            if n < 0:
+                return "a negative count"
+            bound = self._bound(self.slots.get(address) or unknown_slots)
+            if n > bound:
+                shown = str(n) if n < 10**12 else "more than 10^12"  # never a 400-digit line
+                return f"{shown} in flight on one server, above its bound {bound}"
+        return None
+
+    def peer_bound(self, address: str) -> int:
+        """The most requests another picker may say it has in flight on `address`: its slots
+        (from its page, else the most any server's page showed, else
+        PICKER_PEER_DEFAULT_SLOTS) times PICKER_PEER_SLOTS_FACTOR, at most METRICS_MAX_QUEUE."""
+        return self._bound(self.slots.get(address) or self._unknown_slots())
+
+    def _unknown_slots(self) -> float:
+        """The slots of a server no page has shown full: the most any page showed, else
+        PICKER_PEER_DEFAULT_SLOTS."""
+        return max(self.slots.values(), default=0.0) or float(limits.PICKER_PEER_DEFAULT_SLOTS)
+
+    @staticmethod
+    def _bound(slots: float) -> int:
+        return min(limits.METRICS_MAX_QUEUE, math.ceil(slots * limits.PICKER_PEER_SLOTS_FACTOR))
 
     def peer_load(self, address: str, now: float) -> float:
         """The requests the other pickers (their counts fresher than PEER_MAX_AGE_S) have in
@@ -237,8 +360,8 @@ class PickerState:
         servers.sort(key=order)
         ranked = [s.address for s in servers]
         reason = "least_loaded"
-        if prefix:
-            key = (cluster, prefix)
+        if prefix and self.prefix_entries > 0:
+            key = prefix_digest(cluster, prefix)
             held = self.prefixes.get(key)
             if held in costs and costs[held] <= self.prefix_bound * sum(costs.values()) / len(costs):
                 ranked.remove(held)

@@ -21,9 +21,21 @@ per request, and an ADS client of the control plane that keeps what it may pick 
   reading ages out after 5 s), it ranks by its own requests in flight and the EDS weights.
 - Anything it cannot pick for (no cluster attribute, a cluster it does not know, no eligible
   server, not yet fed) gets an answer that changes nothing: the cluster's weights route it.
-- **The other pickers** (--peers): each serves its own requests in flight per server (JSON,
-  PEER_SERVICE on its --listen) and reads its peers' every --peers-interval, so several
-  pickers rank by every picker's requests, not each by its own (choose.py).
+- **The other pickers** (--peers): each serves its own requests in flight per server
+  (controlplane.v1.PickerPeers, protos/controlplane/v1/picker.proto, on its --listen) and
+  reads its peers' every --peers-interval, so several pickers rank by every picker's
+  requests, not each by its own (choose.py). Only a peer with a client certificate (mutual
+  TLS) or the shared token (--peer-token-file) is answered, and a peer's answer is checked
+  (choose.PickerState.observe_peer) before it counts.
+- **One stream, one request**: Envoy opens an ext_proc stream per request. A second
+  request-headers message on a stream is refused (the stream ends, INVALID_ARGUMENT), and
+  its pick ends with it: nothing a client sends can leave a request counted in flight after
+  its stream closed.
+- **Asked only about requests that go to a server**: the filter sends no response headers
+  by default (Envoy would send those of a local reply, a quota's 429, to a picker never
+  asked about the request); a pick asks for them (`mode_override`), so the picker sees the
+  end of the requests it picked, and of no others.
+- Every input has a bound (request.py, limits.py); one past it gets no pick, counted.
 - gRPC health: SERVING once the first assignments arrived (readiness); the server answering
   at all is liveness. Metrics on --metrics-listen (docs/metrics.md#picker).
 """
@@ -31,11 +43,12 @@ per request, and an ADS client of the control plane that keeps what it may pick 
 from __future__ import annotations
 
 import asyncio
-import json
+import hmac
 import math
 import os
 import time
 from collections.abc import AsyncIterator, Iterable
+from itertools import islice
 from typing import Any
 
 import grpc
@@ -46,29 +59,31 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from controlplane import limits
+from controlplane.net.tls import SIDE_FLAGS, ServerTls, client_credentials, server_credentials
 from controlplane.obs.outage import Outage
 from controlplane.picker.choose import PREFIX_ENTRIES, PREFIX_LOAD_BOUND, PickerState, ServerLoad
+from controlplane.picker.request import INPUTS, SERVED_ATTRIBUTE, Ask, Refused, attribute, read_ask
 from controlplane.process.side_service import serve_until_signalled
-from controlplane.resources.names import METADATA_NS, PICKED_HEADER, PICKED_METADATA_NS, SUBSET_METADATA_NS
+from controlplane.resources.names import PICKED_HEADER, PICKED_METADATA_NS
 from controlplane.resources.types import CLUSTER, ENDPOINT
+from controlplane.routing.translate import PICKED_MODE
 from controlplane.v1 import endpoint_pb2 as admin_endpoint_pb2
-from controlplane.v1 import endpoint_pb2_grpc
+from controlplane.v1 import endpoint_pb2_grpc, picker_pb2, picker_pb2_grpc
 
 log = structlog.get_logger("controlplane.picker")
 
-CLUSTER_ATTRIBUTE = "xds.cluster_name"
-SERVED_ATTRIBUTE = "upstream.address"  # sent with the response headers: where the request went
-PREFIX_KEY = "affinity_prefix"  # the prefix key the gateway's Lua filter sets (routing/prefix_key.lua)
-SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
 NODE_CLUSTER = "controlplane-picker"
 RECONNECT_MIN_S = 0.2
 RECONNECT_MAX_S = 5.0
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-# Pickers read each other's requests in flight here, on the same --listen (JSON in and out).
-PEER_SERVICE = "controlplane.picker.v1.Peers"
+# Pickers read each other's requests in flight here, on the same --listen (protos/).
+PEER_SERVICE = "controlplane.v1.PickerPeers"
+ERROR_MAX_CHARS = 300  # a peer's or the operator API's error as logged, cut at a word
 
 
 class PickerMetrics:
@@ -81,10 +96,20 @@ class PickerMetrics:
             "controlplane_picker_picks",
             "Requests the picker answered, by reason: least_loaded or prefix_hit (a server "
             "named), else why it named none and Envoy routes by the weights (no_cluster, "
-            "unknown_cluster, no_eligible_server, not_ready)",
+            "unknown_cluster, no_eligible_server, not_ready, input_refused)",
             ["reason"],
             registry=r,
         )
+        self.refused = Counter(
+            "controlplane_picker_inputs_refused",
+            "Inputs past their bound (docs/picker.md#hostile-input), by input: cluster, "
+            "prefix_key, subset_hint (the request gets no pick), second_request_headers (the "
+            "stream is refused), peer_credentials (a peer read without a certificate or token)",
+            ["input"],
+            registry=r,
+        )
+        for name in (*INPUTS, "second_request_headers", "peer_credentials"):
+            self.refused.labels(name)
         self.served = Counter(
             "controlplane_picker_served",
             "Picked requests by where Envoy says they went (the served-endpoint readback): "
@@ -115,7 +140,8 @@ class PickerMetrics:
         )
         self.peer_reads = Counter(
             "controlplane_picker_peer_reads",
-            "Reads of the other pickers' requests in flight (--peers), by result (ok, error)",
+            "Reads of the other pickers' requests in flight (--peers), by result: ok, error "
+            "(no answer), refused (an answer past its bounds: not counted)",
             ["result"],
             registry=r,
         )
@@ -145,6 +171,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         token: str | None = None,
         loads_interval_s: float = 0.25,
         peers_interval_s: float = 0.05,
+        tls: ServerTls | None = None,
+        peer_token: str | None = None,
+        peer_server_name: str | None = None,
     ) -> None:
         self.peers_interval_s = peers_interval_s
         self.control_plane = control_plane
@@ -156,6 +185,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.state = PickerState()
         self.ready = asyncio.Event()
         self.health = health.aio.HealthServicer()
+        self.tls = tls  # with a client CA: every caller (Envoy, a peer) has a certificate
+        self.peer_token = peer_token
+        self.peer_server_name = peer_server_name
 
     # ---- ext_proc ---------------------------------------------------------------------------
 
@@ -163,16 +195,25 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
     ) -> AsyncIterator[ep.ProcessingResponse]:
         picked: tuple[str, ...] = ()
+        asked = False
         try:
             async for req in request_iterator:
                 if req.HasField("request_headers"):
+                    if asked:  # one stream is one request: Envoy never sends two
+                        self.metrics.refused.labels("second_request_headers").inc()
+                        await context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            "a second request_headers message on one stream: each request has "
+                            "a stream of its own",
+                        )
+                    asked = True
                     t0 = time.perf_counter()
                     resp, picked = self._answer(req)
                     self.metrics.decision.observe(time.perf_counter() - t0)
                     yield resp
                 elif req.HasField("response_headers"):
                     if picked:  # the request ended, or its response started: it is no more ours
-                        self._served(picked, _attribute(req, SERVED_ATTRIBUTE))
+                        self._served(picked, attribute(req, SERVED_ATTRIBUTE))
                         picked = ()
                     yield _unchanged(req)
                 else:  # a phase not asked for (a newer Envoy's mode override): change nothing
@@ -198,72 +239,101 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _answer(self, req: ep.ProcessingRequest) -> tuple[ep.ProcessingResponse, tuple[str, ...]]:
         resp = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-        cluster = _attribute(req, CLUSTER_ATTRIBUTE)
-        if not self.ready.is_set():
+        ask = read_ask(req)
+        if isinstance(ask, Refused):
+            self.metrics.refused.labels(ask.input).inc()
+            reason = "input_refused"
+        elif not self.ready.is_set():
             reason = "not_ready"
-        elif not cluster:
+        elif not ask.cluster:
             reason = "no_cluster"
-        elif cluster not in self.state.clusters:
+        elif ask.cluster not in self.state.clusters:
             reason = "unknown_cluster"
         else:
-            chosen = self.state.pick(
-                cluster, time.monotonic(), prefix=_metadata(req, METADATA_NS, PREFIX_KEY), subset=_subset(req)
-            )
+            chosen = self.state.pick(ask.cluster, time.monotonic(), prefix=ask.prefix, subset=ask.subset)
             reason = chosen.reason or "no_eligible_server"
             if chosen.servers:
-                value = ",".join(chosen.servers)
-                mutation = resp.request_headers.response.header_mutation
-                mutation.set_headers.add(
-                    header=base_pb2.HeaderValue(key=PICKED_HEADER, raw_value=value.encode()),
-                    append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-                )
-                resp.dynamic_metadata.fields[PICKED_METADATA_NS].struct_value.fields[
-                    PICKED_HEADER
-                ].string_value = value
-                self.metrics.picks.labels(reason).inc()
-                self.metrics.inflight.inc()
-                log.debug(
-                    "request picked",
-                    request_id=_header(req, "x-request-id"),
-                    cluster=cluster,
-                    picked=value,
-                    reason=reason,
-                )
+                self._name(resp, ask, chosen.servers, reason)
                 return resp, chosen.servers
         self.metrics.picks.labels(reason).inc()
         return resp, ()
 
-    # ---- the other pickers -------------------------------------------------------------------
-
-    async def _inflight(self, request: bytes, context: Any) -> bytes:
-        """PEER_METHOD: this picker's own requests in flight per server, as JSON."""
-        return json.dumps(self.state.inflight).encode()
-
-    def peer_handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(
-            PEER_SERVICE, {"InFlight": grpc.unary_unary_rpc_method_handler(self._inflight)}
+    def _name(self, resp: ep.ProcessingResponse, ask: Ask, servers: tuple[str, ...], reason: str) -> None:
+        """Name `servers` in `resp` (the header and the envoy.lb metadata), and ask Envoy for
+        the response's headers: the request counts in flight until they come back."""
+        value = ",".join(servers)
+        mutation = resp.request_headers.response.header_mutation
+        mutation.set_headers.add(
+            header=base_pb2.HeaderValue(key=PICKED_HEADER, raw_value=value.encode()),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+        resp.dynamic_metadata.fields[PICKED_METADATA_NS].struct_value.fields[
+            PICKED_HEADER
+        ].string_value = value
+        resp.mode_override.CopyFrom(PICKED_MODE)
+        self.metrics.picks.labels(reason).inc()
+        self.metrics.inflight.inc()
+        log.debug(
+            "request picked", request_id=ask.request_id, cluster=ask.cluster, picked=value, reason=reason
         )
 
+    # ---- the other pickers -------------------------------------------------------------------
+
+    def peer_service(self) -> PeerService:
+        return PeerService(self)
+
+    def _peer_channel(self, peer: str) -> grpc.aio.Channel:
+        options: list[tuple[str, str | int]] = [
+            ("grpc.max_receive_message_length", limits.PICKER_PEER_MAX_BYTES)
+        ]
+        if self.tls is not None and self.tls.client_ca is not None:
+            if self.peer_server_name:
+                options.append(("grpc.ssl_target_name_override", self.peer_server_name))
+            return grpc.aio.secure_channel(peer, client_credentials(self.tls, SIDE_FLAGS), options=options)
+        return grpc.aio.insecure_channel(peer, options=options)
+
     async def follow_peer(self, peer: str) -> None:
-        """Read another picker's requests in flight every peers_interval_s, for ever."""
-        outage = Outage(log, "a peer's requests in flight unread", error_chars=300)
-        async with grpc.aio.insecure_channel(peer) as channel:
-            call = channel.unary_unary(f"/{PEER_SERVICE}/InFlight")
+        """Read another picker's requests in flight every peers_interval_s, for ever. No
+        answer (the peer down, or refusing us, or an answer over PICKER_PEER_MAX_BYTES) is
+        an error (its last counts age out); an answer that is not a PickerPeers message, or
+        is past its bounds (choose.PickerState.observe_peer), is refused, and the peer counts
+        for nothing until it answers sensibly; both are counted and logged once per run."""
+        unread = Outage(log, "a peer's requests in flight unread")
+        refused = Outage(log, "a peer's requests in flight refused")
+        md = [("authorization", f"Bearer {self.peer_token}")] if self.peer_token else []
+        async with self._peer_channel(peer) as channel:
+            # The answer's bytes, parsed here: a peer's nonsense is counted, never a crash.
+            call = channel.unary_unary(
+                f"/{PEER_SERVICE}/InFlight", request_serializer=picker_pb2.InFlightRequest.SerializeToString
+            )
             while True:
                 try:
-                    raw = await call(b"", timeout=1.0)
-                    counts = json.loads(raw)
-                    if not isinstance(counts, dict):
-                        raise ValueError("not a JSON object")
-                    clean = {str(k): int(v) for k, v in counts.items() if isinstance(v, int) and v > 0}
-                except (grpc.RpcError, ValueError, TypeError) as e:
+                    raw = await call(picker_pb2.InFlightRequest(), metadata=md, timeout=1.0)
+                except grpc.RpcError as e:
                     self.metrics.peer_reads.labels("error").inc()
-                    outage.failed(e, peer=peer)
+                    unread.failed(rpc_error(e), peer=peer)  # its last counts age out
                 else:
-                    self.metrics.peer_reads.labels("ok").inc()
-                    outage.ok()
-                    self.state.observe_peer(peer, clean, time.monotonic())
+                    unread.ok()
+                    why = self._take_peer(peer, raw)
+                    if why is None:
+                        self.metrics.peer_reads.labels("ok").inc()
+                        refused.ok()
+                    else:
+                        self.metrics.peer_reads.labels("refused").inc()
+                        refused.failed(why, peer=peer)
                 await asyncio.sleep(self.peers_interval_s)
+
+    def _take_peer(self, peer: str, raw: object) -> str | None:
+        """A peer's answer, as bytes: taken (None), or why not."""
+        try:
+            if not isinstance(raw, bytes):
+                raise DecodeError(type(raw).__name__)
+            resp = picker_pb2.InFlightResponse.FromString(raw)
+        except DecodeError:
+            self.state.peers.pop(peer, None)
+            return "not a controlplane.v1.PickerPeers answer"
+        pairs = [(e.address, e.requests) for e in islice(resp.servers, limits.PICKER_PEER_MAX_SERVERS + 1)]
+        return self.state.observe_peer(peer, pairs, time.monotonic())
 
     # ---- the control plane ------------------------------------------------------------------
 
@@ -282,8 +352,13 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     )
                 except grpc.RpcError as e:
                     self.metrics.load_reads.labels("error").inc()
-                    outage.failed(e.details() or e.code(), admin=self.admin)
+                    outage.failed(rpc_error(e), admin=self.admin)
                 else:
+                    if resp is None:  # grpc.aio's answer to bytes it could not parse
+                        self.metrics.load_reads.labels("error").inc()
+                        outage.failed("not a ListEndpointsResponse", admin=self.admin)
+                        await asyncio.sleep(self.loads_interval_s)
+                        continue
                     self.metrics.load_reads.labels("ok").inc()
                     outage.ok()
                     self.state.observe(server_loads(resp.endpoints, time.monotonic()))
@@ -386,54 +461,6 @@ def server_loads(endpoints: Iterable[Any], now: float) -> dict[str, ServerLoad]:
     return out
 
 
-def _attribute(req: ep.ProcessingRequest, key: str) -> str:
-    """An attribute Envoy sent with the request (keyed by the filter's name), "" if none."""
-    for attrs in req.attributes.values():
-        value = attrs.fields.get(key)
-        if value is not None and value.HasField("string_value"):
-            return str(value.string_value)
-    headers = req.request_headers
-    for attr in getattr(headers, "attributes", {}).values():  # older Envoys put them here
-        value = attr.fields.get(key)
-        if value is not None and value.HasField("string_value"):
-            return str(value.string_value)
-    return ""
-
-
-def _metadata(req: ep.ProcessingRequest, namespace: str, key: str) -> str:
-    """A string Envoy forwarded from the request's dynamic metadata, "" if none."""
-    ns = req.metadata_context.filter_metadata.get(namespace)
-    if ns is None:
-        return ""
-    value = ns.fields.get(key)
-    return str(value.string_value) if value is not None and value.HasField("string_value") else ""
-
-
-def _subset(req: ep.ProcessingRequest) -> frozenset[str] | None:
-    """The Endpoint Picker Protocol's subset hint: the servers the request may go to, from the
-    `envoy.lb.subset_hint` metadata (a list, or a comma-separated string) or the
-    x-gateway-destination-endpoint-subset header; None when the request names none."""
-    found: list[str] = []
-    ns = req.metadata_context.filter_metadata.get(SUBSET_METADATA_NS)
-    value = ns.fields.get(SUBSET_HEADER) if ns is not None else None
-    if value is not None and value.HasField("list_value"):
-        found = [v.string_value for v in value.list_value.values if v.HasField("string_value")]
-    elif value is not None and value.HasField("string_value"):
-        found = value.string_value.split(",")
-    else:
-        found = _header(req, SUBSET_HEADER).split(",")
-    subset = frozenset(a.strip() for a in found if a.strip())
-    return subset or None
-
-
-def _header(req: ep.ProcessingRequest, name: str) -> str:
-    """A request header's value, "" if absent."""
-    for h in req.request_headers.headers.headers:
-        if h.key == name:
-            return h.raw_value.decode(errors="replace") if h.raw_value else str(h.value)
-    return ""
-
-
 def _unchanged(req: ep.ProcessingRequest) -> ep.ProcessingResponse:
     """The answer to a phase the picker does not act on: continue as is."""
     phase = req.WhichOneof("request")
@@ -452,6 +479,56 @@ def _unpack(a: Any, cls: type[Any]) -> Any:
     return msg
 
 
+def rpc_error(e: grpc.RpcError) -> str:
+    """A failed call as one log field: its status code and gRPC's details, cut at a word (never
+    mid-word) past ERROR_MAX_CHARS."""
+    code = e.code() if hasattr(e, "code") else None
+    details = (e.details() if hasattr(e, "details") else None) or ""
+    text = " ".join(f"{code.name if code is not None else 'UNKNOWN'}: {details}".split())
+    if len(text) > ERROR_MAX_CHARS:
+        text = text[:ERROR_MAX_CHARS].rsplit(" ", 1)[0] + " ..."
+    return text
+
+
+class PeerService(picker_pb2_grpc.PickerPeersServicer):
+    """controlplane.v1.PickerPeers: this picker's own requests in flight, for its peers only:
+    with --peer-token-file a caller must send that token; without it, only a caller the TLS
+    handshake verified (mutual TLS, --tls-client-ca) is answered."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+
+    def _refusal(self, context: Any) -> str | None:
+        """Why the caller may not read the counts, or None."""
+        token = self.picker.peer_token
+        if token:
+            sent = dict(context.invocation_metadata() or ()).get("authorization", "")
+            if hmac.compare_digest(str(sent).encode(), f"Bearer {token}".encode()):
+                return None
+            return "a peer read needs this picker's --peer-token-file token (authorization: Bearer ...)"
+        tls = self.picker.tls
+        if tls is not None and tls.client_ca is not None:
+            return None  # the handshake required a certificate the client CA signed
+        return (
+            "this picker serves its requests in flight only to peers with a client certificate "
+            "(--tls-client-ca) or its token (--peer-token-file)"
+        )
+
+    async def InFlight(
+        self, request: picker_pb2.InFlightRequest, context: Any
+    ) -> picker_pb2.InFlightResponse:
+        why = self._refusal(context)
+        if why is not None:
+            self.picker.metrics.refused.labels("peer_credentials").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        return picker_pb2.InFlightResponse(
+            servers=[
+                picker_pb2.ServerInFlight(address=a, requests=n)
+                for a, n in self.picker.state.inflight.items()
+            ]
+        )
+
+
 async def serve(
     control_plane: str,
     listen: str,
@@ -465,8 +542,13 @@ async def serve(
     prefix_bound: float = PREFIX_LOAD_BOUND,
     peers: Iterable[str] = (),
     peers_interval_s: float = 0.05,
+    tls: ServerTls | None = None,
+    peer_token: str | None = None,
+    peer_server_name: str | None = None,
 ) -> None:
-    """Run a picker until SIGINT or SIGTERM."""
+    """Run a picker until SIGINT or SIGTERM (OSError naming the flag if it cannot listen;
+    TlsConfigInvalid naming the flag if a TLS file cannot be used)."""
+    credentials = server_credentials(tls, SIDE_FLAGS) if tls is not None else None
     metrics = PickerMetrics()
     picker = Picker(
         control_plane,
@@ -476,13 +558,21 @@ async def serve(
         token=token,
         loads_interval_s=loads_interval_s,
         peers_interval_s=peers_interval_s,
+        tls=tls,
+        peer_token=peer_token,
+        peer_server_name=peer_server_name,
     )
     picker.state.prefix_entries = prefix_entries
     picker.state.prefix_bound = prefix_bound
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", limits.PICKER_MAX_MESSAGE_BYTES),
+        ]
+    )
     ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     health_pb2_grpc.add_HealthServicer_to_server(picker.health, server)
-    server.add_generic_rpc_handlers((picker.peer_handler(),))
+    picker_pb2_grpc.add_PickerPeersServicer_to_server(picker.peer_service(), server)
     await picker.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await picker.health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
     background = [picker.follow()]
@@ -496,6 +586,11 @@ async def serve(
         metrics.registry,
         background,
         lambda: log.info(
-            "picker listening", listen=listen, control_plane=control_plane, metrics=metrics_listen
+            "picker listening",
+            listen=listen,
+            control_plane=control_plane,
+            metrics=metrics_listen,
+            tls="mutual" if tls is not None and tls.client_ca is not None else "on" if tls else "off",
         ),
+        credentials=credentials,
     )

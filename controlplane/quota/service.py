@@ -2,21 +2,24 @@
 `envoy.service.ratelimit.v3.RateLimitService`, which every proxy's rate-limit filter asks
 before each request of a model, and again when its response ends to charge its tokens
 (routing/quotas.py gives it the descriptors: the model, then the tenant when the key header
-is sent, and what kind of call it is).
+is sent, and what kind of call it is); and `controlplane.v1.QuotaService` for `cpctl quota
+status` (quota/status.py).
 
-Counters are in this process's memory: one service counts for every proxy that asks it. The
-fleet file is read at start and again whenever it changes (a bad edit keeps the last good
-quotas, logged). Answers: OK or OVER_LIMIT with the x-ratelimit-* headers for either, and over
-the limit `retry-after` and an OpenAI-style error body, which Envoy sends with its 429.
-A descriptor this service cannot read (another domain, no model) is OK: never a refusal of
-its making. Metrics on --metrics-listen (docs/metrics.md#quotas).
+Counters are in this process's memory (bounded: quota/limiter.py), or on Redis. The fleet
+file is watched as the control plane watches it (fleet/watch.py: an edit that removes a
+limit waits until the file holds still; a bad edit keeps the last good quotas, logged).
+Answers: OK or OVER_LIMIT with the x-ratelimit-* headers for either, and over the limit
+`retry-after` and an OpenAI-style error body, which Envoy sends with its 429. A descriptor
+this service cannot read (another domain, no model) is OK: never a refusal of its making.
+Every name it keeps or labels is bounded (limiter.bounded_name); metric labels are names the
+fleet file has, else `other`. Metrics on --metrics-listen (docs/metrics.md#quotas).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,33 +27,28 @@ from typing import Any
 import grpc
 import structlog
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from controlplane.fleet import FleetConfigInvalid, load_fleet
+from controlplane.fleet import FleetConfigInvalid
 from controlplane.fleet.errors import ConfigError
-from controlplane.fleet.model import QuotaSpec
+from controlplane.fleet.model import Fleet, QuotaSpec
+from controlplane.fleet.watch import FleetFileWatcher
+from controlplane.net.tls import SIDE_FLAGS, ServerTls, server_credentials
 from controlplane.obs.outage import Outage
 from controlplane.process.side_service import serve_until_signalled
-from controlplane.quota.limiter import KINDS, Decision, Limiter, decision, needed
+from controlplane.quota.charge import charged_tokens
+from controlplane.quota.limiter import INVALID, KINDS, Decision, Limiter, bounded_name, decision, needed
 from controlplane.quota.redis_store import RedisStore, RedisUnavailable
-from controlplane.routing.quotas import (
-    BEARER_KEY,
-    DOMAIN,
-    KIND_KEY,
-    MAX_TOKENS_KEY,
-    MODEL_KEY,
-    PROMPT_BYTES_KEY,
-    REFUSED_KEY,
-    TENANT_KEY,
-    USAGE_KEY,
-)
+from controlplane.quota.status import QuotaStatus
+from controlplane.routing.quotas import BEARER_KEY, DOMAIN, KIND_KEY, MODEL_KEY, REFUSED_KEY, TENANT_KEY
+from controlplane.v1 import quota_pb2_grpc
 
 log = structlog.get_logger("controlplane.quota")
 
-RELOAD_EVERY_S = 2.0
-MAX_TENANT_BYTES = 256  # a longer key value is not a tenant name: it is counted as one tenant, "invalid"
-OTHER = "other"  # the tenant label of every tenant the fleet file does not name
-STATUS_SERVICE = "controlplane.quota.v1.Quotas"  # cpctl quota status: JSON in and out
+OTHER = "other"  # the label of every model or tenant the fleet file does not name
+MAX_DESCRIPTORS = 64  # per call; Envoy sends one to three. The rest are answered OK, unread
+MAX_MESSAGE_BYTES = 1 << 20  # a call larger than this is refused by gRPC before it is read
+STATUS_SERVICE = "controlplane.v1.QuotaService"
 
 
 class QuotaMetrics:
@@ -58,19 +56,49 @@ class QuotaMetrics:
         self.registry = CollectorRegistry()
         self.decisions = Counter(
             "controlplane_quota_decisions",
-            "Rate-limit decisions by model, tenant (those the fleet names; the rest are 'other') "
-            "and result: ok, over_limit, unlimited (no limit applies) for requests; tokens_ok, "
-            "tokens_over_limit, tokens_unlimited for the token check; unreadable (a descriptor "
-            "without a model: allowed)",
+            "Rate-limit decisions by model and tenant (those the fleet file names; the rest are "
+            "'other') and result: ok, over_limit, unlimited (no limit applies), crowded (no room "
+            "for a new tenant's bucket: refused) for requests; tokens_ok, tokens_over_limit, "
+            "tokens_unlimited, tokens_crowded for the token check; unreadable (not ours to read: "
+            "another domain, no model, past the descriptors a call may carry: allowed)",
             ["model", "tenant", "result"],
             registry=self.registry,
         )
         self.tokens = Counter(
             "controlplane_quota_tokens",
             "Tokens charged to tenants' quotas when responses ended, by model, tenant and how "
-            "they were known: usage (the server's usage.total_tokens) or estimate (none, or one "
-            "not a sane number: the request's bytes / 4 plus its max_tokens)",
+            "they were known: usage (the server's usage.total_tokens, a JSON answer's or a "
+            "stream's usage event's) or estimate (none, or one not a sane number: the request's "
+            "bytes / 4 plus its largest output limit times its completions)",
             ["model", "tenant", "how"],
+            registry=self.registry,
+        )
+        self.charges_dropped = Counter(
+            "controlplane_quota_charges_dropped",
+            "Charges not recorded: no room for the token bucket (the memory store full of "
+            "buckets that are not full)",
+            registry=self.registry,
+        )
+        self.names_capped = Counter(
+            "controlplane_quota_names_capped",
+            "Model names and tenants longer than 256 bytes, each counted as the one name "
+            "'invalid', by field (model, tenant)",
+            ["field"],
+            registry=self.registry,
+        )
+        self.buckets = Gauge(
+            "controlplane_quota_buckets",
+            "Buckets held in memory (--store memory), at most 100,000",
+            registry=self.registry,
+        )
+        self.bucket_bytes = Gauge(
+            "controlplane_quota_bucket_bytes",
+            "Bytes the buckets in memory are counted for, at most 64 MiB",
+            registry=self.registry,
+        )
+        self.evictions = Counter(
+            "controlplane_quota_bucket_evictions",
+            "Buckets dropped to make room for another, each full at the time (no allowance lost)",
             registry=self.registry,
         )
         self.decision_time = Histogram(
@@ -94,14 +122,27 @@ class QuotaMetrics:
         )
 
 
+def _named_tenants(spec: QuotaSpec) -> frozenset[str]:
+    names = set(spec.tenants)
+    for _, tenants in spec.models.values():
+        names.update(tenants)
+    return frozenset(names)
+
+
 class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
     def __init__(
-        self, spec: QuotaSpec, metrics: QuotaMetrics | None = None, store: RedisStore | None = None
+        self,
+        spec: QuotaSpec,
+        metrics: QuotaMetrics | None = None,
+        store: RedisStore | None = None,
+        models: frozenset[str] = frozenset(),
     ) -> None:
-        self.limiter = Limiter(spec)  # the quotas, and the buckets when store is None
+        self.limiter = Limiter(spec, models)  # the quotas, and the buckets when store is None
         self.metrics = metrics or QuotaMetrics()
         self.store = store  # Redis: buckets shared by every service using it
         self.token: str | None = None  # the bearer token cpctl quota status must send
+        self._tenants = _named_tenants(spec)
+        self._evicted = 0
         self._store_outage = Outage(
             log,
             "redis unreachable; requests served without a limit",
@@ -109,9 +150,28 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             error_chars=300,
         )
 
-    def set_spec(self, spec: QuotaSpec) -> None:
-        """New quotas; the buckets in use stay (each refills to its new limit)."""
+    def set_spec(self, spec: QuotaSpec, models: frozenset[str] | None = None) -> None:
+        """New quotas (and the fleet's models); the buckets in use stay (each refills to its
+        new limit)."""
         self.limiter.spec = spec
+        self._tenants = _named_tenants(spec)
+        if models is not None:
+            self.limiter.models = models
+
+    def set_fleet(self, fleet: Fleet) -> None:
+        """The quotas and model names of a fleet; FleetConfigInvalid if it has no quotas (the
+        last good ones stay)."""
+        if fleet.quotas is None:
+            raise FleetConfigInvalid(
+                [ConfigError("", "quotas", "removed; this service keeps the last quotas it had")]
+            )
+        self.set_spec(fleet.quotas, frozenset(m.name for m in fleet.models))
+
+    def model_label(self, model: str) -> str:
+        return model if model in self.limiter.models else OTHER
+
+    def tenant_label(self, tenant: str) -> str:
+        return tenant if tenant in self._tenants else OTHER
 
     async def ShouldRateLimit(
         self, request: rls_pb2.RateLimitRequest, context: Any
@@ -121,11 +181,24 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             return await self.decide_async(request, time.monotonic())
         finally:
             self.metrics.decision_time.observe(time.perf_counter() - t0)
+            if self.store is None:
+                self._memory_gauges()
+
+    def _memory_gauges(self) -> None:
+        limiter = self.limiter
+        self.metrics.buckets.set(len(limiter.buckets))
+        self.metrics.bucket_bytes.set(limiter.bytes)
+        if limiter.evicted != self._evicted:
+            self.metrics.evictions.inc(limiter.evicted - self._evicted)
+            self._evicted = limiter.evicted
 
     def decide(self, request: rls_pb2.RateLimitRequest, now: float) -> rls_pb2.RateLimitResponse:
         """decide_async, outside an event loop (in memory only: the tests, the benchmark)."""
         assert self.store is None
-        return asyncio.run(self.decide_async(request, now))
+        try:
+            return asyncio.run(self.decide_async(request, now))
+        finally:
+            self._memory_gauges()
 
     async def _check(self, tenant: str, model: str, now: float, hits: int, kind: str) -> Decision:
         if self.store is None:
@@ -143,11 +216,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         return decision(kind, limit, level, allowed, needed(kind, hits))
 
     async def _charge(self, tenant: str, model: str, tokens: int, now: float) -> None:
-        if self.store is None:
-            self.limiter.charge(tenant, model, tokens, now)
-            return
         limit = self.limiter.spec.limit(tenant, model, "tokens_per_minute")
         if limit is None:
+            return
+        if self.store is None:
+            if self.limiter.charge(tenant, model, tokens, now) is None:
+                self.metrics.charges_dropped.inc()
             return
         try:
             await self.store.apply("tokens", model, tenant, limit, tokens, "charge")
@@ -155,62 +229,6 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             self._store_failed(e)
         else:
             self._store_ok()
-
-    # ---- status (cpctl quota status) ---------------------------------------------------------
-
-    async def status(self, tenant: str | None, now: float) -> list[dict[str, Any]]:
-        """Every bucket in use (or one tenant's): its limit, what is left, when it is whole."""
-        rows = []
-        if self.store is None:
-            keys = [(k, m, t) for (t, m, k) in self.limiter.buckets if tenant is None or t == tenant]
-        else:
-            keys = await self.store.buckets(tenant)
-        for kind, model, who in sorted(keys):
-            limit = self.limiter.spec.limit(who, model, KINDS.get(kind, ""))
-            if limit is None:
-                continue
-            if self.store is None:
-                got = self.limiter.use(who, model, now, kind=kind)
-                assert got is not None
-                level = float(got[0])
-            else:
-                _, level = await self.store.apply(kind, model, who, limit, 0, "read")
-            d = decision(kind, limit, level, level > 0, needed(kind, 1))
-            rows.append(
-                {"tenant": who, "model": model, "kind": kind, "limit_per_minute": limit,
-                 "remaining": d.remaining, "reset_seconds": round(d.reset_s, 3)}
-            )  # fmt: skip
-        return rows
-
-    async def _status_rpc(self, request: bytes, context: Any) -> bytes:
-        """STATUS_METHOD: JSON {"tenant": "..."} in, {"buckets": [...]} out; needs the token."""
-        import hmac
-
-        given = dict(context.invocation_metadata()).get("authorization", "")
-        if self.token is None:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "status needs a token: start controlplane ratelimit with --token-file",
-            )
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a wrong or missing bearer token")
-        try:
-            asked = json.loads(request or b"{}")
-            tenant = asked.get("tenant") if isinstance(asked, dict) else None
-        except ValueError:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request is not JSON")
-        if tenant is not None and not isinstance(tenant, str):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant: expected a string")
-        try:
-            rows = await self.status(tenant or None, time.monotonic())
-        except RedisUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"Redis: {e}")
-        return json.dumps({"buckets": rows}).encode()
-
-    def status_handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(
-            STATUS_SERVICE, {"Status": grpc.unary_unary_rpc_method_handler(self._status_rpc)}
-        )
 
     def _store_ok(self) -> None:
         self.metrics.store_ops.labels("ok").inc()
@@ -220,48 +238,63 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         self.metrics.store_ops.labels("error").inc()
         self._store_outage.failed(e)
 
+    def _name(self, value: str, field: str) -> str:
+        name, capped = bounded_name(value)
+        if capped:
+            self.metrics.names_capped.labels(field).inc()
+        return name
+
     async def decide_async(self, request: rls_pb2.RateLimitRequest, now: float) -> rls_pb2.RateLimitResponse:
         statuses = []
         decisions: list[Decision] = []
         model = ""
-        for descriptor in request.descriptors:
+        ok = rls_pb2.RateLimitResponse.DescriptorStatus(code=rls_pb2.RateLimitResponse.OK)
+        for descriptor in request.descriptors[:MAX_DESCRIPTORS]:
             entries = {e.key: e.value for e in descriptor.entries}
-            model = entries.get(MODEL_KEY, "") or model
-            ok = rls_pb2.RateLimitResponse.DescriptorStatus(code=rls_pb2.RateLimitResponse.OK)
             if request.domain != DOMAIN or not entries.get(MODEL_KEY):
-                self.metrics.decisions.labels(entries.get(MODEL_KEY, ""), "", "unreadable").inc()
+                self.metrics.decisions.labels(OTHER, "", "unreadable").inc()
                 statuses.append(ok)
                 continue
+            model = self._name(entries[MODEL_KEY], "model")
             tenant = entries.get(TENANT_KEY, "")
             if BEARER_KEY in entries:
                 tenant = bearer_tenant(entries[BEARER_KEY])
-            if len(tenant.encode()) > MAX_TENANT_BYTES:
-                tenant = "invalid"
-            label = tenant if tenant in self.limiter.spec.tenants else OTHER
+            tenant = self._name(tenant, "tenant")
+            labels = (self.model_label(model), self.tenant_label(tenant))
             kind = entries.get(KIND_KEY, "requests")
             if kind == "charge":  # the response ended: its tokens (Envoy ignores this answer)
                 if entries.get(REFUSED_KEY) == "yes":  # our own 429: no tokens were used
                     statuses.append(ok)
                     continue
                 tokens, how = charged_tokens(entries)
-                await self._charge(tenant, entries[MODEL_KEY], tokens, now)
-                self.metrics.tokens.labels(entries[MODEL_KEY], label, how).inc(tokens)
+                await self._charge(tenant, model, tokens, now)
+                self.metrics.tokens.labels(*labels, how).inc(tokens)
                 statuses.append(ok)
                 continue
             if kind not in KINDS:
-                self.metrics.decisions.labels(entries[MODEL_KEY], label, "unreadable").inc()
+                self.metrics.decisions.labels(*labels, "unreadable").inc()
                 statuses.append(ok)
                 continue
             hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else request.hits_addend
-            got = await self._check(tenant, entries[MODEL_KEY], now, max(1, hits), kind)
-            result = "unlimited" if got.limit is None else "ok" if got.allowed else "over_limit"
-            self.metrics.decisions.labels(
-                entries[MODEL_KEY], label, result if kind == "requests" else f"tokens_{result}"
-            ).inc()
+            got = await self._check(tenant, model, now, max(1, hits), kind)
+            result = (
+                "unlimited"
+                if got.limit is None
+                else "ok"
+                if got.allowed
+                else "crowded"
+                if got.crowded
+                else "over_limit"
+            )
+            self.metrics.decisions.labels(*labels, result if kind == "requests" else f"tokens_{result}").inc()
             code = rls_pb2.RateLimitResponse.OK if got.allowed else rls_pb2.RateLimitResponse.OVER_LIMIT
             statuses.append(rls_pb2.RateLimitResponse.DescriptorStatus(code=code))
             if got.limit is not None:
                 decisions.append(got)
+        extra = len(request.descriptors) - MAX_DESCRIPTORS
+        if extra > 0:
+            self.metrics.decisions.labels(OTHER, "", "unreadable").inc(extra)
+            statuses += [ok] * extra
         refused = [d for d in decisions if not d.allowed]
         response = rls_pb2.RateLimitResponse(
             overall_code=rls_pb2.RateLimitResponse.OVER_LIMIT if refused else rls_pb2.RateLimitResponse.OK,
@@ -287,56 +320,67 @@ def bearer_tenant(authorization: str) -> str:
     digits of the token's SHA-256>, what `printf %s "$TOKEN" | sha256sum | cut -c1-16` prints
     after "key-". An Authorization header that is not a bearer token is the tenant "" (the
     default limits)."""
-    import hashlib
-
     scheme, _, token = authorization.strip().partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return ""
-    return "key-" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
-
-
-MAX_USAGE = 10_000_000  # tokens one response may report; more is not a usage, it is a bug
-DEFAULT_OUTPUT_ESTIMATE = 256  # output tokens charged when neither usage nor max_tokens says
-
-
-def charged_tokens(entries: dict[str, str]) -> tuple[int, str]:
-    """The tokens a response costs: its `usage.total_tokens` when the server sent a sane one
-    (a whole number, 0 to MAX_USAGE), else an estimate: the request's bytes / 4 for the prompt
-    plus its max_tokens (else DEFAULT_OUTPUT_ESTIMATE) for the output. Never free: a usage that
-    is negative, absurd or not a number is estimated too. (tokens, "usage" or "estimate")."""
-    raw = entries.get(USAGE_KEY, "").strip()
-    try:
-        usage = int(float(raw)) if raw else -1
-    except ValueError:
-        usage = -1
-    if 0 <= usage <= MAX_USAGE:
-        return usage, "usage"
-    try:
-        prompt = int(entries.get(PROMPT_BYTES_KEY, "0") or 0) // 4
-    except ValueError:
-        prompt = 0
-    try:
-        output = int(float(entries.get(MAX_TOKENS_KEY, "") or DEFAULT_OUTPUT_ESTIMATE))
-    except ValueError:
-        output = DEFAULT_OUTPUT_ESTIMATE
-    return max(1, min(MAX_USAGE, max(0, prompt) + max(0, min(output, MAX_USAGE)))), "estimate"
+    return "key-" + hashlib.sha256(token.strip().encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def error_body(model: str, d: Decision) -> str:
-    """OpenAI's 429 error, as its SDK parses it; `type` is what ran out: requests or tokens."""
+    """OpenAI's 429 error, as its SDK parses it; `type` is what ran out: requests or tokens.
+    Refused for want of room (`crowded`), the message says so."""
+    wait = d.headers().get("retry-after", "1")
+    if d.crowded:
+        message = (
+            f"Rate limit reached for {d.kind} on {model}: the rate-limit service holds as many "
+            f"tenants as it may, and none of them has its whole allowance. Please try again in {wait}s."
+        )
+    else:
+        message = (
+            f"Rate limit reached for {d.kind} on {model}: limit {d.limit} per minute, "
+            f"{d.remaining} left. Please try again in {wait}s."
+        )
     return json.dumps(
-        {
-            "error": {
-                "message": (
-                    f"Rate limit reached for {d.kind} on {model}: limit {d.limit} per minute, "
-                    f"{d.remaining} left. Please try again in {d.headers().get('retry-after', '1')}s."
-                ),
-                "type": d.kind,
-                "param": None,
-                "code": "rate_limit_exceeded",
-            }
-        }
+        {"error": {"message": message, "type": d.kind, "param": None, "code": "rate_limit_exceeded"}}
     )
+
+
+class QuotaReloads:
+    """What the fleet file watcher hands the service: each valid fleet's quotas (a fleet
+    without quotas is refused: the last good ones stay), and each refused file, counted."""
+
+    def __init__(self, service: RateLimitService, metrics: QuotaMetrics) -> None:
+        self.service = service
+        self.metrics = metrics
+
+    def fleet(self, fleet: Fleet) -> None:
+        try:
+            self.service.set_fleet(fleet)
+        except FleetConfigInvalid as e:
+            self.invalid(e)
+            return
+        self.metrics.reloads.labels("ok").inc()
+        log.info("quotas reloaded")
+
+    def invalid(self, e: FleetConfigInvalid) -> None:
+        self.metrics.reloads.labels("error").inc()
+        log.warning("quotas not reloaded; the last good ones stay", error=str(e)[:500])
+
+
+def first_fleet(config: Path) -> tuple[Fleet, FleetFileWatcher]:
+    """The fleet file as the service starts on it (FleetConfigInvalid naming every error, or
+    naming `quotas` when it has none), and the watcher that follows it from there."""
+    seen: list[Fleet | FleetConfigInvalid] = []
+    watcher = FleetFileWatcher(config, seen.append, seen.append)
+    watcher.check()  # the first read is never held
+    got = seen[0]
+    if isinstance(got, FleetConfigInvalid):
+        raise got
+    if got.quotas is None:
+        raise FleetConfigInvalid(
+            [ConfigError(str(config), "quotas", "missing: this service counts the fleet's quotas")]
+        )
+    return got, watcher
 
 
 async def serve(
@@ -345,43 +389,28 @@ async def serve(
     metrics_listen: str | None = None,
     store_url: str = "memory",
     token: str | None = None,
+    tls: ServerTls | None = None,
 ) -> None:
     """Run the service until SIGINT or SIGTERM; buckets in memory, or on Redis
-    (`redis://HOST:PORT[/DB]`), shared with every other service using it."""
-    fleet = load_fleet(config)
-    if fleet.quotas is None:
-        raise FleetConfigInvalid(
-            [ConfigError(str(config), "quotas", "missing: this service counts the fleet's quotas")]
-        )
+    (`redis://HOST:PORT[/DB]`), shared with every other service using it. With `tls`, the
+    port speaks TLS (mutual TLS with its client CA)."""
+    fleet, watcher = first_fleet(config)
+    assert fleet.quotas is not None
+    credentials = server_credentials(tls, SIDE_FLAGS) if tls is not None else None
     metrics = QuotaMetrics()
     store = None if store_url == "memory" else RedisStore(store_url)
-    service = RateLimitService(fleet.quotas, metrics, store)
+    service = RateLimitService(fleet.quotas, metrics, store, frozenset(m.name for m in fleet.models))
     service.token = token
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    reloads = QuotaReloads(service, metrics)
+    watcher.on_fleet, watcher.on_invalid = reloads.fleet, reloads.invalid
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
     rls_pb2_grpc.add_RateLimitServiceServicer_to_server(service, server)
-    server.add_generic_rpc_handlers((service.status_handler(),))
-
-    async def reload() -> None:
-        seen = os.stat(config).st_mtime_ns
-        while True:
-            await asyncio.sleep(RELOAD_EVERY_S)
-            try:
-                mtime = os.stat(config).st_mtime_ns
-                if mtime == seen:
-                    continue
-                seen = mtime
-                new = load_fleet(config)
-                if new.quotas is None:
-                    raise FleetConfigInvalid(
-                        [ConfigError(str(config), "quotas", "removed; the last quotas stay")]
-                    )
-            except (OSError, FleetConfigInvalid) as e:
-                metrics.reloads.labels("error").inc()
-                log.warning("quotas not reloaded; the last good ones stay", error=str(e)[:500])
-                continue
-            service.set_spec(new.quotas)
-            metrics.reloads.labels("ok").inc()
-            log.info("quotas reloaded")
+    quota_pb2_grpc.add_QuotaServiceServicer_to_server(QuotaStatus(service), server)
 
     def started() -> None:
         log.info(
@@ -390,10 +419,31 @@ async def serve(
             config=str(config),
             metrics=metrics_listen,
             store=store_url,
+            tls="mutual" if tls is not None and tls.client_ca else "server" if tls is not None else "off",
         )
 
     try:
-        await serve_until_signalled(server, listen, metrics_listen, metrics.registry, [reload()], started)
+        await serve_until_signalled(
+            server,
+            listen,
+            metrics_listen,
+            metrics.registry,
+            [watcher.run()],
+            started,
+            credentials=credentials,
+        )
     finally:
         if store is not None:
             await store.close()
+
+
+__all__ = [
+    "INVALID",
+    "OTHER",
+    "STATUS_SERVICE",
+    "QuotaMetrics",
+    "RateLimitService",
+    "bearer_tenant",
+    "charged_tokens",
+    "serve",
+]

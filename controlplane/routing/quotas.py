@@ -9,14 +9,20 @@ over the limit, the OpenAI-style error body; Envoy answers that request 429 itse
 that is down, slow past quotas.service.timeout or failing costs nothing by default (the
 request is served: fail open, counted in Envoy's `ratelimit.error` and
 `ratelimit.failure_mode_allowed`), or a 500 with `on_error: deny`.
+
+With token limits, each response is charged when it ends (`apply_on_stream_done`): with its
+usage (a JSON answer's, read by json_to_metadata; a stream's usage event, read by the Lua
+filter here as the stream passes), else with what the request let the server send (its
+output limits, whatever its dialect calls them, and how many completions it asked for).
 """
 
 from __future__ import annotations
 
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import config_source_pb2, grpc_service_pb2
+from envoy.config.core.v3 import base_pb2, config_source_pb2, grpc_service_pb2
 from envoy.config.ratelimit.v3 import rls_pb2
 from envoy.config.route.v3 import route_components_pb2
+from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.ratelimit.v3 import rate_limit_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
@@ -42,6 +48,63 @@ MAX_TOKENS_KEY = "max_tokens"  # the request's max_tokens (json_to_metadata)
 REFUSED_KEY = "refused"  # "yes" on a request the service refused (its dynamic metadata)
 USAGE_METADATA = "usage_total_tokens"  # keys in the controlplane metadata namespace
 MAX_TOKENS_METADATA = "max_tokens"
+# The request's limits on what the server may send, by descriptor key (also the metadata key
+# json_to_metadata writes, with an "out_" in front) -> where the body says it. The charge takes
+# the largest of those sent (a server honours the one its dialect reads: OpenAI-style ones let
+# max_completion_tokens win over max_tokens), times the most completions asked for.
+OUTPUT_LIMIT_FIELDS: dict[str, tuple[str, ...]] = {
+    MAX_TOKENS_KEY: ("max_tokens",),  # OpenAI, vLLM, SGLang, TGI's and llama.cpp's OpenAI APIs
+    "max_completion_tokens": ("max_completion_tokens",),  # OpenAI's newer name
+    "max_output_tokens": ("max_output_tokens",),  # OpenAI's Responses API
+    "max_new_tokens": ("parameters", "max_new_tokens"),  # TGI's /generate
+    "sampling_max_new_tokens": ("sampling_params", "max_new_tokens"),  # SGLang's /generate
+    "parameters_max_tokens": ("parameters", "max_tokens"),  # Triton's generate extension
+    "n_predict": ("n_predict",),  # llama.cpp's /completion
+}
+COPIES_FIELDS: dict[str, tuple[str, ...]] = {
+    "n": ("n",),  # completions returned
+    "best_of": ("best_of",),  # completions generated (OpenAI's legacy completions, vLLM)
+    "parameters_best_of": ("parameters", "best_of"),  # TGI's /generate
+}
+
+
+def output_metadata_key(descriptor_key: str) -> str:
+    """The dynamic-metadata key json_to_metadata writes a request's output limit to."""
+    return MAX_TOKENS_METADATA if descriptor_key == MAX_TOKENS_KEY else f"out_{descriptor_key}"
+
+
+# A streamed answer's usage, read as it passes (Envoy's Lua filter, `bodyChunks()`: each chunk
+# is seen and let go at once, nothing is buffered, the stream is not held). OpenAI-style
+# servers send it in a last event when the request asks (`stream_options.include_usage`);
+# vLLM with continuous usage stats in every event (the last one counts). A JSON string inside
+# an answer has its quotes escaped, so generated text cannot forge `"total_tokens":`. The
+# last 64 bytes of each chunk are kept to find a number cut between two chunks. Without one,
+# nothing is set and the service estimates.
+STREAM_USAGE_LUA = """
+function envoy_on_response(handle)
+  local ct = handle:headers():get("content-type")
+  if ct == nil or string.find(string.lower(ct), "text/event-stream", 1, true) == nil then
+    return
+  end
+  local tail, total = "", nil
+  for chunk in handle:bodyChunks() do
+    local n = chunk:length()
+    if n > 0 then
+      local text = tail .. chunk:getBytes(0, n)
+      if string.find(text, "total_tokens", 1, true) ~= nil then
+        for v in string.gmatch(text, '"total_tokens"%s*:%s*(%d+)') do
+          total = v
+        end
+      end
+      tail = string.sub(text, -64)
+    end
+  end
+  if total ~= nil then
+    handle:streamInfo():dynamicMetadata():set("NAMESPACE", "KEY", total)
+  end
+end
+"""
+STREAM_USAGE_FILTER = "controlplane.quota.stream_usage"  # a Lua filter's name in the chain
 
 
 def build_ratelimit_filter(quotas: QuotaSpec) -> hcm_pb2.HttpFilter:
@@ -63,6 +126,14 @@ def build_ratelimit_filter(quotas: QuotaSpec) -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name=RATELIMIT_FILTER, typed_config=pb.pack(cfg))
 
 
+def build_stream_usage_filter() -> hcm_pb2.HttpFilter:
+    """Envoy's Lua filter with STREAM_USAGE_LUA: a streamed answer's usage.total_tokens into
+    the metadata the charge reads (a JSON answer's is read by json_to_metadata)."""
+    source = STREAM_USAGE_LUA.replace("NAMESPACE", METADATA_NS).replace("KEY", USAGE_METADATA)
+    cfg = lua_pb2.Lua(default_source_code=base_pb2.DataSource(inline_string=source))
+    return hcm_pb2.HttpFilter(name=STREAM_USAGE_FILTER, typed_config=pb.pack(cfg))
+
+
 def build_ratelimit_cluster(quotas: QuotaSpec) -> cluster_pb2.Cluster:
     """The rate-limit services as proxies reach them (clusters.build_side_service_cluster)."""
     return build_side_service_cluster(names.RATELIMIT_CLUSTER, quotas.endpoints, quotas.service_tls)
@@ -80,7 +151,9 @@ def add_rate_limits(fleet: Fleet, model: Model, action: route_components_pb2.Rou
     """The model route's descriptors, each starting (model, its name), (tenant, the key header)
     if sent: the request check; with token quotas, the token check, (kind, tokens); and, when
     the stream is done, the charge: (kind, charge), (usage, the response's
-    usage.total_tokens), (prompt_bytes, its content-length), (max_tokens, the request's)."""
+    usage.total_tokens, a JSON answer's or a stream's usage event's), (prompt_bytes, its
+    content-length), then each output limit and count of completions the request may carry
+    (OUTPUT_LIMIT_FIELDS, COPIES_FIELDS; "none" where it sent none), (refused, ...)."""
     quotas = fleet.quotas
     if quotas is None:
         return
@@ -131,7 +204,7 @@ def add_rate_limits(fleet: Fleet, model: Model, action: route_components_pb2.Rou
                     header_name="content-length", descriptor_key=PROMPT_BYTES_KEY, skip_if_absent=True
                 )
             ),
-            metadata(MAX_TOKENS_METADATA, MAX_TOKENS_KEY),
+            *(metadata(output_metadata_key(key), key) for key in (*OUTPUT_LIMIT_FIELDS, *COPIES_FIELDS)),
             # The service's own mark on a request it refused (its answer's dynamic metadata):
             # a 429 costs no tokens.
             metadata(REFUSED_KEY, REFUSED_KEY, namespace=RATELIMIT_FILTER),

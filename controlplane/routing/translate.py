@@ -47,12 +47,15 @@ from controlplane.routing.clusters import (
     ring_hashed,
 )
 from controlplane.routing.quotas import (
-    MAX_TOKENS_METADATA,
+    COPIES_FIELDS,
+    OUTPUT_LIMIT_FIELDS,
     USAGE_METADATA,
     add_rate_limits,
     build_ratelimit_cluster,
     build_ratelimit_filter,
+    build_stream_usage_filter,
     counts_tokens,
+    output_metadata_key,
 )
 
 MODEL_HEADER = "x-model"
@@ -230,6 +233,22 @@ def picks(fleet: Fleet) -> bool:
     return any(fleet.picked(m) for m in fleet.models)
 
 
+def _processing_mode(response_headers: int) -> processing_mode_pb2.ProcessingMode:
+    return processing_mode_pb2.ProcessingMode(
+        request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+        response_header_mode=response_headers,
+        request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+        response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+        request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+        response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    )
+
+
+# What a pick asks of Envoy for the rest of its stream (`mode_override`, the only override
+# the filter allows): the response's headers, so the picker sees the request end.
+PICKED_MODE = _processing_mode(processing_mode_pb2.ProcessingMode.SEND)
+
+
 def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
     """Envoy asks a picker (picker/) which server takes the request, on the routes of models
     with `balancing: picker` only: off for the gateway's virtual host, on for their routes
@@ -242,25 +261,29 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
     down, errs, or does not answer within picker.timeout costs the request nothing but the
     wait (failure_mode_allow), and the cluster's policy routes it by the weights
     (clusters.picked_policy). The answer sets the picked-endpoint header (and the envoy.lb
-    metadata) and nothing else; the route is not looked up again. The response's headers go
-    to the picker too, with `upstream.address`: the request has ended (or, streamed, started
-    answering) and where it went, so the picker counts each server's requests in flight (the
-    stream closes at the pick otherwise). A picker that hangs after a pick costs that
-    response's headers at most the budget once more (then failure_mode_allow again)."""
+    metadata) and nothing else; the route is not looked up again, and the picker may not
+    answer in Envoy's place (disable_immediate_response).
+
+    The response's headers go to the picker only for a request it picked: the filter's
+    mode skips them, and a pick overrides that for its stream (PICKED_MODE, the one
+    override allowed). They tell it, with `upstream.address`, that the request has ended
+    (or, streamed, started answering) and where it went, so it counts each server's
+    requests in flight. Sending them always would send a local reply's too: a request
+    refused before the filter (a quota's 429 from the rate-limit filter before it, a body
+    over the limit) never ran the filter's request side, yet its response passes through
+    the filter on the way out, and Envoy opened a picker stream for it (seen: 29 quota
+    429s and one 200 started 30 streams, 1 pick). A picker that hangs after a pick costs
+    that response's headers at most the budget once more (then failure_mode_allow again)."""
     cfg = ext_proc_pb2.ExternalProcessor(
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=names.PICKER_CLUSTER),
             timeout=pb.duration(fleet.picker.timeout_s),
         ),
         failure_mode_allow=True,
-        processing_mode=processing_mode_pb2.ProcessingMode(
-            request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-            response_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-            request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
-            response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
-            request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
-            response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
-        ),
+        processing_mode=_processing_mode(processing_mode_pb2.ProcessingMode.SKIP),
+        allow_mode_override=True,
+        allowed_override_modes=[PICKED_MODE],
+        disable_immediate_response=True,
         request_attributes=["xds.cluster_name"],
         response_attributes=["upstream.address"],
         message_timeout=pb.duration(fleet.picker.timeout_s),
@@ -336,12 +359,18 @@ def _affinity_filter_state(fields: list[str]) -> hcm_pb2.HttpFilter:
 
 def _json_to_metadata(affinity_fields: list[str] | None = None, tokens: bool = False) -> hcm_pb2.HttpFilter:
     """The model (and affinity fields) from the request's JSON body; with token quotas
-    (routing/quotas.py), its max_tokens too, and the response's usage.total_tokens (a JSON
-    response's; a stream's is text/event-stream and passes by: it is estimated)."""
+    (routing/quotas.py), every limit on its output and count of completions it may carry
+    (OUTPUT_LIMIT_FIELDS, COPIES_FIELDS) too, and the response's usage.total_tokens (a JSON
+    response's; a stream's is text/event-stream and passes by: the stream usage filter reads
+    its usage event, if it has one)."""
     rules = [_json_rule("model", "model")]
     rules += [_json_rule(f, f"affinity_{f}") for f in affinity_fields or []]
     if tokens:
-        rules.append(_json_rule("max_tokens", MAX_TOKENS_METADATA))
+        for key, path in {**OUTPUT_LIMIT_FIELDS, **COPIES_FIELDS}.items():
+            rule = _json_rule(path[0], output_metadata_key(key))
+            for step in path[1:]:
+                rule.selectors.add(key=step)
+            rules.append(rule)
     cfg = json_to_metadata_pb2.JsonToMetadata(
         request_rules=json_to_metadata_pb2.JsonToMetadata.MatchRules(
             rules=rules,
@@ -383,6 +412,10 @@ def _overflow_is_429() -> hcm_pb2.LocalReplyConfig:
     )
 
 
+def _counts_tokens(fleet: Fleet) -> bool:
+    return fleet.quotas is not None and counts_tokens(fleet.quotas)
+
+
 def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
     """The listener every Envoy serves inference traffic on: HCM with RDS over ADS."""
     hcm = hcm_pb2.HttpConnectionManager(
@@ -393,7 +426,7 @@ def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
             _buffer(fleet),
             _json_to_metadata(
                 body_fields := _affinity_body_fields(fleet),
-                tokens=fleet.quotas is not None and counts_tokens(fleet.quotas),
+                tokens=_counts_tokens(fleet),
             ),
             *([_prefix_key_filter()] if _prefix_affinity(fleet) else []),
             *(
@@ -401,6 +434,7 @@ def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
                 if (state_fields := body_fields + ([PREFIX_FIELD] if _prefix_affinity(fleet) else []))
                 else []
             ),
+            *([build_stream_usage_filter()] if _counts_tokens(fleet) else []),
             *([build_ratelimit_filter(fleet.quotas)] if fleet.quotas is not None else []),
             *([_picker_filter(fleet)] if picks(fleet) else []),
             _router(),

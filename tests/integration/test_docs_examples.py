@@ -17,7 +17,8 @@ follows the rollout to its end, as a reader would, and must exit 0 (3 is an abor
 commands in EXPECT must print what the docs say they do, so a walkthrough is run to its
 stated end (the rollout in docs/rollouts.md reaches Completed with v2 stable), not just to
 exit 0 per command. A command right after one started in the background is retried for a
-while, as a reader would wait for the server to come up.
+while (until it exits 0 and shows what EXPECT says), as a reader would wait for the server
+to come up.
 """
 
 from __future__ import annotations
@@ -58,17 +59,16 @@ NOT_RUN = {
     ("docs/benchmarks.md", ".venv/bin/python bench/picker/overhead.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/python bench/quotas/decisions.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/python bench/quotas/accuracy.py"): BENCH,
+    ("docs/benchmarks.md", ".venv/bin/python bench/peers/run.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/pip install -e '.[bench]'"): "installs the optional bench extra",
-    ("docs/picker.md", "controlplane picker --control-plane"): (
-        "runs until stopped; tests/integration/test_picker.py starts the same command against a real "
-        "control plane and Envoy"
+    ("docs/quotas.md", "controlplane ratelimit --config fleet.yaml --listen 10.0.0.5:18081"): (
+        "a deployment across hosts, with a Redis and certificates; test_quotas.py's "
+        "test_two_services_on_redis_hold_the_limit_for_the_sum runs services on a real redis-server, "
+        "test_quota_trust.py the same TLS flags behind a real Envoy"
     ),
-    ("docs/quotas.md", "controlplane ratelimit --config fleet.yaml"): (
-        "runs until stopped; tests/integration/test_quotas.py starts the same command (in memory "
-        "and on a real redis-server) behind two real Envoys"
-    ),
-    ("docs/quotas.md", "cpctl quota status"): (
-        "needs a rate-limit service; test_cpctl_quota_status_shows_use_and_what_is_left runs it"
+    ("docs/quotas.md", "cpctl quota status --quota-service 10.0.0.5:18081"): (
+        "needs a mutual-TLS deployment's certificates; test_quota_trust.py runs these flags against "
+        "a real service"
     ),
     ("docs/ha.md", "controlplane import --from fleet.yaml --to etcd://"): (
         "needs an etcd cluster; tests/integration/test_ha.py runs import, serve --store and bootstrap "
@@ -101,6 +101,8 @@ SESSIONS = {
         "docs/autoscaling.md",
         "docs/xds.md",
         "protos/README.md",
+        "docs/picker.md",  # two pickers on the quick start's fleet, a request picked
+        "docs/quotas.md",  # quotas on the quick start's fleet, a service, a tenant's 429s, its status
     ],
     "emulator": ["docs/emulator.md"],
     "deploy": ["docs/deploy.md"],
@@ -116,6 +118,12 @@ EXPECT = {
         r"Canary:\s+-\n",
         r"Weights:.*\bv2 100%",
     ),
+    (
+        "docs/picker.md",
+        "curl -s localhost:10000/v1/completions -H 'content-type: application/json' -d '{\"model\": "
+        '"llama-3-8b", "prompt": "hello"}\' && curl -s localhost:18091/metrics '
+        "localhost:18093/metrics | grep '^controlplane_picker_picks_total'",
+    ): (r'controlplane_picker_picks_total\{reason="(least_loaded|prefix_hit)"\} [1-9]',),
 }
 SERVER = re.compile(r"^\S*controlplane (emulate|serve)\b")  # in the foreground: kept running
 
@@ -140,18 +148,57 @@ def blocks() -> list[Block]:
                 continue
             indent = len(m.group(1))
             lines = [line[indent:] for line in m.group(3).splitlines()]
-            commands, current = [], ""
+            commands, current, heredoc = [], "", None
             for line in lines:
+                if heredoc is not None:  # a here-document (docs/quotas.md's fleet edit): kept as written
+                    current += "\n" + line
+                    if line.strip() == heredoc:
+                        commands.append(current)
+                        current, heredoc = "", None
+                    continue
                 if not current and (not line.strip() or line.lstrip().startswith("#")):
                     continue
                 current += line.rstrip()
                 if current.endswith("\\"):
                     current = current[:-1] + " "
                     continue
+                if here := HEREDOC.search(current):
+                    heredoc = here.group(1)
+                    continue
                 commands.append(re.sub(r"\s{2,}#.*$", "", current).strip())
                 current = ""
             out.append(Block(str(path.relative_to(ROOT)), commands))
     return out
+
+
+HEREDOC = re.compile(r"<<-?\s*'?(\w+)'?$")  # a command ending `<<'EOF'` reads lines up to EOF
+
+
+def doc_command(file: str, *parts: str) -> str:
+    """The one command of `file` that holds every one of `parts`, as blocks() reads it
+    (continuation lines joined): for EXPECT, where a command is too long to repeat here."""
+    (command,) = [c for b in blocks() if b.file == file for c in b.commands if all(p in c for p in parts)]
+    return command
+
+
+# docs/quotas.md's walkthrough ends where it says: a tenant's limits on every answer, its 429s
+# past them, its buckets in cpctl quota status, and the limit a model's default gives another.
+EXPECT.update(
+    {
+        ("docs/quotas.md", doc_command("docs/quotas.md", "curl", "x-api-key: acme", "grep")): (
+            r"(?i)x-ratelimit-limit-requests: 10\b",
+            r"(?i)x-ratelimit-limit-tokens: 2000\b",
+        ),
+        ("docs/quotas.md", doc_command("docs/quotas.md", "for i in $(seq 12)")): (r"^(200 )+429 ",),
+        ("docs/quotas.md", "cpctl quota status acme --quota-service 127.0.0.1:18081"): (
+            r"acme\s+llama-3-8b\s+requests\s+10\s+\d+\s",
+            r"acme\s+llama-3-8b\s+tokens\s+2000\s+\d+\s",
+        ),
+        ("docs/quotas.md", doc_command("docs/quotas.md", "curl", "x-api-key: globex")): (
+            r"(?i)x-ratelimit-limit-requests: 120\b",
+        ),
+    }
+)
 
 
 @dataclass
@@ -177,6 +224,8 @@ class Session:
             "8201": servers + 3,
             "8000": emu,
             "8001": emu + 1,  # and --count 3 takes the next two
+            **{str(p): free_port() for p in (18090, 18091, 18092, 18093)},  # docs/picker.md's pickers
+            **{str(p): free_port() for p in (18081, 18082)},  # docs/quotas.md's rate-limit service
         }
         state = self.tmp / "state"
         fleet = self.tmp / "fleet.yaml"
@@ -191,7 +240,7 @@ class Session:
 
     def map_ports(self, text: str) -> str:
         return re.sub(
-            r"(?<![\d.])(10000|18000|18001|9102|9901|8101|8102|8103|8201|8000|8001)(?![\d.])",
+            r"(?<![\d.])(10000|18000|18001|18081|18082|18090|18091|18092|18093|9102|9901|8101|8102|8103|8201|8000|8001)(?![\d.])",
             lambda m: str(self.ports[m.group(1)]),
             text,
         )
@@ -246,9 +295,11 @@ class Session:
                 self._long_running(block, raw, cmd, keep=bool(SERVER.search(cmd)))
                 continue
             deadline = time.monotonic() + (20 if self.after_background else 0)
+            expect = EXPECT.get((block.file, raw), ())
             while True:
                 out = self._once(cmd, 60)
-                if out.returncode == 0 or time.monotonic() > deadline:
+                shows = all(re.search(pattern, out.stdout) for pattern in expect)
+                if (out.returncode == 0 and shows) or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
             self.after_background = False

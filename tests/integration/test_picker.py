@@ -48,9 +48,11 @@ class PickerProc:
         port: int | None = None,
         admin: tuple[str, Path] | None = None,
         peers: tuple[str, ...] = (),
+        extra: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.peers = peers
+        self.extra = extra  # more flags (TLS)
         self.admin = admin  # the operator API and a token file: picks follow the servers' pages
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -70,6 +72,8 @@ class PickerProc:
                 "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
                 *(["--admin", self.admin[0], "--token-file", str(self.admin[1])] if self.admin else []),
                 *(["--peers", ",".join(self.peers)] if self.peers else []),
+                *(["--peer-token-file", str(self.peer_token_file())] if self.peers else []),
+                *self.extra,
             ],
             self.log_dir,
         )  # fmt: skip
@@ -78,6 +82,13 @@ class PickerProc:
         else:
             wait_until(lambda: self.health() is not None, 20, f"picker {self.name} to answer")
         return self
+
+    def peer_token_file(self) -> Path:
+        """The token the pickers of a test share for their peer reads (--peer-token-file)."""
+        path = self.log_dir / "peer-token"
+        if not path.exists():
+            path.write_text("picker-peers-shared-token\n")
+        return path
 
     def health(self) -> int | None:
         """Its gRPC health status, None while it does not answer."""

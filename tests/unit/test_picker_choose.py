@@ -20,6 +20,7 @@ from controlplane.picker.choose import (
     PickerState,
     ServerLoad,
     candidates,
+    prefix_digest,
     wait_and_service,
 )
 from controlplane.routing.translate import ENDPOINT, translate
@@ -273,7 +274,7 @@ def test_a_prefix_goes_back_to_its_server_within_the_load_bound() -> None:
     assert before[held] + 1 > PREFIX_LOAD_BOUND * mean  # spilled only past the bound
     assert before[held] + 1 <= PREFIX_LOAD_BOUND * mean + PREFIX_LOAD_BOUND  # and not long after
     assert p.reason == "least_loaded"
-    assert state.prefixes[("m@v1", "sys-A")] == p.servers[0]  # the key follows to its new server
+    assert state.prefixes[prefix_digest("m@v1", "sys-A")] == p.servers[0]  # the key follows to its new server
     assert state.pick("m@v1", prefix="sys-A").reason == "prefix_hit"
 
 
@@ -284,7 +285,7 @@ def test_the_prefix_index_is_bounded_least_recently_used_first() -> None:
         state.pick("m@v1", prefix=key)
     state.pick("m@v1", prefix="a")  # a used again: b is now the oldest
     state.pick("m@v1", prefix="d")
-    assert [k for _, k in state.prefixes] == ["c", "a", "d"]
+    assert list(state.prefixes) == [prefix_digest("m@v1", k) for k in ("c", "a", "d")]
     for i in range(1000):
         state.pick("m@v1", prefix=f"k{i}")
     assert len(state.prefixes) == 3

@@ -23,7 +23,7 @@ from controlplane.quota.limiter import WINDOW_S, Limiter, duration
 from controlplane.quota.service import RateLimitService
 from controlplane.resources import names
 from controlplane.routing.incremental import IncrementalTranslator
-from controlplane.routing.quotas import DOMAIN, RATELIMIT_FILTER
+from controlplane.routing.quotas import COPIES_FIELDS, DOMAIN, OUTPUT_LIMIT_FIELDS, RATELIMIT_FILTER
 from controlplane.routing.translate import CLUSTER, LISTENER, ROUTE, translate
 
 BASE = """\
@@ -271,10 +271,15 @@ def test_token_quotas_add_the_token_check_and_the_charge_at_stream_end() -> None
     limits = routes[0].route.rate_limits
     assert [rl.apply_on_stream_done for rl in limits] == [False, False, True]
     keys = [a.WhichOneof("action_specifier") for a in limits[2].actions]
+    outputs = len(OUTPUT_LIMIT_FIELDS) + len(COPIES_FIELDS)
     assert keys == [
-        "generic_key", "request_headers", "generic_key", "metadata", "request_headers", "metadata", "metadata"
+        "generic_key", "request_headers", "generic_key", "metadata", "request_headers",
+        *["metadata"] * outputs, "metadata",
     ]  # fmt: skip
-    assert limits[2].actions[6].metadata.metadata_key.key == RATELIMIT_FILTER  # the service's own mark
+    described = [a.metadata.descriptor_key for a in limits[2].actions[5:-1]]
+    assert described == [*OUTPUT_LIMIT_FIELDS, *COPIES_FIELDS]
+    assert all(a.metadata.default_value == "none" for a in limits[2].actions[5:])  # never dropped
+    assert limits[2].actions[-1].metadata.metadata_key.key == RATELIMIT_FILTER  # the service's own mark
     hcm = hcm_pb2.HttpConnectionManager()
     d.by_type[LISTENER][names.GATEWAY_LISTENER].filter_chains[0].filters[0].typed_config.Unpack(hcm)
     from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 
 from controlplane.quota.limiter import WINDOW_S
-from controlplane.quota.redis_store import RedisStore, RedisUnavailable
+from controlplane.quota.redis_store import RedisStore, RedisUnavailable, bucket_key
 from tests.integration.test_quotas import RedisServer
 from tests.ports import free_port
 
@@ -61,7 +61,7 @@ async def refill_since(store: RedisStore, since: float, limit: int) -> float:
 
 
 def key(kind: str, model: str, tenant: str) -> str:
-    return f"quota:{kind}:{model}:{tenant}"
+    return bucket_key(kind, model, tenant)
 
 
 def test_peek_allows_while_the_level_is_above_zero_and_takes_nothing(redis_url: str) -> None:

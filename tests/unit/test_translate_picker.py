@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from controlplane.fleet import FleetConfigInvalid, parse_fleet
 from controlplane.resources import names
 from controlplane.routing.incremental import IncrementalTranslator
-from controlplane.routing.translate import CLUSTER, EXT_PROC_FILTER, LISTENER, ROUTE, translate
+from controlplane.routing.translate import CLUSTER, EXT_PROC_FILTER, LISTENER, PICKED_MODE, ROUTE, translate
 
 FLEET = """
 listener: {port: 10000}
@@ -57,12 +57,20 @@ def test_a_picked_model_asks_the_picker_and_falls_back_to_the_weights() -> None:
     assert cfg.message_timeout.ToNanoseconds() == 5_000_000  # the default budget, 5 ms
     mode = cfg.processing_mode
     # Headers only: with no body sent, fail-open holds at every moment (Envoy PR #41276). The
-    # response's headers tell the picker the request ended, and where it went.
+    # response's headers tell the picker the request ended, and where it went: asked for by a
+    # pick (the one override allowed), never by default, so a local reply the picker was not
+    # asked about (a quota's 429) opens no stream to it.
     assert mode.request_header_mode == processing_mode_pb2.ProcessingMode.SEND
     assert mode.request_body_mode == processing_mode_pb2.ProcessingMode.NONE
-    assert mode.response_header_mode == processing_mode_pb2.ProcessingMode.SEND
+    assert mode.response_header_mode == processing_mode_pb2.ProcessingMode.SKIP
     assert mode.response_body_mode == processing_mode_pb2.ProcessingMode.NONE
     assert mode.response_trailer_mode == processing_mode_pb2.ProcessingMode.SKIP
+    assert cfg.allow_mode_override
+    (picked,) = cfg.allowed_override_modes
+    assert picked == PICKED_MODE
+    assert picked.response_header_mode == processing_mode_pb2.ProcessingMode.SEND
+    assert picked.request_body_mode == picked.response_body_mode == processing_mode_pb2.ProcessingMode.NONE
+    assert cfg.disable_immediate_response  # a picker names a server; it never answers for one
     assert list(cfg.request_attributes) == ["xds.cluster_name"]
     assert list(cfg.response_attributes) == ["upstream.address"]
     assert list(cfg.metadata_options.receiving_namespaces.untyped) == [names.PICKED_METADATA_NS]

@@ -7,8 +7,12 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from controlplane.cli import argtypes
+
+if TYPE_CHECKING:
+    from controlplane.net.tls import ServerTls
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,7 +36,30 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--listen",
         default="127.0.0.1:18090",
         metavar="HOST:PORT",
-        help="where Envoy reaches this picker over gRPC (default: %(default)s, loopback only)",
+        help="where Envoy reaches this picker over gRPC, and its peers read it (default: "
+        "%(default)s, loopback only). Beyond loopback it needs --tls-client-ca, or "
+        "--allow-unauthenticated-clients",
+    )
+    pk.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="FILE",
+        help="serve --listen over TLS with this certificate (PEM), with --tls-key; the fleet's "
+        "picker.tls tells proxies to verify it (docs/picker.md#trust)",
+    )
+    pk.add_argument("--tls-key", type=Path, metavar="FILE", help="the private key of --tls-cert (PEM)")
+    pk.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        metavar="FILE",
+        help="mutual TLS: every caller (each proxy, each peer) must present a certificate this CA "
+        "signed, and this picker presents --tls-cert to its --peers, verifying theirs with it",
+    )
+    pk.add_argument(
+        "--allow-unauthenticated-clients",
+        action="store_true",
+        help="listen beyond loopback without --tls-client-ca: anyone who reaches --listen can then "
+        "ask for picks and so steer requests; only for a network that only proxies and pickers reach",
     )
     pk.add_argument(
         "--metrics-listen",
@@ -64,9 +91,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=argtypes.number(0, 10_000_000),
         default=65536,
         metavar="N",
-        help="prefix keys remembered, least recently used dropped first; each is about 200 bytes "
-        "(default: %(default)s; 0 turns the prefix index off). Keys come from the gateway's "
-        "prefix hash, for models with affinity: {prefix: ...}",
+        help="prefix keys remembered, least recently used dropped first; each is kept as a 16-byte "
+        "digest, about 200 bytes with its index entry, whatever the key's length (default: "
+        "%(default)s; 0 turns the prefix index off). Keys come from the gateway's prefix "
+        "affinity, for models with affinity: {prefix: ...}",
     )
     pk.add_argument(
         "--prefix-load-bound",
@@ -85,6 +113,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "would (default: none)",
     )
     pk.add_argument(
+        "--peer-token-file",
+        type=Path,
+        metavar="FILE",
+        help="a token every picker of the group shares: its peers must send it to read this "
+        "picker's requests in flight, and it sends it to them. --peers needs it, or "
+        "--tls-client-ca (then the peers' certificates are the credential)",
+    )
+    pk.add_argument(
+        "--peer-server-name",
+        metavar="NAME",
+        help="with --tls-client-ca: the name the peers' certificates carry, checked in place of "
+        "the address in --peers (default: the address itself, as an IP subjectAltName)",
+    )
+    pk.add_argument(
         "--peers-interval",
         type=argtypes.number(0.01, 10),
         default=0.05,
@@ -96,25 +138,85 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     pk.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
+def _read_token(flag: str, path: Path) -> str:
+    """A token file's one word; ValueError with the line to print."""
+    try:
+        token = path.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot read ({e.strerror or e})") from None
+    if not token:
+        raise ValueError(f"{flag} {path}: empty")
+    return token
+
+
+def check(args: argparse.Namespace) -> tuple[ServerTls | None, str | None, str | None]:
+    """Every flag checked before anything starts: the TLS files, where it may listen without
+    client certificates, what --peers needs, the tokens. Returns (tls, token for --admin, peer
+    token); ValueError with the one line to print."""
+    from controlplane.net.tls import SIDE_FLAGS, ServerTls, TlsConfigInvalid, is_loopback, server_credentials
+    from controlplane.obs.http import split_host_port
+
+    for flag, value in (("--listen", args.listen), ("--metrics-listen", args.metrics_listen)):
+        if value is not None:
+            try:
+                split_host_port(value)
+            except ValueError as e:
+                raise ValueError(f"{flag}: {e}") from None
+    tls = None
+    if args.tls_cert or args.tls_key or args.tls_client_ca:
+        if not (args.tls_cert and args.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together (--tls-client-ca needs both)")
+        tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca)
+        try:
+            server_credentials(tls, SIDE_FLAGS)
+        except TlsConfigInvalid as e:
+            raise ValueError(str(e)) from None
+    mutual = tls is not None and tls.client_ca is not None
+    host = args.listen.rpartition(":")[0].strip("[]")
+    if not mutual and not is_loopback(host) and not args.allow_unauthenticated_clients:
+        raise ValueError(
+            f"--listen {args.listen} is reachable from other machines, and without --tls-client-ca "
+            "anyone who reaches it can steer picks: give --tls-cert, --tls-key and --tls-client-ca "
+            "(mutual TLS), or --allow-unauthenticated-clients if only proxies and pickers reach "
+            "that network (docs/picker.md#trust)"
+        )
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    if peers and not mutual and args.peer_token_file is None:
+        raise ValueError(
+            "--peers: a peer's counts steer picks, so peers must prove who they are: give "
+            "--peer-token-file (a token every picker of the group shares) or --tls-client-ca "
+            "(docs/picker.md#trust)"
+        )
+    if tls is not None and not mutual and peers:
+        raise ValueError(
+            "--peers over TLS needs --tls-client-ca (the CA that signed every picker's certificate)"
+        )
+    if args.peer_server_name and not mutual:
+        raise ValueError("--peer-server-name needs --tls-client-ca (it names the peers' certificates)")
+    token = None
+    if args.admin is not None:
+        if args.token_file is None:
+            raise ValueError(
+                "--admin needs --token-file (the read-only token is enough: "
+                "serve --admin-readonly-token-file)"
+            )
+        token = _read_token("--token-file", args.token_file)
+    peer_token = _read_token("--peer-token-file", args.peer_token_file) if args.peer_token_file else None
+    return tls, token, peer_token
+
+
 def run(args: argparse.Namespace) -> int:
-    """`controlplane picker`: read the token for --admin (exit 2), then serve until a signal."""
+    """`controlplane picker`: check every flag (exit 2), then serve until a signal; an address
+    it cannot listen on is one line and exit 2, as for serve."""
     from controlplane.obs.logging import configure_logging
     from controlplane.picker.service import serve
 
     configure_logging(args.log_format, args.log_level)
-    token = None
-    if args.admin is not None:
-        if args.token_file is None:
-            print(
-                "controlplane picker: --admin needs --token-file (the read-only token is enough)",
-                file=sys.stderr,
-            )
-            return 2
-        try:
-            token = args.token_file.read_text().strip()
-        except OSError as e:
-            print(f"controlplane picker: --token-file: {e}", file=sys.stderr)
-            return 2
+    try:
+        tls, token, peer_token = check(args)
+    except ValueError as e:
+        print(f"controlplane picker: {e}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(
             serve(
@@ -129,9 +231,12 @@ def run(args: argparse.Namespace) -> int:
                 prefix_bound=args.prefix_load_bound,
                 peers=[p.strip() for p in args.peers.split(",") if p.strip()],
                 peers_interval_s=args.peers_interval,
+                tls=tls,
+                peer_token=peer_token,
+                peer_server_name=args.peer_server_name,
             )
         )
     except OSError as e:
         print(f"controlplane picker: {e}", file=sys.stderr)
-        return 1
+        return 2
     return 0
