@@ -58,6 +58,7 @@ class EmulatorProvider:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.drains = drains
+        drains.on_drained.append(self._drained)
         self.autoscaler = autoscaler
         self.store = store
         self.on_change = on_change
@@ -137,6 +138,13 @@ class EmulatorProvider:
             await self._stop(address, "exited")
             changed = True
         if changed:
+            self.on_change()
+
+    async def _drained(self, address: str) -> None:
+        """A server of ours is drained: stop it now (the next round's plan would stop it too,
+        a round later), so a scale-down frees its GPU as soon as nothing runs on it."""
+        if address in self.servers and self.active():
+            await self._stop(address, "scale down: drained")
             self.on_change()
 
     def _start(self, fleet: Fleet, model: str) -> None:

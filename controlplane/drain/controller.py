@@ -12,6 +12,7 @@ an audit record, before it is applied.
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import structlog
@@ -29,6 +30,9 @@ class EndpointDrains:
     def __init__(self, rollouts: RolloutController) -> None:
         self.rollouts = rollouts
         rollouts.tick_hooks.append(self.tick)
+        # Called with an address as soon as its drain is stored as drained (an actuator stops
+        # the server then, not a round later).
+        self.on_drained: list[Callable[[str], Awaitable[None]]] = []
 
     @property
     def drains(self) -> dict[str, EndpointDrain]:
@@ -113,3 +117,5 @@ class EndpointDrains:
             )
             await self.rollouts.save_drain(self.rollouts.actor, audit, replace(d, state="drained"))
             log.info("endpoint drained and removed", address=address, why=why)
+            for hook in self.on_drained:
+                await hook(address)

@@ -65,3 +65,25 @@ async def test_a_drain_is_stored_audited_and_restored_after_a_restart(tmp_path: 
     assert again.drains[V1] == first and again.reconciler.overlay.draining == {V1}
     await EndpointDrains(again).forget(V1, "stopped", "autoscaler")
     assert again.drains == {} and (await again.history("m"))[-1].phase == "Removed"
+
+
+@run_async
+async def test_whoever_acts_on_a_drained_endpoint_hears_of_it_once_when_it_is_drained(tmp_path: Path) -> None:
+    clock, signals = Clock(), SignalStore()
+    c = await controller(tmp_path, clock, signals)
+    d = EndpointDrains(c)
+    heard: list[tuple[str, str]] = []
+
+    async def drained(address: str) -> None:
+        heard.append((address, d.drains[address].state))  # stored as drained before the call
+
+    d.on_drained.append(drained)
+    await d.drain(V1, 60, "scale down", "autoscaler")
+    signals.record_lrs(("m", V1), "envoy", in_progress=1, issued=0, succeeded=0, failed=0, now=10**9)
+    clock.t += 5
+    await c.tick()
+    assert heard == []  # a request still in flight
+    signals.forget_node("envoy")
+    await c.tick()
+    await c.tick()
+    assert heard == [(V1, "drained")]
