@@ -10,9 +10,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from controlplane.cli import argtypes
+from controlplane.cli.commands.side_listen import SideService, add_listen_flags, check_listen
 
 if TYPE_CHECKING:
     from controlplane.net.tls import ServerTls
+
+
+PICKER = SideService(
+    default_listen="127.0.0.1:18090",
+    callers="Envoy reaches this picker over gRPC, and its peers read it",
+    tls_field="picker.tls",
+    mutual_callers="each proxy, each peer",
+    mutual_extra=", and this picker presents --tls-cert to its --peers, verifying theirs with it",
+    harm="steer picks",
+    harm_help="ask for picks and so steer requests",
+    trusted="proxies and pickers",
+    docs="docs/picker.md#trust",
+)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,35 +46,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="HOST:PORT",
         help="the control plane's xDS address (its serve --xds-listen)",
     )
-    pk.add_argument(
-        "--listen",
-        default="127.0.0.1:18090",
-        metavar="HOST:PORT",
-        help="where Envoy reaches this picker over gRPC, and its peers read it (default: "
-        "%(default)s, loopback only). Beyond loopback it needs --tls-client-ca, or "
-        "--allow-unauthenticated-clients",
-    )
-    pk.add_argument(
-        "--tls-cert",
-        type=Path,
-        metavar="FILE",
-        help="serve --listen over TLS with this certificate (PEM), with --tls-key; the fleet's "
-        "picker.tls tells proxies to verify it (docs/picker.md#trust)",
-    )
-    pk.add_argument("--tls-key", type=Path, metavar="FILE", help="the private key of --tls-cert (PEM)")
-    pk.add_argument(
-        "--tls-client-ca",
-        type=Path,
-        metavar="FILE",
-        help="mutual TLS: every caller (each proxy, each peer) must present a certificate this CA "
-        "signed, and this picker presents --tls-cert to its --peers, verifying theirs with it",
-    )
-    pk.add_argument(
-        "--allow-unauthenticated-clients",
-        action="store_true",
-        help="listen beyond loopback without --tls-client-ca: anyone who reaches --listen can then "
-        "ask for picks and so steer requests; only for a network that only proxies and pickers reach",
-    )
+    add_listen_flags(pk, PICKER)
     pk.add_argument(
         "--metrics-listen",
         metavar="HOST:PORT",
@@ -153,33 +139,8 @@ def check(args: argparse.Namespace) -> tuple[ServerTls | None, str | None, str |
     """Every flag checked before anything starts: the TLS files, where it may listen without
     client certificates, what --peers needs, the tokens. Returns (tls, token for --admin, peer
     token); ValueError with the one line to print."""
-    from controlplane.net.tls import SIDE_FLAGS, ServerTls, TlsConfigInvalid, is_loopback, server_credentials
-    from controlplane.obs.http import split_host_port
-
-    for flag, value in (("--listen", args.listen), ("--metrics-listen", args.metrics_listen)):
-        if value is not None:
-            try:
-                split_host_port(value)
-            except ValueError as e:
-                raise ValueError(f"{flag}: {e}") from None
-    tls = None
-    if args.tls_cert or args.tls_key or args.tls_client_ca:
-        if not (args.tls_cert and args.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together (--tls-client-ca needs both)")
-        tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca)
-        try:
-            server_credentials(tls, SIDE_FLAGS)
-        except TlsConfigInvalid as e:
-            raise ValueError(str(e)) from None
+    tls = check_listen(args, PICKER)
     mutual = tls is not None and tls.client_ca is not None
-    host = args.listen.rpartition(":")[0].strip("[]")
-    if not mutual and not is_loopback(host) and not args.allow_unauthenticated_clients:
-        raise ValueError(
-            f"--listen {args.listen} is reachable from other machines, and without --tls-client-ca "
-            "anyone who reaches it can steer picks: give --tls-cert, --tls-key and --tls-client-ca "
-            "(mutual TLS), or --allow-unauthenticated-clients if only proxies and pickers reach "
-            "that network (docs/picker.md#trust)"
-        )
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     if peers and not mutual and args.peer_token_file is None:
         raise ValueError(

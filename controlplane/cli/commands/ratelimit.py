@@ -9,8 +9,23 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from controlplane.cli.commands.side_listen import SideService, add_listen_flags, check_listen
+
 if TYPE_CHECKING:
     from controlplane.net.tls import ServerTls
+
+
+RATELIMIT = SideService(
+    default_listen="127.0.0.1:18081",
+    callers="proxies reach it over gRPC, and cpctl quota status asks it",
+    tls_field="quotas.service.tls",
+    mutual_callers="each proxy, cpctl quota status",
+    mutual_extra="",
+    harm="charge or refill any tenant's quota",
+    harm_help="charge or refill any tenant's quota and grow the service's memory up to its bounds",
+    trusted="proxies",
+    docs="docs/quotas.md#trust",
+)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -27,36 +42,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "docs/quotas.md.",
     )
     rl.add_argument("--config", type=Path, required=True, metavar="FILE", help="the fleet file (its quotas:)")
-    rl.add_argument(
-        "--listen",
-        default="127.0.0.1:18081",
-        metavar="HOST:PORT",
-        help="where proxies reach it over gRPC, and cpctl quota status asks it (default: "
-        "%(default)s, loopback only). Beyond loopback it needs --tls-client-ca, or "
-        "--allow-unauthenticated-clients",
-    )
-    rl.add_argument(
-        "--tls-cert",
-        type=Path,
-        metavar="FILE",
-        help="serve --listen over TLS with this certificate (PEM), with --tls-key; the fleet's "
-        "quotas.service.tls tells proxies to verify it (docs/quotas.md#trust)",
-    )
-    rl.add_argument("--tls-key", type=Path, metavar="FILE", help="the private key of --tls-cert (PEM)")
-    rl.add_argument(
-        "--tls-client-ca",
-        type=Path,
-        metavar="FILE",
-        help="mutual TLS: every caller (each proxy, cpctl quota status) must present a "
-        "certificate this CA signed",
-    )
-    rl.add_argument(
-        "--allow-unauthenticated-clients",
-        action="store_true",
-        help="listen beyond loopback without --tls-client-ca: anyone who reaches --listen can then "
-        "charge or refill any tenant's quota and grow the service's memory up to its bounds; only "
-        "for a network that only proxies reach",
-    )
+    add_listen_flags(rl, RATELIMIT)
     rl.add_argument(
         "--metrics-listen", metavar="HOST:PORT", help="serve Prometheus metrics here (default: none)"
     )
@@ -85,35 +71,10 @@ def check(args: argparse.Namespace) -> tuple[ServerTls | None, str | None]:
     it may listen without client certificates, the token. Returns (tls, token); ValueError
     with the one line to print."""
     from controlplane.admin.auth import TokenFileError, read_token
-    from controlplane.net.tls import SIDE_FLAGS, ServerTls, TlsConfigInvalid, is_loopback, server_credentials
-    from controlplane.obs.http import split_host_port
 
-    for flag, value in (("--listen", args.listen), ("--metrics-listen", args.metrics_listen)):
-        if value is not None:
-            try:
-                split_host_port(value)
-            except ValueError as e:
-                raise ValueError(f"{flag}: {e}") from None
+    tls = check_listen(args, RATELIMIT)
     if args.store != "memory" and not args.store.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"--store: expected memory or redis://HOST:PORT[/DB], got {args.store!r}")
-    tls = None
-    if args.tls_cert or args.tls_key or args.tls_client_ca:
-        if not (args.tls_cert and args.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together (--tls-client-ca needs both)")
-        tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca)
-        try:
-            server_credentials(tls, SIDE_FLAGS)
-        except TlsConfigInvalid as e:
-            raise ValueError(str(e)) from None
-    mutual = tls is not None and tls.client_ca is not None
-    host = args.listen.rpartition(":")[0].strip("[]")
-    if not mutual and not is_loopback(host) and not args.allow_unauthenticated_clients:
-        raise ValueError(
-            f"--listen {args.listen} is reachable from other machines, and without --tls-client-ca "
-            "anyone who reaches it can charge or refill any tenant's quota: give --tls-cert, "
-            "--tls-key and --tls-client-ca (mutual TLS), or --allow-unauthenticated-clients if only "
-            "proxies reach that network (docs/quotas.md#trust)"
-        )
     token = None
     if args.token_file is not None:
         try:
