@@ -33,7 +33,7 @@ import aiohttp
 from controlplane.sim.prefix_cache import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import open_loop, percentile
+from loadgen import open_loop, output_tokens, percentile
 
 
 def words(rng: random.Random, n: int, tag: str) -> str:
@@ -120,9 +120,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     by_server: dict[str, int] = {}
 
     async def one(
-        session: aiohttp.ClientSession, sid: str, messages: list[dict[str, str]], measure: bool
+        session: aiohttp.ClientSession, sid: str, messages: list[dict[str, str]], tokens: int, measure: bool
     ) -> None:
-        body = {"model": args.model, "messages": messages, "max_tokens": rng.randint(8, 40), "stream": True}
+        body = {"model": args.model, "messages": messages, "max_tokens": tokens, "stream": True}
         start = time.monotonic()
         first = None
         try:
@@ -149,7 +149,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             sid, messages = wl.next_request()
             if oracle is not None:
                 oracle.pick(tokens_of(messages))
-            return one(session, sid, messages, measure)
+            # Drawn here, in arrival order (open_loop calls launch at each arrival), so every
+            # run with the same seed sends the same requests at the same times.
+            tokens = (
+                output_tokens(rng, args.tokens_median, args.tokens_sigma, 1, args.tokens_max)
+                if args.tokens_median
+                else rng.randint(8, 40)
+            )
+            return one(session, sid, messages, tokens, measure)
 
         await open_loop(rng, args.rate, args.warmup, args.duration, launch)
     ok = statuses.get("200", 0)
@@ -162,7 +169,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "throughput": ok / args.duration,
         "ttft_p50": percentile(ttfts, 0.5),
         "ttft_p90": percentile(ttfts, 0.9),
+        "ttft_p99": percentile(ttfts, 0.99),
+        "latency_p50": percentile(latencies, 0.5),
         "latency_p90": percentile(latencies, 0.9),
+        "latency_p99": percentile(latencies, 0.99),
         "by_server": by_server,
         "max_over_mean": max(counts) / (sum(counts) / len(counts)) if counts else float("nan"),
         "oracle_hit_ratio": oracle.hit_ratio if oracle is not None else None,
@@ -188,6 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--oracle-kv-tokens", type=int, default=200_000, help="each oracle server's cache, in tokens"
     )
+    p.add_argument(
+        "--tokens-median",
+        type=float,
+        default=0.0,
+        help="output tokens from loadgen.py's lognormal with this median (default: 8-40 uniform)",
+    )
+    p.add_argument("--tokens-sigma", type=float, default=0.9)
+    p.add_argument("--tokens-max", type=int, default=400)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args(argv)

@@ -160,8 +160,14 @@ def wait_proxies_served(metrics: int, proxies: int, procs: list[subprocess.Popen
 
 
 def fleet_yaml(
-    policy: str, listener: int, classes: list[tuple[str, float, int, int]], pickers: Sequence[str] = ()
+    policy: str,
+    listener: int,
+    classes: list[tuple[str, float, int, int]],
+    pickers: Sequence[str] = (),
+    affinity: str = "",
 ) -> str:
+    """The fleet file: one model on every server, `policy` its tier's balancing; `affinity`
+    (YAML flow, e.g. `{prefix: {}}`) the model's affinity, if any."""
     lines = [
         f"listener: {{port: {listener}}}",
         *([f"picker: {{endpoints: {json.dumps(list(pickers))}}}"] if pickers else []),
@@ -171,7 +177,9 @@ def fleet_yaml(
     ]
     for gpu, speed, _, _ in classes:
         lines.append(f"  {gpu}: {{capacity: {speed}}}")
-    lines += ["models:", "  bench-8b:", "    params_b: 8", "    stable: v1", "    versions:", "      v1:"]
+    lines += ["models:", "  bench-8b:", "    params_b: 8", "    stable: v1"]
+    lines += [f"    affinity: {affinity}"] if affinity else []
+    lines += ["    versions:", "      v1:"]
     lines.append("        endpoints:")
     for gpu, _, base, count in classes:
         for port in range(base, base + count):
@@ -284,6 +292,8 @@ def start_servers(stack: Stack, args: argparse.Namespace) -> list[tuple[str, flo
             "--prefill-ms-per-token",
             str(args.prefill_ms),
         ]
+        if getattr(args, "kv_tokens", None):  # the prefix cache's size (bench/peers)
+            emulate += ["--kv-capacity-tokens", str(args.kv_tokens)]
         stack.spawn(f"emulate-{gpu}", emulate)
     for _, _, base, count in classes:
         for port in range(base, base + count):
@@ -295,6 +305,8 @@ def start_pickers(stack: Stack, workdir: Path, ports: Sequence[int], xds: int, a
     """`controlplane picker` processes on `ports`, reading the servers' loads from the operator
     API: their metrics ports, once each has the control plane's assignments."""
     metrics = []
+    peer_token = workdir / "picker-peer-token"  # the pickers' shared --peer-token-file
+    peer_token.write_text("bench-picker-peers\n")
     for i, port in enumerate(ports):
         metrics.append(free_port())
         stack.spawn(
@@ -305,6 +317,7 @@ def start_pickers(stack: Stack, workdir: Path, ports: Sequence[int], xds: int, a
                 "--admin", f"127.0.0.1:{admin}", "--token-file", str(workdir / "state" / "admin-token"),
                 "--node-id", f"picker-{i}",
                 "--peers", ",".join(f"127.0.0.1:{p}" for p in ports if p != port),
+                "--peer-token-file", str(peer_token),
             ],
         )  # fmt: skip
     for port in metrics:

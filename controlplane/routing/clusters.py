@@ -352,6 +352,23 @@ def _lb_policy(name: str, msg: Message) -> cluster_pb2.LoadBalancingPolicy.Polic
     )
 
 
+def hashed_weights(weights: Mapping[str, int]) -> dict[str, int]:
+    """A hashed cluster's EDS weights: each capacity weight squared, over the largest (which
+    keeps its value), at least 1; 0 (held out) stays 0.
+
+    Envoy's consistent hashing uses a weight twice: a server's share of the hash table is its
+    weight's share of the keys, and its bound (requests in flight before its keys spill) is its
+    weight's share of the cluster's. With weights in proportion to capacity, a server 0.35x as
+    fast is the home of 0.35x as many prefixes and sessions: every server runs at the same
+    utilisation, and a key homed on the slow server waits 1/0.35 = 2.9x as long for each of
+    its requests (a cache hit there saves the prefill; the decode stays slow). Chosen in
+    expected time (a request costs 1/capacity), a key belongs on a fast server while one is not
+    backed up: squared, a slow server homes 0.35^2 = 0.12x the keys of a fast one and is
+    bounded at that share of the requests in flight, so it spills sooner."""
+    top = max((w for w in weights.values() if w > 0), default=0)
+    return {a: (max(1, round(w * w / top)) if w > 0 else w) for a, w in weights.items()}
+
+
 def ring_hashed(model: Model) -> bool:
     """Whether the model's clusters hash with a ring (gRPC's ring_hash weighs an endpoint by
     its locality's weight times its own, so its locality weighs 1)."""
@@ -366,6 +383,7 @@ def build_assignment(
     draining: frozenset[str] = frozenset(),
     *,
     ring_hash: bool = False,
+    hashed: bool = False,
 ) -> endpoint_pb2.ClusterLoadAssignment:
     """The version's endpoints with their weights, by EDS priority, one locality each.
 
@@ -379,7 +397,10 @@ def build_assignment(
     Each endpoint is its own locality (its region and zone, sub_zone its address), weighted
     with the endpoint's weight: Envoy reads the endpoint weight (it ignores locality weights
     unless told otherwise), and gRPC's xds_wrr_locality, which ignores endpoint weights, reads
-    the locality's. gRPC's load reports, per locality, so name the endpoint too."""
+    the locality's. gRPC's load reports, per locality, so name the endpoint too. A `hashed`
+    cluster (a model with affinity) sends its weights squared (hashed_weights)."""
+    if hashed:
+        weights = hashed_weights(weights)
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cname)
     by_rank: dict[int, list[Endpoint]] = {}
     for ep in version.endpoints:

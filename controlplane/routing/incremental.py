@@ -60,7 +60,7 @@ from controlplane.routing.translate import (
 )
 
 _ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None, bool]
-_PlacementKey = tuple[tuple[str, ...], tuple[str, ...], float | None, tuple[GpuClass, ...], bool]
+_PlacementKey = tuple[tuple[str, ...], tuple[str, ...], float | None, tuple[GpuClass, ...], bool, bool]
 _ModelRouteKey = tuple[
     str,
     str,
@@ -268,6 +268,7 @@ class IncrementalTranslator:
             fleet.memory_need_of(model),
             fleet.gpu_classes,
             ring_hashed(model),
+            model.affinity is not None,  # hashed: weights squared
         )
         mine = (
             frozenset(ep.address for ep in version.endpoints if ep.address in draining)
@@ -291,6 +292,7 @@ class IncrementalTranslator:
             functools.partial(fleet.endpoint_priority, model),
             mine,
             ring_hash=pkey[4],
+            hashed=pkey[5],
         )
         self._assignments[cname] = (version.endpoints, pkey, dict(weights), mine, msg)
         return msg

@@ -155,6 +155,7 @@ def translate(
                 functools.partial(fleet.endpoint_priority, model),
                 overlay.draining,
                 ring_hash=ring_hashed(model),
+                hashed=model.affinity is not None,
             )
     if overlay.hold_address is not None:
         clusters[names.HOLD_CLUSTER] = build_hold_cluster(overlay.hold_address)
@@ -486,10 +487,12 @@ def _direct(
     )
 
 
-# Retried: failures before the server saw the request, and 507 (the server is out of memory,
-# another may not be). Never once a response has started: Envoy retries only before it has
-# sent response headers downstream, and 5xx other than 507 are not retried.
-RETRY_ON = "connect-failure,refused-stream,reset-before-request,retriable-status-codes"
+# Retried: a request whose server never answered (the connection failed, the stream was
+# refused, or the connection was reset before the response began: a server that died with
+# the request, whose work is lost anyway), and 507 (the server is out of memory, another may
+# not be). Never once a response has started: Envoy retries only before it has sent response
+# headers downstream, and 5xx other than 507 and timeouts are not retried.
+RETRY_ON = "connect-failure,refused-stream,reset,retriable-status-codes"
 RETRIABLE_STATUS_CODES = (507,)
 
 

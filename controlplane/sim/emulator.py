@@ -63,6 +63,8 @@ T = TypeVar("T")
 SERVER_HEADER = "x-emulator-server"
 log = structlog.get_logger("controlplane.emulate")
 _GRACE_S = 0.5  # how long a graceful stop lets in-flight requests finish
+_COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_PROBE_PATHS_KEPT = 64  # distinct other paths counted per server; the rest count as "other"
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,9 @@ class EmulatedServer:
         self.responses_by_status: Counter[int] = Counter()
         self.aborted_total = 0  # requests whose client went away (or the server crashed) mid-way
         self.crashes = 0
+        # Every other request (health and load probes, /metrics, paths it does not have), by
+        # "METHOD /path": a router's probes are not requests served.
+        self.probes_by_path: Counter[str] = Counter()
         self._rng = random.Random(config.seed)
         self._life: _Life | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -205,6 +210,7 @@ class EmulatedServer:
             "responses_by_status": {str(k): v for k, v in sorted(self.responses_by_status.items())},
             "aborted_total": self.aborted_total,
             "crashes": self.crashes,
+            "probes_by_path": dict(sorted(self.probes_by_path.items())),
             "running": engine.num_running if engine else 0,
             "waiting": engine.num_waiting if engine else 0,
             "phantoms": engine.backlog if engine else 0,
@@ -394,6 +400,7 @@ class EmulatedServer:
         app.router.add_get("/health", self._health)
         if self.metrics_port is None:
             app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/get_load", self._get_load)
         app.router.add_get("/emulator/faults", self._get_faults)
         app.router.add_post("/emulator/faults", self._post_faults)
         app.router.add_get("/emulator/stats", self._get_stats)
@@ -401,6 +408,11 @@ class EmulatedServer:
 
     async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers[SERVER_HEADER] = self.address
+        if request.path not in _COMPLETION_PATHS or request.method != "POST":
+            key = f"{request.method} {request.path}"
+            if key not in self.probes_by_path and len(self.probes_by_path) >= _PROBE_PATHS_KEPT:
+                key = "other"
+            self.probes_by_path[key] += 1
 
     @web.middleware
     async def _http_errors(
@@ -546,6 +558,21 @@ class EmulatedServer:
         engine = life.engine
         page = life.metrics.render(engine.num_running, engine.num_waiting, engine.kv_use)
         return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _get_load(self, request: web.Request) -> web.Response:
+        """SGLang's load endpoint, which sglang-router's power_of_two polls: one entry per
+        data-parallel rank (here one) with the requests running and waiting and the tokens
+        they hold: KV tokens of the running ones plus the prompts of the waiting ones."""
+        life = self._life
+        assert life is not None
+        engine = life.engine
+        load = {
+            "dp_rank": 0,
+            "num_reqs": engine.num_running + engine.num_waiting,
+            "num_waiting_reqs": engine.num_waiting,
+            "num_tokens": round(engine.held_tokens) + engine.waiting_tokens,
+        }
+        return web.json_response([load])
 
     async def _get_faults(self, request: web.Request) -> web.Response:
         return web.json_response(self.faults.to_json())

@@ -96,11 +96,20 @@ class LiveBatchingServer:
         return len(self._phantoms)
 
     @property
+    def held_tokens(self) -> float:
+        """Tokens held in the KV cache by running sequences (prompt + tokens generated so far)."""
+        now = self.now()
+        return sum(q.held_tokens(now) for q in self.running)
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Prompt tokens of the requests waiting for a slot."""
+        return sum(seq.prompt_tokens for seq, fut in self._waiting if not fut.done())
+
+    @property
     def kv_use(self) -> float:
         """Tokens held by running sequences over KV capacity (0-1)."""
-        now = self.now()
-        held = sum(q.held_tokens(now) for q in self.running)
-        return min(1.0, held / self.spec.kv_capacity_tokens)
+        return min(1.0, self.held_tokens / self.spec.kv_capacity_tokens)
 
     @contextlib.asynccontextmanager
     async def admit(

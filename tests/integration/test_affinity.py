@@ -5,7 +5,9 @@ extra hop: json_to_metadata -> set_filter_state as envoy.hashable_string -> hash
 `pfx` on the prompt's leading part (the first message: Envoy's Lua filter takes it from the
 body, prefix_key.lua). A session (a system prompt, for `pfx`) sticks to one server while
 that server is under its bound; a burst of one session's requests above the bound spreads
-to other servers; the emulated servers' prefix caches show the hits.
+to other servers; the emulated servers' prefix caches show the hits. `mixed` hashes prefixes
+over a fast server and one 0.35x as fast: its weights are the capacities squared, so the slow
+one is the home of about a ninth of the keys, not a quarter.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import ControlPlane, Emulator, Envoy, free_port, http_get
+from tests.integration.harness import ControlPlane, Emulator, Envoy, free_port, http_get, wait_until
 
 FLAGS = {"slots": 8, "decode_ms_per_token": 10, "prefill_ms_per_token": 0.1}
 
@@ -46,6 +48,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         r.servers = {
             m: [Emulator(f"{m}{i}", tmp, m, **FLAGS) for i in range(3)] for m in ("chat", "code", "pfx")
         }
+        r.servers["mixed"] = [Emulator(f"mixed{i}", tmp, "mixed", **FLAGS) for i in range(2)]
+        fast, slow = (s.address for s in r.servers["mixed"])
 
         def eps(m: str) -> str:
             return ", ".join(f"'{s.address}'" for s in r.servers[m])
@@ -53,7 +57,11 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         (tmp / "fleet.yaml").write_text(
             f"listener: {{port: {r.listener}}}\n"
             "tiers: {small: {max_params_b: 15}}\n"
+            "gpu_classes: {fast: {capacity: 1.0}, slow: {capacity: 0.35}}\n"
             "models:\n"
+            "  mixed: {params_b: 8, stable: v1, affinity: {prefix: {messages: 1}},\n"
+            f"         versions: {{v1: {{endpoints: [{{address: '{fast}', gpu: fast}}, "
+            f"{{address: '{slow}', gpu: slow}}]}}}}}}\n"
             "  chat: {params_b: 8, stable: v1, affinity: {header: x-session-id},\n"
             f"         versions: {{v1: {{endpoints: [{eps('chat')}]}}}}}}\n"
             "  code: {params_b: 8, stable: v1,\n"
@@ -82,7 +90,7 @@ def send(port: int, model: str, session: str, tokens: int = 2, turn: str = "hi")
     path = "/v1/completions"
     if model == "chat":
         headers["x-session-id"] = session
-    elif model == "pfx":
+    elif model in ("pfx", "mixed"):
         path = "/v1/chat/completions"
         del body["prompt"]
         body["messages"] = [
@@ -180,3 +188,25 @@ def test_requests_without_a_key_spread_instead_of_all_hashing_alike(rig: Rig) ->
         finally:
             conn.close()
     assert len(served) == 3 and max(served.values()) <= 20, served
+
+
+def test_unlike_gpus_home_prefixes_in_expected_time(rig: Rig) -> None:
+    """Capacities 1.0 and 0.35: Envoy gets weights 100 and 12 (the capacities squared), so
+    the slow server is the home of about 12/112 of the system prompts (0.35/1.35 before).
+    One request at a time: no bound is reached, each goes to its prefix's home."""
+    fast, slow = (s.address for s in rig.servers["mixed"])
+    assert rig.envoy is not None
+
+    def weights() -> dict[str, int]:
+        doc = json.loads(http_get(f"http://127.0.0.1:{rig.envoy.admin_port}/clusters?format=json")[1])
+        hosts = [
+            h for c in doc["cluster_statuses"] if c["name"].startswith("mixed") for h in c["host_statuses"]
+        ]
+        sockets = [(h["address"]["socket_address"], h.get("weight", 0)) for h in hosts]
+        return {f"{a['address']}:{a['port_value']}": w for a, w in sockets}
+
+    wait_until(lambda: weights() == {fast: 100, slow: 12}, 20, "Envoy to get weights 100 and 12")
+    served = Counter(send(rig.listener, "mixed", f"mixed-prompt-{k}") for k in range(120))
+    assert sum(served.values()) == 120
+    print(f"homes of 120 system prompts: {served[fast]} fast, {served[slow]} slow")
+    assert 2 <= served[slow] <= 24, served  # expected 12.9; with capacity weights it was 31

@@ -246,6 +246,48 @@ def test_models_health_and_unknown_paths() -> None:
     run(body)
 
 
+def test_sglang_load_endpoint_and_probes_are_not_requests() -> None:
+    async def body() -> None:
+        # 2 slots, 3 requests of 10 prompt words and 100 tokens x 10 ms: 2 running, 1 waiting.
+        config = replace(FAST, slots=2, decode_s_per_token=0.01)
+        async with await start_emulators([config]) as em, aiohttp.ClientSession() as s:
+            async with s.get(em[0].url + "/get_load") as r:
+                assert r.status == 200
+                assert await r.json() == [
+                    {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+                ]
+            words = " ".join(["w"] * 10)
+            requests = [
+                asyncio.create_task(complete(s, em[0], prompt=words, max_tokens=100)) for _ in range(3)
+            ]
+            while em[0].requests_total < 3:
+                await asyncio.sleep(0.01)
+            async with s.get(em[0].url + "/get_load") as r:
+                (load,) = await r.json()
+            assert (load["num_reqs"], load["num_waiting_reqs"]) == (3, 1)
+            # Two running hold their prompts and the tokens made so far; the waiting one its prompt.
+            assert 2 * 10 + 10 <= load["num_tokens"] <= 2 * 110 + 10
+            # A router's probes, of paths the server has and of paths it has not, are no requests.
+            for path in ("/health", "/get_server_info", "/get_server_info", "/metrics"):
+                async with s.get(em[0].url + path) as r:
+                    await r.read()
+            async with s.get(em[0].url + "/v1/completions") as r:
+                assert r.status == 405
+            await asyncio.gather(*requests)
+            stats = em[0].stats()
+            assert stats["requests_total"] == 3 == em[0].requests_total
+            assert stats["responses_by_status"] == {"200": 3}
+            assert stats["probes_by_path"] == {
+                "GET /get_load": 2,
+                "GET /get_server_info": 2,
+                "GET /health": 1,
+                "GET /metrics": 1,
+                "GET /v1/completions": 1,
+            }
+
+    run(body)
+
+
 def test_cold_start_answers_503_until_warm() -> None:
     async def body() -> None:
         async with (

@@ -1,11 +1,11 @@
 """Failover through a real Envoy: preferred endpoints (GPU class or zone) at EDS priority 0,
 the rest at 1.
 
-When every preferred server dies, traffic moves to the fallback class; requests on the dead
-servers' connections may fail (they had been sent: the retry policy does not resend them; a
-refused request's retry can be one, on a connection still pooled to the other dead server),
-and nothing else does, since connection failures are retried and the previous-priorities retry
-plugin sends the last attempt to the fallback class. When the preferred servers come back,
+When every preferred server dies, traffic moves to the fallback class; a request on a dead
+server's connection is resent (`reset`: it had not begun to answer), to a host not tried yet,
+and the previous-priorities retry plugin sends the last attempt to the fallback class, so
+failures are rare (0 seen here); one can still fail when every attempt lands on a connection
+to a dead server, and nothing else does. When the preferred servers come back,
 traffic moves back.
 """
 
@@ -97,14 +97,15 @@ def test_traffic_fails_over_to_the_fallback_and_back(rig: EmulatedFleet, by: str
         )
         back = time.monotonic() - t1
         closed = closed_with_a_request_on(rig) - closed_before
-    # Only requests already sent to the two servers when they died may fail (the retry policy
-    # does not resend a request the server may have started on): the one each client had in
-    # flight, plus those written to pooled connections in the instant before Envoy saw them
-    # close. How many depends on how many connections Envoy's workers had pooled to the two
-    # servers, which grows with the machine's load (13 of 6 clients seen under three test
-    # workers): so the bound is Envoy's own count of connections the servers closed with a
-    # request on them, and every failure must say so (a connection refused, a request sent
-    # nowhere or a timeout would read otherwise). All at the crash: nothing after.
+    # Only requests already sent to the two servers when they died may fail, and only when
+    # every attempt (each resent on `reset`) landed on a connection to a dead server: at most
+    # the one each client had in flight, plus those written to pooled connections in the
+    # instant before Envoy saw them close. How many depends on how many connections Envoy's
+    # workers had pooled to the two servers, which grows with the machine's load (13 of 6
+    # clients seen under three test workers): so the bound is Envoy's own count of connections
+    # the servers closed with a request on them, and every failure must say so (a connection
+    # refused, a request sent nowhere or a timeout would read otherwise). All at the crash:
+    # nothing after.
     failed_at = [t - t0 for t, _, status in load.records if status != 200]
     print(f"{len(failed_at)} failed at the crash; Envoy saw {closed} connections closed under a request")
     assert len(failed_at) <= closed, (closed, load.failures)

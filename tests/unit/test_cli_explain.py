@@ -221,7 +221,7 @@ def test_envoy_side_is_read_from_the_generated_resources() -> None:
     assert e["route"] == {"timeout_s": 10.0, "idle_timeout_s": 10.0, "routing_priority": "default"}
     retry = e["retry"]
     assert retry["num_retries"] == 3
-    assert retry["retry_on"] == ["connect-failure", "refused-stream", "reset-before-request"]
+    assert retry["retry_on"] == ["connect-failure", "refused-stream", "reset"]
     assert retry["retriable_status_codes"] == [507]
     assert retry["other_host"] is True
     assert retry["next_priority_after_attempts"] == 2

@@ -15,6 +15,8 @@ from envoy.extensions.load_balancing_policies.maglev.v3 import maglev_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 
 from controlplane.fleet import parse_fleet
+from controlplane.routing.clusters import hashed_weights
+from controlplane.routing.incremental import IncrementalTranslator
 from controlplane.routing.translate import (
     CLUSTER,
     ENDPOINT,
@@ -78,12 +80,43 @@ def test_a_ring_hashed_models_localities_weigh_one() -> None:
     fleet = parse_fleet(
         BASIC.replace("stable: v1", "stable: v1\n    affinity: {header: x-session, algorithm: ring_hash}", 1)
     )
-    d = translate(fleet, {"llama-3-8b@v1": {"127.0.0.1:8101": 3, "127.0.0.1:8102": 7}})
-    assert [(w_loc, w) for _, _, w_loc, w, _ in _lb(d.by_type[ENDPOINT]["llama-3-8b@v1"])] == [(1, 3), (1, 7)]
+    d = translate(fleet, {"llama-3-8b@v1": {"127.0.0.1:8101": 70, "127.0.0.1:8102": 100}})
+    # Hashed: the weights squared over the largest (hashed_weights), 70 -> 49.
+    assert [(w_loc, w) for _, _, w_loc, w, _ in _lb(d.by_type[ENDPOINT]["llama-3-8b@v1"])] == [
+        (1, 49),
+        (1, 100),
+    ]
     # gRPC has no maglev and falls back to xds_wrr_locality: the locality weight is the weight.
     maglev = parse_fleet(BASIC.replace("stable: v1", "stable: v1\n    affinity: {header: x-session}", 1))
-    d = translate(maglev, {"llama-3-8b@v1": {"127.0.0.1:8101": 3, "127.0.0.1:8102": 7}})
-    assert [(w_loc, w) for _, _, w_loc, w, _ in _lb(d.by_type[ENDPOINT]["llama-3-8b@v1"])] == [(3, 3), (7, 7)]
+    d = translate(maglev, {"llama-3-8b@v1": {"127.0.0.1:8101": 70, "127.0.0.1:8102": 100}})
+    assert [(w_loc, w) for _, _, w_loc, w, _ in _lb(d.by_type[ENDPOINT]["llama-3-8b@v1"])] == [
+        (49, 49),
+        (100, 100),
+    ]
+
+
+def test_a_hashed_model_homes_keys_in_expected_time_not_in_requests() -> None:
+    """Consistent hashing gives a server its weight's share of the keys and of the bound: a
+    hashed model's weights are its capacities squared, so a GPU 0.35x as fast homes 0.12x the
+    prefixes (and sessions) of a fast one, not 0.35x, and spills its keys sooner."""
+    weights = {"127.0.0.1:8101": 35, "127.0.0.1:8102": 100}
+    plain = translate(parse_fleet(BASIC), {"llama-3-8b@v1": weights})
+    assert [w for *_, w, _ in _lb(plain.by_type[ENDPOINT]["llama-3-8b@v1"])] == [35, 100]
+    for affinity in ("{prefix: {}}", "{header: x-session-id}", "{body: user, algorithm: ring_hash}"):
+        fleet = parse_fleet(BASIC.replace("stable: v1", f"stable: v1\n    affinity: {affinity}", 1))
+        d = translate(fleet, {"llama-3-8b@v1": weights})
+        assert [w for *_, w, _ in _lb(d.by_type[ENDPOINT]["llama-3-8b@v1"])] == [12, 100], affinity
+        # The incremental translator sends the same bytes, and re-weighs when affinity comes or goes.
+        inc = IncrementalTranslator()
+        assert (
+            inc.translate(parse_fleet(BASIC), {"llama-3-8b@v1": weights}).by_type[ENDPOINT]
+            == plain.by_type[ENDPOINT]
+        )
+        assert inc.translate(fleet, {"llama-3-8b@v1": weights}).by_type[ENDPOINT] == d.by_type[ENDPOINT]
+    # Held out stays held out; the slowest ready one keeps weight 1; all held out: nothing to scale.
+    assert hashed_weights({"a": 0, "b": 1, "c": 1000}) == {"a": 0, "b": 1, "c": 1000}
+    assert hashed_weights({"a": 0, "b": 0}) == {"a": 0, "b": 0}
+    assert hashed_weights({"a": 500, "b": 1000}) == {"a": 250, "b": 1000}
 
 
 def test_an_address_new_to_a_weighed_cluster_is_held_out_until_weighed() -> None:
@@ -265,7 +298,7 @@ def test_tier_traffic_policy_reaches_routes_and_clusters() -> None:
     a = route.route
     assert (a.timeout.seconds, a.idle_timeout.seconds) == (60, 10)
     rp = a.retry_policy
-    assert rp.retry_on == "connect-failure,refused-stream,reset-before-request,retriable-status-codes"
+    assert rp.retry_on == "connect-failure,refused-stream,reset,retriable-status-codes"
     assert list(rp.retriable_status_codes) == [507] and rp.num_retries.value == 3
     assert [p.name for p in rp.retry_host_predicate] == ["envoy.retry_host_predicates.previous_hosts"]
     body = buffer_pb2.BufferPerRoute()
