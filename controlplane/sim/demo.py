@@ -347,7 +347,6 @@ def run_demo(
         config = work / "fleet.yaml"
         print(f"demo: fleet config {config}")
         fleet.start()
-        fleet_started = time.monotonic()
         addrs = fleet.addresses
         by_addr = {a: n for n, a in addrs.items()}
         listener, xds, metrics, envoy_admin, admin_port = (free_port() for _ in range(5))
@@ -499,7 +498,7 @@ def run_demo(
                 _, apply = edits.pop(0)
                 if text := apply():
                     state.event(text)
-            for text in fleet.tick(time.monotonic() - fleet_started):
+            for text in fleet.tick(elapsed):  # since the traffic started: llama-cold loads from then
                 state.event(text)
             refresh()
             if not live:

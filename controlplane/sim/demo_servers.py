@@ -8,7 +8,8 @@ on its own, and the real fleet does it for real instead:
 - an L4 is about 3x slower: an emulator is told so (speed 0.35); a real L4 server serves a
   model with 3x the layers of an A100 server's (6 instead of 2, hidden 256), so each token
   takes about 3x the compute on the same CPU;
-- llama-cold loads its model for a while: an emulator answers 503 model_loading; a real
+- llama-cold loads its model for a while from the moment the traffic starts (however long
+  the control plane and Envoy took to start): an emulator answers 503 model_loading; a real
   llama-server loads the tiny model in milliseconds, so its process starts only after that
   while, and until then its port is held closed (bound, not listening: connections are
   refused), as a loading vLLM's is.
@@ -20,12 +21,22 @@ import http.client
 import json
 import socket
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
-from controlplane.sim.emulator import SERVER_HEADER, EmulatorConfig, EmulatorsThread
+from controlplane.sim.emulator import SERVER_HEADER, EmulatedServer, EmulatorConfig, EmulatorsThread
 from controlplane.sim.llamacpp import LlamaServer, write_tiny_llama
 
 COLD = "llama-cold"  # the server that warms up
+
+
+LOADING_UNTIL_TRAFFIC_S = 3600.0  # llama-cold's cold start until tick() starts its real one
+
+
+async def _load_for(server: EmulatedServer, cold_s: float) -> None:
+    """Start `server` loading again, for `cold_s` from now."""
+    server.config = replace(server.config, cold_start_s=cold_s)
+    await server.restart()
 
 
 class EmulatedServers:
@@ -44,12 +55,15 @@ class EmulatedServers:
                 slots=4,
                 decode_s_per_token=0.004,
                 prefill_s_per_token=0.0001,
-                cold_start_s=cold_s if name == COLD else 0.0,
+                # llama-cold loads until the traffic starts, then for cold_s (tick): however long
+                # the control plane and Envoy take to start, it is still loading at the first look.
+                cold_start_s=LOADING_UNTIL_TRAFFIC_S if name == COLD else 0.0,
                 seed=i,
             )
             for i, (name, (model, gpu)) in enumerate(servers.items())
         ]
         self.cold_s = cold_s
+        self.loading_from_traffic = False
         self.thread: EmulatorsThread | None = None
         self.addresses: dict[str, str] = {}
         self.by_address: dict[str, str] = {}
@@ -70,7 +84,13 @@ class EmulatedServers:
         return self.by_address.get(response.getheader(SERVER_HEADER) or "", "?")
 
     def tick(self, since_start_s: float) -> list[str]:
-        return []  # the emulator warms up by itself
+        """At the traffic's start, llama-cold starts loading for cold_s (the emulator then warms
+        up by itself)."""
+        if not self.loading_from_traffic and self.thread is not None:
+            self.loading_from_traffic = True
+            cold = self.thread[self.names.index(COLD)]
+            self.thread.call(_load_for(cold, self.cold_s))
+        return []
 
     def report(self) -> list[str]:
         return []
