@@ -233,13 +233,18 @@ def test_each_model_gets_its_tiers_cluster_and_timeout(rig: Rig) -> None:
 
 def test_an_endpoint_answering_507_is_ejected_and_its_requests_retried(rig: Rig) -> None:
     good, bad = rig.servers["good"].address, rig.servers["bad"].address
+    before = rig.emulator_stats("bad")["responses_by_status"].get("507", 0)
     answers = [rig.request("mid-oom") for _ in range(40)]
     assert [a.status for a in answers] == [200] * 40, [a for a in answers if a.status != 200][:3]
     assert {a.server for a in answers} == {good}
 
     stats = rig.stats("cluster.mid-oom_v1.")
-    assert stats["cluster.mid-oom_v1.upstream_rq_retry"] >= 2, stats
-    assert stats["cluster.mid-oom_v1.upstream_rq_retry_success"] >= 2, stats
+    # Every 507 was retried. (previous_hosts re-picks at most 5 times, so now and then a retry
+    # lands on the bad server again and one request is retried twice: count 507s, not requests.)
+    answered_507 = rig.emulator_stats("bad")["responses_by_status"].get("507", 0) - before
+    assert answered_507 >= 2, answered_507
+    assert stats["cluster.mid-oom_v1.upstream_rq_retry"] == answered_507, stats
+    assert stats["cluster.mid-oom_v1.upstream_rq_retry_success"] >= 1, stats
     assert stats["cluster.mid-oom_v1.outlier_detection.ejections_enforced_total"] >= 1, stats
     assert stats["cluster.mid-oom_v1.outlier_detection.ejections_enforced_consecutive_5xx"] >= 1, stats
     assert rig.envoy is not None
