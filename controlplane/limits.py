@@ -101,3 +101,16 @@ PICKER_PEER_MAX_SERVERS = 10_000
 PICKER_PEER_MAX_BYTES = 1 << 20
 PICKER_PEER_SLOTS_FACTOR = 16
 PICKER_PEER_DEFAULT_SLOTS = 64
+
+# KV events (kvcache/): one message from a server's publisher (a ZMQ frame, msgpack) is at
+# most this long (vLLM's batches are a few KB: a step's blocks), names at most this many
+# events and blocks, and a block hash at most this many bytes (vLLM's are 64-bit integers or
+# 32-byte digests). A message past a bound is refused whole and counted.
+KV_EVENT_MAX_BYTES = 4 << 20
+KV_EVENTS_PER_BATCH_MAX = 65_536
+KV_BLOCKS_PER_EVENT_MAX = 65_536
+KV_BLOCK_SIZE_MAX = 4096  # tokens in one block (vLLM's are 16 to 256)
+KV_HASH_MAX_BYTES = 64
+# The prompt the gateway hands the picker (controlplane.prompt metadata): at most this much of
+# the body; what is past it is not matched (the blocks found are those of its first part).
+PICKER_PROMPT_MAX_BYTES = 1 << 20

@@ -389,7 +389,7 @@ def _picker(fleet: Fleet, cluster: Any, hcm: Any) -> dict[str, Any]:
         "fallback": fallback[0] if fallback else None,
         "fallbacks_counted_in": [
             "envoy_http_ext_proc_picker_failure_mode_allowed",
-            'controlplane_picker_picks_total{reason!~"least_loaded|prefix_hit"}',
+            'controlplane_picker_picks_total{reason!~"least_loaded|approximate"}',
         ],
     }
 

@@ -23,10 +23,38 @@ class Endpoint:
     capacity: float | None = None  # relative throughput; None: the GPU class's (or 1.0)
     zone: str | None = None  # where it runs (an edge site, a cloud zone); EDS locality
     region: str | None = None
+    kv_events: str | None = None  # its KV-event publisher: tcp://HOST:PORT or ipc://PATH
+    kv_replay: str | None = None  # its publisher's replay socket
 
     @property
     def address(self) -> str:
         return format_address(self.host, self.port)
+
+
+@dataclass(frozen=True)
+class KvEventPorts:
+    """A version's or model's `kv_events: {port, replay_port}`: each endpoint's publisher is on
+    its own host at `port` (for endpoints from discovery, whose addresses are not written)."""
+
+    port: int
+    replay_port: int | None = None
+
+
+def kv_publisher(
+    ep: Endpoint, version: Version | None = None, model: Model | None = None
+) -> tuple[str, str | None] | None:
+    """Where `ep` publishes its KV events, and its replay socket: its own `kv_events`, else
+    its host at its version's, else its model's, port; None: it does not publish."""
+    if ep.kv_events:
+        return ep.kv_events, ep.kv_replay
+    ports = (version.kv_events if version is not None else None) or (
+        model.kv_events if model is not None else None
+    )
+    if ports is None:
+        return None
+    host = f"[{ep.host}]" if ":" in ep.host else ep.host
+    replay = f"tcp://{host}:{ports.replay_port}" if ports.replay_port else None
+    return f"tcp://{host}:{ports.port}", replay
 
 
 HEALTH_KINDS = ("http", "grpc", "none")
@@ -93,6 +121,7 @@ class Version:
     health: HealthProbe | None = None
     metrics: MetricsProbe | None = None
     discover: Discover | None = None
+    kv_events: KvEventPorts | None = None
 
 
 @dataclass(frozen=True)
@@ -267,6 +296,8 @@ class Model:
     metrics: MetricsProbe | None = None  # None: the fleet's metrics_path on the serving port
     scaling: ScalingPolicy | None = None  # the tier's, with this model's overrides; None: the tier's
     slo: Slo | None = None  # the tier's, with this model's overrides; None: the tier's
+    kv_events: KvEventPorts | None = None  # its servers' KV-event publishers' ports
+    tokenizer: str | None = None  # a directory with its tokenizer.json (and tokenizer_config.json)
 
     def version(self, name: str) -> Version:
         for v in self.versions:

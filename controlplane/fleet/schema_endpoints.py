@@ -10,8 +10,17 @@ from typing import Any
 
 from controlplane import limits
 from controlplane.fleet.errors import _Errors
-from controlplane.fleet.model import DISCOVERY_KINDS, Discover, Endpoint
-from controlplane.fleet.values import _VERSION, _int, _kind, _mapping, _number, parse_address
+from controlplane.fleet.model import DISCOVERY_KINDS, Discover, Endpoint, KvEventPorts
+from controlplane.fleet.values import (
+    _VERSION,
+    _int,
+    _kind,
+    _mapping,
+    _number,
+    _port,
+    _zmq_endpoint,
+    parse_address,
+)
 
 
 def _endpoints(
@@ -28,7 +37,12 @@ def _endpoints(
         p = f"{epath}[{i}]"
         if isinstance(spec, str):
             spec = {"address": spec}
-        m = _mapping(spec, p, errs, {"address", "gpu", "gpu_memory_gb", "capacity", "zone", "region"})
+        m = _mapping(
+            spec,
+            p,
+            errs,
+            {"address", "gpu", "gpu_memory_gb", "capacity", "zone", "region", "kv_events", "kv_replay"},
+        )
         if m is None:
             continue
         try:
@@ -45,9 +59,36 @@ def _endpoints(
             continue
         seen[key] = p
         facts = _endpoint_facts(m, p, errs)
-        if facts is not None:
-            out.append(Endpoint(host=host, port=port, **facts))
+        kv = {k: _zmq_endpoint(m[k], f"{p}.{k}", errs) for k in ("kv_events", "kv_replay") if k in m}
+        if "kv_replay" in m and "kv_events" not in m:
+            errs.add(f"{p}.kv_replay", "a replay socket without kv_events: name the publisher too")
+            continue
+        if facts is not None and None not in kv.values():
+            out.append(
+                Endpoint(
+                    host=host,
+                    port=port,
+                    kv_events=kv.get("kv_events"),
+                    kv_replay=kv.get("kv_replay"),
+                    **facts,
+                )
+            )
     return out
+
+
+def _kv_ports(value: Any, path: str, errs: _Errors) -> KvEventPorts | None:
+    """A version's or model's `kv_events: {port: N, replay_port: M}` (docs/kv-events.md)."""
+    m = _mapping(value, path, errs, {"port", "replay_port"})
+    if m is None:
+        return None
+    if "port" not in m:
+        errs.add(f"{path}.port", "missing: the port each server publishes its KV events on")
+        return None
+    port = _port(m["port"], f"{path}.port", errs)
+    replay = _port(m["replay_port"], f"{path}.replay_port", errs) if "replay_port" in m else None
+    if port is None or ("replay_port" in m and replay is None):
+        return None
+    return KvEventPorts(port, replay)
 
 
 def _endpoint_facts(m: dict[str, Any], p: str, errs: _Errors) -> dict[str, Any] | None:

@@ -23,7 +23,7 @@ from controlplane.fleet.model import (
     Tier,
     Version,
 )
-from controlplane.fleet.schema_endpoints import _discover, _endpoints
+from controlplane.fleet.schema_endpoints import _discover, _endpoints, _kv_ports
 from controlplane.fleet.schema_policies import TRAFFIC_KEYS, _scaling, _slo, _traffic
 from controlplane.fleet.values import _VERSION, _int, _kind, _mapping, _number, _port, _url_path
 
@@ -48,6 +48,8 @@ _MODEL_KEYS = {
     "zones",
     "health",
     "metrics",
+    "kv_events",
+    "tokenizer",
     "autoscaling",
     "slo",
     *TRAFFIC_KEYS,
@@ -147,6 +149,13 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
     )
     tier_slo = next((t.slo for t in tiers or [] if t.name == tier), Slo())
     slo = _slo(m["slo"], f"{path}.slo", tier_slo, errs) if "slo" in m else None
+    kv_events = _kv_ports(m["kv_events"], f"{path}.kv_events", errs) if "kv_events" in m else None
+    tokenizer = m.get("tokenizer")
+    if tokenizer is not None and (not isinstance(tokenizer, str) or not tokenizer or len(tokenizer) > 4096):
+        errs.add(
+            f"{path}.tokenizer",
+            f"expected the path of a directory with tokenizer.json, got {_kind(tokenizer)}",
+        )
     if len(errs.items) != before or tier is None or versions is None:
         return None
     return Model(
@@ -167,6 +176,8 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         metrics=metrics,
         scaling=scaling,
         slo=slo,
+        kv_events=kv_events,
+        tokenizer=tokenizer,
     )
 
 
@@ -225,7 +236,7 @@ def _versions(path: str, value: Any, errs: _Errors) -> list[Version] | None:
         if not isinstance(vname, str) or not _VERSION.match(vname):
             errs.add(p, "version names use letters, digits, '.', '_' and '-' (at most 63)")
             continue
-        vm = _mapping(vspec, p, errs, {"endpoints", "health", "metrics", "discover"})
+        vm = _mapping(vspec, p, errs, {"endpoints", "health", "metrics", "discover", "kv_events"})
         if vm is None:
             continue
         discover = None
@@ -238,10 +249,16 @@ def _versions(path: str, value: Any, errs: _Errors) -> list[Version] | None:
                 continue
         endpoints = _endpoints(p, vm.get("endpoints"), seen, errs)
         health, metrics = _probes(vm, p, errs)
-        if endpoints is not None:
+        kv = _kv_ports(vm["kv_events"], f"{p}.kv_events", errs) if "kv_events" in vm else None
+        if endpoints is not None and ("kv_events" not in vm or kv is not None):
             out.append(
                 Version(
-                    name=vname, endpoints=tuple(endpoints), health=health, metrics=metrics, discover=discover
+                    name=vname,
+                    endpoints=tuple(endpoints),
+                    health=health,
+                    metrics=metrics,
+                    discover=discover,
+                    kv_events=kv,
                 )
             )
     return out

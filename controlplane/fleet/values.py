@@ -208,3 +208,19 @@ def _side_tls(value: Any, path: str, errs: _Errors) -> SideTls | None:
     if len(errs.items) != before:
         return None
     return SideTls(got["ca"], got.get("cert"), got.get("key"), got.get("server_name"))
+
+
+_ZMQ_TCP = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
+
+
+def _zmq_endpoint(value: Any, path: str, errs: _Errors) -> str | None:
+    """A ZMQ endpoint a server publishes on: tcp://HOST:PORT or ipc://PATH."""
+    if isinstance(value, str) and value.startswith("ipc://") and 6 < len(value) <= 1024:
+        return str(value)
+    m = _ZMQ_TCP.match(value) if isinstance(value, str) else None
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        errs.add(
+            path, f"expected a ZMQ endpoint such as tcp://10.0.0.7:5557 or ipc:///run/vllm-kv, got {value!r}"
+        )
+        return None
+    return str(value)

@@ -61,6 +61,8 @@ from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 
 from controlplane import limits
+from controlplane.kvcache.index import KvIndex
+from controlplane.kvcache.wire import Batch
 
 # Health statuses a server may be picked in: what Envoy's override_host takes by default.
 ELIGIBLE = frozenset({health_check_pb2.UNKNOWN, health_check_pb2.HEALTHY})
@@ -71,6 +73,14 @@ PREFIX_LOAD_BOUND = 1.5  # a prefix goes back to its server while its time is at
 PREFIX_ENTRIES = 65536  # prefix keys remembered (least recently used dropped first)
 EVENTS_KEEP = 4096  # starts and ends remembered per server (to know its in-flight count at a reading)
 PEER_MAX_AGE_S = 1.0  # another picker's counts read longer ago than this say nothing
+# A server sent a prompt with blocks it did not hold publishes their storing within its
+# prefill; one that has said nothing this long after such a pick is stale (scored by the
+# approximate index until it publishes again).
+KV_STALE_S = 10.0
+# The part of a request's service a fully cached prompt saves (its prefill): a server's time
+# is lowered by this times the cached part of the prompt, over its speed.
+KV_PREFILL_SHARE = 0.5
+APPROXIMATE_BLOCK = 8  # a prompt's approximate key: the key of its 8th block (or its last)
 
 
 def prefix_digest(cluster: str, prefix: str) -> bytes:
@@ -151,10 +161,28 @@ class Candidate:
 
 class Pick(NamedTuple):
     """The servers named for a request, best first (empty: none, Envoy routes by the
-    weights), and why the first: least_loaded, prefix_hit."""
+    weights), and why the first: least_loaded, kv_hit (its KV events show the prompt's first
+    blocks cached there), approximate (the approximate index sent the prefix there last);
+    and how many of the prompt's blocks the first holds (from its events)."""
 
     servers: tuple[str, ...]
     reason: str
+    kv_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class KvAsk:
+    """A request's prompt as the precise index matches it: its blocks' keys per block size
+    (kvcache/blocks.py), and its length in tokens."""
+
+    keys: Mapping[int, list[int]]
+    tokens: int
+
+    def approximate_key(self) -> str:
+        """A key for the approximate index, from the prompt's first blocks (the smallest block
+        size's APPROXIMATE_BLOCK-th key, or its last)."""
+        keys = self.keys[min(self.keys)] if self.keys else []
+        return f"kv:{keys[min(len(keys), APPROXIMATE_BLOCK) - 1]:016x}" if keys else ""
 
 
 NO_PICK = Pick((), "")
@@ -206,6 +234,9 @@ class PickerState:
     slots: dict[str, float] = field(default_factory=dict)
     peers: dict[str, tuple[float, dict[str, int]]] = field(default_factory=dict)  # peer -> (read at, counts)
     prefixes: OrderedDict[bytes, str] = field(default_factory=OrderedDict)  # prefix_digest -> server
+    kv: KvIndex = field(default_factory=KvIndex)  # the servers' KV events (kvcache/index.py)
+    kv_pending: dict[str, float] = field(default_factory=dict)  # server -> a pick not yet published
+    kv_stale_picks: int = 0  # picks that scored a server by the approximate index: its events stale
     _events: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     _last_pick: dict[str, int] = field(default_factory=dict)
     _picks: int = 0
@@ -219,9 +250,10 @@ class PickerState:
         self.clusters = {cla.cluster_name: candidates(cla) for cla in assignments}
         self._known = {c.address for servers in self.clusters.values() for c in servers}
         known = self._known
-        for kept in (self._events, self._last_pick, self.slots):
+        for kept in (self._events, self._last_pick, self.slots, self.kv_pending):
             for address in [a for a in kept if a not in known and a not in self.inflight]:
                 del kept[address]
+        self.kv.keep_only(known)
 
     def known(self) -> set[str]:
         """Every server of every cluster in the last assignments."""
@@ -323,14 +355,42 @@ class PickerState:
             load = max(load, slots)
         return wait_and_service(load, slots, c.scale)
 
+    def kv_event(self, server: str, batch: Batch, now: float) -> str:
+        """A batch from `server`'s KV events (kvcache/index.py's KvIndex.apply): what became
+        of it. Any batch shows the server publishing: it is not stale."""
+        self.kv_pending.pop(server, None)
+        return self.kv.apply(server, batch, now).value
+
+    def kv_fresh(self, server: str, now: float) -> bool:
+        """The server's KV events can be trusted for a pick: it publishes (a stream with a block
+        size), and has not gone KV_STALE_S quiet after a pick that should have made it publish."""
+        if self.kv.block_size(server) is None:
+            return False
+        since = self.kv_pending.get(server)
+        return since is None or now - since <= KV_STALE_S
+
     def pick(
-        self, cluster: str, now: float = 0.0, prefix: str = "", subset: frozenset[str] | None = None
+        self,
+        cluster: str,
+        now: float = 0.0,
+        prefix: str = "",
+        subset: frozenset[str] | None = None,
+        kv: KvAsk | None = None,
     ) -> Pick:
         """The servers to send a request of `cluster` to, best first (the first and up to
         FALLBACKS more), counted in flight at `now` on the first; NO_PICK when the picker
         knows no eligible server there (Envoy then routes by the weights). `prefix`: the
         request's prefix key, if it has one; `subset`: the only servers it may go to (the
-        Endpoint Picker Protocol's subset hint), if it names them."""
+        Endpoint Picker Protocol's subset hint), if it names them; `kv`: its prompt's blocks,
+        if the gateway sent the prompt and the model has a tokenizer.
+
+        With `kv`, each server within the load bound (its time at most prefix_bound times the
+        mean) has its time lowered by KV_PREFILL_SHARE times the part of the prompt it holds,
+        over its speed: from its KV events where they are fresh (kv_fresh), else by the
+        approximate index (all of it, if the prompt's approximate key went there last). A free
+        slot still comes first: a long hit on a busy slow server loses to an idle fast one."""
+        if kv is not None and not prefix:
+            prefix = kv.approximate_key()
         servers = [
             Candidate(c.address, c.weight, c.eligible, self._capacity(c), c.priority)
             for c in self.clusters.get(cluster, ())
@@ -350,23 +410,49 @@ class PickerState:
         slots = {c.address: self.slots.get(c.address, peers) for c in servers}
         costs = {c.address: self.cost(c, loads[c.address], slots[c.address]) for c in servers}
 
+        bound = self.prefix_bound * sum(costs.values()) / len(costs)
+        key = prefix_digest(cluster, prefix) if prefix and self.prefix_entries > 0 else None
+        approximate = self.prefixes.get(key) if key is not None else None
+        blocks: dict[str, int] = {}
+        if kv is not None and kv.tokens > 0:
+            fresh = [c.address for c in servers if self.kv_fresh(c.address, now)]
+            blocks = self.kv.matched(fresh, kv.keys)
+            adjusted = dict(costs)
+            for c in servers:
+                if costs[c.address] > bound:
+                    continue
+                if c.address in blocks:
+                    size = self.kv.block_size(c.address) or 0
+                    part = min(1.0, blocks[c.address] * size / kv.tokens)
+                else:
+                    part = 1.0 if c.address == approximate else 0.0
+                    if part and self.kv.block_size(c.address) is not None:
+                        self.kv_stale_picks += 1
+                adjusted[c.address] = costs[c.address] - KV_PREFILL_SHARE * part / c.scale
+        else:
+            adjusted = costs
+
         def order(c: Candidate) -> tuple[bool, float, float, int]:
             # A server known to have a slot free before any other: a wait's length is a guess
             # (the requests ahead may be long), a free slot is not.
             free = bool(known) and costs[c.address] * c.scale <= 1.0  # slots unknown: plain LR
             busy = loads[c.address] / slots[c.address]
-            return (not free, costs[c.address], busy, self._last_pick.get(c.address, 0))
+            return (not free, adjusted[c.address], busy, self._last_pick.get(c.address, 0))
 
         servers.sort(key=order)
         ranked = [s.address for s in servers]
         reason = "least_loaded"
-        if prefix and self.prefix_entries > 0:
-            key = prefix_digest(cluster, prefix)
-            held = self.prefixes.get(key)
-            if held in costs and costs[held] <= self.prefix_bound * sum(costs.values()) / len(costs):
-                ranked.remove(held)
-                ranked.insert(0, held)
-                reason = "prefix_hit"
+        if kv is not None:
+            top = ranked[0]
+            if blocks.get(top):
+                reason = "kv_hit"
+            elif top == approximate and top not in blocks and adjusted[top] < costs[top]:
+                reason = "approximate"
+        elif approximate in costs and costs[approximate] <= bound:
+            ranked.remove(approximate)
+            ranked.insert(0, approximate)
+            reason = "approximate"
+        if key is not None:
             self.prefixes[key] = ranked[0]
             self.prefixes.move_to_end(key)
             while len(self.prefixes) > self.prefix_entries:
@@ -375,7 +461,12 @@ class PickerState:
         self.started(chosen, now)
         self._picks += 1
         self._last_pick[chosen] = self._picks
-        return Pick(tuple(ranked[: 1 + FALLBACKS]), reason)
+        held = blocks.get(chosen, 0)
+        if kv is not None and chosen in blocks:
+            size = self.kv.block_size(chosen) or 0
+            if size and held < len(kv.keys.get(size, ())):
+                self.kv_pending.setdefault(chosen, now)  # it will store blocks: it should publish
+        return Pick(tuple(ranked[: 1 + FALLBACKS]), reason, held)
 
     def _capacity(self, c: Candidate) -> float | None:
         known = self.loads.get(c.address)

@@ -94,7 +94,7 @@ class PickerMetrics:
         r = self.registry
         self.picks = Counter(
             "controlplane_picker_picks",
-            "Requests the picker answered, by reason: least_loaded or prefix_hit (a server "
+            "Requests the picker answered, by reason: least_loaded or approximate (a server "
             "named), else why it named none and Envoy routes by the weights (no_cluster, "
             "unknown_cluster, no_eligible_server, not_ready, input_refused)",
             ["reason"],

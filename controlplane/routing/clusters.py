@@ -32,10 +32,12 @@ from controlplane.fleet.model import (
     Affinity,
     CircuitBreaker,
     Endpoint,
+    KvEventPorts,
     Model,
     SideTls,
     TrafficPolicy,
     Version,
+    kv_publisher,
 )
 from controlplane.resources import names
 from controlplane.routing import pb
@@ -125,6 +127,9 @@ def build_cluster(
     if model.cluster_overrides:
         override = json_format.ParseDict(dict(model.cluster_overrides), cluster_pb2.Cluster())
         c.MergeFrom(override)
+    if picked and model.tokenizer:
+        # The picker's precise prefix index tokenizes the prompt as the servers do.
+        c.metadata.filter_metadata[names.KV_METADATA_NS].update({"tokenizer": model.tokenizer})
     return c
 
 
@@ -384,6 +389,7 @@ def build_assignment(
     *,
     ring_hash: bool = False,
     hashed: bool = False,
+    kv_events: KvEventPorts | None = None,
 ) -> endpoint_pb2.ClusterLoadAssignment:
     """The version's endpoints with their weights, by EDS priority, one locality each.
 
@@ -398,7 +404,10 @@ def build_assignment(
     with the endpoint's weight: Envoy reads the endpoint weight (it ignores locality weights
     unless told otherwise), and gRPC's xds_wrr_locality, which ignores endpoint weights, reads
     the locality's. gRPC's load reports, per locality, so name the endpoint too. A `hashed`
-    cluster (a model with affinity) sends its weights squared (hashed_weights)."""
+    cluster (a model with affinity) sends its weights squared (hashed_weights). An endpoint
+    that publishes KV events (its own `kv_events`, else its version's or `kv_events`'s port on
+    its host) says where, for the picker, in its metadata (names.KV_METADATA_NS: `events`,
+    `replay`)."""
     if hashed:
         weights = hashed_weights(weights)
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cname)
@@ -432,7 +441,16 @@ def build_assignment(
             elif w <= 0:
                 lb.health_status = health_check_pb2.UNHEALTHY
             lb.load_balancing_weight.value = max(1, w)
+            publisher = kv_publisher(ep, version) or (_kv_at(ep, kv_events) if kv_events else None)
+            if publisher is not None:
+                kv = {"events": publisher[0]} | ({"replay": publisher[1]} if publisher[1] else {})
+                lb.metadata.filter_metadata[names.KV_METADATA_NS].update(kv)
     return cla
+
+
+def _kv_at(ep: Endpoint, ports: KvEventPorts) -> tuple[str, str | None]:
+    host = f"[{ep.host}]" if ":" in ep.host else ep.host
+    return f"tcp://{host}:{ports.port}", (f"tcp://{host}:{ports.replay_port}" if ports.replay_port else None)
 
 
 def empty_assignment(cname: str) -> endpoint_pb2.ClusterLoadAssignment:

@@ -59,8 +59,10 @@ from controlplane.routing.translate import (
     picks,
 )
 
-_ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None, bool]
-_PlacementKey = tuple[tuple[str, ...], tuple[str, ...], float | None, tuple[GpuClass, ...], bool, bool]
+_ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None, bool, str | None]
+_PlacementKey = tuple[
+    tuple[str, ...], tuple[str, ...], float | None, tuple[GpuClass, ...], bool, bool, tuple[object, object]
+]
 _ModelRouteKey = tuple[
     str,
     str,
@@ -70,6 +72,7 @@ _ModelRouteKey = tuple[
     tuple[tuple[str, int], ...],
     tuple[str, int] | None,
     bool,
+    str | None,
 ]
 _RouteKey = tuple[
     ListenerSpec,
@@ -95,7 +98,7 @@ class _ModelResources:
 
 def _cluster_key(fleet: Fleet, model: Model) -> _ClusterKey:
     overrides = json.dumps(model.cluster_overrides, sort_keys=True) if model.cluster_overrides else ""
-    return model.protocol, overrides, fleet.traffic_of(model), model.affinity, fleet.picked(model)
+    return model.protocol, overrides, fleet.traffic_of(model), model.affinity, fleet.picked(model), model.tokenizer
 
 
 class IncrementalTranslator:
@@ -191,6 +194,7 @@ class IncrementalTranslator:
                     overlay.splits.get(m.name, ()),
                     overlay.shadow.get(m.name),
                     holds(m, overlay),
+                    m.tokenizer,  # a picked model with one sends the picker its prompt
                 )
                 for m in fleet.models
             ),
@@ -269,6 +273,7 @@ class IncrementalTranslator:
             fleet.gpu_classes,
             ring_hashed(model),
             model.affinity is not None,  # hashed: weights squared
+            (model.kv_events, version.kv_events),  # where the servers publish KV events
         )
         mine = (
             frozenset(ep.address for ep in version.endpoints if ep.address in draining)
@@ -293,6 +298,7 @@ class IncrementalTranslator:
             mine,
             ring_hash=pkey[4],
             hashed=pkey[5],
+            kv_events=model.kv_events,
         )
         self._assignments[cname] = (version.endpoints, pkey, dict(weights), mine, msg)
         return msg

@@ -13,6 +13,11 @@
 -- The settings come from the route's metadata, read after the body (by then the route is
 -- the one chosen by the body's model): a model without prefix affinity costs a handle to
 -- the already buffered body and one metadata lookup.
+--
+-- A picked model with a tokenizer (route metadata prompt_max_bytes) also gets its whole body,
+-- up to that many bytes, as controlplane.prompt: the picker matches the prompt's blocks
+-- against the servers' KV events. The picker still gets request headers only (the metadata
+-- rides with them), so a picker that is down costs nothing but its timeout.
 
 local function messages_key(s, first, want, last)
   -- s: the body; first: the index just after "messages":[ ; last: the last index to read.
@@ -63,13 +68,14 @@ local function messages_key(s, first, want, last)
 end
 
 function envoy_on_request(handle)
-  local body = handle:body()
-  if body == nil then
-    return
-  end
   local settings = handle:metadata()
   local want = settings:get("prefix_messages")
-  if want == nil then
+  local prompt_max = settings:get("prompt_max_bytes")
+  if want == nil and prompt_max == nil then
+    return
+  end
+  local body = handle:body()
+  if body == nil then
     return
   end
   local n = body:length()
@@ -77,6 +83,14 @@ function envoy_on_request(handle)
     return
   end
   local s = body:getBytes(0, n)
+  if prompt_max ~= nil and n <= prompt_max then
+    -- The whole body, for the picker's precise prefix index (a model with a tokenizer): the
+    -- picker reads the prompt from it and tokenizes it as the server will.
+    handle:streamInfo():dynamicMetadata():set("controlplane", "prompt", s)
+  end
+  if want == nil then
+    return
+  end
   local key = nil
   local _, m = string.find(s, '"messages"%s*:%s*%[')
   if m ~= nil then

@@ -34,6 +34,7 @@ from envoy.type.matcher.v3 import metadata_pb2, regex_pb2, string_pb2, value_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
+from controlplane import limits
 from controlplane.fleet.model import Fleet, Model, PriorityClass, TrafficPolicy
 from controlplane.resources import names
 from controlplane.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
@@ -156,6 +157,7 @@ def translate(
                 overlay.draining,
                 ring_hash=ring_hashed(model),
                 hashed=model.affinity is not None,
+                kv_events=model.kv_events,
             )
     if overlay.hold_address is not None:
         clusters[names.HOLD_CLUSTER] = build_hold_cluster(overlay.hold_address)
@@ -324,6 +326,16 @@ def _prefix_affinity(fleet: Fleet) -> bool:
     return any(m.affinity is not None and m.affinity.prefix is not None for m in fleet.models)
 
 
+def _sends_prompt(fleet: Fleet, model: Model) -> bool:
+    """The picker gets this model's request body (controlplane.prompt metadata): it is picked,
+    and has a tokenizer for the precise prefix index."""
+    return bool(model.tokenizer) and fleet.picked(model)
+
+
+def _lua_needed(fleet: Fleet) -> bool:
+    return _prefix_affinity(fleet) or any(_sends_prompt(fleet, m) for m in fleet.models)
+
+
 def _prefix_key_filter() -> hcm_pb2.HttpFilter:
     """Envoy's Lua filter with prefix_key.lua: the key of a prefix-affinity model's request
     (its route's metadata says how to take it), into dynamic metadata. It runs once the
@@ -429,7 +441,7 @@ def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
                 body_fields := _affinity_body_fields(fleet),
                 tokens=_counts_tokens(fleet),
             ),
-            *([_prefix_key_filter()] if _prefix_affinity(fleet) else []),
+            *([_prefix_key_filter()] if _lua_needed(fleet) else []),
             *(
                 [_affinity_filter_state(state_fields)]
                 if (state_fields := body_fields + ([PREFIX_FIELD] if _prefix_affinity(fleet) else []))
@@ -637,6 +649,9 @@ def _model_route(
     route.typed_per_filter_config[BUFFER_FILTER].CopyFrom(pb.pack(body_limit))
     if fleet.picked(model) and route.route.cluster != names.HOLD_CLUSTER:
         route.typed_per_filter_config[EXT_PROC_FILTER].CopyFrom(_picker_on())
+    if _sends_prompt(fleet, model) and route.route.cluster != names.HOLD_CLUSTER:
+        prompt = {"prompt_max_bytes": limits.PICKER_PROMPT_MAX_BYTES}
+        route.metadata.filter_metadata[LUA_FILTER].update(prompt)
     prefix = model.affinity.prefix if model.affinity is not None else None
     if prefix is not None:
         route.metadata.filter_metadata[LUA_FILTER].update(

@@ -153,7 +153,7 @@ class VllmMetrics(Collector):
         self._queue = _Histogram(LATENCY_BUCKETS)
         self._success = dict.fromkeys(FINISH_REASONS, 0)
         self._prefix_queries = 0.0  # prompt tokens looked up in the prefix cache
-        self._prefix_hits = 0.0  # of those, found cached
+        self._approximates = 0.0  # of those, found cached
         self._prompt = 0
         self._generation = 0
         # The full page's.
@@ -203,7 +203,7 @@ class VllmMetrics(Collector):
     def observe_prefix(self, queries: int, hits: int) -> None:
         """A prompt looked up in the prefix cache: its tokens, and how many were cached."""
         self._prefix_queries += queries
-        self._prefix_hits += hits
+        self._approximates += hits
 
     def observe_failed(self) -> None:
         """A request answered with an error. vLLM counts only successes: nothing to do."""
@@ -334,7 +334,7 @@ class VllmMetrics(Collector):
         yield _counter(
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
-            [(e, self._prefix_hits)],
+            [(e, self._approximates)],
             at,
         )
         # A few of vLLM 0.32's many labels (the real page's has 38).

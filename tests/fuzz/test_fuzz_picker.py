@@ -329,7 +329,7 @@ def test_fuzz_the_pickers_ports(tmp_path: Path, peer: LyingPeer) -> None:
             r: metric(port, f'controlplane_picker_picks_total{{reason="{r}"}}')
             for r in (
                 "least_loaded",
-                "prefix_hit",
+                "approximate",
                 "unknown_cluster",
                 "no_cluster",
                 "no_eligible_server",

@@ -123,7 +123,7 @@ EXPECT = {
         "curl -s localhost:10000/v1/completions -H 'content-type: application/json' -d '{\"model\": "
         '"llama-3-8b", "prompt": "hello"}\' && curl -s localhost:18091/metrics '
         "localhost:18093/metrics | grep '^controlplane_picker_picks_total'",
-    ): (r'controlplane_picker_picks_total\{reason="(least_loaded|prefix_hit)"\} [1-9]',),
+    ): (r'controlplane_picker_picks_total\{reason="(least_loaded|approximate)"\} [1-9]',),
 }
 SERVER = re.compile(r"^\S*controlplane (emulate|serve)\b")  # in the foreground: kept running
 

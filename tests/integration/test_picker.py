@@ -419,7 +419,7 @@ def test_a_prefix_goes_back_to_the_server_that_has_it(rig: Rig) -> None:
     assert all(len(servers) == 1 for servers in went.values()), went
     assert len(set().union(*went.values())) == 3, went
     assert rig.picker.metric('controlplane_picker_picks_total{reason="least_loaded"}') == 8
-    assert rig.picker.metric('controlplane_picker_picks_total{reason="prefix_hit"}') == 24
+    assert rig.picker.metric('controlplane_picker_picks_total{reason="approximate"}') == 24
     print(f"\n8 prefixes x 4 requests, each prefix on one server: {sorted(went.items())}")
 
 

@@ -99,7 +99,7 @@ def test_equal_servers_take_turns() -> None:
 def test_a_pick_names_fallbacks_for_retries_and_counts_in_flight() -> None:
     state = PickerState()
     state.assign([_cla("m@v1", [(f"127.0.0.1:{p}", 1, health_check_pb2.UNKNOWN) for p in range(1, 6)])])
-    picked, reason = state.pick("m@v1")
+    picked, reason, _ = state.pick("m@v1")
     assert reason == "least_loaded"
     assert len(picked) == 1 + FALLBACKS and len(set(picked)) == len(picked)
     assert state.inflight == {picked[0]: 1}
@@ -257,16 +257,16 @@ def test_a_full_kv_cache_counts_the_server_full() -> None:
 def test_a_prefix_goes_back_to_its_server_within_the_load_bound() -> None:
     state = PickerState()
     state.assign([_cla("m@v1", [(f"127.0.0.1:{p}", 1, health_check_pb2.UNKNOWN) for p in (1, 2, 3)])])
-    first, reason = state.pick("m@v1", prefix="sys-A")
+    first, reason, _ = state.pick("m@v1", prefix="sys-A")
     assert reason == "least_loaded"
     again = state.pick("m@v1", prefix="sys-A")
-    assert again.reason == "prefix_hit" and again.servers[0] == first[0]
+    assert again.reason == "approximate" and again.servers[0] == first[0]
     other = state.pick("m@v1", prefix="sys-B")
     assert other.reason == "least_loaded" and other.servers[0] != first[0]  # a miss goes to the least loaded
     # The prefix's server fills up: past PREFIX_LOAD_BOUND x the mean time it spills over.
     held = first[0]
     while (p := state.pick("m@v1", prefix="sys-A")).servers[0] == held:
-        assert p.reason == "prefix_hit"
+        assert p.reason == "approximate"
     load = {a: state.load(a, 0.0) for a in ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")}
     before = {**load, held: load[held] - 0}  # the spilled request is on its new server now
     before[p.servers[0]] -= 1
@@ -275,7 +275,7 @@ def test_a_prefix_goes_back_to_its_server_within_the_load_bound() -> None:
     assert before[held] + 1 <= PREFIX_LOAD_BOUND * mean + PREFIX_LOAD_BOUND  # and not long after
     assert p.reason == "least_loaded"
     assert state.prefixes[prefix_digest("m@v1", "sys-A")] == p.servers[0]  # the key follows to its new server
-    assert state.pick("m@v1", prefix="sys-A").reason == "prefix_hit"
+    assert state.pick("m@v1", prefix="sys-A").reason == "approximate"
 
 
 def test_the_prefix_index_is_bounded_least_recently_used_first() -> None:

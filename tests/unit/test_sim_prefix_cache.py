@@ -15,7 +15,7 @@ from controlplane.sim.service import ServerSpec
 SYSTEM = [f"s{i}" for i in range(4 * BLOCK_TOKENS)]  # a 64-token system prompt
 
 
-def test_a_shared_prefix_hits_in_whole_blocks() -> None:
+def test_a_shared_approximates_in_whole_blocks() -> None:
     c = PrefixCache(1000)
     assert c.admit([*SYSTEM, "hello", "there"]) == 0
     assert c.admit([*SYSTEM, "another", "question"]) == 4 * BLOCK_TOKENS

@@ -1,0 +1,178 @@
+"""The precise prefix index (pure): which server holds which blocks, from the servers' own
+KV events, bounded in memory, shared by every model the picker serves.
+
+Per server it keeps one stream: the last sequence number applied, the block size the server
+reported, and its blocks (the server's hash -> the block's key, blocks.py). Batches are
+applied in sequence order:
+
+- **The next batch** is applied: stored blocks are keyed by chaining from their parent (a
+  stored event whose parent the index does not hold cannot be keyed and is skipped, counted
+  as an orphan: a miss, never a false hit), removed blocks are dropped, AllBlocksCleared
+  drops the server's every block.
+- **A batch past a gap** is not applied: `apply` answers GAP, and the caller asks the
+  server's replay socket for the missing batches. Where the replay cannot fill the gap, the
+  caller calls `forget`: the server's blocks are dropped rather than trusted (a removal may
+  be among the lost batches), and its stream starts again from the next batch.
+- **A batch at or before the last one applied** is a new stream (the server restarted, its
+  sequence numbers start at 0 again): the server's blocks are dropped, then it is applied.
+- **A block size other than the stream's** is refused (the event, not the stream).
+
+Every change touches only the server whose stream it came in on: a bad publisher spoils its
+own entries and no other server's (the keys are computed here from token ids, not taken
+from the servers' hashes).
+
+**The bound**: at most `max_blocks` blocks over all servers. Past it, the server holding the
+most loses its oldest (first stored) blocks. Each block costs two dictionary entries and
+their integers: about BYTES_PER_BLOCK bytes (measured in tests/unit/test_kv_index.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from controlplane.kvcache.blocks import block_key, root
+from controlplane.kvcache.wire import Batch, Cleared, Removed, Stored
+
+MAX_BLOCKS = 1 << 20  # about 230 MB at the measured cost: a fleet's worth of GPU caches
+BYTES_PER_BLOCK = 230  # measured: tests/unit/test_kv_index.py::test_the_bytes_per_block_are_as_documented
+
+
+class Applied(StrEnum):
+    APPLIED = "applied"
+    GAP = "gap"  # not applied: batches are missing before it (replay, else forget)
+    RESTART = "restart"  # a new stream: the server's blocks dropped, then applied
+
+
+@dataclass
+class Stream:
+    """One server's publisher as the index follows it."""
+
+    seq: int | None = None  # the last batch applied (None: none yet)
+    block_size: int | None = None
+    blocks: dict[Hashable, int] = field(default_factory=dict)  # the server's hash -> key, oldest first
+    keys: dict[int, Hashable] = field(default_factory=dict)  # key -> the server's hash
+    last_event_at: float | None = None
+    orphans: int = 0  # stored events skipped: their parent was not held
+    refused: int = 0  # events refused: a block size other than the stream's
+
+
+@dataclass
+class KvIndex:
+    max_blocks: int = MAX_BLOCKS
+    streams: dict[str, Stream] = field(default_factory=dict)
+    size: int = 0  # blocks held over every server
+    evicted: int = 0  # blocks dropped for the bound
+
+    def stream(self, server: str) -> Stream:
+        return self.streams.setdefault(server, Stream())
+
+    def apply(self, server: str, batch: Batch, now: float) -> Applied:
+        """A batch from `server`'s publisher, in the order it came (see the module's text)."""
+        st = self.stream(server)
+        outcome = Applied.APPLIED
+        if st.seq is not None and batch.seq > st.seq + 1:
+            return Applied.GAP
+        if st.seq is not None and batch.seq <= st.seq:
+            self.forget(server)
+            st = self.stream(server)
+            outcome = Applied.RESTART
+        st.seq = batch.seq
+        st.last_event_at = now
+        for event in batch.events:
+            if isinstance(event, Stored):
+                self._store(st, event)
+            elif isinstance(event, Removed):
+                for h in event.hashes:
+                    self._drop(st, h)
+            elif isinstance(event, Cleared):
+                self._clear(st)
+        self._bound()
+        return outcome
+
+    def forget(self, server: str) -> None:
+        """Drop `server`'s blocks and stream (a gap that cannot be filled, a server gone, a
+        publisher reconnected): its next batch starts a new stream."""
+        st = self.streams.pop(server, None)
+        if st is not None:
+            self.size -= len(st.blocks)
+
+    def keep_only(self, servers: Iterable[str]) -> None:
+        """Forget every server not in `servers` (those the fleet no longer has)."""
+        wanted = set(servers)
+        for server in [s for s in self.streams if s not in wanted]:
+            self.forget(server)
+
+    def _clear(self, st: Stream) -> None:
+        self.size -= len(st.blocks)
+        st.blocks.clear()
+        st.keys.clear()
+
+    def _store(self, st: Stream, ev: Stored) -> None:
+        if st.block_size is None:
+            st.block_size = ev.block_size
+        elif ev.block_size != st.block_size:
+            st.refused += 1
+            return
+        if ev.parent is None:
+            parent = root(ev.lora)
+        else:
+            held = st.blocks.get(ev.parent)
+            if held is None:
+                st.orphans += 1
+                return
+            parent = held
+        size = ev.block_size
+        for i, h in enumerate(ev.hashes):
+            extra = ev.extra[i] if ev.extra is not None else None
+            key = block_key(parent, ev.token_ids[i * size : (i + 1) * size], extra)
+            self._drop(st, h)  # a hash stored again (or reused for other tokens): the new one counts
+            other = st.keys.get(key)
+            if other is not None:  # the same tokens under another hash: one entry
+                self._drop(st, other)
+            st.blocks[h] = key
+            st.keys[key] = h
+            self.size += 1
+            parent = key
+
+    def _drop(self, st: Stream, h: Hashable) -> None:
+        key = st.blocks.pop(h, None)
+        if key is not None:
+            st.keys.pop(key, None)
+            self.size -= 1
+
+    def _bound(self) -> None:
+        while self.size > self.max_blocks:
+            st = max(self.streams.values(), key=lambda s: len(s.blocks))
+            drop = min(len(st.blocks), self.size - self.max_blocks, 4096)
+            for _ in range(drop):
+                self._drop(st, next(iter(st.blocks)))
+            self.evicted += drop
+
+    def block_size(self, server: str) -> int | None:
+        st = self.streams.get(server)
+        return st.block_size if st is not None else None
+
+    def held(self, server: str, keys: list[int]) -> int:
+        """How many of `keys` (a prompt's blocks, first to last) `server` holds from the first
+        on: its longest cached prefix, in blocks."""
+        st = self.streams.get(server)
+        if st is None:
+            return 0
+        n = 0
+        for key in keys:
+            if key not in st.keys:
+                break
+            n += 1
+        return n
+
+    def matched(self, servers: Iterable[str], keys_by_size: Mapping[int, list[int]]) -> dict[str, int]:
+        """Each of `servers`' longest cached prefix in blocks, for a prompt keyed per block
+        size (a server is matched on the keys of its own block size; none: 0)."""
+        out = {}
+        for server in servers:
+            st = self.streams.get(server)
+            keys = keys_by_size.get(st.block_size or 0) if st is not None else None
+            out[server] = self.held(server, keys) if keys else 0
+        return out
