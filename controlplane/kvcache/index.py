@@ -35,8 +35,8 @@ from enum import StrEnum
 from controlplane.kvcache.blocks import block_key, root
 from controlplane.kvcache.wire import Batch, Cleared, Removed, Stored
 
-MAX_BLOCKS = 1 << 20  # about 230 MB at the measured cost: a fleet's worth of GPU caches
-BYTES_PER_BLOCK = 230  # measured: tests/unit/test_kv_index.py::test_the_bytes_per_block_are_as_documented
+MAX_BLOCKS = 1 << 20  # about 140 MB at the measured cost: a fleet's worth of GPU caches
+BYTES_PER_BLOCK = 140  # measured: tests/unit/test_kv_index.py::test_the_bytes_per_block_are_as_documented
 
 
 class Applied(StrEnum):

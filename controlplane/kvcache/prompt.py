@@ -22,6 +22,11 @@ from pathlib import Path
 from typing import Any
 
 TOKENIZERS_KEPT = 16  # directories whose tokenizer stays loaded (the least recently used goes)
+# The picker tokenizes at most this much of a rendered prompt (about 16k tokens: a few ms on
+# a real model's tokenizer; the prompt's blocks past it are not matched), and drops the last
+# CUT_TOKENS of a cut one (a word cut in two tokenizes otherwise than whole).
+TOKENIZE_MAX_CHARS = 64 << 10
+CUT_TOKENS = 16
 
 
 class PromptError(ValueError):
@@ -31,7 +36,7 @@ class PromptError(ValueError):
 class Tokenizer:
     """One model's tokenizer and chat template."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, max_chars: int | None = TOKENIZE_MAX_CHARS) -> None:
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         from tokenizers import Tokenizer as HfTokenizer
@@ -40,6 +45,7 @@ class Tokenizer:
         if not path.is_file():
             raise PromptError(f"{path}: no such file (a tokenizer: directory holds tokenizer.json)")
         self.tokenizer = HfTokenizer.from_file(str(path))
+        self.max_chars = max_chars if max_chars is not None else 1 << 62
         config: dict[str, Any] = {}
         config_path = directory / "tokenizer_config.json"
         if config_path.is_file():
@@ -63,10 +69,17 @@ class Tokenizer:
         if self.template is None:
             return None
         text = self.template.render(messages=messages, add_generation_prompt=True, **self.special)
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return self._ids(text, special=False)
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        return list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+        return self._ids(prompt, special=True)
+
+    def _ids(self, text: str, *, special: bool) -> list[int]:
+        cut = len(text) > self.max_chars
+        ids = list(
+            self.tokenizer.encode(text[: self.max_chars] if cut else text, add_special_tokens=special).ids
+        )
+        return ids[:-CUT_TOKENS] if cut else ids
 
 
 def _token_text(x: Any) -> str:
@@ -82,14 +95,15 @@ def _raise(message: str) -> None:
 class Tokenizers:
     """Tokenizers by directory, loaded on first use, the TOKENIZERS_KEPT most recent kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_chars: int | None = TOKENIZE_MAX_CHARS) -> None:
+        self.max_chars = max_chars  # None: whole prompts (the emulator, as a server tokenizes)
         self._loaded: OrderedDict[str, Tokenizer | PromptError] = OrderedDict()
 
     def get(self, directory: str) -> Tokenizer:
         got = self._loaded.get(directory)
         if got is None:
             try:
-                got = Tokenizer(Path(directory))
+                got = Tokenizer(Path(directory), self.max_chars)
             except PromptError as e:
                 got = e
             except Exception as e:  # a file that is not a tokenizer: said once, not per request

@@ -24,12 +24,13 @@ from controlplane.resources.names import METADATA_NS, SUBSET_METADATA_NS
 CLUSTER_ATTRIBUTE = "xds.cluster_name"
 SERVED_ATTRIBUTE = "upstream.address"  # sent with the response headers: where the request went
 PREFIX_KEY = "affinity_prefix"  # the prefix key the gateway's Lua filter sets (routing/prefix_key.lua)
+PROMPT_KEY = "prompt"  # the request body, for a picked model with a tokenizer (the same filter)
 SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
 REQUEST_ID_MAX_CHARS = 128  # a request id as logged (debug): a 3 MB header is not a log line
 
 # The inputs a bound applies to, as counted (the `input` label).
-CLUSTER, PREFIX, SUBSET = "cluster", "prefix_key", "subset_hint"
-INPUTS = (CLUSTER, PREFIX, SUBSET)
+CLUSTER, PREFIX, SUBSET, PROMPT = "cluster", "prefix_key", "subset_hint", "prompt"
+INPUTS = (CLUSTER, PREFIX, SUBSET, PROMPT)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Ask:
     prefix: str = ""
     subset: frozenset[str] | None = None
     request_id: str = ""
+    prompt: str = ""  # the request body, where the gateway sent it (a model with a tokenizer)
 
 
 class Refused(NamedTuple):
@@ -65,8 +67,11 @@ def read_ask(req: ep.ProcessingRequest) -> Ask | Refused:
     subset = _subset(req)
     if isinstance(subset, Refused):
         return subset
+    prompt = _metadata(req, METADATA_NS, PROMPT_KEY)
+    if len(prompt) > limits.PICKER_PROMPT_MAX_BYTES:  # characters: at least as many bytes
+        return Refused(PROMPT, f"more than {limits.PICKER_PROMPT_MAX_BYTES} bytes")
     request_id = _header_bytes(req, "x-request-id")[:REQUEST_ID_MAX_CHARS]
-    return Ask(cluster, prefix, subset, request_id.decode(errors="replace"))
+    return Ask(cluster, prefix, subset, request_id.decode(errors="replace"), prompt)
 
 
 def attribute(req: ep.ProcessingRequest, key: str) -> str:

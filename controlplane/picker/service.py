@@ -64,12 +64,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controlplane import limits
+from controlplane.kvcache.blocks import prompt_keys
+from controlplane.kvcache.index import MAX_BLOCKS
+from controlplane.kvcache.prompt import PromptError, Tokenizers, token_ids
 from controlplane.net.tls import SIDE_FLAGS, ServerTls, client_credentials, server_credentials
 from controlplane.obs.outage import Outage
-from controlplane.picker.choose import PREFIX_ENTRIES, PREFIX_LOAD_BOUND, PickerState, ServerLoad
+from controlplane.picker.choose import PREFIX_ENTRIES, PREFIX_LOAD_BOUND, KvAsk, PickerState, ServerLoad
+from controlplane.picker.kv_events import KvMetrics, KvSubscriptions
 from controlplane.picker.request import INPUTS, SERVED_ATTRIBUTE, Ask, Refused, attribute, read_ask
 from controlplane.process.side_service import serve_until_signalled
-from controlplane.resources.names import PICKED_HEADER, PICKED_METADATA_NS
+from controlplane.resources.names import KV_METADATA_NS, PICKED_HEADER, PICKED_METADATA_NS
 from controlplane.resources.types import CLUSTER, ENDPOINT
 from controlplane.routing.translate import PICKED_MODE
 from controlplane.v1 import endpoint_pb2 as admin_endpoint_pb2
@@ -94,8 +98,8 @@ class PickerMetrics:
         r = self.registry
         self.picks = Counter(
             "controlplane_picker_picks",
-            "Requests the picker answered, by reason: least_loaded or approximate (a server "
-            "named), else why it named none and Envoy routes by the weights (no_cluster, "
+            "Requests the picker answered, by reason: least_loaded, kv_hit or approximate (a "
+            "server named), else why it named none and Envoy routes by the weights (no_cluster, "
             "unknown_cluster, no_eligible_server, not_ready, input_refused)",
             ["reason"],
             registry=r,
@@ -156,6 +160,7 @@ class PickerMetrics:
             "Assignment sets received from the control plane",
             registry=r,
         )
+        self.kv = KvMetrics(r)
 
 
 class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -188,6 +193,14 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.tls = tls  # with a client CA: every caller (Envoy, a peer) has a certificate
         self.peer_token = peer_token
         self.peer_server_name = peer_server_name
+        self.tokenizers = Tokenizers()
+        self.tokenizer_of: dict[str, str] = {}  # cluster -> its model's tokenizer directory
+        self.kv_subs: KvSubscriptions | None = None  # made on the running loop (follow)
+        self._tokenizer_outage = Outage(
+            log,
+            "a tokenizer is unusable: its model's prompts are scored by the approximate index",
+            error_chars=300,
+        )
 
     # ---- ext_proc ---------------------------------------------------------------------------
 
@@ -208,7 +221,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         )
                     asked = True
                     t0 = time.perf_counter()
-                    resp, picked = self._answer(req)
+                    ask = read_ask(req)
+                    kv = await self._kv_ask(ask) if isinstance(ask, Ask) and ask.prompt else None
+                    resp, picked = self._answer(ask, kv)
                     self.metrics.decision.observe(time.perf_counter() - t0)
                     yield resp
                 elif req.HasField("response_headers"):
@@ -237,9 +252,29 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             where = "elsewhere"
         self.metrics.served.labels(where).inc()
 
-    def _answer(self, req: ep.ProcessingRequest) -> tuple[ep.ProcessingResponse, tuple[str, ...]]:
+    async def _kv_ask(self, ask: Ask) -> KvAsk | None:
+        """The prompt's blocks, keyed for every block size the cluster's servers publish (16,
+        vLLM's default, where none does yet: the approximate key), or None (no tokenizer for
+        the cluster, a body without a prompt this reads). Tokenized off the event loop."""
+        directory = self.tokenizer_of.get(ask.cluster)
+        if directory is None:
+            return None
+        sizes = {
+            size
+            for c in self.state.clusters.get(ask.cluster, ())
+            if (size := self.state.kv.block_size(c.address)) is not None
+        } or {DEFAULT_BLOCK_SIZE}
+        try:
+            return await asyncio.to_thread(_kv_keys, self.tokenizers, directory, ask.prompt, sizes)
+        except PromptError as e:
+            self.metrics.kv.tokenizer_errors.inc()
+            self._tokenizer_outage.failed(e, tokenizer=directory)
+            return None
+
+    def _answer(
+        self, ask: Ask | Refused, kv: KvAsk | None = None
+    ) -> tuple[ep.ProcessingResponse, tuple[str, ...]]:
         resp = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-        ask = read_ask(req)
         if isinstance(ask, Refused):
             self.metrics.refused.labels(ask.input).inc()
             reason = "input_refused"
@@ -250,8 +285,12 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         elif ask.cluster not in self.state.clusters:
             reason = "unknown_cluster"
         else:
-            chosen = self.state.pick(ask.cluster, time.monotonic(), prefix=ask.prefix, subset=ask.subset)
+            chosen = self.state.pick(
+                ask.cluster, time.monotonic(), prefix=ask.prefix, subset=ask.subset, kv=kv
+            )
             reason = chosen.reason or "no_eligible_server"
+            if kv is not None and chosen.servers:
+                self.metrics.kv.matched.observe(chosen.kv_blocks)
             if chosen.servers:
                 self._name(resp, ask, chosen.servers, reason)
                 return resp, chosen.servers
@@ -276,6 +315,18 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         log.debug(
             "request picked", request_id=ask.request_id, cluster=ask.cluster, picked=value, reason=reason
         )
+
+    async def kv_gauges(self) -> None:
+        """The precise index's gauges (size, stale servers), every KV_GAUGES_S; and the
+        subscriptions closed when the picker stops."""
+        try:
+            while True:
+                if self.kv_subs is not None:
+                    self.kv_subs.refresh_gauges()
+                await asyncio.sleep(KV_GAUGES_S)
+        finally:
+            if self.kv_subs is not None:
+                await self.kv_subs.close()
 
     # ---- the other pickers -------------------------------------------------------------------
 
@@ -398,11 +449,17 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         async for resp in call:
             self.metrics.connected.set(1)
             if resp.type_url == CLUSTER:
+                clusters = [_unpack(a, cluster_pb2.Cluster) for a in resp.resources]
                 names = sorted(
                     c.eds_cluster_config.service_name or c.name
-                    for c in (_unpack(a, cluster_pb2.Cluster) for a in resp.resources)
+                    for c in clusters
                     if c.type == cluster_pb2.Cluster.EDS
                 )
+                self.tokenizer_of = {
+                    c.eds_cluster_config.service_name or c.name: tokenizer
+                    for c in clusters
+                    if (tokenizer := _kv_field(c.metadata, "tokenizer"))
+                }
                 await out.put(
                     discovery_pb2.DiscoveryRequest(
                         node=node, type_url=CLUSTER, version_info=resp.version_info, response_nonce=resp.nonce
@@ -422,6 +479,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             elif resp.type_url == ENDPOINT:
                 assignments = [_unpack(a, endpoint_pb2.ClusterLoadAssignment) for a in resp.resources]
                 self.state.assign(assignments)
+                if self.kv_subs is None:
+                    self.kv_subs = KvSubscriptions(self.state, self.metrics.kv)
+                self.kv_subs.update(publishers(assignments))
                 self.metrics.clusters.set(len(self.state.clusters))
                 self.metrics.updates.inc()
                 eds_ack = (resp.version_info, resp.nonce)
@@ -439,6 +499,42 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
                     await self.health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
                     log.info("picker ready", clusters=len(self.state.clusters))
+
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's
+KV_GAUGES_S = 1.0
+
+
+def _kv_keys(tokenizers: Tokenizers, directory: str, prompt: str, sizes: set[int]) -> KvAsk | None:
+    ids = token_ids(tokenizers.get(directory), prompt.encode(errors="surrogatepass"))
+    if ids is None:
+        return None
+    return KvAsk({size: prompt_keys(ids, size) for size in sizes}, len(ids))
+
+
+def _kv_field(metadata: Any, key: str) -> str:
+    ns = metadata.filter_metadata.get(KV_METADATA_NS)
+    if ns is None:
+        return ""
+    value = ns.fields.get(key)
+    return str(value.string_value) if value is not None and value.HasField("string_value") else ""
+
+
+def publishers(
+    assignments: Iterable[endpoint_pb2.ClusterLoadAssignment],
+) -> dict[str, tuple[str, str | None]]:
+    """Each server's KV-event publisher and replay socket, as the control plane named them."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for cla in assignments:
+        for locality in cla.endpoints:
+            for lb in locality.lb_endpoints:
+                events = _kv_field(lb.metadata, "events")
+                if not events:
+                    continue
+                sock = lb.endpoint.address.socket_address
+                host = f"[{sock.address}]" if ":" in sock.address else sock.address
+                out[f"{host}:{sock.port_value}"] = (events, _kv_field(lb.metadata, "replay") or None)
+    return out
 
 
 def server_loads(endpoints: Iterable[Any], now: float) -> dict[str, ServerLoad]:
@@ -539,6 +635,7 @@ async def serve(
     token: str | None = None,
     loads_interval_s: float = 0.25,
     prefix_entries: int = PREFIX_ENTRIES,
+    kv_index_blocks: int = MAX_BLOCKS,
     prefix_bound: float = PREFIX_LOAD_BOUND,
     peers: Iterable[str] = (),
     peers_interval_s: float = 0.05,
@@ -564,6 +661,7 @@ async def serve(
     )
     picker.state.prefix_entries = prefix_entries
     picker.state.prefix_bound = prefix_bound
+    picker.state.kv.max_blocks = kv_index_blocks
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 0),
@@ -575,7 +673,7 @@ async def serve(
     picker_pb2_grpc.add_PickerPeersServicer_to_server(picker.peer_service(), server)
     await picker.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await picker.health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-    background = [picker.follow()]
+    background = [picker.follow(), picker.kv_gauges()]
     if admin is not None:
         background.append(picker.follow_loads())
     background += [picker.follow_peer(peer) for peer in peers]

@@ -98,7 +98,14 @@ class _ModelResources:
 
 def _cluster_key(fleet: Fleet, model: Model) -> _ClusterKey:
     overrides = json.dumps(model.cluster_overrides, sort_keys=True) if model.cluster_overrides else ""
-    return model.protocol, overrides, fleet.traffic_of(model), model.affinity, fleet.picked(model), model.tokenizer
+    return (
+        model.protocol,
+        overrides,
+        fleet.traffic_of(model),
+        model.affinity,
+        fleet.picked(model),
+        model.tokenizer,
+    )
 
 
 class IncrementalTranslator:

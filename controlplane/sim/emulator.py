@@ -28,6 +28,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from controlplane.kvcache.prompt import Tokenizers, token_ids
 from controlplane.sim.emulator_engine import LiveBatchingServer
 from controlplane.sim.emulator_metrics import (
     GARBAGE_PAGE,
@@ -46,6 +47,7 @@ from controlplane.sim.emulator_protocol import (
     sse,
     stream_chunk,
 )
+from controlplane.sim.kv_publisher import KvPublisher
 from controlplane.sim.prefix_cache import BLOCK_TOKENS, PrefixCache
 from controlplane.sim.service import ServerSpec
 
@@ -86,6 +88,11 @@ class EmulatorConfig:
     faults: Faults = field(default_factory=Faults)  # in force from the start
     seed: int | None = None  # seeds the error/OOM draws, for repeatable runs
     metrics_page: MetricsPage = "full"  # "compact": only the families the control plane reads
+    # KV events as vLLM publishes them (sim/kv_publisher.py): bound at this ZMQ endpoint, with
+    # a replay socket; the prompt tokenized with this tokenizer directory (else a word a token).
+    kv_events: str | None = None
+    kv_replay: str | None = None
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -167,6 +174,8 @@ class EmulatedServer:
         self._rng = random.Random(config.seed)
         self._life: _Life | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.kv_publisher = KvPublisher(config.kv_events, config.kv_replay) if config.kv_events else None
+        self._tokenizer = Tokenizers(max_chars=None).get(config.tokenizer) if config.tokenizer else None
 
     # --- state -------------------------------------------------------------------------
 
@@ -252,7 +261,9 @@ class EmulatedServer:
             mapp.router.add_get("/health", self._health)
             self._metrics_runner = web.AppRunner(mapp, access_log=None, handler_cancellation=True)
             await self._metrics_runner.setup()
-        cache = PrefixCache(self.config.kv_capacity_tokens // BLOCK_TOKENS)
+        if self.kv_publisher is not None:
+            self.kv_publisher.start()  # a new stream: a restarted server's sequence starts at 0
+        cache = PrefixCache(self.config.kv_capacity_tokens // BLOCK_TOKENS, self.kv_publisher)
         self._life = _Life(runner, engine, metrics, engine.now(), cache)
         self.faults = replace(self.faults, crash=False)
         await self._apply(self.faults)
@@ -332,6 +343,8 @@ class EmulatedServer:
                     conn.transport.abort()
         await life.engine.close()
         await life.runner.cleanup()
+        if self.kv_publisher is not None:
+            await self.kv_publisher.stop()
 
     # --- faults ------------------------------------------------------------------------
 
@@ -476,13 +489,18 @@ class EmulatedServer:
         assert life is not None  # handlers run only while the server is up
         try:
             self._check_warm(life)
+            body = await request.read()
             req = parse_completion_request(
-                await request.read(),
+                body,
                 kind,
                 served_model=self.config.model,
                 default_max_tokens=self.config.default_max_tokens,
                 max_tokens_limit=self.config.max_tokens_limit,
             )
+            if self._tokenizer is not None:  # the prompt as the model's tokenizer cuts it
+                ids = token_ids(self._tokenizer, body)
+                if ids:
+                    req = replace(req, prompt=tuple(str(i) for i in ids), prompt_tokens=len(ids))
             self._draw_fault()
         except ApiError as e:
             self.responses_by_status[e.status] += 1

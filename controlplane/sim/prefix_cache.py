@@ -10,6 +10,12 @@ right cache wins.
 
 Counters as vLLM exports them: `queries` (prompt tokens looked up) and `hits` (of those,
 tokens found cached).
+
+With a `listener` (sim/kv_publisher.py), every change is told as vLLM's KV events tell it:
+the blocks a prompt stored (their hashes, the block before the first, their token ids) and
+the blocks evicted. A block's hash is the first 8 bytes of its key; a token's id is the
+token itself where it is a number (a prompt tokenized with the model's tokenizer), else a
+stable 31-bit hash of it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 BLOCK_TOKENS = 16  # vLLM's default block size
 
@@ -33,8 +40,27 @@ def block_keys(tokens: Sequence[str]) -> list[bytes]:
     return keys
 
 
+def block_hash(key: bytes) -> int:
+    return int.from_bytes(key[:8], "big")
+
+
+def token_id(token: str) -> int:
+    if token.isdigit() and len(token) < 10:
+        return int(token)
+    return int.from_bytes(hashlib.blake2b(token.encode(), digest_size=4).digest(), "big") >> 1
+
+
+class Listener(Protocol):
+    def stored(
+        self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int
+    ) -> None: ...
+
+    def removed(self, hashes: Sequence[int]) -> None: ...
+
+
 class PrefixCache:
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, listener: Listener | None = None) -> None:
+        self.listener = listener
         self.capacity_blocks = max(0, capacity_blocks)
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
         self.queries = 0  # prompt tokens looked up
@@ -65,8 +91,19 @@ class PrefixCache:
                 self._blocks.move_to_end(k)
             elif self.capacity_blocks:
                 self._blocks[k] = None
+        evicted = []
         while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+            evicted.append(self._blocks.popitem(last=False)[0])
+        if self.listener is not None and self.capacity_blocks:
+            if len(keys) > cached:
+                self.listener.stored(
+                    [block_hash(k) for k in keys[cached:]],
+                    block_hash(keys[cached - 1]) if cached else None,
+                    [token_id(t) for t in tokens[cached * BLOCK_TOKENS : len(keys) * BLOCK_TOKENS]],
+                    BLOCK_TOKENS,
+                )
+            if evicted:
+                self.listener.removed([block_hash(k) for k in evicted])
         hit = cached * BLOCK_TOKENS
         self.queries += len(tokens)
         self.hits += hit

@@ -83,6 +83,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "affinity, for models with affinity: {prefix: ...}",
     )
     pk.add_argument(
+        "--kv-index-blocks",
+        type=argtypes.number(0, 100_000_000),
+        default=1 << 20,
+        metavar="N",
+        help="blocks the precise prefix index keeps over every server, from the servers' KV "
+        "events (models with a tokenizer: and kv_events: in the fleet file, docs/kv-events.md); "
+        "about 140 bytes each; past it, the server holding the most loses its oldest "
+        "(default: %(default)s)",
+    )
+    pk.add_argument(
         "--prefix-load-bound",
         type=argtypes.number(1.0, 100),
         default=1.5,
@@ -189,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
                 token=token,
                 loads_interval_s=args.loads_interval,
                 prefix_entries=int(args.prefix_entries),
+                kv_index_blocks=int(args.kv_index_blocks),
                 prefix_bound=args.prefix_load_bound,
                 peers=[p.strip() for p in args.peers.split(",") if p.strip()],
                 peers_interval_s=args.peers_interval,

@@ -1,0 +1,259 @@
+"""The picker's subscriptions to the servers' KV events (thin I/O shell around kvcache/).
+
+The control plane names each server's publisher in its EDS metadata (names.KV_METADATA_NS:
+`events`, and `replay` where the server has a replay socket). For each, the picker keeps a
+ZMQ SUB socket connected (ZMQ reconnects by itself), reads each message (kvcache/wire.py,
+at most limits.KV_EVENT_MAX_BYTES: ZMQ drops a longer one before it is read), and applies it
+to the precise index (choose.PickerState.kv_event):
+
+- **a gap** is asked of the replay socket (a DEALER: `(b"", start)`, then batches until the
+  end marker, at most REPLAY_TIMEOUT_S): filled, the batches are applied in order; not (no
+  replay socket, no answer, or the replay no longer reaches back), the server's blocks are
+  dropped (KvIndex.forget) and its stream starts again from the batch at hand;
+- **a reconnection** (the socket's monitor sees a second connect: the publisher restarted, or
+  the network dropped messages that no sequence number will show) drops the server's blocks;
+- **a message that is not a batch** (WireError) is refused and counted; nothing of it is used.
+
+Observation never starves serving: a subscription spends at most BUSY_SHARE of the loop's
+time on events (measured per BUSY_WINDOW_S; past it, it sleeps), and ZMQ keeps at most
+RECEIVE_HWM messages per socket (past that, the publisher's messages are dropped, a gap the
+next batch shows). The index's own bound holds its memory (kvcache/index.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+
+import structlog
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from controlplane import limits
+from controlplane.kvcache import wire
+from controlplane.picker.choose import PickerState
+
+log = structlog.get_logger("controlplane.picker.kv_events")
+
+REPLAY_TIMEOUT_S = 1.0
+RECEIVE_HWM = 10_000  # messages queued per subscription
+BUSY_SHARE = 0.25  # of the event loop's time, per subscription, at most
+BUSY_WINDOW_S = 0.1
+
+
+class KvMetrics:
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.batches = Counter(
+            "controlplane_picker_kv_batches",
+            "KV-event batches from a server's publisher, by result: applied, restart (a new "
+            "stream: its blocks dropped first), gap (batches missing before it), refused (not "
+            "a batch: docs/kv-events.md#hostile-publishers)",
+            ["server", "result"],
+            registry=r,
+        )
+        self.replays = Counter(
+            "controlplane_picker_kv_replays",
+            "Gaps asked of a server's replay socket, by result: filled, failed (its blocks dropped)",
+            ["server", "result"],
+            registry=r,
+        )
+        self.lost = Counter(
+            "controlplane_picker_kv_streams_lost",
+            "A server's blocks dropped rather than trusted, by reason: gap (not replayed), "
+            "reconnect (its publisher connected again), removed (no longer in the fleet)",
+            ["server", "reason"],
+            registry=r,
+        )
+        self.lag = Gauge(
+            "controlplane_picker_kv_event_lag_seconds",
+            "Seconds from a server stamping its last KV-event batch to the picker applying it",
+            ["server"],
+            registry=r,
+        )
+        self.blocks = Gauge(
+            "controlplane_picker_kv_index_blocks",
+            "Blocks in the precise prefix index, every server",
+            registry=r,
+        )
+        self.bound = Gauge(
+            "controlplane_picker_kv_index_bound_blocks",
+            "The most blocks the index keeps (--kv-index-blocks)",
+            registry=r,
+        )
+        self.evicted = Gauge(
+            "controlplane_picker_kv_index_evicted_blocks",
+            "Blocks dropped for the bound since the picker started",
+            registry=r,
+        )
+        self.matched = Histogram(
+            "controlplane_picker_kv_blocks_matched",
+            "Cached blocks of a prompt on the server picked (its KV events), per pick with a prompt",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
+            registry=r,
+        )
+        self.stale = Gauge(
+            "controlplane_picker_kv_stale_servers",
+            "Servers of a cluster that publish KV events but went quiet after picks that should "
+            "have made them publish: scored by the approximate index until they publish again",
+            ["cluster"],
+            registry=r,
+        )
+        self.tokenizer_errors = Counter(
+            "controlplane_picker_kv_tokenizer_errors",
+            "Prompts not tokenized because the model's tokenizer directory could not be read",
+            registry=r,
+        )
+        self.stale_picks = Gauge(
+            "controlplane_picker_kv_stale_picks",
+            "Picks that scored a publishing server by the approximate index (its events stale), "
+            "since the picker started",
+            registry=r,
+        )
+
+
+class KvSubscriptions:
+    """One subscription per publishing server, kept to what the assignments name."""
+
+    def __init__(
+        self, state: PickerState, metrics: KvMetrics, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.state = state
+        self.metrics = metrics
+        self.clock = clock
+        self.ctx = zmq.asyncio.Context.instance()
+        self.tasks: dict[str, tuple[tuple[str, str | None], asyncio.Task[None]]] = {}
+        metrics.bound.set(state.kv.max_blocks)
+
+    def update(self, publishers: Mapping[str, tuple[str, str | None]]) -> None:
+        """Subscribe to `publishers` (server -> its events endpoint and replay socket), and to
+        no other: a server gone, or publishing elsewhere, is unsubscribed and its blocks dropped."""
+        for server, (where, task) in list(self.tasks.items()):
+            if publishers.get(server) != where:
+                task.cancel()
+                del self.tasks[server]
+                self.state.kv.forget(server)
+                self.metrics.lost.labels(server, "removed").inc()
+        for server, where in publishers.items():
+            if server not in self.tasks:
+                task = asyncio.get_running_loop().create_task(self._follow(server, *where))
+                self.tasks[server] = (where, task)
+
+    async def close(self) -> None:
+        for _, task in self.tasks.values():
+            task.cancel()
+        for _, task in self.tasks.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.tasks.clear()
+
+    def refresh_gauges(self) -> None:
+        kv = self.state.kv
+        self.metrics.blocks.set(kv.size)
+        self.metrics.evicted.set(kv.evicted)
+        self.metrics.stale_picks.set(self.state.kv_stale_picks)
+        now = self.clock()
+        for cluster, servers in self.state.clusters.items():
+            stale = sum(
+                1
+                for c in servers
+                if kv.block_size(c.address) is not None and not self.state.kv_fresh(c.address, now)
+            )
+            self.metrics.stale.labels(cluster).set(stale)
+
+    async def _follow(self, server: str, endpoint: str, replay: str | None) -> None:
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.MAXMSGSIZE, limits.KV_EVENT_MAX_BYTES + 64)
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        connects = 0
+        busy, window = 0.0, self.clock()
+        try:
+            sock.connect(endpoint)
+            poller = zmq.asyncio.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    await monitor.recv_multipart()
+                    connects += 1
+                    if connects > 1:  # again: what was sent while away is unknown
+                        self.state.kv.forget(server)
+                        self.metrics.lost.labels(server, "reconnect").inc()
+                        log.info("kv events publisher connected again: its blocks dropped", server=server)
+                if sock not in ready:
+                    continue
+                t0 = self.clock()
+                frames = await sock.recv_multipart()
+                await self._take(server, frames, replay)
+                # Observation never starves serving: past its share of the loop, wait.
+                now = self.clock()
+                busy += now - t0
+                if now - window >= BUSY_WINDOW_S:
+                    busy, window = 0.0, now
+                elif busy > BUSY_SHARE * BUSY_WINDOW_S:
+                    await asyncio.sleep(busy / BUSY_SHARE - (now - window))
+                    busy, window = 0.0, self.clock()
+                else:
+                    await asyncio.sleep(0)
+        finally:
+            sock.close(linger=0)
+            monitor.close(linger=0)
+
+    async def _take(self, server: str, frames: list[bytes], replay: str | None) -> None:
+        try:
+            batch = wire.read(frames)
+        except wire.WireError as e:
+            self.metrics.batches.labels(server, "refused").inc()
+            log.debug("kv events batch refused", server=server, reason=str(e)[:200])
+            return
+        result = self.state.kv_event(server, batch, self.clock())
+        if result == "gap":
+            st = self.state.kv.stream(server)
+            start = (st.seq or 0) + 1
+            filled = replay is not None and await self._replay(server, replay, start, batch.seq)
+            self.metrics.replays.labels(server, "filled" if filled else "failed").inc()
+            if not filled:
+                self.state.kv.forget(server)
+                self.metrics.lost.labels(server, "gap").inc()
+            result = self.state.kv_event(server, batch, self.clock())
+        self.metrics.batches.labels(server, result).inc()
+        self.metrics.lag.labels(server).set(max(0.0, time.time() - batch.ts))
+
+    async def _replay(self, server: str, endpoint: str, start: int, upto: int) -> bool:
+        """Ask `endpoint` for batches `start`..`upto - 1` and apply them; True if every one came."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, limits.KV_EVENT_MAX_BYTES + 64)
+        got: list[wire.Batch] = []
+        try:
+            sock.connect(endpoint)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            deadline = self.clock() + REPLAY_TIMEOUT_S
+            while len(got) <= upto - start + 1:
+                left = deadline - self.clock()
+                if left <= 0 or not await sock.poll(int(left * 1000)):
+                    return False
+                frames = await sock.recv_multipart()
+                if len(frames) != 3:
+                    return False
+                seq = wire.seq_of(frames[1])
+                if seq == wire.END_SEQ:
+                    break
+                if start <= seq < upto:
+                    got.append(wire.read_payload(seq, frames[2]))
+        except (wire.WireError, zmq.ZMQError):
+            return False
+        finally:
+            sock.close(linger=0)
+        got.sort(key=lambda b: b.seq)
+        if [b.seq for b in got] != list(range(start, upto)):
+            return False  # the replay no longer reaches back, or skipped some
+        for b in got:
+            self.state.kv_event(server, b, self.clock())
+        return True

@@ -1,0 +1,134 @@
+"""picker/choose.py with the precise prefix index: the blocks a server's events show cached
+weigh against its expected time (pure)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from envoy.config.core.v3 import health_check_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.kvcache import wire
+from controlplane.kvcache.blocks import prompt_keys
+from controlplane.picker.choose import KV_STALE_S, KvAsk, PickerState, ServerLoad
+from tests.unit.test_picker_choose import _cla
+
+A, B, C = "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
+PROMPT = list(range(1000, 1000 + 20 * 16))  # 20 blocks
+
+
+def state_with(*servers: str, slots: float = 4.0, capacity: dict[str, float] | None = None) -> PickerState:
+    state = PickerState()
+    state.assign([_cla("m@v1", [(s, 10, health_check_pb2.HEALTHY) for s in servers])])
+    capacity = capacity or {}
+    state.observe({s: ServerLoad(0.0, 0.0, capacity.get(s, 1.0), running=0.0, waiting=0.0) for s in servers})
+    for s in servers:
+        state.slots[s] = slots
+        # publishing (a block stored and evicted: its block size is known), empty
+        events = [wire.stored([1], None, list(range(16)), 16), wire.removed([1])]
+        state.kv.apply(s, wire.read(wire.frames(0, 0.0, events)), 0.0)
+    return state
+
+
+def hold(state: PickerState, server: str, tokens: list[int], seq: int = 1) -> None:
+    n = len(tokens) // 16
+    ev = wire.stored([hash((server, i)) % (1 << 62) for i in range(n)], None, tokens[: n * 16], 16)
+    state.kv_event(server, wire.read(wire.frames(seq, 0.0, [ev])), 0.0)
+
+
+def ask(tokens: list[int]) -> KvAsk:
+    return KvAsk({16: prompt_keys(tokens, 16)}, len(tokens))
+
+
+def test_the_server_holding_the_prompt_takes_it_and_the_pick_says_how_many_blocks() -> None:
+    state = state_with(A, B, C)
+    hold(state, B, PROMPT)
+    got = state.pick("m@v1", 0.0, kv=ask(PROMPT))
+    assert got.servers[0] == B and got.reason == "kv_hit" and got.kv_blocks == 20
+    # A prompt sharing only its first 5 blocks still goes where those are.
+    other = PROMPT[: 5 * 16] + list(range(9000, 9000 + 15 * 16))
+    got = state.pick("m@v1", 0.0, kv=ask(other))
+    assert got.servers[0] == B and got.kv_blocks == 5
+
+
+def test_the_longer_match_wins_between_equal_servers() -> None:
+    state = state_with(A, B)
+    hold(state, A, PROMPT[: 4 * 16])
+    hold(state, B, PROMPT[: 12 * 16])
+    assert state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] == B
+
+
+def test_a_hit_on_an_idle_slow_server_loses_to_an_idle_fast_one() -> None:
+    state = state_with(A, B, capacity={A: 0.35, B: 1.0})
+    hold(state, A, PROMPT)
+    got = state.pick("m@v1", 0.0, kv=ask(PROMPT))
+    assert got.servers[0] == B and got.reason == "least_loaded"
+    # ...but not to a fast one only a little faster.
+    state = state_with(A, B, capacity={A: 0.9, B: 1.0})
+    hold(state, A, PROMPT)
+    assert state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] == A
+
+
+def test_a_hit_on_a_full_server_loses_to_a_free_one() -> None:
+    state = state_with(A, B, slots=2.0)
+    hold(state, A, PROMPT)
+    state.started(A, 0.0)
+    state.started(A, 0.0)  # A: 2 of 2 slots busy
+    assert state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] == B
+
+
+def test_a_hot_prompt_spreads_instead_of_piling_up() -> None:
+    state = state_with(A, B, C, slots=2.0)
+    hold(state, A, PROMPT)
+    firsts = Counter(state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] for _ in range(12))
+    assert firsts[A] >= 2 and len(firsts) == 3, firsts
+    assert max(firsts.values()) <= 6, firsts
+
+
+def test_a_server_quiet_after_a_pick_that_should_have_stored_blocks_is_scored_by_the_approximate_index() -> (
+    None
+):
+    state = state_with(A, B)
+    first = state.pick("m@v1", 0.0, kv=ask(PROMPT))  # a miss: the server picked will store blocks
+    chosen = first.servers[0]
+    assert state.kv_fresh(chosen, KV_STALE_S)
+    assert not state.kv_fresh(chosen, KV_STALE_S + 0.1)  # it never published them
+    # Stale: its events say nothing; the approximate index (where the prompt went) does.
+    again = state.pick("m@v1", KV_STALE_S + 0.1, kv=ask(PROMPT))
+    assert again.servers[0] == chosen and again.reason == "approximate"
+    assert state.kv_stale_picks == 1
+    # It publishes again: fresh.
+    hold(state, chosen, PROMPT, seq=1)
+    assert state.kv_fresh(chosen, KV_STALE_S + 1)
+    assert state.pick("m@v1", KV_STALE_S + 1, kv=ask(PROMPT)).reason == "kv_hit"
+
+
+def test_servers_that_never_published_are_scored_by_the_approximate_index() -> None:
+    state = PickerState()
+    state.assign([_cla("m@v1", [(A, 10, health_check_pb2.HEALTHY), (B, 10, health_check_pb2.HEALTHY)])])
+    first = state.pick("m@v1", 0.0, kv=ask(PROMPT))
+    state.done(first.servers[0], 0.1)
+    again = state.pick("m@v1", 0.2, kv=ask(PROMPT))
+    assert again.servers[0] == first.servers[0] and again.reason == "approximate"
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from([A, B, C]), st.integers(0, 20), min_size=1),
+    st.dictionaries(st.sampled_from([A, B, C]), st.integers(0, 6)),
+    st.dictionaries(st.sampled_from([A, B, C]), st.sampled_from([0.35, 1.0, 2.0])),
+)
+def test_picks_are_total_and_never_name_a_server_twice(
+    held: dict[str, int], busy: dict[str, int], capacity: dict[str, float]
+) -> None:
+    state = state_with(A, B, C, capacity=capacity)
+    for server, n in held.items():
+        hold(state, server, PROMPT[: n * 16])
+    for server, n in busy.items():
+        for _ in range(n):
+            state.started(server, 0.0)
+    got = state.pick("m@v1", 0.0, kv=ask(PROMPT))
+    assert len(set(got.servers)) == len(got.servers) == 3
+    assert got.reason in ("kv_hit", "least_loaded", "approximate")
+    assert got.kv_blocks == held.get(got.servers[0], 0)
