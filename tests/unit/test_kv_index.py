@@ -198,8 +198,7 @@ def test_the_index_always_agrees_with_the_servers_cache(ops: list[tuple[str, int
     cache = PrefixCache(12, listener)
     index = KvIndex()
     prompts = [tokens((n + 1) * BLOCK_TOKENS, salt=s) for _, n, s in ops]
-    seq = 0
-    for (op, _, _), prompt in zip(ops, prompts, strict=True):
+    for seq, ((op, _, _), prompt) in enumerate(zip(ops, prompts, strict=True)):
         listener.events.clear()
         if op == "C":
             cache = PrefixCache(12, listener)
@@ -207,6 +206,5 @@ def test_the_index_always_agrees_with_the_servers_cache(ops: list[tuple[str, int
         else:
             cache.admit(prompt)
         index.apply(A, batch(seq, list(listener.events)), 0.0)
-        seq += 1
     for prompt in prompts:
         assert index.held(A, prompt_keys(ids(prompt), BLOCK_TOKENS)) * BLOCK_TOKENS == cache.peek(prompt)
