@@ -16,6 +16,7 @@ applied in sequence order:
 - **A batch at or before the last one applied** is a new stream (the server restarted, its
   sequence numbers start at 0 again): the server's blocks are dropped, then it is applied.
 - **A block size other than the stream's** is refused (the event, not the stream).
+- **After a replay** (`replayed`), live batches up to the last one replayed are duplicates.
 
 Every change touches only the server whose stream it came in on: a bad publisher spoils its
 own entries and no other server's (the keys are computed here from token ids, not taken
@@ -43,6 +44,7 @@ class Applied(StrEnum):
     APPLIED = "applied"
     GAP = "gap"  # not applied: batches are missing before it (replay, else forget)
     RESTART = "restart"  # a new stream: the server's blocks dropped, then applied
+    DUPLICATE = "duplicate"  # already applied from a replay: nothing to do
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Stream:
     blocks: dict[Hashable, int] = field(default_factory=dict)  # the server's hash -> key, oldest first
     keys: dict[int, Hashable] = field(default_factory=dict)  # key -> the server's hash
     last_event_at: float | None = None
+    replayed_to: int | None = None  # batches up to this came by replay: live copies are duplicates
     orphans: int = 0  # stored events skipped: their parent was not held
     refused: int = 0  # events refused: a block size other than the stream's
 
@@ -72,6 +75,10 @@ class KvIndex:
         """A batch from `server`'s publisher, in the order it came (see the module's text)."""
         st = self.stream(server)
         outcome = Applied.APPLIED
+        if st.replayed_to is not None:
+            if batch.seq <= st.replayed_to:
+                return Applied.DUPLICATE
+            st.replayed_to = None
         if st.seq is not None and batch.seq > st.seq + 1:
             return Applied.GAP
         if st.seq is not None and batch.seq <= st.seq:
@@ -90,6 +97,12 @@ class KvIndex:
                 self._clear(st)
         self._bound()
         return outcome
+
+    def replayed(self, server: str) -> None:
+        """The batches applied so far came by replay: the same batches arriving live after them
+        (queued while the replay ran) are duplicates, not a new stream."""
+        st = self.stream(server)
+        st.replayed_to = st.seq
 
     def forget(self, server: str) -> None:
         """Drop `server`'s blocks and stream (a gap that cannot be filled, a server gone, a

@@ -235,6 +235,7 @@ class PickerState:
     peers: dict[str, tuple[float, dict[str, int]]] = field(default_factory=dict)  # peer -> (read at, counts)
     prefixes: OrderedDict[bytes, str] = field(default_factory=OrderedDict)  # prefix_digest -> server
     kv: KvIndex = field(default_factory=KvIndex)  # the servers' KV events (kvcache/index.py)
+    kv_publishers: set[str] = field(default_factory=set)  # servers the control plane says publish
     kv_pending: dict[str, float] = field(default_factory=dict)  # server -> a pick not yet published
     kv_stale_picks: int = 0  # picks that scored a server by the approximate index: its events stale
     _events: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
@@ -362,9 +363,11 @@ class PickerState:
         return self.kv.apply(server, batch, now).value
 
     def kv_fresh(self, server: str, now: float) -> bool:
-        """The server's KV events can be trusted for a pick: it publishes (a stream with a block
-        size), and has not gone KV_STALE_S quiet after a pick that should have made it publish."""
-        if self.kv.block_size(server) is None:
+        """The server's KV events can be trusted for a pick: it publishes (the control plane
+        names its publisher; what it holds is what its events since the picker subscribed, or
+        since its stream started again, say: nothing at first), and has not gone KV_STALE_S
+        quiet after a pick that should have made it publish."""
+        if server not in self.kv_publishers:
             return False
         since = self.kv_pending.get(server)
         return since is None or now - since <= KV_STALE_S
@@ -426,7 +429,7 @@ class PickerState:
                     part = min(1.0, blocks[c.address] * size / kv.tokens)
                 else:
                     part = 1.0 if c.address == approximate else 0.0
-                    if part and self.kv.block_size(c.address) is not None:
+                    if part and c.address in self.kv_publishers:
                         self.kv_stale_picks += 1
                 adjusted[c.address] = costs[c.address] - KV_PREFILL_SHARE * part / c.scale
         else:
@@ -463,7 +466,7 @@ class PickerState:
         self._last_pick[chosen] = self._picks
         held = blocks.get(chosen, 0)
         if kv is not None and chosen in blocks:
-            size = self.kv.block_size(chosen) or 0
+            size = self.kv.block_size(chosen) or min(kv.keys, default=0)
             if size and held < len(kv.keys.get(size, ())):
                 self.kv_pending.setdefault(chosen, now)  # it will store blocks: it should publish
         return Pick(tuple(ranked[: 1 + FALLBACKS]), reason, held)

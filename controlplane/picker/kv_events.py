@@ -159,7 +159,7 @@ class KvSubscriptions:
             stale = sum(
                 1
                 for c in servers
-                if kv.block_size(c.address) is not None and not self.state.kv_fresh(c.address, now)
+                if c.address in self.state.kv_publishers and not self.state.kv_fresh(c.address, now)
             )
             self.metrics.stale.labels(cluster).set(stale)
 
@@ -186,6 +186,9 @@ class KvSubscriptions:
                         self.state.kv.forget(server)
                         self.metrics.lost.labels(server, "reconnect").inc()
                         log.info("kv events publisher connected again: its blocks dropped", server=server)
+                        if replay is not None:  # what its replay buffer still holds, from its start
+                            filled = await self._replay(server, replay, 0, None)
+                            self.metrics.replays.labels(server, "filled" if filled else "failed").inc()
                 if sock not in ready:
                     continue
                 t0 = self.clock()
@@ -223,10 +226,12 @@ class KvSubscriptions:
                 self.metrics.lost.labels(server, "gap").inc()
             result = self.state.kv_event(server, batch, self.clock())
         self.metrics.batches.labels(server, result).inc()
+        log.debug("kv events batch", server=server, seq=batch.seq, result=result, events=len(batch.events))
         self.metrics.lag.labels(server).set(max(0.0, time.time() - batch.ts))
 
-    async def _replay(self, server: str, endpoint: str, start: int, upto: int) -> bool:
-        """Ask `endpoint` for batches `start`..`upto - 1` and apply them; True if every one came."""
+    async def _replay(self, server: str, endpoint: str, start: int, upto: int | None) -> bool:
+        """Ask `endpoint` for batches `start`..`upto - 1` (None: all it has from `start`, the
+        first of them a new stream) and apply them; True if every one came."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, limits.KV_EVENT_MAX_BYTES + 64)
@@ -235,7 +240,7 @@ class KvSubscriptions:
             sock.connect(endpoint)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             deadline = self.clock() + REPLAY_TIMEOUT_S
-            while len(got) <= upto - start + 1:
+            while upto is None or len(got) <= upto - start + 1:
                 left = deadline - self.clock()
                 if left <= 0 or not await sock.poll(int(left * 1000)):
                     return False
@@ -245,15 +250,22 @@ class KvSubscriptions:
                 seq = wire.seq_of(frames[1])
                 if seq == wire.END_SEQ:
                     break
-                if start <= seq < upto:
+                if start <= seq and (upto is None or seq < upto):
                     got.append(wire.read_payload(seq, frames[2]))
+                if len(got) > limits.KV_REPLAY_MAX_BATCHES:
+                    return False
         except (wire.WireError, zmq.ZMQError):
             return False
         finally:
             sock.close(linger=0)
         got.sort(key=lambda b: b.seq)
-        if [b.seq for b in got] != list(range(start, upto)):
+        seqs = [b.seq for b in got]
+        if upto is None:
+            if seqs != list(range(seqs[0], seqs[0] + len(seqs))) if seqs else False:
+                return False
+        elif seqs != list(range(start, upto)):
             return False  # the replay no longer reaches back, or skipped some
         for b in got:
             self.state.kv_event(server, b, self.clock())
+        self.state.kv.replayed(server)
         return True

@@ -481,7 +481,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 self.state.assign(assignments)
                 if self.kv_subs is None:
                     self.kv_subs = KvSubscriptions(self.state, self.metrics.kv)
-                self.kv_subs.update(publishers(assignments))
+                named = publishers(assignments)
+                self.state.kv_publishers = set(named)
+                self.kv_subs.update(named)
                 self.metrics.clusters.set(len(self.state.clusters))
                 self.metrics.updates.inc()
                 eds_ack = (resp.version_info, resp.nonce)

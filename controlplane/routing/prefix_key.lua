@@ -68,14 +68,14 @@ local function messages_key(s, first, want, last)
 end
 
 function envoy_on_request(handle)
+  local body = handle:body()
+  if body == nil then
+    return
+  end
   local settings = handle:metadata()
   local want = settings:get("prefix_messages")
   local prompt_max = settings:get("prompt_max_bytes")
   if want == nil and prompt_max == nil then
-    return
-  end
-  local body = handle:body()
-  if body == nil then
     return
   end
   local n = body:length()

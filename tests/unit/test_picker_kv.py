@@ -23,6 +23,7 @@ def state_with(*servers: str, slots: float = 4.0, capacity: dict[str, float] | N
     state.assign([_cla("m@v1", [(s, 10, health_check_pb2.HEALTHY) for s in servers])])
     capacity = capacity or {}
     state.observe({s: ServerLoad(0.0, 0.0, capacity.get(s, 1.0), running=0.0, waiting=0.0) for s in servers})
+    state.kv_publishers = set(servers)
     for s in servers:
         state.slots[s] = slots
         # publishing (a block stored and evicted: its block size is known), empty

@@ -131,3 +131,21 @@ def test_the_key_is_the_first_messages_as_sent(
     body = json.dumps({"model": "m", "messages": messages}, ensure_ascii=ascii_only)
     got = key_of(body, {**DEFAULTS, "prefix_messages": n})
     assert got == ", ".join(json.dumps(m, ensure_ascii=ascii_only) for m in messages[:n])
+
+
+def metadata_of(body: str | None, settings: dict[str, int]) -> dict[str, Any]:
+    out = LUA.table()
+    ON_REQUEST(HANDLE(body, LUA.table_from(settings), out))
+    return dict(out.items())
+
+
+def test_a_model_with_a_tokenizer_hands_the_picker_its_whole_body_up_to_the_bound() -> None:
+    body = chat(SYSTEM, {"role": "user", "content": "hi"})
+    got = metadata_of(body, {"prompt_max_bytes": 1 << 20})
+    assert got == {"controlplane.prompt": body}  # no prefix affinity: no key
+    both = metadata_of(body, {**DEFAULTS, "prompt_max_bytes": 1 << 20})
+    assert both == {"controlplane.prompt": body, "controlplane.affinity_prefix": json.dumps(SYSTEM)}
+    # A body over the bound is not handed over (a cut one would not parse): the key still is.
+    over = metadata_of(body, {**DEFAULTS, "prompt_max_bytes": len(body) - 1})
+    assert over == {"controlplane.affinity_prefix": json.dumps(SYSTEM)}
+    assert metadata_of(None, {"prompt_max_bytes": 1 << 20}) == {}

@@ -87,6 +87,27 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="KV-cache size in tokens; KV use = tokens held by running sequences / N (default: %(default)s)",
     )
     e.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="publish KV events as vLLM does (--kv-events-config), bound at this ZMQ endpoint, "
+        "such as tcp://127.0.0.1:5557: a batch per change of the prefix cache (default: none)",
+    )
+    e.add_argument(
+        "--kv-replay",
+        default=None,
+        metavar="ENDPOINT",
+        help="the KV events' replay socket (vLLM's replay_endpoint), with --kv-events (default: none)",
+    )
+    e.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="tokenize prompts with this Hugging Face tokenizer directory (tokenizer.json, "
+        "tokenizer_config.json's chat template), as a vLLM of that model does; the KV events "
+        "carry its token ids (default: a word is a token)",
+    )
+    e.add_argument(
         "--max-tokens",
         type=argtypes.integer(1, 4096),
         default=16,
@@ -191,7 +212,16 @@ def run(args: argparse.Namespace) -> int:
         faults=faults,
         seed=args.seed,
         metrics_page=args.metrics_page,
+        kv_events=args.kv_events,
+        kv_replay=args.kv_replay,
+        tokenizer=args.tokenizer,
     )
+    if args.kv_events and args.count != 1:
+        print(
+            "controlplane emulate: --kv-events: one server only (--count 1): each needs its own",
+            file=sys.stderr,
+        )
+        return 2
     ports = [port + i if port else 0 for i in range(args.count)]
     with contextlib.suppress(KeyboardInterrupt):
         mports = (

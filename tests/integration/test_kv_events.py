@@ -1,0 +1,248 @@
+"""The precise prefix index through a real Envoy (issue 43): two emulated servers publishing
+vLLM's KV events (its wire format, with a replay socket) and tokenizing with the model's
+tokenizer, a picker subscribed to both, the gateway handing it each prompt.
+
+- A long prompt sent directly to a server, past the gateway, makes every later request that
+  shares its first blocks go there through the gateway (the picker saw no such request: only
+  the server's events tell); the same for the other server and another prompt. The servers'
+  own prefix-cache counters show the hits.
+- After the server restarts (a new stream: its sequence numbers start again), its old
+  prompts are no longer sent to it for their cache.
+- With the events off (no kv_events in the fleet file), the same requests do not follow the
+  prompts: the test's claim fails without them.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.sim.tokenizer import make_tokenizer
+from tests.integration.harness import Client, EmulatedFleet, Emulator, Operator, http_get, wait_until
+from tests.integration.test_picker import PickerProc
+from tests.ports import free_port
+
+pytestmark = pytest.mark.envoy
+
+MODEL = "chat"
+CLUSTER = f"{MODEL}@v1"
+SYSTEM_A = "You are the assistant of the alpha team. " + " ".join(
+    f"alpha rule {i}: be quick and brown." for i in range(60)
+)
+SYSTEM_B = "You are the assistant of the beta team. " + " ".join(
+    f"beta rule {i}: the lazy dog waits." for i in range(60)
+)
+
+
+class Rig:
+    def __init__(self, tmp: Path, events: bool) -> None:
+        self.tmp = tmp
+        self.fleet = EmulatedFleet(tmp)
+        self.tokenizer = make_tokenizer(tmp / "tokenizer")
+        self.kv_ports: dict[str, tuple[int, int]] = {}
+        self.picker: PickerProc | None = None
+        self.events = events
+
+    def start_server(self, name: str, port: int | None = None) -> Emulator:
+        events, replay = self.kv_ports.setdefault(name, (free_port(), free_port()))
+        server = Emulator(
+            name,
+            self.tmp,
+            MODEL,
+            port=port,
+            slots=8,
+            decode_ms_per_token=2,
+            prefill_ms_per_token=1,
+            tokenizer=self.tokenizer,
+            kv_events=f"tcp://127.0.0.1:{events}",
+            kv_replay=f"tcp://127.0.0.1:{replay}",
+        )
+        self.fleet.servers[name] = server
+        return server
+
+    def start(self) -> Rig:
+        for name in ("a", "b"):
+            self.start_server(name)
+        picker_port = free_port()
+        endpoints = []
+        for name, server in self.fleet.servers.items():
+            events, replay = self.kv_ports[name]
+            kv = (
+                f", kv_events: 'tcp://127.0.0.1:{events}', kv_replay: 'tcp://127.0.0.1:{replay}'"
+                if self.events
+                else ""
+            )
+            endpoints.append(f"          - {{address: '{server.address}'{kv}}}")
+        text = "\n".join(
+            [
+                "listener: {port: %d}",
+                "signals: {interval: 300ms, timeout: 250ms}",
+                f"picker: {{endpoints: ['127.0.0.1:{picker_port}'], timeout: 1000ms}}",
+                "tiers: {small: {timeout: 30s, balancing: picker}}",
+                "models:",
+                f"  {MODEL}:",
+                "    params_b: 8",
+                f"    tokenizer: '{self.tokenizer}'",
+                "    stable: v1",
+                "    versions:",
+                "      v1:",
+                "        endpoints:",
+                *endpoints,
+            ]
+        )
+        self.fleet.serve(text % self.fleet.listener + "\n")
+        cp, envoy = self.fleet.cp, self.fleet.envoy
+        assert cp is not None and envoy is not None
+        admin = (cp.admin, cp.state_dir / "admin-token")
+        self.picker = PickerProc("picker", cp.xds, self.tmp, picker_port, admin=admin).start()
+        wait_until(
+            lambda: [h for _, h in envoy.endpoints(CLUSTER).values()] == ["healthy"] * 2,
+            20,
+            "Envoy to have both servers healthy",
+        )
+        return self
+
+    def close(self) -> None:
+        if self.picker is not None:
+            self.picker.stop()
+        self.fleet.close()
+
+
+def chat(system: str, question: str) -> bytes:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return json.dumps({"model": MODEL, "messages": messages, "max_tokens": 2}).encode()
+
+
+def direct(server: Emulator, body: bytes) -> None:
+    req = urllib.request.Request(
+        f"http://{server.address}/v1/chat/completions",
+        data=body,
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+
+
+def via_gateway(rig: Rig, body: bytes) -> str:
+    client = Client(rig.fleet.listener)
+    try:
+        r = client.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+        assert r.status == 200, r
+        return r.backend
+    finally:
+        client.close()
+
+
+def settled(rig: Rig) -> None:
+    """Wait until the picker has read both servers idle from the control plane (the direct
+    requests' running counts out of the pages it ranks by)."""
+    from controlplane.v1 import endpoint_pb2
+
+    assert rig.fleet.cp is not None and rig.picker is not None
+    picker = rig.picker
+    op = Operator(rig.fleet.cp)
+    try:
+        wait_until(
+            lambda: all(
+                e.HasField("running") and e.running == 0 and e.waiting == 0
+                for e in op.endpoints.List(
+                    endpoint_pb2.ListEndpointsRequest(), metadata=op.md, timeout=5
+                ).endpoints
+            ),
+            20,
+            "the control plane to read both servers idle",
+        )
+    finally:
+        op.close()
+    reads = 'controlplane_picker_load_reads_total{result="ok"}'
+    so_far = picker.metric(reads)
+    wait_until(lambda: picker.metric(reads) >= so_far + 2, 10, "the picker to read the loads since")
+
+
+def kv_lines(picker: PickerProc) -> str:
+    _, page = http_get(f"http://127.0.0.1:{picker.metrics_port}/metrics")
+    return "\n".join(line for line in page.splitlines() if "_kv_" in line and not line.startswith("#"))
+
+
+def prefix_hits(server: Emulator) -> float:
+    _, page = http_get(f"http://{server.address}/metrics")
+    for line in page.splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.fixture
+def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
+    r = Rig(tmp_path, events=getattr(request, "param", True))
+    try:
+        yield r.start()
+    finally:
+        r.close()
+
+
+def test_prompts_sent_past_the_gateway_draw_their_followers_and_a_restart_ends_it(rig: Rig) -> None:
+    a, b = rig.fleet.servers["a"], rig.fleet.servers["b"]
+    assert rig.picker is not None
+    picker = rig.picker
+    # Each prompt warmed on the server a free choice would not give it first (ties go to a).
+    direct(b, chat(SYSTEM_A, "warm up"))
+    direct(a, chat(SYSTEM_B, "warm up"))
+    wait_until(
+        lambda: all(
+            picker.metric(f'controlplane_picker_kv_batches_total{{result="applied",server="{s.address}"}}')
+            >= 1
+            for s in (a, b)
+        ),
+        15,
+        "the picker to index both servers' blocks from their events",
+    )
+    settled(rig)
+    hits_before = {n: prefix_hits(s) for n, s in rig.fleet.servers.items()}
+    served = [
+        via_gateway(rig, chat(system, f"question {i}")) for system in (SYSTEM_A, SYSTEM_B) for i in range(3)
+    ]
+    assert served == [b.address] * 3 + [a.address] * 3, kv_lines(picker)
+    assert picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') == 6
+    for n, s in rig.fleet.servers.items():
+        assert prefix_hits(s) - hits_before[n] >= 3 * 60 * 16, n  # each prompt's 60-odd blocks, 3 times
+
+    # Server b (holding SYSTEM_A) restarts on its port: a new process, a new stream, an empty cache.
+    b.stop()
+    rig.start_server("b", port=b.port)
+    b = rig.fleet.servers["b"]
+    envoy = rig.fleet.envoy
+    assert envoy is not None
+    wait_until(
+        lambda: envoy.endpoints(CLUSTER).get(b.address, ("", ""))[1] == "healthy", 30, "b back in Envoy"
+    )
+    lost = f'controlplane_picker_kv_streams_lost_total{{reason="reconnect",server="{b.address}"}}'
+    wait_until(lambda: picker.metric(lost) >= 1, 15, "the picker to drop what the old b held")
+    settled(rig)
+    kv_hits = picker.metric('controlplane_picker_picks_total{reason="kv_hit"}')
+    served = [via_gateway(rig, chat(SYSTEM_A, f"after {i}")) for i in range(4)]
+    # The first is sent to no server for its cache (none holds it now: b's old blocks are
+    # dropped, not trusted): a free choice; the next follow it there, from that server's events.
+    assert picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') - kv_hits == 3, (
+        served,
+        kv_lines(picker),
+    )
+    assert served[1:] == [served[0]] * 3, served
+
+
+@pytest.mark.parametrize("rig", [False], indirect=True)
+def test_without_the_events_the_prompts_do_not_draw_their_followers(rig: Rig) -> None:
+    a, b = rig.fleet.servers["a"], rig.fleet.servers["b"]
+    direct(b, chat(SYSTEM_A, "warm up"))
+    direct(a, chat(SYSTEM_B, "warm up"))
+    settled(rig)
+    served = [
+        via_gateway(rig, chat(system, f"question {i}")) for system in (SYSTEM_A, SYSTEM_B) for i in range(3)
+    ]
+    assert served != [b.address] * 3 + [a.address] * 3, served  # the test above fails without the events
+    assert rig.picker is not None
+    assert rig.picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') == 0
