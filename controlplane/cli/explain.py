@@ -334,6 +334,8 @@ def _envoy(
     first = policies[0].rsplit(".", 1)[-1] if policies else None
     out["load_balancer"] = first
     out["picker"] = _picker(fleet, cluster, hcm) if first == "override_host" else None
+    if out["picker"] is not None:
+        out["picker"]["prefix_index"] = _prefix_index(model)
     out["connect_timeout_s"] = _seconds(cluster.connect_timeout)
     if model.cluster_overrides and "load_balancing_policy" in model.cluster_overrides:
         warnings.append(
@@ -389,9 +391,30 @@ def _picker(fleet: Fleet, cluster: Any, hcm: Any) -> dict[str, Any]:
         "fallback": fallback[0] if fallback else None,
         "fallbacks_counted_in": [
             "envoy_http_ext_proc_picker_failure_mode_allowed",
-            'controlplane_picker_picks_total{reason!~"least_loaded|approximate"}',
+            'controlplane_picker_picks_total{reason!~"least_loaded|approximate|kv_hit"}',
         ],
     }
+
+
+def _prefix_index(model: Model) -> dict[str, Any]:
+    """Which prefix index the picker scores this model's requests by (docs/kv-events.md):
+    precise (the servers' KV events, the prompt tokenized with the model's tokenizer) for the
+    servers that publish, approximate for the others and for a model without a tokenizer."""
+    from controlplane.fleet.model import kv_publisher
+
+    servers = [(ep, v) for v in model.versions for ep in v.endpoints]
+    publishing = sum(1 for ep, v in servers if kv_publisher(ep, v, model) is not None)
+    if model.tokenizer and (publishing or model.kv_events or any(v.kv_events for v in model.versions)):
+        return {
+            "kind": "precise",
+            "tokenizer": model.tokenizer,
+            "publishing": publishing,
+            "servers": len(servers),
+            "text": f"precise: the servers' KV events ({publishing} of {len(servers)} listed servers "
+            f"publish; the others approximate), prompts tokenized with {model.tokenizer}",
+        }
+    why = "no tokenizer" if not model.tokenizer else "no server names kv_events"
+    return {"kind": "approximate", "text": f"approximate ({why}): where a prompt's first bytes went last"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -132,6 +132,8 @@ def _envoy_rows(e: Mapping[str, Any]) -> list[list[str]]:
             ["picker", f"asks {', '.join(pk['endpoints'])}{budget}; past it, down or failing: {fallback}"]
         )
         rows.append(["", "fallbacks counted in " + " and ".join(pk["fallbacks_counted_in"])])
+        if pk.get("prefix_index") is not None:
+            rows.append(["prefix index", pk["prefix_index"]["text"]])
     else:
         rows.append(["balancing", f"{e['settings']['balancing']['text']}: Envoy {lb}{weighted}"])
     aff = e["affinity"]
