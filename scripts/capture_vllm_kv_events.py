@@ -13,7 +13,7 @@ Saves into tests/fixtures/kv_events/vllm/:
 - `events.msgpack`: every message as published, `[topic, seq, payload]` frames;
 - `replay.msgpack`: what the replay socket answered to `(b"", 0)`, frames as received;
 - `requests.json`: the requests sent (bodies), in order;
-- `tokenizer.json`, `tokenizer_config.json`: the model's tokenizer (the tests tokenize the
+- `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`: the model's tokenizer (the tests tokenize the
   same requests and match their blocks to the events');
 - `capture.json`: the source (vLLM version, the command line).
 
@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capture_vllm_pages import MODEL_NAME, STARTUP_S, free_port, get, make_model, stop  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "kv_events" / "vllm"
-SYSTEM = "You are the assistant of the alpha team. " + " ".join(f"Rule {i}: answer briefly." for i in range(40))
+SYSTEM = "You are the assistant of the alpha team. " + " ".join(
+    f"Rule {i}: answer briefly." for i in range(40)
+)
 
 
 def post(base: str, path: str, body: dict[str, Any] | None) -> int:
@@ -129,8 +131,9 @@ def capture(out: Path) -> dict[str, Any]:
         (out / "events.msgpack").write_bytes(msgspec.msgpack.encode(frames))
         (out / "replay.msgpack").write_bytes(msgspec.msgpack.encode(replayed))
         (out / "requests.json").write_text(json.dumps(requests, indent=1) + "\n")
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(model / name, out / name)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (model / name).exists():
+                shutil.copy(model / name, out / name)
         import vllm
 
         meta = {

@@ -1,6 +1,7 @@
 """The prompt as the server sees it: its token ids, from the request body, with the model's
 own tokenizer and chat template (the `tokenizer:` directory of a model in the fleet file: a
-Hugging Face tokenizer's `tokenizer.json` and `tokenizer_config.json`).
+Hugging Face tokenizer's `tokenizer.json`, `tokenizer_config.json`, and the chat template in
+the latter's `chat_template` or in `chat_template.jinja`).
 
 As vLLM's OpenAI server does:
 - a chat completion's `messages` are rendered with the template of `tokenizer_config.json`
@@ -53,6 +54,9 @@ class Tokenizer:
             config = loaded if isinstance(loaded, dict) else {}
         self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
         template = config.get("chat_template")
+        jinja = directory / "chat_template.jinja"  # where transformers 4.43 and later save it
+        if template is None and jinja.is_file():
+            template = jinja.read_text()
         if isinstance(template, list):  # named templates: the default one
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")

@@ -17,10 +17,12 @@ Each event is one of (msgspec's tagged structs, the tag under "type"):
 - `BlockRemoved`: `block_hashes`, `medium`;
 - `AllBlocksCleared`.
 
-vLLM 0.9 to 0.11 wrote the structs as arrays (`array_like`: the tag first, then the fields
-in order); later versions write maps. Both are read. The replay socket (ROUTER) takes
-`(b"", start_seq)` and answers `(b"", seq, payload)` per buffered batch from start_seq, then
-`(b"", -1, b"")`.
+The batch is an array (`array_like`: ts, events, data_parallel_rank); the events were arrays
+too in vLLM 0.9 to 0.11 (the tag first, then the fields in order) and are maps since (the tag
+under "type"; vLLM 0.32 adds extra_keys, group_idx and kv_cache_spec_kind). Every form is
+read. The replay socket (ROUTER) takes `(b"", start_seq)` and answers, to a DEALER, `(b"",
+topic, seq, payload)` per buffered batch from start_seq, then `(b"", b"", -1, b"")` (vLLM
+0.32; earlier versions left the topic out).
 
 Every message is checked against limits.py's KV_* bounds before anything of it is used: a
 message that breaks one is refused whole (WireError, with the reason), so a bad publisher
@@ -83,6 +85,14 @@ def seq_of(frame: bytes) -> int:
     if len(frame) != 8:
         raise WireError(f"sequence frame of {len(frame)} bytes, not 8")
     return int.from_bytes(frame, "big", signed=True)
+
+
+def replayed(frames: Sequence[bytes]) -> tuple[int, bytes]:
+    """A replay socket's answer, as a DEALER receives it: (b"", topic, seq, payload) from vLLM
+    0.32, (b"", seq, payload) before it; its sequence number (END_SEQ: no more) and payload."""
+    if len(frames) not in (3, 4) or frames[0] != b"":
+        raise WireError(f"replay answer of {len(frames)} frames, not (b'', [topic,] seq, payload)")
+    return seq_of(frames[-2]), frames[-1]
 
 
 def read(frames: Sequence[bytes]) -> Batch:
@@ -184,6 +194,8 @@ def _event(raw: Any, i: int) -> Event:
         if not isinstance(extra, list) or len(extra) != len(hashes):
             raise WireError(f"{where}.extra_keys: not one entry per block")
         extra = tuple(None if e is None else _frozen(e) for e in extra)
+        if all(e is None for e in extra):
+            extra = None  # nothing besides the tokens (vLLM 0.32 sends one None per block)
     return Stored(hashes, parent, tuple(tokens), size, lora, extra)
 
 
@@ -257,4 +269,5 @@ def frames(
 
 
 def payload(ts: float, events: Sequence[dict[str, Any]]) -> bytes:
-    return _ENCODER.encode({"ts": ts, "events": list(events), "data_parallel_rank": 0})
+    """A KVEventBatch as vLLM 0.32 encodes it: an array (ts, events, data_parallel_rank)."""
+    return _ENCODER.encode([ts, list(events), 0])

@@ -244,14 +244,11 @@ class KvSubscriptions:
                 left = deadline - self.clock()
                 if left <= 0 or not await sock.poll(int(left * 1000)):
                     return False
-                frames = await sock.recv_multipart()
-                if len(frames) != 3:
-                    return False
-                seq = wire.seq_of(frames[1])
+                seq, payload = wire.replayed(await sock.recv_multipart())
                 if seq == wire.END_SEQ:
                     break
                 if start <= seq and (upto is None or seq < upto):
-                    got.append(wire.read_payload(seq, frames[2]))
+                    got.append(wire.read_payload(seq, payload))
                 if len(got) > limits.KV_REPLAY_MAX_BATCHES:
                     return False
         except (wire.WireError, zmq.ZMQError):

@@ -95,6 +95,8 @@ class KvPublisher:
             client, _, start = frames
             first = int.from_bytes(start, "big")
             for seq, payload in list(self.buffer):
-                if seq >= first:
-                    await self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-            await self.router.send_multipart([client, b"", wire.END_SEQ.to_bytes(8, "big", signed=True), b""])
+                if seq >= first:  # as vLLM 0.32 answers: (delimiter, topic, seq, payload)
+                    await self.router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload])
+            await self.router.send_multipart(
+                [client, b"", b"", wire.END_SEQ.to_bytes(8, "big", signed=True), b""]
+            )
