@@ -15,12 +15,14 @@ tokenizer, a picker subscribed to both, the gateway handing it each prompt.
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from controlplane.kvcache import wire
 from controlplane.sim.tokenizer import make_tokenizer
 from tests.integration.harness import Client, EmulatedFleet, Emulator, Operator, http_get, wait_until
 from tests.integration.test_picker import PickerProc
@@ -39,7 +41,8 @@ SYSTEM_B = "You are the assistant of the beta team. " + " ".join(
 
 
 class Rig:
-    def __init__(self, tmp: Path, events: bool) -> None:
+    def __init__(self, tmp: Path, events: bool, hostile: str | None = None) -> None:
+        self.hostile = hostile  # a server whose publisher is the test's (it publishes nothing itself)
         self.tmp = tmp
         self.fleet = EmulatedFleet(tmp)
         self.tokenizer = make_tokenizer(tmp / "tokenizer")
@@ -49,6 +52,11 @@ class Rig:
 
     def start_server(self, name: str, port: int | None = None) -> Emulator:
         events, replay = self.kv_ports.setdefault(name, (free_port(), free_port()))
+        kv = (
+            {}
+            if name == self.hostile
+            else {"kv_events": f"tcp://127.0.0.1:{events}", "kv_replay": f"tcp://127.0.0.1:{replay}"}
+        )
         server = Emulator(
             name,
             self.tmp,
@@ -58,8 +66,7 @@ class Rig:
             decode_ms_per_token=2,
             prefill_ms_per_token=1,
             tokenizer=self.tokenizer,
-            kv_events=f"tcp://127.0.0.1:{events}",
-            kv_replay=f"tcp://127.0.0.1:{replay}",
+            **kv,
         )
         self.fleet.servers[name] = server
         return server
@@ -178,7 +185,8 @@ def prefix_hits(server: Emulator) -> float:
 
 @pytest.fixture
 def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
-    r = Rig(tmp_path, events=getattr(request, "param", True))
+    param = getattr(request, "param", True)
+    r = Rig(tmp_path, events=bool(param), hostile=param if isinstance(param, str) else None)
     try:
         yield r.start()
     finally:
@@ -246,3 +254,53 @@ def test_without_the_events_the_prompts_do_not_draw_their_followers(rig: Rig) ->
     assert served != [b.address] * 3 + [a.address] * 3, served  # the test above fails without the events
     assert rig.picker is not None
     assert rig.picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') == 0
+
+
+@pytest.mark.parametrize("rig", ["b"], indirect=True)
+def test_a_hostile_publisher_spoils_only_its_own_entries_and_fails_no_request(rig: Rig) -> None:
+    """Server b's publisher is the test's: garbage frames, a batch too large, a wrong block size,
+    the very hashes server a published for other tokens, a replay socket that never answers, then
+    it vanishes. Server a's entries stay, its prompt still goes to it, no request fails."""
+    import zmq
+
+    a, b = rig.fleet.servers["a"], rig.fleet.servers["b"]
+    assert rig.picker is not None
+    picker = rig.picker
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{rig.kv_ports['b'][0]}")
+    try:
+        direct(a, chat(SYSTEM_A, "warm up"))
+        a_applied = f'controlplane_picker_kv_batches_total{{result="applied",server="{a.address}"}}'
+        wait_until(lambda: picker.metric(a_applied) >= 1, 15, "a's events indexed")
+        settled(rig)
+        blocks = picker.metric("controlplane_picker_kv_index_blocks")
+        refused = f'controlplane_picker_kv_batches_total{{result="refused",server="{b.address}"}}'
+        b_applied = f'controlplane_picker_kv_batches_total{{result="applied",server="{b.address}"}}'
+
+        def flood() -> None:  # until the picker has taken some: ZMQ drops what a PUB sends before
+            pub.send_multipart([b"", b"nonsense", b"\xc1\xc1"])
+            wrong = wire.stored([1], None, list(range(7)), 8)
+            wrong["block_size"] = 16  # 7 tokens for a block of 16
+            pub.send_multipart(list(wire.frames(0, time.time(), [wrong])))
+            # The very hashes a published, for other tokens.
+            stolen = wire.stored(list(range(1, 40)), None, list(range(5, 5 + 39 * 16)), 16)
+            pub.send_multipart(list(wire.frames(1, time.time(), [stolen])))
+
+        def taken() -> bool:
+            flood()
+            return picker.metric(refused) >= 2 and picker.metric(b_applied) >= 1
+
+        wait_until(taken, 20, "the picker to take the hostile publisher's messages")
+        # A gap its replay socket (nobody) never fills; a message past the bound (ZMQ drops the
+        # connection for it), and the publisher vanishes.
+        pub.send_multipart(list(wire.frames(300, time.time(), [wire.cleared()])))
+        pub.send_multipart([b"", (301).to_bytes(8, "big"), b"\x00" * (5 << 20)])
+        pub.close(0)  # and it vanishes
+        served = [via_gateway(rig, chat(SYSTEM_A, f"question {i}")) for i in range(4)]
+        assert served == [a.address] * 4, kv_lines(picker)
+        assert picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') == 4
+        assert picker.metric("controlplane_picker_kv_index_blocks") >= blocks  # a's all there
+    finally:
+        pub.close(0)
+        ctx.term()
