@@ -165,12 +165,19 @@ def fleet_yaml(
     classes: list[tuple[str, float, int, int]],
     pickers: Sequence[str] = (),
     affinity: str = "",
+    kv: tuple[str, dict[str, tuple[str, str]]] | None = None,
 ) -> str:
     """The fleet file: one model on every server, `policy` its tier's balancing; `affinity`
-    (YAML flow, e.g. `{prefix: {}}`) the model's affinity, if any."""
+    (YAML flow, e.g. `{prefix: {}}`) the model's affinity, if any; `kv`: the model's tokenizer
+    directory and each server's KV-event publisher and replay socket (docs/kv-events.md)."""
     lines = [
         f"listener: {{port: {listener}}}",
-        *([f"picker: {{endpoints: {json.dumps(list(pickers))}}}"] if pickers else []),
+        # With a tokenizer the picker tokenizes each prompt: a budget for that, not the 5 ms default.
+        *(
+            [f"picker: {{endpoints: {json.dumps(list(pickers))}{', timeout: 50ms' if kv else ''}}}"]
+            if pickers
+            else []
+        ),
         "tiers:",
         f"  small: {{max_params_b: 15, timeout: 300s, balancing: {policy}}}",
         "gpu_classes:",
@@ -179,11 +186,14 @@ def fleet_yaml(
         lines.append(f"  {gpu}: {{capacity: {speed}}}")
     lines += ["models:", "  bench-8b:", "    params_b: 8", "    stable: v1"]
     lines += [f"    affinity: {affinity}"] if affinity else []
+    lines += [f"    tokenizer: '{kv[0]}'"] if kv else []
     lines += ["    versions:", "      v1:"]
     lines.append("        endpoints:")
     for gpu, _, base, count in classes:
         for port in range(base, base + count):
-            lines.append(f"          - {{address: 127.0.0.1:{port}, gpu: {gpu}}}")
+            where = kv[1].get(f"127.0.0.1:{port}") if kv else None
+            events = f", kv_events: '{where[0]}', kv_replay: '{where[1]}'" if where else ""
+            lines.append(f"          - {{address: 127.0.0.1:{port}, gpu: {gpu}{events}}}")
     return "\n".join(lines) + "\n"
 
 
@@ -294,7 +304,20 @@ def start_servers(stack: Stack, args: argparse.Namespace) -> list[tuple[str, flo
         ]
         if getattr(args, "kv_tokens", None):  # the prefix cache's size (bench/peers)
             emulate += ["--kv-capacity-tokens", str(args.kv_tokens)]
-        stack.spawn(f"emulate-{gpu}", emulate)
+        publishers = getattr(args, "kv_publishers", None)
+        if publishers is None:
+            stack.spawn(f"emulate-{gpu}", emulate)
+            continue
+        # KV events (bench/peers' kv work): a process per server, each publishing its own.
+        for i in range(args.per_class):
+            address = f"127.0.0.1:{base + i}"
+            events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+            publishers[address] = (events, replay)
+            one = [*emulate]
+            one[one.index("--listen") + 1] = address
+            one[one.index("--count") + 1] = "1"
+            one += ["--kv-events", events, "--kv-replay", replay, "--tokenizer", str(args.kv_tokenizer)]
+            stack.spawn(f"emulate-{gpu}-{i}", one)
     for _, _, base, count in classes:
         for port in range(base, base + count):
             wait_http(f"http://127.0.0.1:{port}/health", 20, "emulated servers", stack.procs)

@@ -68,6 +68,7 @@ from real import (  # noqa: E402
 )
 
 from bench.ports import free_port  # noqa: E402
+from controlplane.sim.tokenizer import make_tokenizer  # noqa: E402
 
 MODEL = "bench-8b"
 DEFAULT_CACHE = (
@@ -142,6 +143,7 @@ class Arm:
     affinity: bool = False
     flags: tuple[str, ...] = ()
     note: str = ""
+    kv: bool = False  # the servers publish KV events; ours reads them (tokenizer:, kv_events:)
 
 
 ARMS = {
@@ -156,6 +158,19 @@ ARMS = {
             "picker",
             balancing="picker",
             note="ours, balancing: picker (one picker; prefix affinity on prefix work)",
+        ),
+        Arm(
+            "picker+kv",
+            balancing="picker",
+            kv=True,
+            note="ours, balancing: picker with the servers' KV events (docs/kv-events.md)",
+        ),
+        Arm(
+            "vllm/kv_aware",
+            "vllm",
+            flags=("--policy", "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", MODEL),
+            kv=True,
+            note="the same KV events (--kv-event-source, --kv-event-replay-source per worker)",
         ),
         Arm("vllm/power_of_two", "vllm", flags=("--policy", "power_of_two")),
         Arm("vllm/cache_aware", "vllm", flags=("--policy", "cache_aware"), note="vllm-router's default"),
@@ -227,6 +242,7 @@ PREFIX_ARMS = (
     "sglang/cache_aware+tuned",
 )
 FAULT_ARMS = ("adaptive", "vllm/power_of_two", "sglang/cache_aware")
+KV_ARMS = ("picker", "picker+kv", "vllm/kv_aware", "sglang/cache_aware")
 TOKENS = ("--tokens-median", "24")  # output tokens as loadgen.py's: lognormal, median 24, at most 400
 WORKLOADS = {
     w.name: w
@@ -253,6 +269,25 @@ WORKLOADS = {
             default=True,
             about="16 shared system prompts x 4 conversations of 6 turns, each turn extending the last; "
             "unlike GPUs, 60% of the capacity without a cache hit",
+        ),
+        Workload(
+            "kv",
+            "prefix",
+            0.60,
+            KV_ARMS,
+            prefix_args=(
+                "--systems",
+                "16",
+                "--sessions",
+                "4",
+                "--turns",
+                "6",
+                "--unique-share",
+                "0",
+                *TOKENS,
+            ),
+            about="the prefix work with the servers publishing KV events: the approximate index "
+            "(picker) against the precise one (picker+kv) and the peers on the same events",
         ),
         Workload(
             "multiturn",
@@ -406,9 +441,13 @@ def start_ours(
     pickers = [free_port()] if arm.balancing == "picker" else []
     affinity = "{prefix: {}}" if arm.affinity or (prefix and pickers) else ""
 
+    kv = (str(args.kv_tokenizer), args.kv_publishers) if arm.kv else None
+    if arm.kv:
+        affinity = ""  # the precise index keys prompts itself
+
     def write(extra: Sequence[str] = ()) -> None:
         classes = fleet.classes + [("fast", 1.0, int(a.rsplit(":", 1)[1]), 1) for a in extra]
-        text = fleet_yaml(arm.balancing, listener, classes, [f"127.0.0.1:{p}" for p in pickers], affinity)
+        text = fleet_yaml(arm.balancing, listener, classes, [f"127.0.0.1:{p}" for p in pickers], affinity, kv)
         tmp = workdir / "fleet.yaml.tmp"
         tmp.write_text(text)
         tmp.replace(workdir / "fleet.yaml")  # the control plane never reads half a file
@@ -438,7 +477,13 @@ def start_peer(stack: Stack, arm: Arm, workers: Sequence[str], args: argparse.Na
     peer = PEERS[arm.peer]
     port = free_port()
     venv = peer_venv(peer, args.cache_dir)
-    proc = stack.spawn(arm.name.replace("/", "-"), peer.argv(venv, port, workers, arm.flags))
+    flags = list(arm.flags)
+    if arm.kv:  # vllm-router's static event sources: the same publishers ours reads
+        for worker in workers:
+            events, replay = args.kv_publishers[worker]
+            flags += ["--kv-event-source", f"http://{worker}={events}"]
+            flags += ["--kv-event-replay-source", f"http://{worker}={replay}"]
+    proc = stack.spawn(arm.name.replace("/", "-"), peer.argv(venv, port, workers, flags))
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/health", 60, arm.name, stack.procs)
     # Until it routes: a first request that succeeds (a router may be up before its workers are).
@@ -538,6 +583,11 @@ def run_arm(arm: Arm, work: Workload, args: argparse.Namespace, rate: float) -> 
         ns = argparse.Namespace(**vars(args))
         if prefix:
             ns.prefill_ms, ns.kv_tokens = args.prefix_prefill_ms, args.kv_tokens
+        if work.name == "kv":  # every arm of the kv work runs on servers that publish
+            # One token per word of prefix_load.py's vocabulary: the token counts of the other work.
+            vocab = [f"sys{i}w{n}" for i in range(16) for n in range(10_000)]  # --systems 16
+            vocab += [f"{t}{n}" for t in ("q", "a") for n in range(10_000)]
+            ns.kv_publishers, ns.kv_tokenizer = {}, make_tokenizer(workdir / "tokenizer", vocab)
         fleet = Fleet(start_servers(stack, ns))
         if arm.peer:
             front = start_peer(stack, arm, fleet.addresses, ns)

@@ -8,6 +8,7 @@ read a real model's."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 CHAT_TEMPLATE = (
@@ -22,14 +23,29 @@ _TEXT = [
 ] * 20
 
 
-def make_tokenizer(directory: Path) -> Path:
-    """Write the tokenizer into `directory` (made if missing); returns it."""
-    from tokenizers import ByteLevelBPETokenizer
+def make_tokenizer(directory: Path, words: Iterable[str] | None = None) -> Path:
+    """Write the tokenizer into `directory` (made if missing); returns it. With `words`, a
+    word-level tokenizer of those words instead (one token per whitespace-separated word, as
+    the emulator counts a prompt without a tokenizer; any other word is <unk>): benchmarks whose
+    prompts are drawn from a known vocabulary keep their token counts."""
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
 
     directory.mkdir(parents=True, exist_ok=True)
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(_TEXT, vocab_size=512, min_frequency=1, special_tokens=["<s>", "</s>", "<unk>"])
-    bpe.save(str(directory / "tokenizer.json"))
+    if words is not None:
+        vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
+        for w in words:
+            vocab.setdefault(w, len(vocab))
+        tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = WhitespaceSplit()
+        tok.save(str(directory / "tokenizer.json"))
+    else:
+        bpe = ByteLevelBPETokenizer()
+        bpe.train_from_iterator(
+            _TEXT, vocab_size=512, min_frequency=1, special_tokens=["<s>", "</s>", "<unk>"]
+        )
+        bpe.save(str(directory / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return directory
