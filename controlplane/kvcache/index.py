@@ -29,13 +29,14 @@ their integers: about BYTES_PER_BLOCK bytes (measured in tests/unit/test_kv_inde
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Generator, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from controlplane.kvcache.blocks import block_key, root
 from controlplane.kvcache.wire import Batch, Cleared, Removed, Stored
 
+STEP_BLOCKS = 256  # blocks stored between two yields of apply_steps (about 0.3 ms here)
 MAX_BLOCKS = 1 << 20  # about 140 MB at the measured cost: a fleet's worth of GPU caches
 BYTES_PER_BLOCK = 140  # measured: tests/unit/test_kv_index.py::test_the_bytes_per_block_are_as_documented
 
@@ -51,6 +52,7 @@ class Applied(StrEnum):
 class Stream:
     """One server's publisher as the index follows it."""
 
+    server: str = ""
     seq: int | None = None  # the last batch applied (None: none yet)
     block_size: int | None = None
     blocks: dict[Hashable, int] = field(default_factory=dict)  # the server's hash -> key, oldest first
@@ -61,6 +63,15 @@ class Stream:
     refused: int = 0  # events refused: a block size other than the stream's
 
 
+def run(steps: Generator[None, None, Applied]) -> Applied:
+    """Every step of an apply_steps at once; its outcome."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
 @dataclass
 class KvIndex:
     max_blocks: int = MAX_BLOCKS
@@ -69,10 +80,38 @@ class KvIndex:
     evicted: int = 0  # blocks dropped for the bound
 
     def stream(self, server: str) -> Stream:
-        return self.streams.setdefault(server, Stream())
+        st = self.streams.get(server)
+        if st is None:
+            st = self.streams[server] = Stream(server)
+        return st
 
     def apply(self, server: str, batch: Batch, now: float) -> Applied:
         """A batch from `server`'s publisher, in the order it came (see the module's text)."""
+        return run(self.apply_steps(server, batch, now))
+
+    def apply_steps(
+        self, server: str, batch: Batch, now: float, step: int = STEP_BLOCKS
+    ) -> Generator[None, None, Applied]:
+        """`apply`, yielding after every `step` blocks stored, so that a caller on an event loop
+        lets other work run between (a batch of thousands of blocks is a millisecond or more
+        of work); it returns the outcome. Between two steps the server's entries hold part of
+        the batch: a prefix of a prompt's chain, never a block without the one before."""
+        outcome = self._begin(server, batch, now)
+        if outcome in (Applied.GAP, Applied.DUPLICATE):
+            return outcome
+        st = self.stream(server)
+        for event in batch.events:
+            if isinstance(event, Stored):
+                yield from self._store(st, event, step)
+            elif isinstance(event, Removed):
+                for h in event.hashes:
+                    self._drop(st, h)
+            elif isinstance(event, Cleared):
+                self._clear(st)
+            self._bound()
+        return outcome
+
+    def _begin(self, server: str, batch: Batch, now: float) -> Applied:
         st = self.stream(server)
         outcome = Applied.APPLIED
         if st.replayed_to is not None:
@@ -87,15 +126,6 @@ class KvIndex:
             outcome = Applied.RESTART
         st.seq = batch.seq
         st.last_event_at = now
-        for event in batch.events:
-            if isinstance(event, Stored):
-                self._store(st, event)
-            elif isinstance(event, Removed):
-                for h in event.hashes:
-                    self._drop(st, h)
-            elif isinstance(event, Cleared):
-                self._clear(st)
-        self._bound()
         return outcome
 
     def replayed(self, server: str) -> None:
@@ -122,7 +152,7 @@ class KvIndex:
         st.blocks.clear()
         st.keys.clear()
 
-    def _store(self, st: Stream, ev: Stored) -> None:
+    def _store(self, st: Stream, ev: Stored, step: int) -> Iterator[None]:
         if st.block_size is None:
             st.block_size = ev.block_size
         elif ev.block_size != st.block_size:
@@ -137,9 +167,15 @@ class KvIndex:
                 return
             parent = held
         size = ev.block_size
+        tokens = ev.token_ids
         for i, h in enumerate(ev.hashes):
+            if i and i % step == 0:
+                self._bound()
+                yield
+                if st is not self.streams.get(self._server_of(st)):
+                    return  # forgotten meanwhile (a reconnect, a server gone)
             extra = ev.extra[i] if ev.extra is not None else None
-            key = block_key(parent, ev.token_ids[i * size : (i + 1) * size], extra)
+            key = block_key(parent, tokens[i * size : (i + 1) * size], extra)
             self._drop(st, h)  # a hash stored again (or reused for other tokens): the new one counts
             other = st.keys.get(key)
             if other is not None:  # the same tokens under another hash: one entry
@@ -148,6 +184,9 @@ class KvIndex:
             st.keys[key] = h
             self.size += 1
             parent = key
+
+    def _server_of(self, st: Stream) -> str:
+        return st.server
 
     def _drop(self, st: Stream, h: Hashable) -> None:
         key = st.blocks.pop(h, None)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -102,11 +102,92 @@ def read(frames: Sequence[bytes]) -> Batch:
     return read_payload(seq_of(frames[1]), frames[2])
 
 
+# vLLM 0.32's form, decoded and checked in C (msgspec): a batch of a thousand blocks in well
+# under a millisecond. Anything else (an older form, or a message that breaks a rule) goes the
+# generic way below, which reads every form and names what is wrong.
+_TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+_Hash = (
+    int | Annotated[bytes, msgspec.Meta(min_length=1, max_length=limits.KV_HASH_MAX_BYTES)]
+)  # msgpack: 64-bit
+
+
+class _Stored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+    block_hashes: Annotated[list[_Hash], msgspec.Meta(max_length=limits.KV_BLOCKS_PER_EVENT_MAX)]
+    parent_block_hash: _Hash | None
+    token_ids: list[_TokenId]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=limits.KV_BLOCK_SIZE_MAX)]
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: Annotated[str, msgspec.Meta(max_length=limits.API_NAME_MAX_CHARS)] | None = None
+    extra_keys: list[Any] | None = None
+
+
+class _Removed(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
+    block_hashes: Annotated[list[_Hash], msgspec.Meta(max_length=limits.KV_BLOCKS_PER_EVENT_MAX)]
+
+
+class _Cleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
+    pass
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    ts: float
+    events: Annotated[
+        list[_Stored | _Removed | _Cleared], msgspec.Meta(max_length=limits.KV_EVENTS_PER_BATCH_MAX)
+    ]
+    data_parallel_rank: int | None = None
+
+
+_DECODER = msgspec.msgpack.Decoder(_Batch)
+
+
+def _fast(seq: int, payload: bytes) -> Batch | None:
+    try:
+        raw = _DECODER.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if not math.isfinite(raw.ts):
+        return None
+    events: list[Event] = []
+    for ev in raw.events:
+        if isinstance(ev, _Stored):
+            n = len(ev.block_hashes)
+            if len(ev.token_ids) != ev.block_size * n:
+                return None
+            lora = (
+                ev.lora_name if ev.lora_name is not None else None if ev.lora_id is None else f"#{ev.lora_id}"
+            )
+            extra = None
+            if ev.extra_keys is not None:
+                if len(ev.extra_keys) != n:
+                    return None
+                if any(e is not None for e in ev.extra_keys):
+                    extra = tuple(None if e is None else _frozen(e) for e in ev.extra_keys)
+            events.append(
+                Stored(
+                    tuple(ev.block_hashes),
+                    ev.parent_block_hash,
+                    tuple(ev.token_ids),
+                    ev.block_size,
+                    lora,
+                    extra,
+                )
+            )
+        elif isinstance(ev, _Removed):
+            events.append(Removed(tuple(ev.block_hashes)))
+        else:
+            events.append(Cleared())
+    return Batch(seq, raw.ts, tuple(events))
+
+
 def read_payload(seq: int, payload: bytes) -> Batch:
     if seq < 0:
         raise WireError(f"negative sequence number {seq}")
     if len(payload) > limits.KV_EVENT_MAX_BYTES:
         raise WireError(f"payload of {len(payload)} bytes, above {limits.KV_EVENT_MAX_BYTES}")
+    fast = _fast(seq, payload)
+    if fast is not None:
+        return fast
     try:
         raw = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, RecursionError) as e:

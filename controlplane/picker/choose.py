@@ -53,7 +53,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -61,7 +61,7 @@ from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 
 from controlplane import limits
-from controlplane.kvcache.index import KvIndex
+from controlplane.kvcache.index import Applied, KvIndex, run
 from controlplane.kvcache.wire import Batch
 
 # Health statuses a server may be picked in: what Envoy's override_host takes by default.
@@ -359,8 +359,12 @@ class PickerState:
     def kv_event(self, server: str, batch: Batch, now: float) -> str:
         """A batch from `server`'s KV events (kvcache/index.py's KvIndex.apply): what became
         of it. Any batch shows the server publishing: it is not stale."""
+        return run(self.kv_event_steps(server, batch, now)).value
+
+    def kv_event_steps(self, server: str, batch: Batch, now: float) -> Generator[None, None, Applied]:
+        """kv_event a step at a time (KvIndex.apply_steps): for a caller on an event loop."""
         self.kv_pending.pop(server, None)
-        return self.kv.apply(server, batch, now).value
+        return self.kv.apply_steps(server, batch, now)
 
     def kv_fresh(self, server: str, now: float) -> bool:
         """The server's KV events can be trusted for a pick: it publishes (the control plane
@@ -390,8 +394,10 @@ class PickerState:
         With `kv`, each server within the load bound (its time at most prefix_bound times the
         mean) has its time lowered by KV_PREFILL_SHARE times the part of the prompt it holds,
         over its speed: from its KV events where they are fresh (kv_fresh), else by the
-        approximate index (all of it, if the prompt's approximate key went there last). A free
-        slot still comes first: a long hit on a busy slow server loses to an idle fast one."""
+        approximate index (all of it, if the prompt's approximate key went there last). Where
+        any server has such a credit, the lowered times alone rank (no free slot first): a
+        short wait where the prompt is cached beats computing it again, while a long hit on a
+        busy or slow server still loses to an idle fast one."""
         if kv is not None and not prefix:
             prefix = kv.approximate_key()
         servers = [
@@ -435,12 +441,17 @@ class PickerState:
         else:
             adjusted = costs
 
+        credited = any(adjusted[a] < costs[a] for a in costs)
+
         def order(c: Candidate) -> tuple[bool, float, float, int]:
             # A server known to have a slot free before any other: a wait's length is a guess
-            # (the requests ahead may be long), a free slot is not.
+            # (the requests ahead may be long), a free slot is not. But a cached prompt is no
+            # guess either: where one is (within the load bound), the times alone rank, so a
+            # short wait for a slot on the server that holds the prompt beats a free slot where
+            # it must be computed again (as the approximate index's hit does).
             free = bool(known) and costs[c.address] * c.scale <= 1.0  # slots unknown: plain LR
             busy = loads[c.address] / slots[c.address]
-            return (not free, adjusted[c.address], busy, self._last_pick.get(c.address, 0))
+            return (not free and not credited, adjusted[c.address], busy, self._last_pick.get(c.address, 0))
 
         servers.sort(key=order)
         ranked = [s.address for s in servers]

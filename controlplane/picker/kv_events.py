@@ -215,7 +215,7 @@ class KvSubscriptions:
             self.metrics.batches.labels(server, "refused").inc()
             log.debug("kv events batch refused", server=server, reason=str(e)[:200])
             return
-        result = self.state.kv_event(server, batch, self.clock())
+        result = await self._apply(server, batch)
         if result == "gap":
             st = self.state.kv.stream(server)
             start = (st.seq or 0) + 1
@@ -224,10 +224,20 @@ class KvSubscriptions:
             if not filled:
                 self.state.kv.forget(server)
                 self.metrics.lost.labels(server, "gap").inc()
-            result = self.state.kv_event(server, batch, self.clock())
+            result = await self._apply(server, batch)
         self.metrics.batches.labels(server, result).inc()
         log.debug("kv events batch", server=server, seq=batch.seq, result=result, events=len(batch.events))
         self.metrics.lag.labels(server).set(max(0.0, time.time() - batch.ts))
+
+    async def _apply(self, server: str, batch: wire.Batch) -> str:
+        """Apply a batch a step at a time (KvIndex.apply_steps), letting the picks run between."""
+        steps = self.state.kv_event_steps(server, batch, self.clock())
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return str(done.value.value)
+            await asyncio.sleep(0)
 
     async def _replay(self, server: str, endpoint: str, start: int, upto: int | None) -> bool:
         """Ask `endpoint` for batches `start`..`upto - 1` (None: all it has from `start`, the
@@ -263,6 +273,6 @@ class KvSubscriptions:
         elif seqs != list(range(start, upto)):
             return False  # the replay no longer reaches back, or skipped some
         for b in got:
-            self.state.kv_event(server, b, self.clock())
+            await self._apply(server, b)
         self.state.kv.replayed(server)
         return True
