@@ -29,13 +29,17 @@ their integers: about BYTES_PER_BLOCK bytes (measured in tests/unit/test_kv_inde
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Generator, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Generic, TypeVar
 
 from controlplane.kvcache.blocks import block_key, root
 from controlplane.kvcache.wire import Batch, Cleared, Removed, Stored
 
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 STEP_BLOCKS = 256  # blocks stored between two yields of apply_steps (about 0.3 ms here)
 MAX_BLOCKS = 1 << 20  # about 140 MB at the measured cost: a fleet's worth of GPU caches
 BYTES_PER_BLOCK = 140  # measured: tests/unit/test_kv_index.py::test_the_bytes_per_block_are_as_documented
@@ -48,6 +52,54 @@ class Applied(StrEnum):
     DUPLICATE = "duplicate"  # already applied from a replay: nothing to do
 
 
+SHARDS = 64  # each map is split in this many dicts: a dict's resize is O(its size), so no pause is long
+
+
+class Sharded(Generic[K, V]):
+    """A mapping split over SHARDS dicts by the key's hash: a million entries never resize at
+    once (a resize of one dict of a million is tens of milliseconds on the event loop)."""
+
+    __slots__ = ("_len", "_maps")
+
+    def __init__(self) -> None:
+        self._maps: list[dict[K, V]] = [{} for _ in range(SHARDS)]
+        self._len = 0
+
+    def _map(self, k: K) -> dict[K, V]:
+        return self._maps[hash(k) & (SHARDS - 1)]
+
+    def get(self, k: K) -> V | None:
+        return self._map(k).get(k)
+
+    def __contains__(self, k: object) -> bool:
+        return k in self._maps[hash(k) & (SHARDS - 1)]
+
+    def set(self, k: K, v: V) -> None:
+        m = self._map(k)
+        if k not in m:
+            self._len += 1
+        m[k] = v
+
+    def pop(self, k: K) -> V | None:
+        m = self._map(k)
+        if k in m:
+            self._len -= 1
+            return m.pop(k)
+        return None
+
+    def clear(self) -> None:
+        for m in self._maps:
+            m.clear()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[K]:
+        for m in self._maps:
+            yield from m
+
+
 @dataclass
 class Stream:
     """One server's publisher as the index follows it."""
@@ -55,8 +107,9 @@ class Stream:
     server: str = ""
     seq: int | None = None  # the last batch applied (None: none yet)
     block_size: int | None = None
-    blocks: dict[Hashable, int] = field(default_factory=dict)  # the server's hash -> key, oldest first
-    keys: dict[int, Hashable] = field(default_factory=dict)  # key -> the server's hash
+    blocks: Sharded[Hashable, int] = field(default_factory=Sharded)  # the server's hash -> key
+    keys: Sharded[int, Hashable] = field(default_factory=Sharded)  # key -> the server's hash
+    order: deque[Hashable] = field(default_factory=deque)  # hashes as stored, oldest first (some gone)
     last_event_at: float | None = None
     replayed_to: int | None = None  # batches up to this came by replay: live copies are duplicates
     orphans: int = 0  # stored events skipped: their parent was not held
@@ -151,6 +204,7 @@ class KvIndex:
         self.size -= len(st.blocks)
         st.blocks.clear()
         st.keys.clear()
+        st.order.clear()
 
     def _store(self, st: Stream, ev: Stored, step: int) -> Iterator[None]:
         if st.block_size is None:
@@ -180,27 +234,34 @@ class KvIndex:
             other = st.keys.get(key)
             if other is not None:  # the same tokens under another hash: one entry
                 self._drop(st, other)
-            st.blocks[h] = key
-            st.keys[key] = h
+            st.blocks.set(h, key)
+            st.keys.set(key, h)
+            st.order.append(h)
             self.size += 1
             parent = key
+        if len(st.order) > 2 * len(st.blocks) + 4096:  # hashes removed since: compact
+            st.order = deque(h for h in st.order if h in st.blocks)
 
     def _server_of(self, st: Stream) -> str:
         return st.server
 
     def _drop(self, st: Stream, h: Hashable) -> None:
-        key = st.blocks.pop(h, None)
+        key = st.blocks.pop(h)
         if key is not None:
-            st.keys.pop(key, None)
+            st.keys.pop(key)
             self.size -= 1
 
     def _bound(self) -> None:
         while self.size > self.max_blocks:
             st = max(self.streams.values(), key=lambda s: len(s.blocks))
             drop = min(len(st.blocks), self.size - self.max_blocks, 4096)
-            for _ in range(drop):
-                self._drop(st, next(iter(st.blocks)))
-            self.evicted += drop
+            dropped = 0
+            while dropped < drop and st.order:
+                h = st.order.popleft()
+                if h in st.blocks:  # not removed since (then it is no more in the order's count)
+                    self._drop(st, h)
+                    dropped += 1
+            self.evicted += dropped
 
     def block_size(self, server: str) -> int | None:
         st = self.streams.get(server)

@@ -46,6 +46,7 @@ import asyncio
 import hmac
 import math
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Iterable
 from itertools import islice
@@ -265,6 +266,8 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if (size := self.state.kv.block_size(c.address)) is not None
         } or {DEFAULT_BLOCK_SIZE}
         try:
+            if len(ask.prompt) <= INLINE_PROMPT_CHARS:  # well under a millisecond: no thread hop
+                return _kv_keys(self.tokenizers, directory, ask.prompt, sizes)
             return await asyncio.to_thread(_kv_keys, self.tokenizers, directory, ask.prompt, sizes)
         except PromptError as e:
             self.metrics.kv.tokenizer_errors.inc()
@@ -504,6 +507,13 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's
+# A prompt up to this long is tokenized on the event loop (a few hundred microseconds); a
+# longer one in a thread, so the loop serves other picks meanwhile. A thread hop costs a GIL
+# handoff each way, milliseconds when the loop is busy (applying KV events).
+INLINE_PROMPT_CHARS = 16 << 10
+# The GIL's switch interval (5 ms by default): how long a thread that wants it (the gRPC
+# poller, a tokenizing thread) may wait while the loop runs. A picker answers in milliseconds.
+SWITCH_INTERVAL_S = 0.0005
 KV_GAUGES_S = 1.0
 
 
@@ -648,6 +658,7 @@ async def serve(
     """Run a picker until SIGINT or SIGTERM (OSError naming the flag if it cannot listen;
     TlsConfigInvalid naming the flag if a TLS file cannot be used)."""
     credentials = server_credentials(tls, SIDE_FLAGS) if tls is not None else None
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     metrics = PickerMetrics()
     picker = Picker(
         control_plane,
