@@ -26,7 +26,7 @@ TOKENIZERS_KEPT = 16  # directories whose tokenizer stays loaded (the least rece
 # The picker tokenizes at most this much of a rendered prompt (about 16k tokens: a few ms on
 # a real model's tokenizer; the prompt's blocks past it are not matched), and drops the last
 # CUT_TOKENS of a cut one (a word cut in two tokenizes otherwise than whole).
-TOKENIZE_MAX_CHARS = 64 << 10
+TOKENIZE_MAX_CHARS = 16 << 10
 CUT_TOKENS = 16
 
 
