@@ -243,7 +243,18 @@ PREFIX_ARMS = (
 )
 FAULT_ARMS = ("adaptive", "vllm/power_of_two", "sglang/cache_aware")
 KV_ARMS = ("picker", "picker+kv", "vllm/kv_aware", "sglang/cache_aware")
-TOKENS = ("--tokens-median", "24")  # output tokens as loadgen.py's: lognormal, median 24, at most 400
+TOKENS = ("--tokens-median", "24")
+# 16 shared system prompts x 4 conversations of 6 turns, each extending the last (prefix_load.py)
+SHARED_SYSTEMS = (
+    "--systems",
+    "16",
+    "--sessions",
+    "4",
+    "--turns",
+    "6",
+    "--unique-share",
+    "0",
+)  # output tokens as loadgen.py's: lognormal, median 24, at most 400
 WORKLOADS = {
     w.name: w
     for w in (
@@ -255,17 +266,7 @@ WORKLOADS = {
             "prefix",
             0.60,
             PREFIX_ARMS,
-            prefix_args=(
-                "--systems",
-                "16",
-                "--sessions",
-                "4",
-                "--turns",
-                "6",
-                "--unique-share",
-                "0",
-                *TOKENS,
-            ),
+            prefix_args=(*SHARED_SYSTEMS, *TOKENS),
             default=True,
             about="16 shared system prompts x 4 conversations of 6 turns, each turn extending the last; "
             "unlike GPUs, 60% of the capacity without a cache hit",
@@ -275,17 +276,7 @@ WORKLOADS = {
             "prefix",
             0.60,
             KV_ARMS,
-            prefix_args=(
-                "--systems",
-                "16",
-                "--sessions",
-                "4",
-                "--turns",
-                "6",
-                "--unique-share",
-                "0",
-                *TOKENS,
-            ),
+            prefix_args=(*SHARED_SYSTEMS, *TOKENS),
             about="the prefix work with the servers publishing KV events: the approximate index "
             "(picker) against the precise one (picker+kv) and the peers on the same events",
         ),

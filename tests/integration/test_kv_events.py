@@ -24,7 +24,15 @@ import pytest
 
 from controlplane.kvcache import wire
 from controlplane.sim.tokenizer import make_tokenizer
-from tests.integration.harness import Client, EmulatedFleet, Emulator, Operator, http_get, wait_until
+from tests.integration.harness import (
+    Client,
+    ControlPlane,
+    EmulatedFleet,
+    Emulator,
+    Operator,
+    http_get,
+    wait_until,
+)
 from tests.integration.test_picker import PickerProc
 from tests.ports import free_port
 
@@ -147,11 +155,16 @@ def via_gateway(rig: Rig, body: bytes) -> str:
 def settled(rig: Rig) -> None:
     """Wait until the picker has read both servers idle from the control plane (the direct
     requests' running counts out of the pages it ranks by)."""
+    assert rig.fleet.cp is not None and rig.picker is not None
+    idle_in_picker(rig.fleet.cp, rig.picker, 20.0)
+
+
+def idle_in_picker(cp: ControlPlane, picker: PickerProc, timeout: float) -> None:
+    """Wait until the control plane reads every server idle, then for two reads of the loads
+    by the picker after that (so its ranking has them)."""
     from controlplane.v1 import endpoint_pb2
 
-    assert rig.fleet.cp is not None and rig.picker is not None
-    picker = rig.picker
-    op = Operator(rig.fleet.cp)
+    op = Operator(cp)
     try:
         wait_until(
             lambda: all(
@@ -160,8 +173,8 @@ def settled(rig: Rig) -> None:
                     endpoint_pb2.ListEndpointsRequest(), metadata=op.md, timeout=5
                 ).endpoints
             ),
-            20,
-            "the control plane to read both servers idle",
+            timeout,
+            "the control plane to read every server idle",
         )
     finally:
         op.close()

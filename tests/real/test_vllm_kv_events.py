@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.v1 import endpoint_pb2
-from tests.integration.harness import Client, ControlPlane, Envoy, Operator, http_get, wait_until
+from tests.integration.harness import Client, ControlPlane, Envoy, http_get, wait_until
+from tests.integration.test_kv_events import idle_in_picker
 from tests.integration.test_picker import PickerProc
 from tests.ports import free_port
 from tests.real.test_vllm import MAKE_MODEL, MODEL, STARTUP_S, VllmServer
@@ -170,23 +170,7 @@ def prefix_hits(server: VllmServer) -> float:
 
 
 def settled(stack: Stack) -> None:
-    op = Operator(stack.cp)
-    try:
-        wait_until(
-            lambda: all(
-                e.HasField("running") and e.running == 0 and e.waiting == 0
-                for e in op.endpoints.List(
-                    endpoint_pb2.ListEndpointsRequest(), metadata=op.md, timeout=5
-                ).endpoints
-            ),
-            60,
-            "the control plane to read both vLLMs idle",
-        )
-    finally:
-        op.close()
-    reads = 'controlplane_picker_load_reads_total{result="ok"}'
-    so_far = stack.picker.metric(reads)
-    wait_until(lambda: stack.picker.metric(reads) >= so_far + 2, 20, "the picker to read the loads since")
+    idle_in_picker(stack.cp, stack.picker, 60.0)
 
 
 def applied(stack: Stack, server: VllmServer) -> float:
