@@ -81,6 +81,10 @@ NOT_RUN = {
     ("docs/autoscaling.md", 'grpcurl -plaintext -d \'{"scalerMetadata"'): (
         "tests/integration/test_keda_scaler.py runs this call against a served model"
     ),
+    ("docs/kv-events.md", "vllm serve MODEL --kv-events-config"): (
+        "starts a vLLM on a GPU host; tests/real/test_vllm_kv_events.py runs vLLM's CPU build with "
+        "this --kv-events-config (on ipc:// paths) behind Envoy and the picker"
+    ),
     ("docs/deploy.md", "docker build"): K8S,
     ("docs/deploy.md", "kubectl create namespace"): K8S,
     ("docs/deploy.md", "python3 -c 'import sys, yaml;"): K8S,
