@@ -6,6 +6,7 @@ holds its bound; a prompt's keys match the blocks the emulator's cache publishes
 from __future__ import annotations
 
 import tracemalloc
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -208,3 +209,17 @@ def test_the_index_always_agrees_with_the_servers_cache(ops: list[tuple[str, int
         index.apply(A, batch(seq, list(listener.events)), 0.0)
     for prompt in prompts:
         assert index.held(A, prompt_keys(ids(prompt), BLOCK_TOKENS)) * BLOCK_TOKENS == cache.peek(prompt)
+
+
+def test_the_emulate_commands_kv_flags_name_what_is_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from controlplane.cli.main import main
+
+    assert main(["emulate", "--model", "m", "--tokenizer", str(tmp_path / "none")]) == 2
+    assert "--tokenizer: " in capsys.readouterr().err
+    assert main(["emulate", "--model", "m", "--kv-replay", "tcp://127.0.0.1:5558"]) == 2
+    assert "--kv-replay: needs --kv-events" in capsys.readouterr().err
+    args = ["emulate", "--model", "m", "--count", "2", "--kv-events", "tcp://127.0.0.1:5557"]
+    assert main(args) == 2
+    assert "--kv-events: one server only" in capsys.readouterr().err

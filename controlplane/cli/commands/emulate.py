@@ -216,6 +216,19 @@ def run(args: argparse.Namespace) -> int:
         kv_replay=args.kv_replay,
         tokenizer=args.tokenizer,
     )
+    if args.tokenizer:
+        from controlplane.kvcache.prompt import PromptError, Tokenizers
+
+        try:
+            Tokenizers(max_chars=None).get(args.tokenizer)
+        except PromptError as e:
+            print(f"controlplane emulate: --tokenizer: {e}", file=sys.stderr)
+            return 2
+    if args.kv_replay and not args.kv_events:
+        print(
+            "controlplane emulate: --kv-replay: needs --kv-events (the publisher it replays)", file=sys.stderr
+        )
+        return 2
     if args.kv_events and args.count != 1:
         print(
             "controlplane emulate: --kv-events: one server only (--count 1): each needs its own",
