@@ -20,9 +20,11 @@ TOKEN = "quota-status-token"
 class QuotaService:
     """One `controlplane ratelimit` on 127.0.0.1, with `--token-file` holding TOKEN."""
 
-    def __init__(self, config: Path, log_dir: Path, *flags: str, name: str = "ratelimit") -> None:
+    def __init__(
+        self, config: Path, log_dir: Path, *flags: str, name: str = "ratelimit", port: int | None = None
+    ) -> None:
         self.config, self.log_dir, self.flags, self.name = config, log_dir, flags, name
-        self.port = free_port()
+        self.port = port or free_port()  # a fleet file's quotas.service.endpoints names it
         self.metrics_port = free_port()
         self.token_file = log_dir / f"{name}-token"
         self.token_file.write_text(TOKEN + "\n")
@@ -77,6 +79,10 @@ class QuotaService:
     def log(self) -> str:
         assert self.proc is not None
         return self.proc.log()
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -28,8 +28,9 @@ from controlplane import limits
 from controlplane.v1 import picker_pb2, picker_pb2_grpc
 from tests.certs import make_certs
 from tests.integration.harness import BIN, Client, ControlPlane, EmulatedFleet, Emulator, wait_until
+from tests.integration.quota_rig import QuotaService
 from tests.integration.test_picker import CLUSTER, MODEL, PickerProc, send
-from tests.integration.test_quotas import RateLimiter, ask
+from tests.integration.test_quotas import ask
 from tests.ports import free_port
 from tests.unit.test_picker_request import message
 
@@ -462,7 +463,7 @@ def test_requests_refused_locally_never_reach_the_picker(tmp_path: Path) -> None
     that goes to a server asks: one stream, one pick, its end seen. Unknown models (404) and
     bodies over the limit (413) never ask either."""
     fleet = EmulatedFleet(tmp_path)
-    limiter: RateLimiter | None = None
+    limiter: QuotaService | None = None
     picker: PickerProc | None = None
     try:
         fleet.servers["a"] = Emulator("a", tmp_path, MODEL, slots=8)
@@ -481,7 +482,7 @@ def test_requests_refused_locally_never_reach_the_picker(tmp_path: Path) -> None
             f"['{fleet.servers['a'].address}']}}}}}}\n"
         )
         (tmp_path / "fleet.yaml").write_text(text % fleet.listener)
-        limiter = RateLimiter(tmp_path / "fleet.yaml", tmp_path, rl_port).start()
+        limiter = QuotaService(tmp_path / "fleet.yaml", tmp_path, port=rl_port).start()
         fleet.serve(text % fleet.listener)
         assert fleet.cp is not None and fleet.envoy is not None
         picker = PickerProc("picker", fleet.cp.xds, tmp_path, picker_port).start()

@@ -19,6 +19,7 @@ import pytest
 
 from controlplane.quota.service import bearer_tenant
 from tests.integration.harness import BIN, EmulatedFleet, Emulator, Envoy, Proc, http_get, wait_until
+from tests.integration.quota_rig import QuotaService
 from tests.integration.test_dashboard_metrics import dashboard_names, page_names
 from tests.ports import free_port
 from tests.unit.test_deploy_prometheus import ENVOY_QUOTA_STATS
@@ -121,59 +122,12 @@ class RedisServer:
             self.proc.stop()
 
 
-class RateLimiter:
-    def __init__(
-        self, config: Path, log_dir: Path, port: int, store: str = "memory", name: str = "ratelimit"
-    ) -> None:
-        self.config, self.log_dir, self.port = config, log_dir, port
-        self.store, self.name = store, name
-        self.metrics_port = free_port()
-        self.token_file = log_dir / "quota-token"  # what cpctl quota status sends
-        self.token_file.write_text("quota-status-token\n")
-        self.proc: Proc | None = None
-
-    def start(self) -> RateLimiter:
-        self.proc = Proc(
-            self.name,
-            [
-                str(BIN / "controlplane"), "ratelimit", "--config", str(self.config),
-                "--listen", f"127.0.0.1:{self.port}", "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
-                "--store", self.store, "--token-file", str(self.token_file),
-            ],
-            self.log_dir,
-        )  # fmt: skip
-        wait_until(self._up, 15, "the rate-limit service to serve")
-        return self
-
-    def _up(self) -> bool:
-        assert self.proc is not None
-        if not self.proc.alive():
-            raise AssertionError(f"ratelimit exited:\n{self.proc.log()[-3000:]}")
-        try:
-            return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")[0] == 200
-        except OSError:
-            return False
-
-    def metric(self, name: str) -> float:
-        """One sample, by its name and labels as the page prints them; 0 if absent."""
-        _, page = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
-        return sum(float(line.split()[-1]) for line in page.splitlines() if line.rsplit(" ", 1)[0] == name)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-
-
 @dataclass
 class Rig:
     fleet: EmulatedFleet
     second: Envoy
-    limiter: RateLimiter
-    more: list[RateLimiter]  # with the `redis` mark: a second service on the same Redis
+    limiter: QuotaService
+    more: list[QuotaService]  # with the `redis` mark: a second service on the same Redis
     redis: RedisServer | None
 
 
@@ -189,8 +143,8 @@ def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
     acme = bearer_tenant(f"Bearer {ACME_TOKEN}") if bearer else "acme"
     fleet = EmulatedFleet(tmp_path)
     second: Envoy | None = None
-    limiter: RateLimiter | None = None
-    more: list[RateLimiter] = []
+    limiter: QuotaService | None = None
+    more: list[QuotaService] = []
     redis = RedisServer(tmp_path).start() if on_redis else None
     try:
         fleet.servers["a"] = Emulator("a", tmp_path, MODEL, slots=8)
@@ -210,10 +164,12 @@ def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
         )
         (tmp_path / "fleet.yaml").write_text(text % fleet.listener)
         store = redis.url if redis else "memory"
-        limiter = RateLimiter(tmp_path / "fleet.yaml", tmp_path, rl_port, store).start()
+        limiter = QuotaService(tmp_path / "fleet.yaml", tmp_path, "--store", store, port=rl_port).start()
         if redis:
             more.append(
-                RateLimiter(tmp_path / "fleet.yaml", tmp_path, rl_port_2, store, "ratelimit-2").start()
+                QuotaService(
+                    tmp_path / "fleet.yaml", tmp_path, "--store", store, name="ratelimit-2", port=rl_port_2
+                ).start()
             )
         fleet.serve(text % fleet.listener)
         assert fleet.cp is not None
