@@ -403,7 +403,7 @@ def _prefix_index(model: Model) -> dict[str, Any]:
     from controlplane.fleet.model import kv_publisher
 
     servers = [(ep, v) for v in model.versions for ep in v.endpoints]
-    publishing = sum(1 for ep, v in servers if kv_publisher(ep, v, model) is not None)
+    publishing = sum(1 for ep, v in servers if kv_publisher(ep, v.kv_events, model.kv_events) is not None)
     if model.tokenizer and (publishing or model.kv_events or any(v.kv_events for v in model.versions)):
         return {
             "kind": "precise",

@@ -40,21 +40,18 @@ class KvEventPorts:
     replay_port: int | None = None
 
 
-def kv_publisher(
-    ep: Endpoint, version: Version | None = None, model: Model | None = None
-) -> tuple[str, str | None] | None:
+def kv_publisher(ep: Endpoint, *ports: KvEventPorts | None) -> tuple[str, str | None] | None:
     """Where `ep` publishes its KV events, and its replay socket: its own `kv_events`, else
-    its host at its version's, else its model's, port; None: it does not publish."""
+    its host at the first of `ports` given (its version's, then its model's); None: it does
+    not publish."""
     if ep.kv_events:
         return ep.kv_events, ep.kv_replay
-    ports = (version.kv_events if version is not None else None) or (
-        model.kv_events if model is not None else None
-    )
-    if ports is None:
+    given = next((p for p in ports if p is not None), None)
+    if given is None:
         return None
     host = f"[{ep.host}]" if ":" in ep.host else ep.host
-    replay = f"tcp://{host}:{ports.replay_port}" if ports.replay_port else None
-    return f"tcp://{host}:{ports.port}", replay
+    replay = f"tcp://{host}:{given.replay_port}" if given.replay_port else None
+    return f"tcp://{host}:{given.port}", replay
 
 
 HEALTH_KINDS = ("http", "grpc", "none")

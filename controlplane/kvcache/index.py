@@ -95,10 +95,6 @@ class Sharded(Generic[K, V]):
     def __len__(self) -> int:
         return self._len
 
-    def __iter__(self) -> Iterator[K]:
-        for m in self._maps:
-            yield from m
-
 
 @dataclass
 class Stream:
@@ -226,7 +222,7 @@ class KvIndex:
             if i and i % step == 0:
                 self._bound()
                 yield
-                if st is not self.streams.get(self._server_of(st)):
+                if st is not self.streams.get(st.server):
                     return  # forgotten meanwhile (a reconnect, a server gone)
             extra = ev.extra[i] if ev.extra is not None else None
             key = block_key(parent, tokens[i * size : (i + 1) * size], extra)
@@ -241,9 +237,6 @@ class KvIndex:
             parent = key
         if len(st.order) > 2 * len(st.blocks) + 4096:  # hashes removed since: compact
             st.order = deque(h for h in st.order if h in st.blocks)
-
-    def _server_of(self, st: Stream) -> str:
-        return st.server
 
     def _drop(self, st: Stream, h: Hashable) -> None:
         key = st.blocks.pop(h)

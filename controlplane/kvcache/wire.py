@@ -154,23 +154,16 @@ def _fast(seq: int, payload: bytes) -> Batch | None:
             n = len(ev.block_hashes)
             if len(ev.token_ids) != ev.block_size * n:
                 return None
-            lora = (
-                ev.lora_name if ev.lora_name is not None else None if ev.lora_id is None else f"#{ev.lora_id}"
-            )
-            extra = None
-            if ev.extra_keys is not None:
-                if len(ev.extra_keys) != n:
-                    return None
-                if any(e is not None for e in ev.extra_keys):
-                    extra = tuple(None if e is None else _frozen(e) for e in ev.extra_keys)
+            if ev.extra_keys is not None and len(ev.extra_keys) != n:
+                return None
             events.append(
                 Stored(
                     tuple(ev.block_hashes),
                     ev.parent_block_hash,
                     tuple(ev.token_ids),
                     ev.block_size,
-                    lora,
-                    extra,
+                    _adapter(ev.lora_name, ev.lora_id),
+                    _extra(ev.extra_keys),
                 )
             )
         elif isinstance(ev, _Removed):
@@ -265,19 +258,28 @@ def _event(raw: Any, i: int) -> Event:
             f"{where}.token_ids: {len(tokens)} tokens for {len(hashes)} blocks of {size} "
             f"(a block's tokens and its size disagree)"
         )
-    lora: Any = fields.get("lora_name")
-    if lora is None and fields.get("lora_id") is not None:
-        lora = f"#{fields.get('lora_id')}"
+    lora = _adapter(fields.get("lora_name"), fields.get("lora_id"))
     if lora is not None and (not isinstance(lora, str) or len(lora) > limits.API_NAME_MAX_CHARS):
         raise WireError(f"{where}.lora_name: not a name")
     extra = fields.get("extra_keys")
-    if extra is not None:
-        if not isinstance(extra, list) or len(extra) != len(hashes):
-            raise WireError(f"{where}.extra_keys: not one entry per block")
-        extra = tuple(None if e is None else _frozen(e) for e in extra)
-        if all(e is None for e in extra):
-            extra = None  # nothing besides the tokens (vLLM 0.32 sends one None per block)
-    return Stored(hashes, parent, tuple(tokens), size, lora, extra)
+    if extra is not None and (not isinstance(extra, list) or len(extra) != len(hashes)):
+        raise WireError(f"{where}.extra_keys: not one entry per block")
+    return Stored(hashes, parent, tuple(tokens), size, lora, _extra(extra))
+
+
+def _adapter(lora_name: Any, lora_id: Any) -> Any:
+    """The adapter a stored block belongs to: its name, else `#id`, else None (the base model)."""
+    if lora_name is None and lora_id is not None:
+        return f"#{lora_id}"
+    return lora_name
+
+
+def _extra(extra_keys: list[Any] | None) -> tuple[Hashable | None, ...] | None:
+    """Each block's extra keys as hashable values; None when there are none at all (vLLM 0.32
+    sends one None per block)."""
+    if extra_keys is None or all(e is None for e in extra_keys):
+        return None
+    return tuple(None if e is None else _frozen(e) for e in extra_keys)
 
 
 def _hashes(raw: Any, where: str) -> tuple[Hashable, ...]:

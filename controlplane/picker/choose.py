@@ -61,7 +61,7 @@ from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 
 from controlplane import limits
-from controlplane.kvcache.index import Applied, KvIndex, run
+from controlplane.kvcache.index import STEP_BLOCKS, Applied, KvIndex, run
 from controlplane.kvcache.wire import Batch
 
 # Health statuses a server may be picked in: what Envoy's override_host takes by default.
@@ -361,10 +361,12 @@ class PickerState:
         of it. Any batch shows the server publishing: it is not stale."""
         return run(self.kv_event_steps(server, batch, now)).value
 
-    def kv_event_steps(self, server: str, batch: Batch, now: float) -> Generator[None, None, Applied]:
-        """kv_event a step at a time (KvIndex.apply_steps): for a caller on an event loop."""
+    def kv_event_steps(
+        self, server: str, batch: Batch, now: float, step: int = STEP_BLOCKS
+    ) -> Generator[None, None, Applied]:
+        """kv_event `step` blocks at a time (KvIndex.apply_steps): for a caller on an event loop."""
         self.kv_pending.pop(server, None)
-        return self.kv.apply_steps(server, batch, now)
+        return self.kv.apply_steps(server, batch, now, step)
 
     def kv_fresh(self, server: str, now: float) -> bool:
         """The server's KV events can be trusted for a pick: it publishes (the control plane

@@ -238,8 +238,7 @@ class KvSubscriptions:
     async def _apply(self, server: str, batch: wire.Batch) -> str:
         """Apply a batch a step at a time (KvIndex.apply_steps), letting the picks run between,
         within the budget."""
-        steps = self.state.kv.apply_steps(server, batch, self.clock(), STEP_BLOCKS)
-        self.state.kv_pending.pop(server, None)
+        steps = self.state.kv_event_steps(server, batch, self.clock(), STEP_BLOCKS)
         while True:
             t0 = self.clock()
             try:

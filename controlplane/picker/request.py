@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from controlplane import limits
@@ -90,7 +91,12 @@ def attribute(req: ep.ProcessingRequest, key: str) -> str:
 
 def _metadata(req: ep.ProcessingRequest, namespace: str, key: str) -> str:
     """A string Envoy forwarded from the request's dynamic metadata, "" if none."""
-    ns = req.metadata_context.filter_metadata.get(namespace)
+    return metadata_string(req.metadata_context, namespace, key)
+
+
+def metadata_string(metadata: base_pb2.Metadata, namespace: str, key: str) -> str:
+    """A string in a Metadata message (a request's, an EDS endpoint's, a cluster's), "" if none."""
+    ns = metadata.filter_metadata.get(namespace)
     if ns is None:
         return ""
     value = ns.fields.get(key)

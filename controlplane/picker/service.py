@@ -72,7 +72,15 @@ from controlplane.net.tls import SIDE_FLAGS, ServerTls, client_credentials, serv
 from controlplane.obs.outage import Outage
 from controlplane.picker.choose import PREFIX_ENTRIES, PREFIX_LOAD_BOUND, KvAsk, PickerState, ServerLoad
 from controlplane.picker.kv_events import KvMetrics, KvSubscriptions
-from controlplane.picker.request import INPUTS, SERVED_ATTRIBUTE, Ask, Refused, attribute, read_ask
+from controlplane.picker.request import (
+    INPUTS,
+    SERVED_ATTRIBUTE,
+    Ask,
+    Refused,
+    attribute,
+    metadata_string,
+    read_ask,
+)
 from controlplane.process.side_service import serve_until_signalled
 from controlplane.resources.names import KV_METADATA_NS, PICKED_HEADER, PICKED_METADATA_NS
 from controlplane.resources.types import CLUSTER, ENDPOINT
@@ -461,7 +469,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 self.tokenizer_of = {
                     c.eds_cluster_config.service_name or c.name: tokenizer
                     for c in clusters
-                    if (tokenizer := _kv_field(c.metadata, "tokenizer"))
+                    if (tokenizer := metadata_string(c.metadata, KV_METADATA_NS, "tokenizer"))
                 }
                 await out.put(
                     discovery_pb2.DiscoveryRequest(
@@ -524,14 +532,6 @@ def _kv_keys(tokenizers: Tokenizers, directory: str, prompt: str, sizes: set[int
     return KvAsk({size: prompt_keys(ids, size) for size in sizes}, len(ids))
 
 
-def _kv_field(metadata: Any, key: str) -> str:
-    ns = metadata.filter_metadata.get(KV_METADATA_NS)
-    if ns is None:
-        return ""
-    value = ns.fields.get(key)
-    return str(value.string_value) if value is not None and value.HasField("string_value") else ""
-
-
 def publishers(
     assignments: Iterable[endpoint_pb2.ClusterLoadAssignment],
 ) -> dict[str, tuple[str, str | None]]:
@@ -540,12 +540,15 @@ def publishers(
     for cla in assignments:
         for locality in cla.endpoints:
             for lb in locality.lb_endpoints:
-                events = _kv_field(lb.metadata, "events")
+                events = metadata_string(lb.metadata, KV_METADATA_NS, "events")
                 if not events:
                     continue
                 sock = lb.endpoint.address.socket_address
                 host = f"[{sock.address}]" if ":" in sock.address else sock.address
-                out[f"{host}:{sock.port_value}"] = (events, _kv_field(lb.metadata, "replay") or None)
+                out[f"{host}:{sock.port_value}"] = (
+                    events,
+                    metadata_string(lb.metadata, KV_METADATA_NS, "replay") or None,
+                )
     return out
 
 

@@ -441,16 +441,11 @@ def build_assignment(
             elif w <= 0:
                 lb.health_status = health_check_pb2.UNHEALTHY
             lb.load_balancing_weight.value = max(1, w)
-            publisher = kv_publisher(ep, version) or (_kv_at(ep, kv_events) if kv_events else None)
+            publisher = kv_publisher(ep, version.kv_events, kv_events)
             if publisher is not None:
                 kv = {"events": publisher[0]} | ({"replay": publisher[1]} if publisher[1] else {})
                 lb.metadata.filter_metadata[names.KV_METADATA_NS].update(kv)
     return cla
-
-
-def _kv_at(ep: Endpoint, ports: KvEventPorts) -> tuple[str, str | None]:
-    host = f"[{ep.host}]" if ":" in ep.host else ep.host
-    return f"tcp://{host}:{ports.port}", (f"tcp://{host}:{ports.replay_port}" if ports.replay_port else None)
 
 
 def empty_assignment(cname: str) -> endpoint_pb2.ClusterLoadAssignment:

@@ -260,7 +260,9 @@ def test_sglang_load_endpoint_and_probes_are_not_requests() -> None:
             requests = [
                 asyncio.create_task(complete(s, em[0], prompt=words, max_tokens=100)) for _ in range(3)
             ]
-            while em[0].requests_total < 3:
+            deadline = time.monotonic() + 10
+            while em[0].requests_total < 3:  # all three arrived (each runs 1 s: they stay put)
+                assert time.monotonic() < deadline, "the three requests never all arrived"
                 await asyncio.sleep(0.01)
             async with s.get(em[0].url + "/get_load") as r:
                 (load,) = await r.json()
