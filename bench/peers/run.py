@@ -218,6 +218,13 @@ class Workload:
     prefix_args: tuple[str, ...] = ()
     default: bool = False
     about: str = ""
+    kv: bool = False  # the servers publish KV events (every arm); the summary adds the oracle's hit rate
+
+    def prefix_arg(self, flag: str, default: float) -> float:
+        """A prefix_load.py flag's value in this work (the last one wins, as argparse reads it)."""
+        args = list(self.prefix_args)
+        at = len(args) - 1 - args[::-1].index(flag) if flag in args else -1
+        return float(args[at + 1]) if at >= 0 else default
 
 
 HETERO_ARMS = (
@@ -279,6 +286,27 @@ WORKLOADS = {
             prefix_args=(*SHARED_SYSTEMS, *TOKENS),
             about="the prefix work with the servers publishing KV events: the approximate index "
             "(picker) against the precise one (picker+kv) and the peers on the same events",
+            kv=True,
+        ),
+        Workload(
+            "kv-long",
+            "prefix",
+            0.60,
+            KV_ARMS,
+            prefix_args=(
+                *SHARED_SYSTEMS,
+                "--systems",
+                "8",
+                "--system-words",
+                "2000",
+                "--turn-words",
+                "10",
+                *TOKENS,
+            ),
+            about="the kv work in the shape of llm-d's capacity run: 8 system prompts of 2,000 "
+            "tokens x 4 conversations of 6 short turns (10 words), so that a turn adds little "
+            "no server holds",
+            kv=True,
         ),
         Workload(
             "multiturn",
@@ -574,7 +602,7 @@ def run_arm(arm: Arm, work: Workload, args: argparse.Namespace, rate: float) -> 
         ns = argparse.Namespace(**vars(args))
         if prefix:
             ns.prefill_ms, ns.kv_tokens = args.prefix_prefill_ms, args.kv_tokens
-        if work.name == "kv":  # every arm of the kv work runs on servers that publish
+        if work.kv:  # every arm of a kv work runs on servers that publish
             # One token per word of prefix_load.py's vocabulary: the token counts of the other work.
             vocab = [f"sys{i}w{n}" for i in range(16) for n in range(10_000)]  # --systems 16
             vocab += [f"{t}{n}" for t in ("q", "a") for n in range(10_000)]
@@ -590,6 +618,8 @@ def run_arm(arm: Arm, work: Workload, args: argparse.Namespace, rate: float) -> 
         if prefix:
             load = [sys.executable, str(LBQ / "prefix_load.py"), "--target", front.target, *common]
             load += ["--system-words", str(args.system_words), *work.prefix_args]
+            if work.kv:  # the ceiling: a cache-aware oracle over the same caches, load aside
+                load += ["--oracle-servers", str(2 * args.per_class), "--oracle-kv-tokens", str(args.kv_tokens)]
         else:
             load = [sys.executable, str(LBQ / "loadgen.py"), "--target", front.target, *common]
         proc = subprocess.Popen(load, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -742,6 +772,12 @@ def table(work: Workload, results: dict[str, dict[str, Any]], base: str) -> list
         if work.fault:
             cells.append(r.get("fault", ""))
         out.append("| " + " | ".join(cells) + " |")
+    oracle = next((r["oracle_hit_ratio"] for r in results.values() if r.get("oracle_hit_ratio")), None)
+    if oracle is not None:  # the same requests in every arm (one seed): one ceiling
+        out.append(
+            f"\nThe work's ceiling: a cache-aware oracle over the same caches, load aside, hits {fmt(oracle)} "
+            "of the prompt tokens (warm-up included)."
+        )
     out.append("\nRequests each server took (fast ones first, warm-up included):\n")
     for name, r in results.items():
         if "served" in r:
@@ -757,8 +793,9 @@ def fleet_capacity(args: argparse.Namespace, prefix: Workload | None) -> float:
     slots = args.per_class * args.slots * (1.0 + args.slow_speed)
     if prefix is None:
         return slots / service_seconds(args)
-    turns = int(prefix.prefix_args[prefix.prefix_args.index("--turns") + 1])
-    prompt = args.system_words + (turns - 1) / 2 * 60 + 30  # mean earlier turns of 2 x 30 words
+    turns = prefix.prefix_arg("--turns", 6)
+    system, turn = prefix.prefix_arg("--system-words", args.system_words), prefix.prefix_arg("--turn-words", 30)
+    prompt = system + (turns - 1) / 2 * 2 * turn + turn  # the mean earlier turns (user and answer)
     return slots / (
         (prompt * args.prefix_prefill_ms + mean_output_tokens(24.0, 0.9, 1, 400) * args.decode_ms) / 1000.0
     )

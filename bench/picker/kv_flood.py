@@ -6,8 +6,11 @@ their publishers, two ZMQ PUB sockets of a flood process that publishes vLLM 0.3
 (1,000 blocks of 16 tokens each, fresh hashes, chained from the last) at `--blocks-per-s`
 over both. A probe sends picks straight to the picker's ext_proc port (a request's headers
 with the cluster and a chat body as the gateway hands it), one every 10 ms, and times the
-answer. Phases: `--seconds` without the flood (the baseline), then `--seconds` with it.
-Printed: pick latency p50/p99 per phase and the rise, the index's size against
+answer. Phases of `--seconds` each: without the flood (the baseline); the flood on two
+sockets nobody subscribes to (`unsubscribed`: what the generator's own work costs the picks on
+a shared machine, where in a fleet the publishers are elsewhere); the flood on the sockets the
+picker follows. Printed: pick latency p50/p99 per phase and the rise (over the baseline, and
+over `unsubscribed`: the picker's own share), the index's size against
 `--kv-index-blocks` (sampled every second), the blocks the picker applied per second, and its
 RSS. Everything on loopback; every process is stopped, on failure too.
 
@@ -53,15 +56,19 @@ pubs = []
 for p in ports:
     s = ctx.socket(zmq.PUB); s.setsockopt(zmq.SNDHWM, 100000); s.bind(f"tcp://127.0.0.1:{p}"); pubs.append(s)
 print("bound", flush=True)
-while not os.path.exists(sys.argv[4]):  # go
+decoy, live = sys.argv[4] + ".decoy", sys.argv[4]
+while not os.path.exists(decoy):
     time.sleep(0.05)
 rng = random.Random(1)
 per, n = 1000, 0
 tokens = [rng.randrange(32000) for _ in range(16 * per)]
 seqs, parents = [0] * len(pubs), [None] * len(pubs)
-start = time.monotonic()
-while time.monotonic() - start < seconds:
-    i = n % len(pubs)
+half = len(pubs) // 2  # the first half: sockets nobody subscribes to (the decoy phase)
+start, phase = time.monotonic(), 0
+while phase == 0 or time.monotonic() - start < seconds:
+    if phase == 0 and os.path.exists(live):
+        phase, start, n = 1, time.monotonic(), 0
+    i = n % half + (half if phase else 0)
     hashes = [rng.getrandbits(63) for _ in range(per)]
     tokens[rng.randrange(len(tokens))] = rng.randrange(32000)
     event = wire.stored(hashes, parents[i], tokens, 16)
@@ -158,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         for port in servers:
             wait_http(f"http://127.0.0.1:{port}/health", 20, "a server", stack.procs)
         kv = [free_port(), free_port()]
+        decoys = [free_port(), free_port()]
         go = work / "go"
-        flood_args = [",".join(map(str, kv)), str(a.blocks_per_s), str(a.seconds), str(go)]
+        flood_args = [",".join(map(str, decoys + kv)), str(a.blocks_per_s), str(a.seconds), str(go)]
         stack.spawn("flood", [sys.executable, "-c", FLOOD, *flood_args])
         listener, picker_port, xds = free_port(), free_port(), free_port()
         tokenizer = make_tokenizer(work / "tokenizer")
@@ -183,12 +191,14 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
         time.sleep(3.0)  # the control plane finds both servers ready (a pick needs one)
         phases: dict[str, dict[str, object]] = {}
-        for phase in ("baseline", "flood"):
+        for phase in ("baseline", "unsubscribed", "flood"):
             lat: list[float] = []
             errors: list[str] = []
             samples: list[float] = []
+            if phase == "unsubscribed":
+                Path(f"{go}.decoy").touch()  # the flood on sockets the picker does not follow
             if phase == "flood":
-                go.touch()  # the flood starts
+                go.touch()  # the flood on the servers' own sockets
             applied0 = picker_metric(metrics, "controlplane_picker_kv_index_blocks") + picker_metric(
                 metrics, "controlplane_picker_kv_index_evicted_blocks"
             )
@@ -220,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "blocks_per_s_offered": a.blocks_per_s,
                     "p99_rise_ms": round(rise, 3),
+                    "p99_rise_over_unsubscribed_ms": round(
+                        float(phases["flood"]["p99_ms"]) - float(phases["unsubscribed"]["p99_ms"]), 3  # type: ignore[arg-type]
+                    ),
                     "p50_rise_ms": round(
                         float(phases["flood"]["p50_ms"]) - float(phases["baseline"]["p50_ms"]), 3
                     ),  # type: ignore[arg-type]

@@ -40,10 +40,11 @@ from controlplane.picker.choose import PickerState
 log = structlog.get_logger("controlplane.picker.kv_events")
 
 REPLAY_TIMEOUT_S = 1.0
-RECEIVE_HWM = 10_000  # messages queued per subscription
+RECEIVE_HWM = 100  # messages queued per subscription: at most 100 x limits.KV_EVENT_MAX_BYTES
 BUSY_SHARE = 0.3  # of the event loop's time, every subscription together, at most
 BUSY_WINDOW_S = 0.1
 STEP_BLOCKS = 64  # blocks applied between two looks at the picks waiting (about 0.2 ms)
+STEP_PAUSE_S = 0.0005  # between two steps the loop waits on its sockets: the GIL is free
 
 
 class KvMetrics:
@@ -233,7 +234,7 @@ class KvSubscriptions:
         elif self._busy > BUSY_SHARE * BUSY_WINDOW_S:
             await asyncio.sleep(self._window + self._busy / BUSY_SHARE - now)
         else:
-            await asyncio.sleep(0)
+            await asyncio.sleep(STEP_PAUSE_S)
 
     async def _apply(self, server: str, batch: wire.Batch) -> str:
         """Apply a batch a step at a time (KvIndex.apply_steps), letting the picks run between,

@@ -32,6 +32,7 @@ from controlplane.kvcache.prompt import Tokenizers, token_ids
 from controlplane.sim.emulator_engine import LiveBatchingServer
 from controlplane.sim.emulator_metrics import (
     GARBAGE_PAGE,
+    MAX_MODEL_LEN,
     METRICS_PAGES,
     MetricsPage,
     TritonMetrics,
@@ -48,7 +49,7 @@ from controlplane.sim.emulator_protocol import (
     stream_chunk,
 )
 from controlplane.sim.kv_publisher import KvPublisher
-from controlplane.sim.prefix_cache import BLOCK_TOKENS, PrefixCache
+from controlplane.sim.prefix_cache import BLOCK_TOKENS, PrefixCache, token_id
 from controlplane.sim.service import ServerSpec
 
 __all__ = [
@@ -410,6 +411,7 @@ class EmulatedServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
         if self.metrics_port is None:
             app.router.add_get("/metrics", self._metrics)
@@ -553,6 +555,34 @@ class EmulatedServer:
             "root": self.config.model,
         }
         return web.json_response({"object": "list", "data": [model]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /tokenize: a completion's `prompt` or a chat's `messages` as the token ids
+        the server caches them by (the ids its KV events carry), in vLLM's answer shape. A
+        router that keys blocks by token ids (vllm-router's kv_aware) asks this."""
+        life = self._life
+        assert life is not None
+        try:
+            self._check_warm(life)
+            body = await request.read()
+            try:
+                chat = "messages" in json.loads(body)
+            except (ValueError, TypeError, RecursionError):  # the parse below names what is wrong
+                chat = False
+            req = parse_completion_request(
+                body,
+                "chat" if chat else "completion",
+                served_model=self.config.model,
+                default_max_tokens=self.config.default_max_tokens,
+                max_tokens_limit=self.config.max_tokens_limit,
+            )
+        except ApiError as e:
+            return self._error(e)
+        ids = token_ids(self._tokenizer, body) if self._tokenizer is not None else None
+        tokens = ids if ids else [token_id(t) for t in req.prompt]
+        return web.json_response(
+            {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens, "token_strs": None}
+        )
 
     async def _health(self, request: web.Request) -> web.Response:
         life = self._life
