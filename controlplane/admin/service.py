@@ -351,6 +351,8 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
                         ("kv_use", load.kv_use),
                         ("latency_seconds", load.latency_s),
                         ("error_rate", load.error_rate),
+                        ("prefill_seconds_per_token", load.prefill_s_per_token),
+                        ("decode_seconds_per_request", load.decode_s_per_request),
                     ):
                         if figure is not None:
                             setattr(msg, name, figure)

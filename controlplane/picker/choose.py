@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 from collections import OrderedDict, deque
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,8 +78,10 @@ PEER_MAX_AGE_S = 1.0  # another picker's counts read longer ago than this say no
 # prefill; one that has said nothing this long after such a pick is stale (scored by the
 # approximate index until it publishes again).
 KV_STALE_S = 10.0
-# The part of a request's service a fully cached prompt saves (its prefill): a server's time
-# is lowered by this times the cached part of the prompt, over its speed.
+# The part of a request's service a fully cached prompt saves (its prefill), where no server of
+# the cluster has shown its prefill and decode times (ServerLoad): a server's time is lowered
+# by this times the cached part of the prompt, over its speed. Where they are known, the
+# saving is the request's own: cached tokens / (prompt tokens + its decode in prompt tokens).
 KV_PREFILL_SHARE = 0.5
 APPROXIMATE_BLOCK = 8  # a prompt's approximate key: the key of its 8th block (or its last)
 
@@ -113,8 +116,8 @@ def _finite(x: object) -> float | None:
 
 def sane_load(page: ServerLoad) -> ServerLoad | None:
     """A page's figures as the ranking may use them: the queue and the read time must be
-    finite (else the page says nothing: None); a capacity, running, waiting or KV use that
-    is not a finite number from 0 up is unknown."""
+    finite (else the page says nothing: None); a capacity, running, waiting, KV use, prefill
+    or decode time that is not a finite number from 0 up is unknown."""
     queued, read_at = _finite(page.queued), _real(page.read_at)
     if queued is None or read_at is None:
         return None
@@ -126,6 +129,8 @@ def sane_load(page: ServerLoad) -> ServerLoad | None:
         running=_finite(page.running),
         waiting=_finite(page.waiting),
         kv_use=None if kv is None else min(kv, 1.0),
+        prefill_s_per_token=_finite(page.prefill_s_per_token),
+        decode_s_per_request=_finite(page.decode_s_per_request),
     )
 
 
@@ -141,6 +146,16 @@ class ServerLoad:
     running: float | None = None
     waiting: float | None = None
     kv_use: float | None = None
+    # What a request costs there (vLLM's pages, smoothed by the control plane): prefill
+    # seconds per prompt token not cached, decode seconds per request. None: unknown.
+    prefill_s_per_token: float | None = None
+    decode_s_per_request: float | None = None
+
+    def decode_in_prompt_tokens(self) -> float | None:
+        """A request's decode as the prompt tokens whose prefill takes as long (None: unknown):
+        speed cancels out, so one server's figure stands for its peers' too."""
+        p, d = _real(self.prefill_s_per_token), _real(self.decode_s_per_request)
+        return d / p if p is not None and d is not None and p > 0 and d >= 0 else None
 
 
 @dataclass(frozen=True)
@@ -394,8 +409,10 @@ class PickerState:
         if the gateway sent the prompt and the model has a tokenizer.
 
         With `kv`, each server within the load bound (its time at most prefix_bound times the
-        mean) has its time lowered by KV_PREFILL_SHARE times the part of the prompt it holds,
-        over its speed: from its KV events where they are fresh (kv_fresh), else by the
+        mean) has its time lowered by the share of the request's service that the part of the
+        prompt it holds saves, over its speed (cached tokens / (prompt tokens + the request's
+        decode in prompt tokens, from the servers' pages: ServerLoad), else KV_PREFILL_SHARE
+        times the part): from its KV events where they are fresh (kv_fresh), else by the
         approximate index (all of it, if the prompt's approximate key went there last). Where
         any server has such a credit, the lowered times alone rank (no free slot first): a
         short wait where the prompt is cached beats computing it again, while a long hit on a
@@ -428,6 +445,16 @@ class PickerState:
         if kv is not None and kv.tokens > 0:
             fresh = [c.address for c in servers if self.kv_fresh(c.address, now)]
             blocks = self.kv.matched(fresh, kv.keys)
+            decode = {a: r for a in costs if (r := self._decode_in_prompt_tokens(a)) is not None}
+            peers_decode = statistics.median(decode.values()) if decode else None
+
+            def saved(address: str, part: float) -> float:
+                """The share of this request's service that `part` of its prompt cached saves."""
+                r = decode.get(address, peers_decode)
+                if r is None:
+                    return KV_PREFILL_SHARE * part
+                return part * kv.tokens / (kv.tokens + r)
+
             adjusted = dict(costs)
             for c in servers:
                 if costs[c.address] > bound:
@@ -439,7 +466,7 @@ class PickerState:
                     part = 1.0 if c.address == approximate else 0.0
                     if part and c.address in self.kv_publishers:
                         self.kv_stale_picks += 1
-                adjusted[c.address] = costs[c.address] - KV_PREFILL_SHARE * part / c.scale
+                adjusted[c.address] = costs[c.address] - saved(c.address, part) / c.scale
         else:
             adjusted = costs
 
@@ -483,6 +510,10 @@ class PickerState:
             if size and held < len(kv.keys.get(size, ())):
                 self.kv_pending.setdefault(chosen, now)  # it will store blocks: it should publish
         return Pick(tuple(ranked[: 1 + FALLBACKS]), reason, held)
+
+    def _decode_in_prompt_tokens(self, address: str) -> float | None:
+        load = self.loads.get(address)
+        return load.decode_in_prompt_tokens() if load is not None else None
 
     def _capacity(self, c: Candidate) -> float | None:
         known = self.loads.get(c.address)

@@ -568,6 +568,12 @@ def server_loads(endpoints: Iterable[Any], now: float) -> dict[str, ServerLoad]:
             running=running,
             waiting=waiting,
             kv_use=e.kv_use if e.HasField("kv_use") else None,
+            prefill_s_per_token=e.prefill_seconds_per_token
+            if e.HasField("prefill_seconds_per_token")
+            else None,
+            decode_s_per_request=e.decode_seconds_per_request
+            if e.HasField("decode_seconds_per_request")
+            else None,
         )
     return out
 

@@ -28,6 +28,8 @@ class EndpointLoad:
     capacity: float = 1.0  # relative throughput (GPU class or learnt)
     ready_for_s: float = math.inf  # seconds since it became ready (slow start)
     token_latency_s: float | None = None  # smoothed time per output token: how fast a request runs here
+    prefill_s_per_token: float | None = None  # smoothed prefill seconds per prompt token not cached
+    decode_s_per_request: float | None = None  # smoothed decode seconds per request
     fits: bool = True  # the model fits this endpoint's GPU memory (model_aware)
     preferred: bool = False  # the endpoint's GPU class is one the model prefers (model_aware)
     # False: its probes have gone unanswered for UNREACHABLE_AFTER scrapes in a row. The

@@ -105,9 +105,13 @@ class ServerSample:
     ttft: ServerHistogram | None = None
     tpot: ServerHistogram | None = None
     # Prefill counters: prompt tokens processed (cached ones excluded) and the seconds spent
-    # on them (llama.cpp; None elsewhere, and where the page lacks them).
+    # on them (llama.cpp's counters; vLLM's prompt tokens less its prefix-cache hits, and its
+    # prefill-time histogram's sum; None elsewhere, and where the page lacks them).
     prompt_tokens: float | None = None
     prompt_seconds: float | None = None
+    # vLLM's decode-time histogram (first token to the end of each request): sum and count.
+    decode_sum_s: float | None = None
+    decode_count: float | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,10 @@ class LoadDelta:
     # The token counters moved by less than their printing can tell (llama.cpp): no mean
     # yet; measure the next one from the same earlier sample.
     token_latency_pending: bool = False
+    # Seconds of prefill per prompt token not cached, and of decode per request (vLLM): what
+    # a cached prompt saves a request here (the picker's KV credit, docs/kv-events.md).
+    prefill_s_per_token: float | None = None
+    decode_s_per_request: float | None = None
 
 
 # name -> (field, scale); summed over the samples that match the model.
@@ -139,6 +147,13 @@ _FIELDS: dict[str, dict[str, tuple[str, float]]] = {
         "vllm:inter_token_latency_seconds_count": ("token_latency_count_itl", 1.0),
         "vllm:request_time_per_output_token_seconds_sum": ("token_latency_sum_alt", 1.0),
         "vllm:request_time_per_output_token_seconds_count": ("token_latency_count_alt", 1.0),
+        # Prefill: the tokens computed (every prompt token less those found cached) and the
+        # seconds from scheduling to the first token; decode: the seconds after it.
+        "vllm:prompt_tokens_total": ("prompt_tokens", 1.0),
+        "vllm:prefix_cache_hits_total": ("prompt_tokens", -1.0),
+        "vllm:request_prefill_time_seconds_sum": ("prompt_seconds", 1.0),
+        "vllm:request_decode_time_seconds_sum": ("decode_sum_s", 1.0),
+        "vllm:request_decode_time_seconds_count": ("decode_count", 1.0),
     },
     "sglang": {
         "sglang:num_running_reqs": ("running", 1.0),
@@ -623,4 +638,14 @@ def derive(previous: ServerSample | None, current: ServerSample) -> LoadDelta:
     d_fail = delta(previous.failures, current.failures) or 0.0
     done = d_ok + d_fail
     error_rate = d_fail / done if done else None
-    return LoadDelta(mean, error_rate, done if done else (d_count or 0.0), token_mean, pending)
+    p_sum, p_tokens = pair(
+        (previous.prompt_seconds, previous.prompt_tokens), (current.prompt_seconds, current.prompt_tokens)
+    )
+    prefill = _finite(p_sum / p_tokens) if p_sum is not None and p_tokens and p_tokens >= 1 else None
+    dec_sum, dec_count = pair(
+        (previous.decode_sum_s, previous.decode_count), (current.decode_sum_s, current.decode_count)
+    )
+    decode = _finite(dec_sum / dec_count) if dec_sum is not None and dec_count else None
+    return LoadDelta(
+        mean, error_rate, done if done else (d_count or 0.0), token_mean, pending, prefill, decode
+    )

@@ -142,6 +142,8 @@ class EndpointSignals:
     sample_at: float | None = None
     latency_s: float | None = None
     token_latency_s: float | None = None  # time per output token: how fast a request runs here
+    prefill_s_per_token: float | None = None  # prefill seconds per prompt token not cached
+    decode_s_per_request: float | None = None  # decode seconds per request (first token to end)
     error_rate: float = 0.0  # EWMA from 0, as the weights always took it...
     error_rate_read: bool = False  # ...but unknown (None in the load) until a figure came
     throughput: float | None = None  # learnt: completions/s per running request x peak running
@@ -219,6 +221,10 @@ class SignalStore:
             sig.token_base = None
         elif sig.token_base is None:
             sig.token_base = sig.sample
+        if delta.prefill_s_per_token is not None:
+            sig.prefill_s_per_token = _ewma(sig.prefill_s_per_token, delta.prefill_s_per_token)
+        if delta.decode_s_per_request is not None:
+            sig.decode_s_per_request = _ewma(sig.decode_s_per_request, delta.decode_s_per_request)
         if delta.error_rate is not None:
             sig.error_rate = _ewma(sig.error_rate, delta.error_rate) or 0.0
             sig.error_rate_read = True
@@ -427,6 +433,8 @@ class SignalStore:
             kv_use=s.kv_use if s is not None else None,
             latency_s=sig.latency_s,
             token_latency_s=sig.token_latency_s,
+            prefill_s_per_token=sig.prefill_s_per_token,
+            decode_s_per_request=sig.decode_s_per_request,
             error_rate=max(rates, default=None),
             age_s=math.inf if sig.sample_at is None else max(0.0, now - sig.sample_at),
             capacity=capacity,

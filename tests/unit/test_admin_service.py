@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from controlplane.admin.service import EndpointService
 from controlplane.fleet.loader import parse_fleet
 from controlplane.obs.metrics import Metrics
@@ -58,3 +60,21 @@ def test_figures_never_read_are_unset_and_the_last_scrape_error_is_given() -> No
     bad = eps[NO_DIALECT]
     assert bad.sight == "SEEN" and bad.scrape_error_reason == "no_dialect"
     assert "no vLLM, SGLang, TGI, Triton or llama.cpp metrics on the page" in bad.scrape_error
+
+
+def test_prefill_and_decode_times_are_listed_once_two_pages_show_them() -> None:
+    store = SignalStore()
+    now = time.monotonic()
+    first = ServerSample(
+        "vllm", running=0, waiting=0, prompt_tokens=600, prompt_seconds=1.2, decode_sum_s=5, decode_count=10
+    )
+    store.record_scrape(("m", READ), ScrapeResult(200, sample=first), now)
+    assert not listed(store)[READ].HasField("prefill_seconds_per_token")  # one page: no interval yet
+    later = ServerSample(
+        "vllm", running=0, waiting=0, prompt_tokens=1600, prompt_seconds=1.7, decode_sum_s=9, decode_count=20
+    )
+    store.record_scrape(("m", READ), ScrapeResult(200, sample=later), now + 1)
+    read = listed(store)[READ]
+    assert read.prefill_seconds_per_token == pytest.approx(0.0005)
+    assert read.decode_seconds_per_request == pytest.approx(0.4)
+    assert not listed(store)[NEVER].HasField("decode_seconds_per_request")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from envoy.config.core.v3 import health_check_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -71,6 +72,54 @@ def test_a_hit_on_an_idle_slow_server_loses_to_an_idle_fast_one() -> None:
     assert state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] == A
 
 
+def timed(state: PickerState, times: dict[str, tuple[float, float]], capacity: dict[str, float]) -> None:
+    """The servers' pages show (prefill s per uncached prompt token, decode s per request)."""
+    state.observe(
+        {
+            s: ServerLoad(
+                0.0, 0.0, capacity[s], running=0.0, waiting=0.0, prefill_s_per_token=p, decode_s_per_request=d
+            )
+            for s, (p, d) in times.items()
+        }
+    )
+
+
+def test_where_the_pages_show_prefill_dominating_a_slow_server_holding_the_prompt_wins() -> None:
+    capacity = {A: 0.35, B: 1.0}
+    # The prompt's 320 tokens take 0.32 s to compute, its decode 0.05 s: holding the prompt
+    # saves 86% of the request's service, more than the slow server's speed costs it.
+    state = state_with(A, B, capacity=capacity)
+    timed(state, {A: (0.001, 0.05), B: (0.001, 0.05)}, capacity)
+    hold(state, A, PROMPT)
+    got = state.pick("m@v1", 0.0, kv=ask(PROMPT))
+    assert got.servers[0] == A and got.reason == "kv_hit"
+    # Where decode dominates (2 s a request), the prompt saves 14%: the idle fast server wins.
+    state = state_with(A, B, capacity=capacity)
+    timed(state, {A: (0.001, 2.0), B: (0.001, 2.0)}, capacity)
+    hold(state, A, PROMPT)
+    assert state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] == B
+
+
+def test_a_server_without_times_is_weighed_with_its_peers_and_none_with_the_default_share() -> None:
+    capacity = {A: 0.35, B: 1.0}
+    state = state_with(A, B, capacity=capacity)
+    state.observe(  # only the fast one's page shows them
+        {
+            A: ServerLoad(0.0, 0.0, 0.35, running=0.0, waiting=0.0),
+            B: ServerLoad(
+                0.0, 0.0, 1.0, running=0.0, waiting=0.0, prefill_s_per_token=0.001, decode_s_per_request=0.05
+            ),
+        }
+    )
+    hold(state, A, PROMPT)
+    assert state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] == A  # B's figures stand for A's
+    # Nonsense figures (negative, not finite) are unknown: the default share, and the fast one.
+    state = state_with(A, B, capacity=capacity)
+    timed(state, {A: (-1.0, 0.05), B: (float("nan"), 0.05)}, capacity)
+    hold(state, A, PROMPT)
+    assert state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] == B
+
+
 def test_a_hit_on_a_full_server_loses_to_a_free_one() -> None:
     state = state_with(A, B, slots=2.0)
     hold(state, A, PROMPT)
@@ -133,3 +182,17 @@ def test_picks_are_total_and_never_name_a_server_twice(
     assert len(set(got.servers)) == len(got.servers) == 3
     assert got.reason in ("kv_hit", "least_loaded", "approximate")
     assert got.kv_blocks == held.get(got.servers[0], 0)
+
+
+def test_the_operator_apis_prefill_and_decode_times_reach_the_picker() -> None:
+    from controlplane.picker.service import server_loads
+    from controlplane.v1 import endpoint_pb2
+
+    shown = endpoint_pb2.Endpoint(
+        address=A, running=1, prefill_seconds_per_token=0.001, decode_seconds_per_request=0.3
+    )
+    unshown = endpoint_pb2.Endpoint(address=B, running=1)
+    loads = server_loads([shown, unshown], 10.0)
+    assert (loads[A].prefill_s_per_token, loads[A].decode_s_per_request) == (0.001, 0.3)
+    assert loads[A].decode_in_prompt_tokens() == pytest.approx(300.0)
+    assert loads[B].prefill_s_per_token is None and loads[B].decode_in_prompt_tokens() is None

@@ -625,3 +625,42 @@ def test_pages_captured_from_a_real_vllm_0_32_read_as_it_said() -> None:
     assert after.ttft is not None and after.ttft.count == 9.0
     # The per-token latency is the inter-token histogram's, one observation per gap.
     assert after.tpot is not None and after.token_latency_count == after.tpot.count == 8 * 399 + 210
+
+
+PREFILL = """\
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{{model_name="llama-3-8b"}} {prompt}
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{{model_name="llama-3-8b"}} {hits}
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{{le="+Inf",model_name="llama-3-8b"}} {n}
+vllm:request_prefill_time_seconds_count{{model_name="llama-3-8b"}} {n}
+vllm:request_prefill_time_seconds_sum{{model_name="llama-3-8b"}} {prefill}
+# TYPE vllm:request_decode_time_seconds histogram
+vllm:request_decode_time_seconds_bucket{{le="+Inf",model_name="llama-3-8b"}} {n}
+vllm:request_decode_time_seconds_count{{model_name="llama-3-8b"}} {n}
+vllm:request_decode_time_seconds_sum{{model_name="llama-3-8b"}} {decode}
+"""
+
+
+def test_prefill_per_uncached_token_and_decode_per_request_are_read_and_derived() -> None:
+    first = parse_metrics(
+        VLLM + PREFILL.format(prompt=1000, hits=400, n=10, prefill=1.2, decode=5.0), "llama-3-8b"
+    )
+    assert (first.prompt_tokens, first.prompt_seconds) == (600.0, 1.2)  # the cached tokens cost nothing
+    assert (first.decode_sum_s, first.decode_count) == (5.0, 10.0)
+    # 3,000 more prompt tokens, 2,000 of them cached: 1,000 computed in 0.5 s; 10 requests
+    # decoded in 4 s.
+    later = parse_metrics(
+        VLLM + PREFILL.format(prompt=4000, hits=2400, n=20, prefill=1.7, decode=9.0), "llama-3-8b"
+    )
+    d = derive(first, later)
+    assert d.prefill_s_per_token == pytest.approx(0.0005)
+    assert d.decode_s_per_request == pytest.approx(0.4)
+    # Every token cached in between: nothing computed, no figure (not an infinitely fast one).
+    same = parse_metrics(
+        VLLM + PREFILL.format(prompt=5000, hits=3400, n=21, prefill=1.7, decode=9.1), "llama-3-8b"
+    )
+    assert derive(later, same).prefill_s_per_token is None
+    # A page without them: unknown.
+    assert derive(parse_metrics(VLLM), parse_metrics(VLLM)).prefill_s_per_token is None
