@@ -619,7 +619,8 @@ def run_arm(arm: Arm, work: Workload, args: argparse.Namespace, rate: float) -> 
             load = [sys.executable, str(LBQ / "prefix_load.py"), "--target", front.target, *common]
             load += ["--system-words", str(args.system_words), *work.prefix_args]
             if work.kv:  # the ceiling: a cache-aware oracle over the same caches, load aside
-                load += ["--oracle-servers", str(2 * args.per_class), "--oracle-kv-tokens", str(args.kv_tokens)]
+                load += ["--oracle-servers", str(2 * args.per_class)]
+                load += ["--oracle-kv-tokens", str(args.kv_tokens)]
         else:
             load = [sys.executable, str(LBQ / "loadgen.py"), "--target", front.target, *common]
         proc = subprocess.Popen(load, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -775,8 +776,8 @@ def table(work: Workload, results: dict[str, dict[str, Any]], base: str) -> list
     oracle = next((r["oracle_hit_ratio"] for r in results.values() if r.get("oracle_hit_ratio")), None)
     if oracle is not None:  # the same requests in every arm (one seed): one ceiling
         out.append(
-            f"\nThe work's ceiling: a cache-aware oracle over the same caches, load aside, hits {fmt(oracle)} "
-            "of the prompt tokens (warm-up included)."
+            "\nThe work's ceiling: a cache-aware oracle over the same caches, load aside, hits "
+            f"{fmt(oracle)} of the prompt tokens (warm-up included)."
         )
     out.append("\nRequests each server took (fast ones first, warm-up included):\n")
     for name, r in results.items():
@@ -794,7 +795,8 @@ def fleet_capacity(args: argparse.Namespace, prefix: Workload | None) -> float:
     if prefix is None:
         return slots / service_seconds(args)
     turns = prefix.prefix_arg("--turns", 6)
-    system, turn = prefix.prefix_arg("--system-words", args.system_words), prefix.prefix_arg("--turn-words", 30)
+    system = prefix.prefix_arg("--system-words", args.system_words)
+    turn = prefix.prefix_arg("--turn-words", 30)
     prompt = system + (turns - 1) / 2 * 2 * turn + turn  # the mean earlier turns (user and answer)
     return slots / (
         (prompt * args.prefix_prefill_ms + mean_output_tokens(24.0, 0.9, 1, 400) * args.decode_ms) / 1000.0

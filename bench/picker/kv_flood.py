@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                     "blocks_per_s_offered": a.blocks_per_s,
                     "p99_rise_ms": round(rise, 3),
                     "p99_rise_over_unsubscribed_ms": round(
-                        float(phases["flood"]["p99_ms"]) - float(phases["unsubscribed"]["p99_ms"]), 3  # type: ignore[arg-type]
+                        float(phases["flood"]["p99_ms"]) - float(phases["unsubscribed"]["p99_ms"]),
+                        3,  # type: ignore[arg-type]
                     ),
                     "p50_rise_ms": round(
                         float(phases["flood"]["p50_ms"]) - float(phases["baseline"]["p50_ms"]), 3

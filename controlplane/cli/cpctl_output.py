@@ -300,6 +300,9 @@ def endpoint_to_dict(e: endpoint_pb2.Endpoint) -> dict[str, Any]:
         "kv_use": figure(e, "kv_use"),
         "latency_seconds": figure(e, "latency_seconds"),
         "error_rate": figure(e, "error_rate"),
+        # what a request costs there (vLLM's pages), as the picker weighs a cached prompt
+        "prefill_seconds_per_token": figure(e, "prefill_seconds_per_token"),
+        "decode_seconds_per_request": figure(e, "decode_seconds_per_request"),
         "signal_age_seconds": e.signal_age_seconds if e.signal_age_seconds >= 0 else None,
         "drain_started_at": rfc3339(e.drain_started_at),
         "sight": e.sight,

@@ -7,7 +7,7 @@ prints them), 0-1 KV fractions and histogram buckets follow vLLM 0.32's producti
 emulator as it reads vLLM. Each server has its own `VllmMetrics`; a restarted server
 starts a new one, so its counters reset as a restarted vLLM's do.
 
-Two pages: `compact` has the eleven families the control plane reads or may read; `full`
+Two pages: `compact` has the fifteen families the control plane reads or may read; `full`
 adds more of a vLLM 0.32 server's families (30-60 KB, 16 histograms, as a real page), each
 fed by what the emulated engine did. The families the control plane parses are the same
 in both. `sample_full_page` renders the full page of a server that has served a
@@ -267,6 +267,27 @@ class VllmMetrics(Collector):
         yield _counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", [(m, self._generation)], at
         )
+        # What a request costs (the picker's KV credit, signals/parse.py): prefill and decode
+        # times, and the prompt tokens found cached.
+        yield self._prefill.metric(
+            "vllm:request_prefill_time_seconds", "Seconds from scheduling to the first token.", m, at
+        )
+        yield self._decode.metric(
+            "vllm:request_decode_time_seconds", "Seconds from the first token to the end.", m, at
+        )
+        # The prefix cache (sim/prefix_cache.py): prompt tokens looked up, and found.
+        yield _counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            [(m, self._prefix_queries)],
+            at,
+        )
+        yield _counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            [(m, self._approximates)],
+            at,
+        )
         if self.page == "full":
             yield from self._full_only()
 
@@ -299,12 +320,6 @@ class VllmMetrics(Collector):
             e,
             at,
         )
-        yield self._prefill.metric(
-            "vllm:request_prefill_time_seconds", "Seconds from scheduling to the first token.", e, at
-        )
-        yield self._decode.metric(
-            "vllm:request_decode_time_seconds", "Seconds from the first token to the end.", e, at
-        )
         yield self._prompt_tokens.metric(
             "vllm:request_prompt_tokens", "Prompt tokens per finished request.", e, at
         )
@@ -322,19 +337,6 @@ class VllmMetrics(Collector):
             "vllm:num_preemptions",
             "Requests preempted by the scheduler (the emulator never preempts).",
             [(e, 0.0)],
-            at,
-        )
-        # The prefix cache (sim/prefix_cache.py): prompt tokens looked up, and found.
-        yield _counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            [(e, self._prefix_queries)],
-            at,
-        )
-        yield _counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            [(e, self._approximates)],
             at,
         )
         # A few of vLLM 0.32's many labels (the real page's has 38).
