@@ -75,7 +75,10 @@ def _fleet_yaml(port: int, addrs: dict[str, str], extra: dict[str, list[str]], s
         "  medium: {max_params_b: 80, timeout: 180s}",
         "  large:  {timeout: 600s}",
         GPU_CLASSES,
-        "signals: {slow_start: 5s}",
+        # Real llama-servers on a busy machine (a freshly started one most) can take longer
+        # than the default half second to answer a scrape: the load would go unread (the
+        # timeout may be the scrape interval at most).
+        "signals: {slow_start: 5s}" if surge else "signals: {slow_start: 5s, timeout: 1s}",
     ]
     if surge:
         lines += [
