@@ -638,8 +638,14 @@ def derive(previous: ServerSample | None, current: ServerSample) -> LoadDelta:
     d_fail = delta(previous.failures, current.failures) or 0.0
     done = d_ok + d_fail
     error_rate = d_fail / done if done else None
-    p_sum, p_tokens = pair(
-        (previous.prompt_seconds, previous.prompt_tokens), (current.prompt_seconds, current.prompt_tokens)
+    # Not from llama.cpp's prefill counters: printed with 6 digits, a scrape's growth is often
+    # below what they can show (and its page has no decode figure to weigh it against).
+    p_sum, p_tokens = (
+        pair(
+            (previous.prompt_seconds, previous.prompt_tokens), (current.prompt_seconds, current.prompt_tokens)
+        )
+        if current.dialect not in _SIX_DIGITS
+        else (None, None)
     )
     prefill = _finite(p_sum / p_tokens) if p_sum is not None and p_tokens and p_tokens >= 1 else None
     dec_sum, dec_count = pair(
