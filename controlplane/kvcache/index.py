@@ -256,6 +256,11 @@ class KvIndex:
                     dropped += 1
             self.evicted += dropped
 
+    def held_blocks(self, server: str) -> int:
+        """How many blocks `server` holds (0: none known)."""
+        st = self.streams.get(server)
+        return len(st.blocks) if st is not None else 0
+
     def block_size(self, server: str) -> int | None:
         st = self.streams.get(server)
         return st.block_size if st is not None else None

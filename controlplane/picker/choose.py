@@ -43,8 +43,9 @@ number from 0 to what the server can hold (peer_bound: its slots times
 PICKER_PEER_SLOTS_FACTOR), is refused whole, and that peer counts for nothing until it
 answers sensibly (observe_peer says why).
 
-Ties go to the server with the lower load, then to the one picked least recently, so equal
-servers take turns. Nothing here does I/O; picker/service.py feeds it the assignments, the
+Ties go to the server with the lower load, then to the one whose KV events show it holding
+the fewest blocks (a new prefix fills the emptiest cache), then to the one picked least
+recently, so equal servers take turns. Nothing here does I/O; picker/service.py feeds it the assignments, the
 pages and the requests.
 """
 
@@ -472,7 +473,7 @@ class PickerState:
 
         credited = any(adjusted[a] < costs[a] for a in costs)
 
-        def order(c: Candidate) -> tuple[bool, float, float, int]:
+        def order(c: Candidate) -> tuple[bool, float, float, int, int]:
             # A server known to have a slot free before any other: a wait's length is a guess
             # (the requests ahead may be long), a free slot is not. But a cached prompt is no
             # guess either: where one is (within the load bound), the times alone rank, so a
@@ -480,7 +481,13 @@ class PickerState:
             # it must be computed again (as the approximate index's hit does).
             free = bool(known) and costs[c.address] * c.scale <= 1.0  # slots unknown: plain LR
             busy = loads[c.address] / slots[c.address]
-            return (not free and not credited, adjusted[c.address], busy, self._last_pick.get(c.address, 0))
+            return (
+                not free and not credited,
+                adjusted[c.address],
+                busy,
+                self.kv.held_blocks(c.address),
+                self._last_pick.get(c.address, 0),
+            )
 
         servers.sort(key=order)
         ranked = [s.address for s in servers]

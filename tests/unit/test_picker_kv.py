@@ -120,6 +120,18 @@ def test_a_server_without_times_is_weighed_with_its_peers_and_none_with_the_defa
     assert state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] == B
 
 
+def test_a_prompt_held_nowhere_goes_to_the_equal_server_holding_the_least() -> None:
+    state = state_with(A, B, C)
+    hold(state, A, list(range(5000, 5000 + 30 * 16)))  # other prompts: A holds 31 blocks,
+    hold(state, C, list(range(7000, 7000 + 10 * 16)))  # C 11 and B 1
+    got = state.pick("m@v1", 0.0, kv=ask(PROMPT))
+    assert got.servers == (B, C, A) and got.reason == "least_loaded"
+    # Load still comes first: a busier server holding less is not preferred.
+    state.started(B, 0.0)
+    state.started(C, 0.0)
+    assert state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] == A
+
+
 def test_a_hit_on_a_full_server_loses_to_a_free_one() -> None:
     state = state_with(A, B, slots=2.0)
     hold(state, A, PROMPT)
