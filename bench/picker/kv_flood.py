@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -138,6 +139,19 @@ def probe(address: str, seconds: float, out: list[float], errors: list[str]) -> 
         channel.close()
 
 
+def cpu_s(pid: int) -> float:
+    """The CPU seconds (user + system) process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of every core since boot (/proc/stat)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -168,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         decoys = [free_port(), free_port()]
         go = work / "go"
         flood_args = [",".join(map(str, decoys + kv)), str(a.blocks_per_s), str(a.seconds), str(go)]
-        stack.spawn("flood", [sys.executable, "-c", FLOOD, *flood_args])
+        flood = stack.spawn("flood", [sys.executable, "-c", FLOOD, *flood_args])
         listener, picker_port, xds = free_port(), free_port(), free_port()
         tokenizer = make_tokenizer(work / "tokenizer")
         config = work / "fleet.yaml"
@@ -202,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             applied0 = picker_metric(metrics, "controlplane_picker_kv_index_blocks") + picker_metric(
                 metrics, "controlplane_picker_kv_index_evicted_blocks"
             )
+            cpu0 = (cpu_s(picker.pid), cpu_s(flood.pid), machine_busy())
             t = threading.Thread(target=probe, args=(f"127.0.0.1:{picker_port}", a.seconds, lat, errors))
             t.start()
             while t.is_alive():
@@ -213,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
                 - applied0
             )
             lat.sort()
+            busy, total = machine_busy()
             phases[phase] = {
+                # CPU share of one core over the phase: the picker's, the flood generator's;
+                # and the machine's, every core together (1.0: all busy)
+                "picker_cpu": round((cpu_s(picker.pid) - cpu0[0]) / a.seconds, 3),
+                "flood_cpu": round((cpu_s(flood.pid) - cpu0[1]) / a.seconds, 3),
+                "machine_busy": round((busy - cpu0[2][0]) / max(1, total - cpu0[2][1]), 3),
                 "picks": len(lat),
                 "errors": len(errors),
                 "p50_ms": round(1000 * lat[len(lat) // 2], 3) if lat else None,
