@@ -130,6 +130,26 @@ class CircuitBreaker:
 
 
 @dataclass(frozen=True)
+class FlowControl:
+    """A model's queue at the gateway while every one of its servers is full (`flow_control:`,
+    docs/flow-control.md): kept by the pickers, ordered by priority class, then fair share
+    between tenants, then arrival."""
+
+    max_wait_s: float = 10.0  # the longest a request waits for a slot (every class not named below)
+    max_wait_by_class: tuple[tuple[str, float], ...] = ()  # (priority class, its longest wait)
+    max_requests: int = 1000  # requests waiting, per model and picker
+    max_bytes: int = 64 << 20  # their bodies' bytes (Content-Length), per model and picker
+    tenant_header: str | None = None  # None: the quotas' key header, else x-api-key
+
+    def max_wait(self, priority_class: str) -> float:
+        """The longest a request of `priority_class` waits."""
+        return dict(self.max_wait_by_class).get(priority_class, self.max_wait_s)
+
+    def longest_wait(self) -> float:
+        return max([self.max_wait_s, *(s for _, s in self.max_wait_by_class)])
+
+
+@dataclass(frozen=True)
 class TrafficPolicy:
     """How a tier's models are served; each model inherits its tier's and may override keys."""
 
@@ -150,6 +170,7 @@ class TrafficPolicy:
     outlier_failure_percentage: int = 50
     outlier_failure_min_requests: int = 10  # a server's requests in the interval to be judged
     balancing: str = "adaptive"
+    flow_control: FlowControl | None = None  # None: no queue at the gateway (docs/flow-control.md)
 
 
 @dataclass(frozen=True)
@@ -484,6 +505,20 @@ class Fleet:
     def policy_of(self, model: Model) -> str:
         """The balancing policy a model uses: its own, else its tier's."""
         return self.traffic_of(model).balancing
+
+    def flow_control_of(self, model: Model) -> FlowControl | None:
+        """The model's queue at the gateway (its own `flow_control`, else its tier's), None
+        when it has none."""
+        return self.traffic_of(model).flow_control
+
+    def tenant_header(self, flow: FlowControl) -> str:
+        """The header naming a request's tenant for `flow`: its own, else the quotas' key
+        (not a bearer token: that is hashed by the rate-limit service), else x-api-key."""
+        if flow.tenant_header:
+            return flow.tenant_header
+        if self.quotas is not None and not self.quotas.key_bearer:
+            return self.quotas.key_header
+        return "x-api-key"
 
     def picked(self, model: Model) -> bool:
         """Whether the model's requests ask a picker for their server."""

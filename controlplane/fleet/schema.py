@@ -109,6 +109,7 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
     if "quotas" in top:
         fleet = replace(fleet, quotas=_quotas(top["quotas"], {m.name for m in fleet.models}, errs))
     _check_pickers(fleet, errs)
+    _check_flow_control(fleet, errs)
     fleet = _match_gpu_classes(fleet, errs)
     _check_memory_fit(fleet, errs)
     return fleet
@@ -154,6 +155,38 @@ def _check_pickers(fleet: Fleet, errs: _Errors) -> None:
         tier_policy = fleet.tier(model.tier).policy.balancing
         if model.policy is not None and model.policy.balancing == "picker" and tier_policy != "picker":
             errs.add(f"models.{model.name}.balancing", why)
+
+
+TIER_S = "its tier's "
+
+
+def _check_flow_control(fleet: Fleet, errs: _Errors) -> None:
+    """`flow_control` queues in the pickers: it needs `balancing: picker`; its `max_wait` may
+    name only the fleet's priority classes."""
+    classes = [c.name for c in fleet.priority_classes]
+    places = [(f"tiers.{t.name}", t.policy, None) for t in fleet.tiers] + [
+        (f"models.{m.name}", m.policy, fleet.tier(m.tier).policy)
+        for m in fleet.models
+        if m.policy is not None
+    ]
+    for path, policy, tier in places:
+        flow = policy.flow_control
+        if flow is None or (tier is not None and tier == policy):
+            continue  # none, or the tier's own: checked (and named) there
+        if policy.balancing != "picker":
+            inherited = tier is not None and tier.flow_control == flow
+            errs.add(
+                f"{path}.balancing" if inherited else f"{path}.flow_control",
+                f"{TIER_S if inherited else ''}flow_control needs balancing: picker "
+                f"(the queue is kept by the pickers), got {policy.balancing}"
+                + ("; or set flow_control: false on the model" if inherited else ""),
+            )
+        if tier is not None and tier.flow_control == flow:
+            continue
+        for name, _ in flow.max_wait_by_class:
+            if name not in classes:
+                known = f"classes: {', '.join(classes)}" if classes else "no priority_classes are defined"
+                errs.add(f"{path}.flow_control.max_wait.{name}", f"unknown priority class ({known})")
 
 
 def _discovery(value: Any, errs: _Errors) -> DiscoverySettings | None:

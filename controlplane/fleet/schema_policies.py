@@ -6,6 +6,7 @@ for a model."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from controlplane.fleet.errors import _Errors
@@ -13,6 +14,7 @@ from controlplane.fleet.model import (
     FORECAST_METHODS,
     POLICY_NAMES,
     CircuitBreaker,
+    FlowControl,
     ScalingPolicy,
     Slo,
     TrafficPolicy,
@@ -28,7 +30,9 @@ TRAFFIC_KEYS = {
     "circuit_breakers",
     "outlier_detection",
     "balancing",
+    "flow_control",
 }
+_FLOW_KEYS = {"max_wait", "max_requests", "max_bytes", "tenant"}
 _BREAKER_KEYS = {"max_requests", "max_pending"}
 _OUTLIER_KEYS = {
     "consecutive_5xx",
@@ -110,9 +114,56 @@ def _traffic(m: dict[str, Any], path: str, base: TrafficPolicy, errs: _Errors) -
                     1,
                     1_000_000,
                 )
+    if "flow_control" in m:
+        kw["flow_control"] = _flow_control(m["flow_control"], f"{path}.flow_control", errs)
     if len(errs.items) != before:
         return None
     return dataclasses.replace(base, **kw)
+
+
+MAX_WAIT_BOUND_S = 600.0  # a request held longer than this is better answered 429 and retried
+
+
+def _flow_control(value: Any, path: str, errs: _Errors) -> FlowControl | None:
+    """`flow_control:` (docs/flow-control.md): `{}` for the defaults; `false` turns a tier's off
+    for one model."""
+    if value is False:
+        return None
+    m = _mapping(value, path, errs, _FLOW_KEYS)
+    if m is None:
+        return None
+    kw: dict[str, Any] = {}
+    wait = m.get("max_wait")
+    if isinstance(wait, dict):
+        by_class = []
+        for name, d in wait.items():
+            s = _duration(d, f"{path}.max_wait.{name}", errs)
+            if s is not None and not 0 < s <= MAX_WAIT_BOUND_S:
+                errs.add(f"{path}.max_wait.{name}", f"must be more than 0s and at most {MAX_WAIT_BOUND_S:g}s")
+            elif s is not None:
+                by_class.append((str(name), s))
+        kw["max_wait_by_class"] = tuple(by_class)
+    elif wait is not None:
+        s = _duration(wait, f"{path}.max_wait", errs)
+        if s is not None and not 0 < s <= MAX_WAIT_BOUND_S:
+            errs.add(f"{path}.max_wait", f"must be more than 0s and at most {MAX_WAIT_BOUND_S:g}s")
+        elif s is not None:
+            kw["max_wait_s"] = s
+    if "max_requests" in m:
+        kw["max_requests"] = _int(m["max_requests"], f"{path}.max_requests", errs, 1, 1_000_000)
+    if "max_bytes" in m:
+        kw["max_bytes"] = _int(m["max_bytes"], f"{path}.max_bytes", errs, 1, 1 << 34)
+    if "tenant" in m:
+        t = _mapping(m["tenant"], f"{path}.tenant", errs, {"header"})
+        header = (t or {}).get("header")
+        if t is not None and (not isinstance(header, str) or not _HEADER.fullmatch(header)):
+            errs.add(f"{path}.tenant.header", f"expected a lower-case header name, got {header!r}")
+        elif t is not None:
+            kw["tenant_header"] = header
+    return FlowControl(**kw)
+
+
+_HEADER = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]{1,128}")
 
 
 # slo key -> (Slo attribute, kind)

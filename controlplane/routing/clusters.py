@@ -8,6 +8,7 @@ Nothing here does I/O; translate.py builds the listeners and routes that name th
 from __future__ import annotations
 
 import ipaddress
+import json
 from collections.abc import Callable, Mapping
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
@@ -32,6 +33,7 @@ from controlplane.fleet.model import (
     Affinity,
     CircuitBreaker,
     Endpoint,
+    Fleet,
     KvEventPorts,
     Model,
     SideTls,
@@ -67,8 +69,37 @@ EndpointWeights = Mapping[str, Mapping[str, int]]
 DEFAULT_WEIGHT = 1
 
 
+def flow_config(fleet: Fleet, model: Model) -> str:
+    """The model's flow control as its picked clusters tell the pickers (names.FLOW_METADATA_NS
+    `config`, JSON; picker/flow.py reads it): the priority classes highest first (none: one,
+    ""), the class of a request without a known x-priority, each class's longest wait, the
+    bounds and the tenant's header. "" for a model without flow control, or not picked."""
+    flow = fleet.flow_control_of(model)
+    if flow is None or not fleet.picked(model):
+        return ""
+    classes = [c.name for c in fleet.priority_classes] or [""]
+    return json.dumps(
+        {
+            "classes": classes,
+            "default_class": fleet.default_priority_class or classes[-1 if len(classes) > 1 else 0],
+            "max_wait_s": [flow.max_wait(c) for c in classes],
+            "max_requests": flow.max_requests,
+            "max_bytes": flow.max_bytes,
+            "tenant_header": fleet.tenant_header(flow),
+            # the tenants the fleet names (its quotas'): the picker's metrics name no others
+            "tenants": sorted(fleet.quotas.tenants)[:64] if fleet.quotas is not None else [],
+        },
+        sort_keys=True,
+    )
+
+
 def build_cluster(
-    model: Model, cname: str, traffic: TrafficPolicy | None = None, *, picked: bool = False
+    model: Model,
+    cname: str,
+    traffic: TrafficPolicy | None = None,
+    *,
+    picked: bool = False,
+    flow: str = "",
 ) -> cluster_pb2.Cluster:
     """One EDS cluster per model version, HTTP/1.1 (one request per connection) unless
     configured, idle connections closed after UPSTREAM_IDLE_TIMEOUT_S. Weighted least request,
@@ -130,6 +161,8 @@ def build_cluster(
     if picked and model.tokenizer:
         # The picker's precise prefix index tokenizes the prompt as the servers do.
         c.metadata.filter_metadata[names.KV_METADATA_NS].update({"tokenizer": model.tokenizer})
+    if picked and flow:
+        c.metadata.filter_metadata[names.FLOW_METADATA_NS].update({"config": flow})
     return c
 
 

@@ -43,6 +43,7 @@ from controlplane.routing.clusters import (
     build_cluster,
     build_hold_cluster,
     build_picker_cluster,
+    flow_config,
     ring_hashed,
 )
 from controlplane.routing.quotas import build_ratelimit_cluster
@@ -59,7 +60,7 @@ from controlplane.routing.translate import (
     picks,
 )
 
-_ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None, bool, str | None]
+_ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None, bool, str | None, str]
 _PlacementKey = tuple[
     tuple[str, ...], tuple[str, ...], float | None, tuple[GpuClass, ...], bool, bool, tuple[object, object]
 ]
@@ -105,6 +106,7 @@ def _cluster_key(fleet: Fleet, model: Model) -> _ClusterKey:
         model.affinity,
         fleet.picked(model),
         model.tokenizer,
+        flow_config(fleet, model),
     )
 
 
@@ -259,7 +261,7 @@ class IncrementalTranslator:
         if cached is not None and cached[0] == key:
             return cached[1]
         self.built += 1
-        msg = build_cluster(model, cname, key[2], picked=key[4])
+        msg = build_cluster(model, cname, key[2], picked=key[4], flow=key[6])
         self._clusters[cname] = (key, msg)
         return msg
 

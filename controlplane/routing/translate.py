@@ -45,6 +45,7 @@ from controlplane.routing.clusters import (
     build_cluster,
     build_hold_cluster,
     build_picker_cluster,
+    flow_config,
     ring_hashed,
 )
 from controlplane.routing.quotas import (
@@ -148,7 +149,13 @@ def translate(
     for model in fleet.models:
         for version in model.versions:
             cname = names.cluster_name(model.name, version.name)
-            clusters[cname] = build_cluster(model, cname, fleet.traffic_of(model), picked=fleet.picked(model))
+            clusters[cname] = build_cluster(
+                model,
+                cname,
+                fleet.traffic_of(model),
+                picked=fleet.picked(model),
+                flow=flow_config(fleet, model),
+            )
             assignments[cname] = build_assignment(
                 cname,
                 version,
@@ -276,7 +283,16 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
     over the limit) never ran the filter's request side, yet its response passes through
     the filter on the way out, and Envoy opened a picker stream for it (seen: 29 quota
     429s and one 200 started 30 streams, 1 pick). A picker that hangs after a pick costs
-    that response's headers at most the budget once more (then failure_mode_allow again)."""
+    that response's headers at most the budget once more (then failure_mode_allow again).
+
+    With `flow_control` on any picked model (docs/flow-control.md), a picker holds the
+    requests of a model whose every server is full: it tells Envoy to wait for its answer up
+    to the request's class's maximum wait (`override_message_timeout`, at most
+    `max_message_timeout`: the longest wait of any model plus FLOW_TIMEOUT_MARGIN_S), then
+    answers with the server, or with a 429 in Envoy's place (immediate responses are allowed
+    then). A picker that dies releases what it held at once (the stream breaks:
+    failure_mode_allow), one that hangs after the longest wait."""
+    queues = [f.longest_wait() for m in fleet.models if fleet.picked(m) and (f := fleet.flow_control_of(m))]
     cfg = ext_proc_pb2.ExternalProcessor(
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=names.PICKER_CLUSTER),
@@ -286,10 +302,11 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
         processing_mode=_processing_mode(processing_mode_pb2.ProcessingMode.SKIP),
         allow_mode_override=True,
         allowed_override_modes=[PICKED_MODE],
-        disable_immediate_response=True,
+        disable_immediate_response=not queues,
         request_attributes=["xds.cluster_name"],
         response_attributes=["upstream.address"],
         message_timeout=pb.duration(fleet.picker.timeout_s),
+        max_message_timeout=pb.duration(max(queues, default=0.0) + FLOW_TIMEOUT_MARGIN_S) if queues else None,
         stat_prefix="picker",
         metadata_options=ext_proc_pb2.MetadataOptions(
             forwarding_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
@@ -302,6 +319,9 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
         disable_clear_route_cache=True,
     )
     return hcm_pb2.HttpFilter(name=EXT_PROC_FILTER, typed_config=pb.pack(cfg))
+
+
+FLOW_TIMEOUT_MARGIN_S = 1.0  # past a class's longest wait: the picker's 429 comes first
 
 
 def _picker_off() -> any_pb2.Any:
