@@ -372,6 +372,29 @@ class PickerState:
             load = max(load, slots)
         return wait_and_service(load, slots, c.scale)
 
+    def free_slot(self, cluster: str, now: float) -> bool:
+        """Whether any eligible server of `cluster` (in its first failover rank) has a slot
+        free by this picker's view (its requests, its peers', the pages; a page showing the
+        KV cache full counts the server full), as `pick` ranks them. A server whose slots
+        were never seen counts its cluster's most known, else one. No eligible server: True
+        (nothing to wait for: Envoy routes by the weights)."""
+        servers = [c for c in self.clusters.get(cluster, ()) if c.eligible]
+        if not servers:
+            return True
+        first = min(c.priority for c in servers)
+        servers = [c for c in servers if c.priority == first]
+        known = [self.slots[c.address] for c in servers if c.address in self.slots]
+        peers = max(known) if known else 1.0
+        for c in servers:
+            slots = self.slots.get(c.address, peers)
+            load = self.load(c.address, now)
+            page = self.loads.get(c.address)
+            if page is not None and page.kv_use is not None and page.kv_use >= KV_FULL:
+                continue
+            if load < max(1.0, slots):
+                return True
+        return False
+
     def kv_event(self, server: str, batch: Batch, now: float) -> str:
         """A batch from `server`'s KV events (kvcache/index.py's KvIndex.apply): what became
         of it. Any batch shows the server publishing: it is not stale."""

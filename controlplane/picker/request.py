@@ -71,7 +71,7 @@ def read_ask(req: ep.ProcessingRequest) -> Ask | Refused:
     prompt = _metadata(req, METADATA_NS, PROMPT_KEY)
     if len(prompt) > limits.PICKER_PROMPT_MAX_BYTES:  # characters: at least as many bytes
         return Refused(PROMPT, f"more than {limits.PICKER_PROMPT_MAX_BYTES} bytes")
-    request_id = _header_bytes(req, "x-request-id")[:REQUEST_ID_MAX_CHARS]
+    request_id = header_bytes(req, "x-request-id")[:REQUEST_ID_MAX_CHARS]
     return Ask(cluster, prefix, subset, request_id.decode(errors="replace"), prompt)
 
 
@@ -128,7 +128,7 @@ def _subset(req: ep.ProcessingRequest) -> frozenset[str] | Refused | None:
         if value is not None and value.HasField("string_value"):
             raw = value.string_value.encode(errors="surrogatepass")
         else:
-            raw = _header_bytes(req, SUBSET_HEADER)
+            raw = header_bytes(req, SUBSET_HEADER)
         if (refused := _too_big(len(raw), 0)) is not None:
             return refused
         found = raw.decode(errors="replace").split(",")
@@ -138,7 +138,7 @@ def _subset(req: ep.ProcessingRequest) -> frozenset[str] | Refused | None:
     return subset or None
 
 
-def _header_bytes(req: ep.ProcessingRequest, name: str) -> bytes:
+def header_bytes(req: ep.ProcessingRequest, name: str) -> bytes:
     """A request header's value as sent, b"" if absent (the first, if sent twice)."""
     for h in req.request_headers.headers.headers:
         if h.key == name:
@@ -148,4 +148,4 @@ def _header_bytes(req: ep.ProcessingRequest, name: str) -> bytes:
 
 def header(req: ep.ProcessingRequest, name: str) -> str:
     """A request header's value as text, "" if absent."""
-    return _header_bytes(req, name).decode(errors="replace")
+    return header_bytes(req, name).decode(errors="replace")

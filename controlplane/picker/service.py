@@ -43,7 +43,9 @@ per request, and an ADS client of the control plane that keeps what it may pick 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import json
 import math
 import os
 import sys
@@ -60,6 +62,8 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import duration_pb2
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -70,7 +74,21 @@ from controlplane.kvcache.index import MAX_BLOCKS
 from controlplane.kvcache.prompt import PromptError, Tokenizers, token_ids
 from controlplane.net.tls import SIDE_FLAGS, ServerTls, client_credentials, server_credentials
 from controlplane.obs.outage import Outage
-from controlplane.picker.choose import PREFIX_ENTRIES, PREFIX_LOAD_BOUND, KvAsk, PickerState, ServerLoad
+from controlplane.picker.choose import PREFIX_ENTRIES, PREFIX_LOAD_BOUND, KvAsk, Pick, PickerState, ServerLoad
+from controlplane.picker.flow import (
+    BYTES_PER_TOKEN,
+    DEFAULT_TOKENS,
+    RELEASED,
+    SHED_FULL,
+    SHED_TIMEOUT,
+    ClusterFlow,
+    FlowConfig,
+    FlowConfigError,
+    Flows,
+    Held,
+    read_config,
+    tenant_key,
+)
 from controlplane.picker.kv_events import KvMetrics, KvSubscriptions
 from controlplane.picker.request import (
     INPUTS,
@@ -78,13 +96,14 @@ from controlplane.picker.request import (
     Ask,
     Refused,
     attribute,
+    header_bytes,
     metadata_string,
     read_ask,
 )
 from controlplane.process.side_service import serve_until_signalled
-from controlplane.resources.names import KV_METADATA_NS, PICKED_HEADER, PICKED_METADATA_NS
+from controlplane.resources.names import FLOW_METADATA_NS, KV_METADATA_NS, PICKED_HEADER, PICKED_METADATA_NS
 from controlplane.resources.types import CLUSTER, ENDPOINT
-from controlplane.routing.translate import PICKED_MODE
+from controlplane.routing.translate import FLOW_TIMEOUT_MARGIN_S, PICKED_MODE, PRIORITY_HEADER
 from controlplane.v1 import endpoint_pb2 as admin_endpoint_pb2
 from controlplane.v1 import endpoint_pb2_grpc, picker_pb2, picker_pb2_grpc
 
@@ -170,6 +189,45 @@ class PickerMetrics:
             registry=r,
         )
         self.kv = KvMetrics(r)
+        self.flow_waiting = Gauge(
+            "controlplane_picker_flow_waiting",
+            "Requests waiting in the picker's queue for a slot (flow_control), by model, priority "
+            'class and tenant (a tenant the fleet\'s quotas name, else other; "" for none)',
+            ["model", "class", "tenant"],
+            registry=r,
+        )
+        self.flow_top_waiting = Gauge(
+            "controlplane_picker_flow_top_class_waiting",
+            "Requests of a model's highest priority class waiting in the picker's queue",
+            ["model"],
+            registry=r,
+        )
+        self.flow_wait = Histogram(
+            "controlplane_picker_flow_wait_seconds",
+            "Time a request waited in the picker's queue before its pick, by model and class",
+            ["model", "class"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.flow_dispatched = Counter(
+            "controlplane_picker_flow_dispatched",
+            "Requests that left the picker's queue for a free slot, by model, class and tenant",
+            ["model", "class", "tenant"],
+            registry=r,
+        )
+        self.flow_shed = Counter(
+            "controlplane_picker_flow_shed",
+            "Requests of the queue answered 429, by model, class, tenant and reason: timeout (its "
+            "class's longest wait passed), full (the queue's bound: the lowest class and newest "
+            "first); and requests whose client went away while queued (gone)",
+            ["model", "class", "tenant", "reason"],
+            registry=r,
+        )
+        self.flow_config_errors = Counter(
+            "controlplane_picker_flow_config_errors",
+            "Clusters whose flow control the picker could not read (their requests are picked as without it)",
+            registry=r,
+        )
 
 
 class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -205,6 +263,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.tokenizers = Tokenizers()
         self.tokenizer_of: dict[str, str] = {}  # cluster -> its model's tokenizer directory
         self.kv_subs: KvSubscriptions | None = None  # made on the running loop (follow)
+        self.flows = Flows()  # the queues of clusters with flow control (picker/flow.py)
+        self._flow_wake = asyncio.Event()  # a slot may have freed: dispatch
+        self._flow_labels: set[tuple[str, str, str]] = set()  # flow_waiting's series set so far
         self._tokenizer_outage = Outage(
             log,
             "a tokenizer is unusable: its model's prompts are scored by the approximate index",
@@ -217,7 +278,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
     ) -> AsyncIterator[ep.ProcessingResponse]:
         picked: tuple[str, ...] = ()
-        asked = False
+        asked = read_back = False
         try:
             async for req in request_iterator:
                 if req.HasField("request_headers"):
@@ -232,25 +293,48 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     t0 = time.perf_counter()
                     ask = read_ask(req)
                     kv = await self._kv_ask(ask) if isinstance(ask, Ask) and ask.prompt else None
-                    resp, picked = self._answer(ask, kv)
+                    flow = self._flow_of(ask)
+                    if flow is None or not self._must_wait(ask, flow):  # type: ignore[arg-type]
+                        resp, picked = self._answer(ask, kv)
+                        self.metrics.decision.observe(time.perf_counter() - t0)
+                        yield resp
+                        continue
+                    assert isinstance(ask, Ask)
+                    holding = self._hold(req, ask, kv, flow)
+                    first, _ = await holding.__anext__()  # Envoy told to wait (or a 429 at once)
                     self.metrics.decision.observe(time.perf_counter() - t0)
-                    yield resp
+                    yield first
+                    async for resp, got in holding:
+                        picked = got
+                        yield resp
                 elif req.HasField("response_headers"):
                     if picked:  # the request ended, or its response started: it is no more ours
-                        self._served(picked, attribute(req, SERVED_ATTRIBUTE))
-                        picked = ()
+                        served = attribute(req, SERVED_ATTRIBUTE)
+                        if isinstance(ask, Ask) and ask.cluster in self.flows.clusters:
+                            self._readback(picked, served)  # in flight until its stream ends
+                            read_back = True
+                        else:
+                            self._served(picked, served)
+                            picked = ()
                     yield _unchanged(req)
                 else:  # a phase not asked for (a newer Envoy's mode override): change nothing
                     yield _unchanged(req)
         finally:
-            if picked:  # the stream closed before a response (a reset, a cancel, a timeout)
-                self._served(picked, "")
+            if picked:  # the stream closed before a response (a reset, a cancel, a timeout), or
+                # a flow-controlled request ended (its server's slot is free only now)
+                self._served(picked, "", readback=not read_back)
 
-    def _served(self, picked: tuple[str, ...], served: str) -> None:
+    def _served(self, picked: tuple[str, ...], served: str, *, readback: bool = True) -> None:
         """The request picked for `picked` answered from `served` (the upstream.address Envoy
         reports: the Endpoint Picker Protocol's served-endpoint readback), "" if unknown."""
         self.state.done(picked[0], time.monotonic())
         self.metrics.inflight.dec()
+        self._flow_wake.set()  # a slot freed: a queued request may go
+        if readback:
+            self._readback(picked, served)
+
+    def _readback(self, picked: tuple[str, ...], served: str) -> None:
+        """Count where the request picked for `picked` went (`served`, "" if unknown)."""
         if not served:
             where = "unknown"
         elif served == picked[0]:
@@ -260,6 +344,186 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         else:
             where = "elsewhere"
         self.metrics.served.labels(where).inc()
+
+    # ---- flow control (picker/flow.py) ------------------------------------------------------
+
+    def _flow_of(self, ask: Ask | Refused) -> ClusterFlow | None:
+        """The queue a request may wait in: its cluster's, if it has one (and the picker is
+        fed, and the request names no subset: a hint narrows the servers the queue waits for)."""
+        if isinstance(ask, Refused) or not self.ready.is_set() or ask.subset is not None:
+            return None
+        return self.flows.clusters.get(ask.cluster)
+
+    def _must_wait(self, ask: Ask, flow: ClusterFlow) -> bool:
+        """Others wait already (a newcomer goes behind them), or no server has a slot free."""
+        return bool(len(flow.queue)) or not self.state.free_slot(ask.cluster, time.monotonic())
+
+    async def _hold(
+        self, req: ep.ProcessingRequest, ask: Ask, kv: KvAsk | None, flow: ClusterFlow
+    ) -> AsyncIterator[tuple[ep.ProcessingResponse, tuple[str, ...]]]:
+        """Queue the request: first tell Envoy to wait for up to its class's longest wait
+        (override_message_timeout), then its pick (with the servers picked, counted in flight),
+        or a 429. A request shed at once gets only its 429."""
+        now = time.monotonic()
+        cfg = flow.config
+        rank = cfg.rank(header_bytes(req, PRIORITY_HEADER).decode(errors="replace"))
+        tenant = tenant_key(header_bytes(req, cfg.tenant_header))
+        size = _content_length(req)
+        tokens = kv.tokens if kv is not None else (size // BYTES_PER_TOKEN if size else DEFAULT_TOKENS)
+        held = Held(
+            asyncio.get_running_loop().create_future(), ask, kv, flow.label(tenant), cfg.classes[rank], now
+        )
+        id, shed = self.flows.enqueue(
+            ask.cluster, held, rank=rank, tenant=tenant, now=now, size=size, tokens=tokens
+        )
+        for other, why in shed:
+            if other is not held and not other.future.done():
+                other.future.set_result(why)
+        self._refresh_flow_gauges()
+        if any(other is held for other, _ in shed):
+            self._count_shed(ask.cluster, held, SHED_FULL)
+            yield self._too_many(ask.cluster, held, SHED_FULL, cfg.max_wait_s[rank]), ()
+            return
+        wait = cfg.max_wait_s[rank] + FLOW_TIMEOUT_MARGIN_S / 2
+        timeout = duration_pb2.Duration(seconds=int(wait), nanos=int(wait % 1 * 1e9))
+        yield ep.ProcessingResponse(override_message_timeout=timeout), ()
+        answered = False
+        try:
+            outcome = await held.future
+            resp = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+            picked: tuple[str, ...] = ()
+            if isinstance(outcome, Pick) and outcome.servers:
+                self._name(resp, ask, outcome.servers, outcome.reason)
+                picked = outcome.servers
+            elif isinstance(outcome, Pick):
+                self.metrics.picks.labels("no_eligible_server").inc()
+            elif outcome == RELEASED:  # its cluster's queue is gone: picked as without one
+                resp, picked = self._answer(ask, kv)
+            else:
+                self._count_shed(ask.cluster, held, str(outcome))
+                resp = self._too_many(ask.cluster, held, str(outcome), cfg.max_wait_s[rank])
+            answered = True
+            yield resp, picked
+        finally:
+            if not held.future.done():  # its client went away while it waited
+                held.future.cancel()
+                self.flows.remove(ask.cluster, id)
+                self._count_shed(ask.cluster, held, "gone")
+                self._refresh_flow_gauges()
+            elif not answered:  # picked as its stream closed: not in flight after all
+                outcome = held.future.result()
+                if isinstance(outcome, Pick) and outcome.servers:
+                    self.state.done(outcome.servers[0], time.monotonic())
+                    self._flow_wake.set()
+
+    def _count_shed(self, cluster: str, held: Held, reason: str) -> None:
+        self.metrics.flow_shed.labels(_model_of(cluster), held.klass, held.tenant_label, reason).inc()
+
+    def _too_many(self, cluster: str, held: Held, reason: str, max_wait: float) -> ep.ProcessingResponse:
+        """The 429 a queued request gets, with Retry-After and OpenAI's error body (as the
+        quotas' 429: its SDK raises RateLimitError)."""
+        model = _model_of(cluster)
+        if reason == SHED_TIMEOUT:
+            message = (
+                f"Model {model} is at capacity: this request waited {max_wait:g}s, its priority "
+                "class's longest wait, for a server. Please try again after the Retry-After delay."
+            )
+        else:
+            message = (
+                f"Model {model} is at capacity and its queue is full: this request was shed to make "
+                "room for higher-priority or earlier ones. Please try again after the Retry-After delay."
+            )
+        body = json.dumps(
+            {"error": {"message": message, "type": "requests", "param": None, "code": "rate_limit_exceeded"}}
+        )
+        retry = str(max(1, math.ceil(min(max_wait, 60.0) / 2)))
+        resp = ep.ProcessingResponse()
+        im = resp.immediate_response
+        im.status.code = http_status_pb2.TooManyRequests
+        im.body = body.encode()
+        im.details = f"flow_control_{reason}"
+        for key, value in (
+            ("retry-after", retry),
+            ("content-type", "application/json"),
+            ("x-flow-control", reason),
+        ):
+            im.headers.set_headers.add(
+                header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        return resp
+
+    def _dispatch(self, now: float) -> None:
+        """Answer what waited too long, then hand free slots to the queues' next requests."""
+        for held, why in self.flows.expired(now):
+            if not held.future.done():
+                held.future.set_result(why)
+        for cluster, flow in self.flows.clusters.items():
+            while len(flow.queue) and self.state.free_slot(cluster, now):
+                w = flow.queue.pop()
+                assert w is not None
+                held = flow.held.pop(w.id)
+                if held.future.done():
+                    continue
+                ask = held.asked
+                chosen = self.state.pick(cluster, now, prefix=ask.prefix, subset=ask.subset, kv=held.kv)
+                held.future.set_result(chosen)
+                model = _model_of(cluster)
+                self.metrics.flow_wait.labels(model, held.klass).observe(now - held.arrival)
+                self.metrics.flow_dispatched.labels(model, held.klass, held.tenant_label).inc()
+                if not chosen.servers:
+                    break
+        self._refresh_flow_gauges()
+
+    def _refresh_flow_gauges(self) -> None:
+        seen: set[tuple[str, str, str]] = set()
+        for cluster, flow in self.flows.clusters.items():
+            model = _model_of(cluster)
+            counts: dict[tuple[str, str, str], int] = {}
+            for held in flow.held.values():
+                key = (model, held.klass, held.tenant_label)
+                counts[key] = counts.get(key, 0) + 1
+            for key, n in counts.items():
+                self.metrics.flow_waiting.labels(*key).set(n)
+                seen.add(key)
+            top = flow.config.classes[0]
+            self.metrics.flow_top_waiting.labels(model).set(sum(n for k, n in counts.items() if k[1] == top))
+        for key in self._flow_labels - seen:
+            self.metrics.flow_waiting.labels(*key).set(0)
+        self._flow_labels = seen | {k for k in self._flow_labels if k in seen}
+
+    async def flow_dispatch(self) -> None:
+        """Dispatch queued requests whenever a slot may have freed, and at every deadline, for
+        ever (FLOW_TICK_S at most apart while any waits: a page's or a peer's news)."""
+        while True:
+            timeout = FLOW_TICK_S if self.flows.waiting() else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._flow_wake.wait(), timeout)
+            self._flow_wake.clear()
+            self._dispatch(time.monotonic())
+
+    def configure_flows(self, clusters: Iterable[cluster_pb2.Cluster]) -> None:
+        """The clusters' flow control as the control plane now sends it; the requests of a
+        queue that went (or changed) are picked at once."""
+        configs: dict[str, FlowConfig] = {}
+        for c in clusters:
+            text = metadata_string(c.metadata, FLOW_METADATA_NS, "config")
+            if not text:
+                continue
+            name = c.eds_cluster_config.service_name or c.name
+            try:
+                configs[name] = read_config(text)
+            except FlowConfigError as e:
+                self.metrics.flow_config_errors.inc()
+                log.warning(
+                    "flow control unreadable: the cluster is picked without it",
+                    cluster=name,
+                    error=str(e)[:300],
+                )
+        for held in self.flows.configure(configs):
+            if not held.future.done():
+                held.future.set_result(RELEASED)
+        self._refresh_flow_gauges()
 
     async def _kv_ask(self, ask: Ask) -> KvAsk | None:
         """The prompt's blocks, keyed for every block size the cluster's servers publish (16,
@@ -424,6 +688,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     self.metrics.load_reads.labels("ok").inc()
                     outage.ok()
                     self.state.observe(server_loads(resp.endpoints, time.monotonic()))
+                    self._flow_wake.set()
                 await asyncio.sleep(self.loads_interval_s)
 
     async def follow(self) -> None:
@@ -471,6 +736,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     for c in clusters
                     if (tokenizer := metadata_string(c.metadata, KV_METADATA_NS, "tokenizer"))
                 }
+                self.configure_flows(clusters)
                 await out.put(
                     discovery_pb2.DiscoveryRequest(
                         node=node, type_url=CLUSTER, version_info=resp.version_info, response_nonce=resp.nonce
@@ -512,6 +778,20 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
                     await self.health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
                     log.info("picker ready", clusters=len(self.state.clusters))
+
+
+FLOW_TICK_S = 0.02  # while requests wait, a look for a free slot at least this often
+
+
+def _model_of(cluster: str) -> str:
+    """The model of a cluster (`model@version`, names.cluster_name)."""
+    return cluster.rsplit("@", 1)[0]
+
+
+def _content_length(req: ep.ProcessingRequest) -> int:
+    """The request's Content-Length (0: none, or not a number below 2**40)."""
+    value = header_bytes(req, "content-length")
+    return int(value) if value.isdigit() and len(value) <= 12 else 0
 
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's
@@ -695,7 +975,7 @@ async def serve(
     picker_pb2_grpc.add_PickerPeersServicer_to_server(picker.peer_service(), server)
     await picker.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await picker.health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-    background = [picker.follow(), picker.kv_gauges()]
+    background = [picker.follow(), picker.kv_gauges(), picker.flow_dispatch()]
     if admin is not None:
         background.append(picker.follow_loads())
     background += [picker.follow_peer(peer) for peer in peers]

@@ -1,0 +1,262 @@
+"""Flow control (issue 44) through a real Envoy: while every server of a model is full, its
+requests wait in the picker, premium first, then fair share between tenants, then arrival;
+past its class's longest wait a request gets 429 with OpenAI's body; a picker that dies or
+hangs with requests queued costs none of them (fail open)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import EmulatedFleet, Emulator, http_get, wait_until
+from tests.integration.test_dashboard_metrics import dashboard_names, page_names
+from tests.integration.test_picker import PickerProc
+from tests.ports import free_port
+
+pytestmark = pytest.mark.envoy
+
+MODEL = "chat"
+CLUSTER = f"{MODEL}@v1"
+DECODE_MS = 100  # per output token: a request of TOKENS tokens holds its server's one slot ~1 s
+TOKENS = 10
+STANDARD_WAIT_S = 8.0
+
+
+def fleet(addresses: list[str], picker: str) -> str:
+    return (
+        "\n".join(
+            [
+                "listener: {port: %d}",
+                "signals: {interval: 300ms, timeout: 250ms}",
+                f"picker: {{endpoints: ['{picker}'], timeout: 1000ms}}",
+                "priority_classes: {premium: {routing_priority: high}, standard: {}, batch: {}}",
+                "default_priority_class: standard",
+                "tiers:",
+                "  small:",
+                "    timeout: 60s",
+                "    balancing: picker",
+                "    flow_control:",
+                f"      max_wait: {{premium: 20s, standard: {STANDARD_WAIT_S:g}s, batch: 1500ms}}",
+                "      max_requests: 40",
+                # the tenants named (the picker's metrics label them); no rate-limit service runs
+                # there: Envoy serves without a decision (fail open), as docs/quotas.md says
+                f"quotas: {{key: {{header: x-api-key}}, service: {{endpoints: ['127.0.0.1:{free_port()}']}}, "
+                "tenants: {acme: {}, globex: {}}}",
+                "models:",
+                f"  {MODEL}:",
+                "    params_b: 8",
+                "    stable: v1",
+                "    versions:",
+                "      v1:",
+                "        endpoints:",
+                *(f"          - {{address: '{a}'}}" for a in addresses),
+            ]
+        )
+        + "\n"
+    )
+
+
+@dataclass
+class Rig:
+    fleet: EmulatedFleet
+    picker: PickerProc
+
+    @property
+    def listener(self) -> int:
+        return self.fleet.listener
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    """Two emulated servers of one slot each, a control plane, a picker with the servers'
+    pages, and a real Envoy."""
+    fl = EmulatedFleet(tmp_path)
+    picker: PickerProc | None = None
+    try:
+        for n in ("a", "b"):
+            fl.servers[n] = Emulator(n, tmp_path, MODEL, slots=1, decode_ms_per_token=DECODE_MS)
+        picker_port = free_port()
+        text = fleet([s.address for s in fl.servers.values()], f"127.0.0.1:{picker_port}")
+        fl.serve(text % fl.listener)
+        assert fl.cp is not None and fl.envoy is not None
+        admin = (fl.cp.admin, fl.cp.state_dir / "admin-token")
+        picker = PickerProc("picker", fl.cp.xds, tmp_path, picker_port, admin=admin).start()
+        envoy = fl.envoy
+        wait_until(
+            lambda: [h for _, h in envoy.endpoints(CLUSTER).values()] == ["healthy"] * 2,
+            20,
+            "Envoy to have both servers healthy",
+        )
+        yield Rig(fl, picker)
+    finally:
+        if picker is not None:
+            picker.stop()
+        fl.close()
+
+
+@dataclass
+class Sent:
+    """Requests sent in threads: each one's (id, status, seconds, body)."""
+
+    results: dict[str, tuple[int, float, str]] = field(default_factory=dict)
+    threads: list[threading.Thread] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def send(self, port: int, rid: str, headers: dict[str, str] | None = None) -> None:
+        def run() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": TOKENS}).encode()
+            t0 = time.monotonic()
+            try:
+                conn.request(
+                    "POST",
+                    "/v1/completions",
+                    body,
+                    {"content-type": "application/json", "x-request-id": rid, **(headers or {})},
+                )
+                r = conn.getresponse()
+                data = r.read().decode()
+                self.results[rid] = (r.status, time.monotonic() - t0, data)
+            except Exception as e:
+                self.errors.append(f"{rid}: {e!r}")
+            finally:
+                conn.close()
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def join(self, timeout: float = 60.0) -> None:
+        for t in self.threads:
+            t.join(timeout)
+
+
+def waiting(rig: Rig) -> float:
+    """Requests waiting in the picker's queue, every class and tenant."""
+    _, page = http_get(f"http://127.0.0.1:{rig.picker.metrics_port}/metrics")
+    return sum(
+        float(line.split()[-1])
+        for line in page.splitlines()
+        if line.startswith("controlplane_picker_flow_waiting{")
+    )
+
+
+def picked_order(rig: Rig) -> list[str]:
+    """Request ids in the order the picker named their servers (its debug log)."""
+    assert rig.picker.proc is not None
+    out = []
+    for line in rig.picker.proc.log().splitlines():
+        if '"request picked"' in line:
+            out.append(json.loads(line)["request_id"])
+    return out
+
+
+def test_while_every_server_is_full_premium_goes_first_then_tenants_take_turns(rig: Rig) -> None:
+    sent = Sent()
+    for i in range(2):  # both servers busy
+        sent.send(rig.listener, f"busy-{i}")
+    wait_until(lambda: len(picked_order(rig)) >= 2, 20, "both servers busy")
+    for i in range(6):  # acme's burst queues first...
+        sent.send(rig.listener, f"acme-{i}", {"x-api-key": "acme"})
+    wait_until(lambda: waiting(rig) >= 6, 20, "acme's requests queued")
+    for i in range(2):  # ...then globex's two, then a premium request
+        sent.send(rig.listener, f"globex-{i}", {"x-api-key": "globex"})
+    wait_until(lambda: waiting(rig) >= 8, 20, "globex's requests queued")
+    sent.send(rig.listener, "premium-0", {"x-priority": "premium", "x-api-key": "acme"})
+    sent.join()
+    assert sent.errors == [], sent.errors
+    assert {s for s, _, _ in sent.results.values()} == {200}, sent.results
+    order = [r for r in picked_order(rig) if not r.startswith("busy")]
+    assert order[0] == "premium-0", order  # it came last and went first
+    # globex waited behind acme's burst only as long as the tokens both were served make fair:
+    # both its requests went within the first five of the standard class, not after all six.
+    standard = [r for r in order if r != "premium-0"]
+    assert max(standard.index(g) for g in ("globex-0", "globex-1")) < 5, standard
+    assert (
+        rig.picker.metric(
+            'controlplane_picker_flow_dispatched_total{class="premium",model="chat",tenant="acme"}'
+        )
+        == 1
+    )
+
+
+def test_past_its_class_wait_a_request_gets_429_with_openais_body(rig: Rig) -> None:
+    sent = Sent()
+    for i in range(4):
+        sent.send(rig.listener, f"busy-{i}")
+    wait_until(lambda: waiting(rig) >= 2, 20, "two requests queued")
+    t0 = time.monotonic()
+    sent.send(rig.listener, "batch-0", {"x-priority": "batch", "x-api-key": "acme"})
+    sent.join()
+    status, seconds, body = sent.results["batch-0"]
+    assert status == 429, sent.results
+    assert 1.4 <= seconds < 5.0, seconds  # its class's 1.5 s, not the standard class's 20 s
+    error = json.loads(body)["error"]
+    assert error["code"] == "rate_limit_exceeded" and "1.5s" in error["message"], error
+    assert time.monotonic() - t0 < 30
+    assert {sent.results[f"busy-{i}"][0] for i in range(4)} == {200}
+    shed = 'controlplane_picker_flow_shed_total{class="batch",model="chat",reason="timeout",tenant="acme"}'
+    assert rig.picker.metric(shed) == 1
+    # The dashboard's Flow control row reads the picker's page: every name it uses is on it.
+    _, page = http_get(f"http://127.0.0.1:{rig.picker.metrics_port}/metrics")
+    used, exported = dashboard_names("controlplane_picker_flow_"), page_names(page)
+    assert len(used) >= 4 and used <= exported, sorted(used - exported)
+
+
+def _queue_then(rig: Rig, act: str) -> tuple[Sent, float]:
+    """Both servers busy and 12 requests queued; then the picker is killed (SIGKILL) or hung
+    (SIGSTOP). Returns the requests and when it happened."""
+    sent = Sent()
+    for i in range(14):
+        sent.send(rig.listener, f"r-{i}")
+    wait_until(lambda: waiting(rig) >= 12, 20, "12 requests queued")
+    assert rig.picker.proc is not None
+    at = time.monotonic()
+    if act == "kill":
+        rig.picker.kill()
+    else:
+        os.kill(rig.picker.proc.popen.pid, signal.SIGSTOP)
+    return sent, at
+
+
+def test_a_picker_killed_with_requests_queued_releases_them_all_to_the_weights(rig: Rig) -> None:
+    sent, killed_at = _queue_then(rig, "kill")
+    sent.join()
+    assert sent.errors == [], sent.errors
+    assert {s for s, _, _ in sent.results.values()} == {200}, sent.results  # fail open: none failed
+    assert len(sent.results) == 14
+    envoy = rig.fleet.envoy
+    assert envoy is not None
+    assert envoy.stat("http.inference.ext_proc.picker.failure_mode_allowed") >= 12
+    # Released at once, not after their wait: the 14 take their turns on the two servers.
+    assert time.monotonic() - killed_at < STANDARD_WAIT_S + 4, time.monotonic() - killed_at
+
+
+def test_a_hung_picker_holds_a_queued_request_at_most_its_class_wait(rig: Rig) -> None:
+    assert rig.picker.proc is not None
+    pid = rig.picker.proc.popen.pid
+    try:
+        sent, stopped_at = _queue_then(rig, "stop")
+        sent.join(90)
+        took = time.monotonic() - stopped_at
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert sent.errors == [], sent.errors
+    assert {s for s, _, _ in sent.results.values()} == {200}, sent.results
+    envoy = rig.fleet.envoy
+    assert envoy is not None
+    assert envoy.stat("http.inference.ext_proc.picker.message_timeouts") >= 12
+    # Each waited its class's 8 s (and the half-second margin), then went by the weights,
+    # into the servers' own queues: two slots, ~1 s a request.
+    longest = max(s for _, s, _ in sent.results.values())
+    assert longest >= STANDARD_WAIT_S, longest
+    assert took < STANDARD_WAIT_S + 0.5 + 14 / 2 * DECODE_MS * TOKENS / 1000 + 4, took
