@@ -103,7 +103,12 @@ from controlplane.picker.request import (
 from controlplane.process.side_service import serve_until_signalled
 from controlplane.resources.names import FLOW_METADATA_NS, KV_METADATA_NS, PICKED_HEADER, PICKED_METADATA_NS
 from controlplane.resources.types import CLUSTER, ENDPOINT
-from controlplane.routing.translate import FLOW_TIMEOUT_MARGIN_S, PICKED_MODE, PRIORITY_HEADER
+from controlplane.routing.translate import (
+    FLOW_PICKED_MODE,
+    FLOW_TIMEOUT_MARGIN_S,
+    PICKED_MODE,
+    PRIORITY_HEADER,
+)
 from controlplane.v1 import endpoint_pb2 as admin_endpoint_pb2
 from controlplane.v1 import endpoint_pb2_grpc, picker_pb2, picker_pb2_grpc
 
@@ -311,11 +316,16 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     if picked:  # the request ended, or its response started: it is no more ours
                         served = attribute(req, SERVED_ATTRIBUTE)
                         if isinstance(ask, Ask) and ask.cluster in self.flows.clusters:
-                            self._readback(picked, served)  # in flight until its stream ends
+                            self._readback(picked, served)  # in flight until its trailers
                             read_back = True
                         else:
                             self._served(picked, served)
                             picked = ()
+                    yield _unchanged(req)
+                elif req.HasField("response_trailers"):  # a flow-controlled request's end
+                    if picked:
+                        self._served(picked, "", readback=not read_back)
+                        picked = ()
                     yield _unchanged(req)
                 else:  # a phase not asked for (a newer Envoy's mode override): change nothing
                     yield _unchanged(req)
@@ -584,7 +594,8 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         resp.dynamic_metadata.fields[PICKED_METADATA_NS].struct_value.fields[
             PICKED_HEADER
         ].string_value = value
-        resp.mode_override.CopyFrom(PICKED_MODE)
+        flow = ask.cluster in self.flows.clusters  # its end is its trailers: FLOW_PICKED_MODE
+        resp.mode_override.CopyFrom(FLOW_PICKED_MODE if flow else PICKED_MODE)
         self.metrics.picks.labels(reason).inc()
         self.metrics.inflight.inc()
         log.debug(

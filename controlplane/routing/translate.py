@@ -257,6 +257,18 @@ def _processing_mode(response_headers: int) -> processing_mode_pb2.ProcessingMod
 # What a pick asks of Envoy for the rest of its stream (`mode_override`, the only override
 # the filter allows): the response's headers, so the picker sees the request end.
 PICKED_MODE = _processing_mode(processing_mode_pb2.ProcessingMode.SEND)
+# ...and, for a model with flow control, its trailers too: the response's end (Envoy adds
+# empty trailers where the response has none), when its server's slot is free again. Its
+# headers alone do not say that: a streamed response's come before its first token, and
+# Envoy closes the picker's stream once it has nothing more to send it.
+FLOW_PICKED_MODE = processing_mode_pb2.ProcessingMode(
+    request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+    response_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+    request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+    response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+    request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    response_trailer_mode=processing_mode_pb2.ProcessingMode.SEND,
+)
 
 
 def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
@@ -301,7 +313,7 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
         failure_mode_allow=True,
         processing_mode=_processing_mode(processing_mode_pb2.ProcessingMode.SKIP),
         allow_mode_override=True,
-        allowed_override_modes=[PICKED_MODE],
+        allowed_override_modes=[PICKED_MODE, FLOW_PICKED_MODE] if queues else [PICKED_MODE],
         disable_immediate_response=not queues,
         request_attributes=["xds.cluster_name"],
         response_attributes=["upstream.address"],
