@@ -27,6 +27,8 @@ READ_ONLY_METHODS = frozenset(
         "/controlplane.v1.RolloutService/Watch",
         "/controlplane.v1.RolloutService/History",
         "/controlplane.v1.EndpointService/List",
+        # a picker's queue lengths: demand for the autoscaler, bounded (flow/demand.py)
+        "/controlplane.v1.EndpointService/ReportQueued",
         "/controlplane.v1.ProxyService/List",
         "/controlplane.v1.ProxyService/ServerVersion",
         "/controlplane.v1.AutoscalingService/List",

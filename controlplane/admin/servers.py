@@ -67,7 +67,7 @@ def admin_server(
     server = grpc.aio.server(interceptors=[auth.TokenAuth(tokens)], options=[("grpc.so_reuseport", 0)])
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(rollouts, tokens, metrics), server)
     endpoint_pb2_grpc.add_EndpointServiceServicer_to_server(
-        EndpointService(rollouts, tokens, metrics, source_of, drains), server
+        EndpointService(rollouts, tokens, metrics, source_of, drains, weights.picker_queues), server
     )
     proxy_pb2_grpc.add_ProxyServiceServicer_to_server(
         ProxyService(rollouts, tokens, metrics, registry), server

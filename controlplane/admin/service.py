@@ -16,6 +16,7 @@ from controlplane.admin.auth import USER_METADATA, Tokens
 from controlplane.admin.scaling import scaling_messages
 from controlplane.balancing.controller import WeightController
 from controlplane.drain.controller import EndpointDrains
+from controlplane.flow.demand import PickerQueues
 from controlplane.obs.metrics import Metrics
 from controlplane.resources.names import cluster_name
 from controlplane.resources.types import TYPE_URLS, type_label
@@ -269,6 +270,9 @@ class RolloutService(_Base, rollout_pb2_grpc.RolloutServiceServicer):
         )
 
 
+MAX_QUEUED_MODELS = 10_000  # a picker's report names at most this many models
+
+
 class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
     def __init__(
         self,
@@ -277,10 +281,12 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
         metrics: Metrics,
         source_of: Callable[[str, str, str], tuple[str, float | None]] = lambda m, v, a: ("file", None),
         drains: EndpointDrains | None = None,  # None: listing only (Drain and Undrain refuse)
+        picker_queues: PickerQueues | None = None,  # None: ReportQueued refuses
     ) -> None:
         super().__init__(controller, tokens, metrics)
         self.source_of = source_of  # discovery: where an endpoint comes from, when last seen
         self.drains = drains
+        self.picker_queues = picker_queues
 
     def _drains(self) -> EndpointDrains:
         if self.drains is None:
@@ -372,6 +378,25 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
             context, "List", lambda: _ready(self._endpoints(request.model)), request=request
         )
         return endpoint_pb2.ListEndpointsResponse(endpoints=eps)
+
+    async def ReportQueued(
+        self, request: endpoint_pb2.ReportQueuedRequest, context: Any
+    ) -> endpoint_pb2.ReportQueuedResponse:
+        """A picker's requests waiting per model: autoscaling demand (flow/demand.py)."""
+
+        def take() -> endpoint_pb2.ReportQueuedResponse:
+            if len(request.queued) > MAX_QUEUED_MODELS:
+                raise CommandRejected(
+                    "INVALID_ARGUMENT", f"queued names more than {MAX_QUEUED_MODELS} models"
+                )
+            if self.picker_queues is None:
+                raise CommandRejected("FAILED_PRECONDITION", "this server does not take queue reports")
+            fleet = self.controller.file_fleet
+            models = {m.name for m in fleet.models} if fleet is not None else set()
+            self.picker_queues.report(request.picker, dict(request.queued), models)
+            return endpoint_pb2.ReportQueuedResponse()
+
+        return await self.call(context, "ReportQueued", lambda: _ready(take()), request=request)
 
     def _one(self, address: str) -> endpoint_pb2.Endpoint:
         found = [e for e in self._endpoints("") if e.address == address]

@@ -25,6 +25,7 @@ from controlplane.balancing.readiness import held_out
 from controlplane.balancing.shedding import saturation, shed_classes
 from controlplane.balancing.weigher import Weigher, load_balance_degree, relative_capacity
 from controlplane.fleet.model import Endpoint, Fleet, Model, ScalingPolicy
+from controlplane.flow.demand import PickerQueues, combined
 from controlplane.obs.endpoint_metrics import EndpointRow
 from controlplane.obs.metrics import SIGNALS, WEIGHTS, Metrics
 from controlplane.resources.names import cluster_name
@@ -57,6 +58,8 @@ class WeightController:
         self.model_latency = ModelLatency(metrics.registry)
         self.autoscaler = Autoscaler()
         self.held: Callable[[], Mapping[str, float]] | None = None  # requests held per model
+        # Requests waiting in the pickers' flow-control queues, as they report them: demand too.
+        self.picker_queues = PickerQueues(time.monotonic)
         self._scaling_exported: set[tuple[str, str]] = set()
         self._desired: dict[str, int] = {}  # model -> desired replicas last exported
         self._wake = asyncio.Event()  # set: start the next round now
@@ -252,7 +255,7 @@ class WeightController:
             self.weigher.views.values(),
             now,
             slots=lambda model, address: self.store.slots((model, address)),
-            held=self.held() if self.held is not None else None,
+            held=combined(self.held, self.picker_queues.demand)(),
             wall=time.time(),
             completed=self._completed_since_last_round(fleet),
         )

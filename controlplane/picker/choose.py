@@ -374,24 +374,29 @@ class PickerState:
 
     def free_slot(self, cluster: str, now: float) -> bool:
         """Whether any eligible server of `cluster` (in its first failover rank) has a slot
-        free by this picker's view (its requests, its peers', the pages; a page showing the
-        KV cache full counts the server full), as `pick` ranks them. A server whose slots
-        were never seen counts its cluster's most known, else one. No eligible server: True
-        (nothing to wait for: Envoy routes by the weights)."""
+        free by this picker's view: its requests in flight (its own, its peers', those its
+        fresh page shows that none of them sent) below its slots, and its fresh page not
+        showing the KV cache full. A server whose slots were never seen
+        takes the most its cluster's others showed; where none was ever seen, a server is free
+        until its fresh page shows a request waiting (which shows its slots: the running
+        count).
+        No eligible server: True (nothing to wait for: Envoy routes by the weights)."""
         servers = [c for c in self.clusters.get(cluster, ()) if c.eligible]
         if not servers:
             return True
         first = min(c.priority for c in servers)
         servers = [c for c in servers if c.priority == first]
         known = [self.slots[c.address] for c in servers if c.address in self.slots]
-        peers = max(known) if known else 1.0
         for c in servers:
-            slots = self.slots.get(c.address, peers)
-            load = self.load(c.address, now)
             page = self.loads.get(c.address)
-            if page is not None and page.kv_use is not None and page.kv_use >= KV_FULL:
+            fresh = page if page is not None and now - page.read_at <= LOAD_MAX_AGE_S else None
+            if fresh is not None and fresh.kv_use is not None and fresh.kv_use >= KV_FULL:
                 continue
-            if load < max(1.0, slots):
+            slots = self.slots.get(c.address, max(known) if known else None)
+            if slots is None:  # never seen full: free until its page shows a request waiting
+                if fresh is None or not fresh.waiting:
+                    return True
+            elif self.load(c.address, now) < max(1.0, slots):
                 return True
         return False
 

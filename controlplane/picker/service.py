@@ -228,6 +228,21 @@ class PickerMetrics:
             ["model", "class", "tenant", "reason"],
             registry=r,
         )
+        self.slots = Gauge(
+            "controlplane_picker_server_slots",
+            "A server's slots as the picker learned them (its page's running count while requests "
+            "waited there): a server never seen full has none here (flow control counts it free "
+            "until its page shows a request waiting)",
+            ["server"],
+            registry=r,
+        )
+        self.queue_reports = Counter(
+            "controlplane_picker_flow_queue_reports",
+            "Reports of this picker's queue lengths to the control plane's operator API (--admin), "
+            "demand for its autoscaler, by result: ok, error",
+            ["result"],
+            registry=r,
+        )
         self.flow_config_errors = Counter(
             "controlplane_picker_flow_config_errors",
             "Clusters whose flow control the picker could not read (their requests are picked as without it)",
@@ -271,6 +286,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.flows = Flows()  # the queues of clusters with flow control (picker/flow.py)
         self._flow_wake = asyncio.Event()  # a slot may have freed: dispatch
         self._flow_labels: set[tuple[str, str, str]] = set()  # flow_waiting's series set so far
+        self._slots_shown: set[str] = set()  # servers with a controlplane_picker_server_slots series
         self._tokenizer_outage = Outage(
             log,
             "a tokenizer is unusable: its model's prompts are scored by the approximate index",
@@ -284,8 +300,15 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> AsyncIterator[ep.ProcessingResponse]:
         picked: tuple[str, ...] = ()
         asked = read_back = False
+        messages = aiter(request_iterator)
+        pending: asyncio.Future[ep.ProcessingRequest] | None = None  # the next message, asked for
         try:
-            async for req in request_iterator:
+            while True:
+                nxt, pending = pending or asyncio.ensure_future(anext(messages)), None
+                try:
+                    req = await nxt
+                except StopAsyncIteration:
+                    break
                 if req.HasField("request_headers"):
                     if asked:  # one stream is one request: Envoy never sends two
                         self.metrics.refused.labels("second_request_headers").inc()
@@ -305,7 +328,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         yield resp
                         continue
                     assert isinstance(ask, Ask)
-                    holding = self._hold(req, ask, kv, flow)
+                    # While it waits, the stream is watched: Envoy ends it when the client goes.
+                    pending = asyncio.ensure_future(anext(messages))
+                    holding = self._hold(req, ask, kv, flow, pending)
                     first, _ = await holding.__anext__()  # Envoy told to wait (or a 429 at once)
                     self.metrics.decision.observe(time.perf_counter() - t0)
                     yield first
@@ -330,6 +355,8 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 else:  # a phase not asked for (a newer Envoy's mode override): change nothing
                     yield _unchanged(req)
         finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
             if picked:  # the stream closed before a response (a reset, a cancel, a timeout), or
                 # a flow-controlled request ended (its server's slot is free only now)
                 self._served(picked, "", readback=not read_back)
@@ -369,11 +396,18 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return bool(len(flow.queue)) or not self.state.free_slot(ask.cluster, time.monotonic())
 
     async def _hold(
-        self, req: ep.ProcessingRequest, ask: Ask, kv: KvAsk | None, flow: ClusterFlow
+        self,
+        req: ep.ProcessingRequest,
+        ask: Ask,
+        kv: KvAsk | None,
+        flow: ClusterFlow,
+        stream: asyncio.Future[ep.ProcessingRequest],
     ) -> AsyncIterator[tuple[ep.ProcessingResponse, tuple[str, ...]]]:
         """Queue the request: first tell Envoy to wait for up to its class's longest wait
         (override_message_timeout), then its pick (with the servers picked, counted in flight),
-        or a 429. A request shed at once gets only its 429."""
+        or a 429. A request shed at once gets only its 429. `stream`: the stream's next
+        message, asked for; if it comes (or the stream ends) while the request waits, its
+        client went away: the request leaves the queue, unanswered."""
         now = time.monotonic()
         cfg = flow.config
         rank = cfg.rank(header_bytes(req, PRIORITY_HEADER).decode(errors="replace"))
@@ -399,7 +433,10 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         yield ep.ProcessingResponse(override_message_timeout=timeout), ()
         answered = False
         try:
-            outcome = await held.future
+            await asyncio.wait((held.future, stream), return_when=asyncio.FIRST_COMPLETED)
+            if not held.future.done():
+                return  # the stream ended while it waited: its client went away (finally)
+            outcome = held.future.result()
             resp = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
             picked: tuple[str, ...] = ()
             if isinstance(outcome, Pick) and outcome.servers:
@@ -603,12 +640,18 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         )
 
     async def kv_gauges(self) -> None:
-        """The precise index's gauges (size, stale servers), every KV_GAUGES_S; and the
-        subscriptions closed when the picker stops."""
+        """The precise index's gauges (size, stale servers) and the servers' slots, every
+        KV_GAUGES_S; and the subscriptions closed when the picker stops."""
         try:
             while True:
                 if self.kv_subs is not None:
                     self.kv_subs.refresh_gauges()
+                shown = {a: n for a, n in self.state.slots.items() if a in self.state.known()}
+                for server in self._slots_shown - shown.keys():  # a server gone: its series too
+                    self.metrics.slots.remove(server)
+                for server, slots in shown.items():
+                    self.metrics.slots.labels(server).set(slots)
+                self._slots_shown = set(shown)
                 await asyncio.sleep(KV_GAUGES_S)
         finally:
             if self.kv_subs is not None:
@@ -700,7 +743,30 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     outage.ok()
                     self.state.observe(server_loads(resp.endpoints, time.monotonic()))
                     self._flow_wake.set()
+                    if self.flows.clusters:
+                        await self._report_queued(stub, md)
                 await asyncio.sleep(self.loads_interval_s)
+
+    async def _report_queued(
+        self, stub: endpoint_pb2_grpc.EndpointServiceStub, md: list[tuple[str, str]]
+    ) -> None:
+        """Tell the control plane how many requests wait in this picker's queues, per model:
+        demand for its autoscaler (docs/flow-control.md#autoscaling). A failure costs nothing
+        but the report (counted)."""
+        queued: dict[str, int] = {}
+        for cluster, flow in self.flows.clusters.items():
+            model = _model_of(cluster)
+            queued[model] = queued.get(model, 0) + len(flow.queue)
+        try:
+            await stub.ReportQueued(
+                admin_endpoint_pb2.ReportQueuedRequest(picker=self.node_id, queued=queued),
+                metadata=md,
+                timeout=1.0,
+            )
+        except grpc.RpcError:
+            self.metrics.queue_reports.labels("error").inc()
+        else:
+            self.metrics.queue_reports.labels("ok").inc()
 
     async def follow(self) -> None:
         """Keep an ADS stream to the control plane up, for ever; apply what it sends."""

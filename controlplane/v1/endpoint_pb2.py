@@ -24,21 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63ontrolplane/v1/endpoint.proto\x12\x0f\x63ontrolplane.v1\"%\n\x14ListEndpointsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"H\n\x0c\x44rainRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xa4\x05\n\x08\x45ndpoint\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03gpu\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0e\n\x06weight\x18\x06 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\x01\x12\x14\n\x07running\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07waiting\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x11\n\tin_flight\x18\n \x01(\x01\x12\x13\n\x06kv_use\x18\x0b \x01(\x01H\x02\x88\x01\x01\x12\x1c\n\x0flatency_seconds\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12\x17\n\nerror_rate\x18\r \x01(\x01H\x04\x88\x01\x01\x12\x1a\n\x12signal_age_seconds\x18\x0e \x01(\x01\x12\x18\n\x10\x64rain_started_at\x18\x0f \x01(\x01\x12\r\n\x05sight\x18\x10 \x01(\t\x12\x0c\n\x04note\x18\x11 \x01(\t\x12\x0e\n\x06source\x18\x12 \x01(\t\x12\x1e\n\x11last_seen_seconds\x18\x13 \x01(\x01H\x05\x88\x01\x01\x12\x14\n\x0cscrape_error\x18\x14 \x01(\t\x12\x1b\n\x13scrape_error_reason\x18\x15 \x01(\t\x12&\n\x19prefill_seconds_per_token\x18\x16 \x01(\x01H\x06\x88\x01\x01\x12\'\n\x1a\x64\x65\x63ode_seconds_per_request\x18\x17 \x01(\x01H\x07\x88\x01\x01\x42\n\n\x08_runningB\n\n\x08_waitingB\t\n\x07_kv_useB\x12\n\x10_latency_secondsB\r\n\x0b_error_rateB\x14\n\x12_last_seen_secondsB\x1c\n\x1a_prefill_seconds_per_tokenB\x1d\n\x1b_decode_seconds_per_request\"E\n\x15ListEndpointsResponse\x12,\n\tendpoints\x18\x01 \x03(\x0b\x32\x19.controlplane.v1.Endpoint2\xf0\x01\n\x0f\x45ndpointService\x12U\n\x04List\x12%.controlplane.v1.ListEndpointsRequest\x1a&.controlplane.v1.ListEndpointsResponse\x12\x41\n\x05\x44rain\x12\x1d.controlplane.v1.DrainRequest\x1a\x19.controlplane.v1.Endpoint\x12\x43\n\x07Undrain\x12\x1d.controlplane.v1.DrainRequest\x1a\x19.controlplane.v1.Endpointb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63ontrolplane/v1/endpoint.proto\x12\x0f\x63ontrolplane.v1\"\x96\x01\n\x13ReportQueuedRequest\x12\x0e\n\x06picker\x18\x01 \x01(\t\x12@\n\x06queued\x18\x02 \x03(\x0b\x32\x30.controlplane.v1.ReportQueuedRequest.QueuedEntry\x1a-\n\x0bQueuedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x16\n\x14ReportQueuedResponse\"%\n\x14ListEndpointsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"H\n\x0c\x44rainRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xa4\x05\n\x08\x45ndpoint\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03gpu\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x0e\n\x06weight\x18\x06 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x07 \x01(\x01\x12\x14\n\x07running\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07waiting\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x11\n\tin_flight\x18\n \x01(\x01\x12\x13\n\x06kv_use\x18\x0b \x01(\x01H\x02\x88\x01\x01\x12\x1c\n\x0flatency_seconds\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12\x17\n\nerror_rate\x18\r \x01(\x01H\x04\x88\x01\x01\x12\x1a\n\x12signal_age_seconds\x18\x0e \x01(\x01\x12\x18\n\x10\x64rain_started_at\x18\x0f \x01(\x01\x12\r\n\x05sight\x18\x10 \x01(\t\x12\x0c\n\x04note\x18\x11 \x01(\t\x12\x0e\n\x06source\x18\x12 \x01(\t\x12\x1e\n\x11last_seen_seconds\x18\x13 \x01(\x01H\x05\x88\x01\x01\x12\x14\n\x0cscrape_error\x18\x14 \x01(\t\x12\x1b\n\x13scrape_error_reason\x18\x15 \x01(\t\x12&\n\x19prefill_seconds_per_token\x18\x16 \x01(\x01H\x06\x88\x01\x01\x12\'\n\x1a\x64\x65\x63ode_seconds_per_request\x18\x17 \x01(\x01H\x07\x88\x01\x01\x42\n\n\x08_runningB\n\n\x08_waitingB\t\n\x07_kv_useB\x12\n\x10_latency_secondsB\r\n\x0b_error_rateB\x14\n\x12_last_seen_secondsB\x1c\n\x1a_prefill_seconds_per_tokenB\x1d\n\x1b_decode_seconds_per_request\"E\n\x15ListEndpointsResponse\x12,\n\tendpoints\x18\x01 \x03(\x0b\x32\x19.controlplane.v1.Endpoint2\xcd\x02\n\x0f\x45ndpointService\x12U\n\x04List\x12%.controlplane.v1.ListEndpointsRequest\x1a&.controlplane.v1.ListEndpointsResponse\x12\x41\n\x05\x44rain\x12\x1d.controlplane.v1.DrainRequest\x1a\x19.controlplane.v1.Endpoint\x12\x43\n\x07Undrain\x12\x1d.controlplane.v1.DrainRequest\x1a\x19.controlplane.v1.Endpoint\x12[\n\x0cReportQueued\x12$.controlplane.v1.ReportQueuedRequest\x1a%.controlplane.v1.ReportQueuedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'controlplane.v1.endpoint_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LISTENDPOINTSREQUEST']._serialized_start=51
-  _globals['_LISTENDPOINTSREQUEST']._serialized_end=88
-  _globals['_DRAINREQUEST']._serialized_start=90
-  _globals['_DRAINREQUEST']._serialized_end=162
-  _globals['_ENDPOINT']._serialized_start=165
-  _globals['_ENDPOINT']._serialized_end=841
-  _globals['_LISTENDPOINTSRESPONSE']._serialized_start=843
-  _globals['_LISTENDPOINTSRESPONSE']._serialized_end=912
-  _globals['_ENDPOINTSERVICE']._serialized_start=915
-  _globals['_ENDPOINTSERVICE']._serialized_end=1155
+  _globals['_REPORTQUEUEDREQUEST_QUEUEDENTRY']._loaded_options = None
+  _globals['_REPORTQUEUEDREQUEST_QUEUEDENTRY']._serialized_options = b'8\001'
+  _globals['_REPORTQUEUEDREQUEST']._serialized_start=52
+  _globals['_REPORTQUEUEDREQUEST']._serialized_end=202
+  _globals['_REPORTQUEUEDREQUEST_QUEUEDENTRY']._serialized_start=157
+  _globals['_REPORTQUEUEDREQUEST_QUEUEDENTRY']._serialized_end=202
+  _globals['_REPORTQUEUEDRESPONSE']._serialized_start=204
+  _globals['_REPORTQUEUEDRESPONSE']._serialized_end=226
+  _globals['_LISTENDPOINTSREQUEST']._serialized_start=228
+  _globals['_LISTENDPOINTSREQUEST']._serialized_end=265
+  _globals['_DRAINREQUEST']._serialized_start=267
+  _globals['_DRAINREQUEST']._serialized_end=339
+  _globals['_ENDPOINT']._serialized_start=342
+  _globals['_ENDPOINT']._serialized_end=1018
+  _globals['_LISTENDPOINTSRESPONSE']._serialized_start=1020
+  _globals['_LISTENDPOINTSRESPONSE']._serialized_end=1089
+  _globals['_ENDPOINTSERVICE']._serialized_start=1092
+  _globals['_ENDPOINTSERVICE']._serialized_end=1425
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReportQueuedRequest(_message.Message):
+    __slots__ = ("picker", "queued")
+    class QueuedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PICKER_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    picker: str
+    queued: _containers.ScalarMap[str, int]
+    def __init__(self, picker: _Optional[str] = ..., queued: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ReportQueuedResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ListEndpointsRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class EndpointServiceStub:
                 request_serializer=controlplane_dot_v1_dot_endpoint__pb2.DrainRequest.SerializeToString,
                 response_deserializer=controlplane_dot_v1_dot_endpoint__pb2.Endpoint.FromString,
                 _registered_method=True)
+        self.ReportQueued = channel.unary_unary(
+                '/controlplane.v1.EndpointService/ReportQueued',
+                request_serializer=controlplane_dot_v1_dot_endpoint__pb2.ReportQueuedRequest.SerializeToString,
+                response_deserializer=controlplane_dot_v1_dot_endpoint__pb2.ReportQueuedResponse.FromString,
+                _registered_method=True)
 
 
 class EndpointServiceServicer:
@@ -75,6 +80,15 @@ class EndpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportQueued(self, request, context):
+        """A picker's requests waiting in its flow-control queues, per model (docs/flow-control.md):
+        the autoscaler counts them as demand while the report is fresh (5 s). Pickers send it
+        with the token they read endpoints with (the read-only one is enough).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EndpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +106,11 @@ def add_EndpointServiceServicer_to_server(servicer, server):
                     servicer.Undrain,
                     request_deserializer=controlplane_dot_v1_dot_endpoint__pb2.DrainRequest.FromString,
                     response_serializer=controlplane_dot_v1_dot_endpoint__pb2.Endpoint.SerializeToString,
+            ),
+            'ReportQueued': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportQueued,
+                    request_deserializer=controlplane_dot_v1_dot_endpoint__pb2.ReportQueuedRequest.FromString,
+                    response_serializer=controlplane_dot_v1_dot_endpoint__pb2.ReportQueuedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +194,33 @@ class EndpointService:
             '/controlplane.v1.EndpointService/Undrain',
             controlplane_dot_v1_dot_endpoint__pb2.DrainRequest.SerializeToString,
             controlplane_dot_v1_dot_endpoint__pb2.Endpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportQueued(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/controlplane.v1.EndpointService/ReportQueued',
+            controlplane_dot_v1_dot_endpoint__pb2.ReportQueuedRequest.SerializeToString,
+            controlplane_dot_v1_dot_endpoint__pb2.ReportQueuedResponse.FromString,
             options,
             channel_credentials,
             insecure,

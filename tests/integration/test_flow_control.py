@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -96,11 +97,26 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
             20,
             "Envoy to have both servers healthy",
         )
-        yield Rig(fl, picker)
+        rig = Rig(fl, picker)
+        learn_slots(rig)
+        yield rig
     finally:
         if picker is not None:
             picker.stop()
         fl.close()
+
+
+def learn_slots(rig: Rig) -> None:
+    """Until the picker knows both servers' one slot: it learns a server's slots from its page
+    when requests wait there, and until then counts it free (the queue does not engage)."""
+    slots = [f'controlplane_picker_server_slots{{server="{s.address}"}}' for s in rig.fleet.servers.values()]
+    deadline = time.monotonic() + 60
+    while not all(rig.picker.metric(s) == 1 for s in slots):
+        assert time.monotonic() < deadline, "the picker never learned the servers' slots"
+        burst = Sent()
+        for i in range(6):  # three for each one-slot server: two wait there
+            burst.send(rig.listener, f"learn-{i}")
+        burst.join()
 
 
 @dataclass
@@ -150,6 +166,16 @@ def waiting(rig: Rig) -> float:
     )
 
 
+def demand(rig: Rig) -> float:
+    """The model's demand as the control plane's autoscaler counts it."""
+    assert rig.fleet.cp is not None
+    _, page = http_get(f"http://127.0.0.1:{rig.fleet.cp.metrics_port}/metrics")
+    for line in page.splitlines():
+        if line.startswith(f'controlplane_model_demand{{model="{MODEL}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def picked_order(rig: Rig) -> list[str]:
     """Request ids in the order the picker named their servers (its debug log)."""
     assert rig.picker.proc is not None
@@ -162,9 +188,10 @@ def picked_order(rig: Rig) -> list[str]:
 
 def test_while_every_server_is_full_premium_goes_first_then_tenants_take_turns(rig: Rig) -> None:
     sent = Sent()
+    n0 = len(picked_order(rig))
     for i in range(2):  # both servers busy
         sent.send(rig.listener, f"busy-{i}")
-    wait_until(lambda: len(picked_order(rig)) >= 2, 20, "both servers busy")
+    wait_until(lambda: len(picked_order(rig)) >= n0 + 2, 20, "both servers busy")
     for i in range(6):  # acme's burst queues first...
         sent.send(rig.listener, f"acme-{i}", {"x-api-key": "acme"})
     wait_until(lambda: waiting(rig) >= 6, 20, "acme's requests queued")
@@ -175,7 +202,7 @@ def test_while_every_server_is_full_premium_goes_first_then_tenants_take_turns(r
     sent.join()
     assert sent.errors == [], sent.errors
     assert {s for s, _, _ in sent.results.values()} == {200}, sent.results
-    order = [r for r in picked_order(rig) if not r.startswith("busy")]
+    order = [r for r in picked_order(rig) if not r.startswith(("busy", "learn"))]
     assert order[0] == "premium-0", order  # it came last and went first
     # globex waited behind acme's burst only as long as the tokens both were served make fair:
     # both its requests went within the first five of the standard class, not after all six.
@@ -219,6 +246,9 @@ def _queue_then(rig: Rig, act: str) -> tuple[Sent, float]:
     for i in range(14):
         sent.send(rig.listener, f"r-{i}")
     wait_until(lambda: waiting(rig) >= 12, 20, "12 requests queued")
+    # The picker reports its queue to the control plane: demand for the autoscaler, beside
+    # the two requests the servers run.
+    wait_until(lambda: demand(rig) >= 14, 20, "the queued requests counted as the model's demand")
     assert rig.picker.proc is not None
     at = time.monotonic()
     if act == "kill":
@@ -286,3 +316,53 @@ def test_a_streamed_request_holds_its_slot_in_the_pickers_view_until_it_ends(rig
     wait_until(done.is_set, 30, "the stream to end")
     wait_until(lambda: rig.picker.metric(inflight) == 0, 10, "the picker to see it end")
     t.join(5)
+
+
+def test_bad_input_while_queued_gets_the_default_or_a_precise_error_and_loses_nothing(rig: Rig) -> None:
+    dispatched = "controlplane_picker_flow_dispatched_total"
+    other = f'{dispatched}{{class="standard",model="chat",tenant="other"}}'
+    anonymous = f'{dispatched}{{class="standard",model="chat",tenant=""}}'
+    before = rig.picker.metric(other), rig.picker.metric(anonymous)
+    sent = Sent()
+    n0 = len(picked_order(rig))
+    for i in range(2):
+        sent.send(rig.listener, f"busy-{i}")
+    wait_until(lambda: len(picked_order(rig)) >= n0 + 2, 20, "both servers busy")
+    sent.send(rig.listener, "nonsense", {"x-priority": "platinum"})  # unknown: the default class
+    sent.send(rig.listener, "no-tenant")  # no x-api-key: the tenant ""
+    sent.send(rig.listener, "big-tenant", {"x-api-key": "k" * 4000})  # over 256 bytes: its digest
+    wait_until(lambda: waiting(rig) >= 3, 20, "three requests queued")
+    # A client that goes away while queued: removed at once, counted, nothing else lost.
+    gone = socket.create_connection(("127.0.0.1", rig.listener))
+    body = json.dumps({"model": MODEL, "prompt": "bye", "max_tokens": TOKENS}).encode()
+    gone.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    wait_until(lambda: waiting(rig) >= 4, 20, "the fourth request queued")
+    gone.close()
+    shed_gone = 'controlplane_picker_flow_shed_total{class="standard",model="chat",reason="gone",tenant=""}'
+    wait_until(lambda: rig.picker.metric(shed_gone) == 1, 20, "the vanished client's request removed")
+    # A 10 MB key never reaches the picker: Envoy refuses the headers (431), nothing queued changes.
+    huge = http.client.HTTPConnection("127.0.0.1", rig.listener, timeout=30)
+    try:
+        huge.request(
+            "POST",
+            "/v1/completions",
+            body,
+            {"content-type": "application/json", "x-api-key": "k" * (10 << 20)},
+        )
+        status = huge.getresponse().status
+    except (ConnectionError, http.client.HTTPException):
+        status = 0  # reset before a status: refused all the same
+    finally:
+        huge.close()
+    assert status in (431, 0), status
+    sent.join()
+    assert sent.errors == [], sent.errors
+    assert {r: s for r, (s, _, b) in sent.results.items() if s != 200} == {}, {
+        r: b for r, (s, _, b) in sent.results.items() if s != 200
+    }  # the other three served
+    assert rig.picker.metric(other) - before[0] == 1  # the 4 KB key, as its digest
+    assert rig.picker.metric(anonymous) - before[1] == 2  # no key, and the unknown class
