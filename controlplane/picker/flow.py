@@ -38,6 +38,9 @@ TENANT_MAX_BYTES = 256  # a tenant key longer than this waits under its digest
 TENANT_LABELS_MAX = 64  # the fleet's tenants a picker names in its metrics; the rest are "other"
 DEFAULT_TOKENS = 256  # a waiting request's charge when neither its prompt nor its size is known
 BYTES_PER_TOKEN = 4  # its charge from its size otherwise
+# Envoy waits for a queued request's answer exactly its class's longest wait (a hung picker
+# costs no more); a live picker answers its 429 this much before, so that it comes first.
+ANSWER_LEAD_S = 0.25
 
 
 class FlowConfigError(ValueError):
@@ -192,7 +195,9 @@ class Flows:
         SHED_FULL), the request itself among them if it did not fit."""
         flow = self.clusters[cluster]
         self._ids += 1
-        w = Waiting(self._ids, rank, tenant, now, now + flow.config.max_wait_s[rank], size, tokens)
+        wait = flow.config.max_wait_s[rank]
+        deadline = now + max(wait / 2, wait - ANSWER_LEAD_S)  # the 429 before Envoy gives up waiting
+        w = Waiting(self._ids, rank, tenant, now, deadline, size, tokens)
         flow.held[w.id] = held
         out = []
         for s in flow.queue.push(w):

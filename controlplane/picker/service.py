@@ -105,7 +105,6 @@ from controlplane.resources.names import FLOW_METADATA_NS, KV_METADATA_NS, PICKE
 from controlplane.resources.types import CLUSTER, ENDPOINT
 from controlplane.routing.translate import (
     FLOW_PICKED_MODE,
-    FLOW_TIMEOUT_MARGIN_S,
     PICKED_MODE,
     PRIORITY_HEADER,
 )
@@ -209,8 +208,8 @@ class PickerMetrics:
         )
         self.flow_wait = Histogram(
             "controlplane_picker_flow_wait_seconds",
-            "Time a request waited in the picker's queue before its pick, by model and class",
-            ["model", "class"],
+            "Time a request waited in the picker's queue before its pick, by model, class and tenant",
+            ["model", "class", "tenant"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=r,
         )
@@ -428,7 +427,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self._count_shed(ask.cluster, held, SHED_FULL)
             yield self._too_many(ask.cluster, held, SHED_FULL, cfg.max_wait_s[rank]), ()
             return
-        wait = cfg.max_wait_s[rank] + FLOW_TIMEOUT_MARGIN_S / 2
+        wait = cfg.max_wait_s[rank]  # Envoy waits this long at most: a hung picker costs no more
         timeout = duration_pb2.Duration(seconds=int(wait), nanos=int(wait % 1 * 1e9))
         yield ep.ProcessingResponse(override_message_timeout=timeout), ()
         answered = False
@@ -472,8 +471,8 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         model = _model_of(cluster)
         if reason == SHED_TIMEOUT:
             message = (
-                f"Model {model} is at capacity: this request waited {max_wait:g}s, its priority "
-                "class's longest wait, for a server. Please try again after the Retry-After delay."
+                f"Model {model} is at capacity: no server was free within this request's priority "
+                f"class's longest wait ({max_wait:g}s). Please try again after the Retry-After delay."
             )
         else:
             message = (
@@ -516,7 +515,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 chosen = self.state.pick(cluster, now, prefix=ask.prefix, subset=ask.subset, kv=held.kv)
                 held.future.set_result(chosen)
                 model = _model_of(cluster)
-                self.metrics.flow_wait.labels(model, held.klass).observe(now - held.arrival)
+                self.metrics.flow_wait.labels(model, held.klass, held.tenant_label).observe(
+                    now - held.arrival
+                )
                 self.metrics.flow_dispatched.labels(model, held.klass, held.tenant_label).inc()
                 if not chosen.servers:
                     break

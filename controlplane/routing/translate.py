@@ -302,8 +302,8 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
     to the request's class's maximum wait (`override_message_timeout`, at most
     `max_message_timeout`: the longest wait of any model plus FLOW_TIMEOUT_MARGIN_S), then
     answers with the server, or with a 429 in Envoy's place (immediate responses are allowed
-    then). A picker that dies releases what it held at once (the stream breaks:
-    failure_mode_allow), one that hangs after the longest wait."""
+    then) a moment before that wait ends. A picker that dies releases what it held at once
+    (the stream breaks: failure_mode_allow), one that hangs when the class's wait ends."""
     queues = [f.longest_wait() for m in fleet.models if fleet.picked(m) and (f := fleet.flow_control_of(m))]
     cfg = ext_proc_pb2.ExternalProcessor(
         grpc_service=grpc_service_pb2.GrpcService(
@@ -333,7 +333,7 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name=EXT_PROC_FILTER, typed_config=pb.pack(cfg))
 
 
-FLOW_TIMEOUT_MARGIN_S = 1.0  # past a class's longest wait: the picker's 429 comes first
+FLOW_TIMEOUT_MARGIN_S = 1.0  # max_message_timeout past the longest wait of any model: a cap, never reached
 
 
 def _picker_off() -> any_pb2.Any:
