@@ -223,7 +223,8 @@ class PickerMetrics:
             "controlplane_picker_flow_shed",
             "Requests of the queue answered 429, by model, class, tenant and reason: timeout (its "
             "class's longest wait passed), full (the queue's bound: the lowest class and newest "
-            "first); and requests whose client went away while queued (gone)",
+            "first); and requests whose stream ended while queued (gone: the client went away, "
+            "or Envoy stopped waiting for the picker)",
             ["model", "class", "tenant", "reason"],
             registry=r,
         )
@@ -356,6 +357,8 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
+            elif pending is not None and not pending.cancelled():
+                pending.exception()  # the stream's end, seen while it waited: nothing to log
             if picked:  # the stream closed before a response (a reset, a cancel, a timeout), or
                 # a flow-controlled request ended (its server's slot is free only now)
                 self._served(picked, "", readback=not read_back)
