@@ -295,7 +295,11 @@ class Emulator:
         for key, value in flags.items():
             args += [f"--{key.replace('_', '-')}", str(value)]
         self.proc = Proc(name, args, log_dir)
-        wait_until(self._listening, 15, f"emulated server {name} to listen")
+        try:
+            wait_until(self._listening, 15, f"emulated server {name} to listen")
+        except BaseException:  # not yet the caller's to stop: stop it here, or it outlives the test
+            self.proc.stop()
+            raise
 
     def _listening(self) -> bool:
         if not self.proc.alive():

@@ -45,6 +45,10 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "prot
 K8S = "needs docker or a Kubernetes cluster; tests/unit/test_deploy_manifests.py checks the manifests"
 BENCH = "benchmarks take minutes; run by hand"
 # (file, how the block's first command starts) -> why the block is not run here.
+# The longest a docs command may take: `promtool test rules alerts_test.yml` takes about 35 s
+# on an idle 2-core machine, and the suite runs four workers beside it.
+COMMAND_TIMEOUT_S = 180
+
 NOT_RUN = {
     ("README.md", "python3 -m venv .venv && .venv/bin/pip install -q -e '.[demo]'"): (
         "the setup commands themselves: CI runs the test command, test_demo.py runs the demo"
@@ -302,7 +306,7 @@ class Session:
             deadline = time.monotonic() + (20 if self.after_background else 0)
             expect = EXPECT.get((block.file, raw), ())
             while True:
-                out = self._once(cmd, 60)
+                out = self._once(cmd, COMMAND_TIMEOUT_S)
                 shows = all(re.search(pattern, out.stdout) for pattern in expect)
                 if (out.returncode == 0 and shows) or time.monotonic() > deadline:
                     break

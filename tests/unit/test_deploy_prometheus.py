@@ -43,7 +43,8 @@ def promtool() -> str:
 
 
 def run(promtool: str, *args: str, cwd: Path = PROM) -> str:
-    out = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+    # `test rules alerts_test.yml` takes about 35 s on an idle 2-core machine: room for a busy one
+    out = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=180, cwd=cwd)
     assert out.returncode == 0, f"promtool {' '.join(args)}:\n{out.stdout}\n{out.stderr}"
     return out.stdout + out.stderr
 
