@@ -45,8 +45,8 @@ answers sensibly (observe_peer says why).
 
 Ties go to the server with the lower load, then to the one whose KV events show it holding
 the fewest blocks (a new prefix fills the emptiest cache), then to the one picked least
-recently, so equal servers take turns. Nothing here does I/O; picker/service.py feeds it the assignments, the
-pages and the requests.
+recently, so equal servers take turns. Nothing here does I/O; picker/service.py feeds it the
+assignments, the pages and the requests.
 """
 
 from __future__ import annotations
@@ -376,11 +376,10 @@ class PickerState:
         """Whether any eligible server of `cluster` (in its first failover rank) has a slot
         free by this picker's view: its requests in flight (its own, its peers', those its
         fresh page shows that none of them sent) below its slots, and its fresh page not
-        showing the KV cache full. A server whose slots were never seen
-        takes the most its cluster's others showed; where none was ever seen, a server is free
-        until its fresh page shows a request waiting (which shows its slots: the running
-        count).
-        No eligible server: True (nothing to wait for: Envoy routes by the weights)."""
+        showing the KV cache full. A server whose slots were never seen takes the most its
+        cluster's others showed; where none was ever seen, a server is free until its fresh
+        page shows a request waiting (which shows its slots: the running count). No eligible
+        server: True (nothing to wait for: Envoy routes by the weights)."""
         servers = [c for c in self.clusters.get(cluster, ()) if c.eligible]
         if not servers:
             return True

@@ -218,6 +218,9 @@ class Flows:
                 out.append((flow.held.pop(w.id), SHED_TIMEOUT))
         return out
 
-    def next_deadline(self) -> float | None:
-        deadlines = [d for f in self.clusters.values() if (d := f.queue.next_deadline()) is not None]
-        return min(deadlines, default=None)
+    def next_up(self, cluster: str) -> Held | None:
+        """The next request of `cluster`'s queue, out of it (None: none waits); its tenant
+        charged its prompt's tokens (flow/queue.py)."""
+        flow = self.clusters[cluster]
+        w = flow.queue.pop()
+        return flow.held.pop(w.id) if w is not None else None

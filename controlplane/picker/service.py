@@ -504,15 +504,13 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _dispatch(self, now: float) -> None:
         """Answer what waited too long, then hand free slots to the queues' next requests."""
-        for held, why in self.flows.expired(now):
-            if not held.future.done():
-                held.future.set_result(why)
+        for late, why in self.flows.expired(now):
+            if not late.future.done():
+                late.future.set_result(why)
         for cluster, flow in self.flows.clusters.items():
             while len(flow.queue) and self.state.free_slot(cluster, now):
-                w = flow.queue.pop()
-                assert w is not None
-                held = flow.held.pop(w.id)
-                if held.future.done():
+                held = self.flows.next_up(cluster)
+                if held is None or held.future.done():
                     continue
                 ask = held.asked
                 chosen = self.state.pick(cluster, now, prefix=ask.prefix, subset=ask.subset, kv=held.kv)
@@ -541,7 +539,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self.metrics.flow_top_waiting.labels(model).set(sum(n for k, n in counts.items() if k[1] == top))
         for key in self._flow_labels - seen:
             self.metrics.flow_waiting.labels(*key).set(0)
-        self._flow_labels = seen | {k for k in self._flow_labels if k in seen}
+        self._flow_labels = seen
 
     async def flow_dispatch(self) -> None:
         """Dispatch queued requests whenever a slot may have freed, and at every deadline, for

@@ -285,14 +285,19 @@ def test_a_hung_picker_holds_a_queued_request_at_most_its_class_wait(rig: Rig) -
 def test_a_streamed_request_holds_its_slot_in_the_pickers_view_until_it_ends(rig: Rig) -> None:
     """A stream's headers come before its first token: the picker must count it in flight
     until its end (its trailers), or it would send the next request to a busy server."""
-    done = threading.Event()
+    done, streaming = threading.Event(), threading.Event()
 
     def stream() -> None:
         conn = http.client.HTTPConnection("127.0.0.1", rig.listener, timeout=60)
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 30, "stream": True}
         try:
             conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
-            conn.getresponse().read()
+            resp = conn.getresponse()
+            chunks = 0
+            while resp.read1(65536):
+                chunks += 1
+                if chunks == 5:  # tokens flowing: its headers long sent, most of it to come
+                    streaming.set()
         finally:
             conn.close()
             done.set()
@@ -301,7 +306,7 @@ def test_a_streamed_request_holds_its_slot_in_the_pickers_view_until_it_ends(rig
     t.start()
     inflight = "controlplane_picker_inflight_requests"
     wait_until(lambda: rig.picker.metric(inflight) == 1, 10, "the stream picked")
-    time.sleep(1.5)  # well into its ~3 s of tokens, its headers long sent
+    wait_until(streaming.is_set, 10, "the stream's tokens to flow")
     assert rig.picker.metric(inflight) == 1 and not done.is_set()
     wait_until(done.is_set, 30, "the stream to end")
     wait_until(lambda: rig.picker.metric(inflight) == 0, 10, "the picker to see it end")
