@@ -382,7 +382,11 @@ def run_demo(
                 preexec_fn=_die_with_parent(),
             )
         )
-        _wait(lambda: _get(f"http://127.0.0.1:{metrics}/healthz") == 200, 15, "the control plane")
+        _wait(
+            lambda: _get(f"http://127.0.0.1:{metrics}/healthz") == 200,
+            60,
+            f"the control plane (its log: {work / 'controlplane.log'})",
+        )
         token_file = work / "state" / "admin-token"
         print(f"demo: control plane: xDS 127.0.0.1:{xds}, operator API {admin}, metrics 127.0.0.1:{metrics}")
         bootstrap = work / "envoy.yaml"
@@ -407,7 +411,11 @@ def run_demo(
                 preexec_fn=_die_with_parent(),
             )
         )
-        _wait(lambda: _get(f"http://127.0.0.1:{listener}/v1/models") == 200, 20, "Envoy to get its config")
+        _wait(
+            lambda: _get(f"http://127.0.0.1:{listener}/v1/models") == 200,
+            60,
+            f"Envoy to get its config (its log: {work / 'envoy.log'})",
+        )
         op = _Operator(admin, token_file)
         mode = "delta" if delta else "state-of-the-world"
         print(f"demo: real Envoy ({mode} ADS) serving on 127.0.0.1:{listener}; traffic for {duration_s:.0f}s")

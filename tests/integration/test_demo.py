@@ -72,13 +72,15 @@ def _demo() -> subprocess.Popen[str]:
 def _until_traffic(p: subprocess.Popen[str]) -> str:
     """Read the demo's output until its traffic starts; return its work directory."""
     work = ""
+    seen: list[str] = []
     assert p.stdout is not None
     for line in p.stdout:
+        seen.append(line)
         if line.startswith("demo: fleet config "):
             work = str(Path(line.split("demo: fleet config ", 1)[1].strip()).parent)
         if "traffic for" in line:
-            break
-    return work
+            return work
+    raise AssertionError("the demo ended before its traffic started:\n" + "".join(seen)[-3000:])
 
 
 def test_ctrl_c_stops_every_process_the_demo_started() -> None:
