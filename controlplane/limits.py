@@ -47,6 +47,10 @@ PARAMS_B_MAX = 1_000_000.0  # billions of parameters
 MEMORY_GB_MAX = 1_000_000.0
 CAPACITY_MAX = 1_000.0  # relative throughput
 
+# LoRA adapters one model may name in the fleet file (`adapters:`): each is a route matcher
+# entry and a picker's residency entry per server.
+FLEET_ADAPTERS_MAX = 1000
+
 # ---- the operator API ----------------------------------------------------------------------
 
 API_NAME_MAX_CHARS = 256  # a model, version or endpoint address in a request
@@ -61,6 +65,15 @@ STATUS_HTTP_MAX_CONNECTIONS = 128  # served at once; more are closed at once
 
 METRICS_MAX_SERIES = 20_000  # series of the families read on one page (a real one has < 1,000)
 METRICS_MAX_QUEUE = 100_000  # requests running or waiting on one server
+# vLLM's LoRA adapters (`vllm:lora_requests_info`, docs/signals.md#lora-adapters): names in
+# one list (running or waiting; each name at most API_NAME_MAX_CHARS) and the slots
+# (--max-loras) a server may claim. vLLM adds a series for every distinct combination it has
+# shown and never removes one, so a long-running server's page grows them: they are bounded
+# on their own, not counted in METRICS_MAX_SERIES. Past any of these bounds the adapters are
+# unknown; the rest of the page is read as usual.
+METRICS_LORA_MAX_ADAPTERS = 64
+METRICS_LORA_MAX_SLOTS = 1024
+METRICS_LORA_MAX_SERIES = 10_000
 
 # ---- the xDS and LRS port ------------------------------------------------------------------
 

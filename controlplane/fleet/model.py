@@ -122,6 +122,30 @@ class Version:
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter served on its model's servers (`adapters:` under a model,
+    docs/adapters.md): a request naming it is routed as its base model's, to the servers that
+    may serve it, the ones holding it first."""
+
+    name: str
+    source: str | None = None  # where a server loads it from (a path or URI), for placement: dynamic
+    versions: tuple[str, ...] = ()  # the base model's versions that may serve it; empty: all
+    endpoints: tuple[str, ...] = ()  # the endpoints (ADDRESS:PORT) that may serve it; empty: all
+
+    def may_serve(self, version: str, address: str) -> bool:
+        """Whether a server of `version` at `address` may serve this adapter."""
+        return (not self.versions or version in self.versions) and (
+            not self.endpoints or address in self.endpoints
+        )
+
+
+# How adapters reach the servers: `static` (the servers were started with them, as vLLM's
+# --lora-modules or llama.cpp's --lora), `dynamic` (the picker loads one onto a chosen server
+# through vLLM's runtime API when a request for it finds no server that has it).
+PLACEMENTS = ("static", "dynamic")
+
+
+@dataclass(frozen=True)
 class CircuitBreaker:
     """Envoy circuit-breaker thresholds for one routing priority of a cluster."""
 
@@ -316,6 +340,12 @@ class Model:
     slo: Slo | None = None  # the tier's, with this model's overrides; None: the tier's
     kv_events: KvEventPorts | None = None  # its servers' KV-event publishers' ports
     tokenizer: str | None = None  # a directory with its tokenizer.json (and tokenizer_config.json)
+    adapters: tuple[Adapter, ...] = ()  # LoRA adapters served on its servers
+    placement: str = "static"  # PLACEMENTS: how its adapters reach the servers
+
+    def adapter(self, name: str) -> Adapter | None:
+        """The adapter named `name`, None if this model has none so named."""
+        return next((a for a in self.adapters if a.name == name), None)
 
     def version(self, name: str) -> Version:
         for v in self.versions:
@@ -489,6 +519,13 @@ class Fleet:
             if m.name == name:
                 return m
         raise KeyError(name)
+
+    def adapter_of(self, name: str) -> tuple[Model, Adapter] | None:
+        """The model serving the adapter named `name`, and the adapter; None if none is."""
+        for m in self.models:
+            if (a := m.adapter(name)) is not None:
+                return m, a
+        return None
 
     def traffic_of(self, model: Model) -> TrafficPolicy:
         """The traffic policy a model is served with: its tier's, with the model's overrides."""

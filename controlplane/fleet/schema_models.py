@@ -23,6 +23,9 @@ from controlplane.fleet.model import (
     Tier,
     Version,
 )
+from controlplane.fleet.schema_adapters import adapters as _adapters
+from controlplane.fleet.schema_adapters import clashes as _adapter_clashes
+from controlplane.fleet.schema_adapters import placement as _placement
 from controlplane.fleet.schema_endpoints import _discover, _endpoints, _kv_ports
 from controlplane.fleet.schema_policies import TRAFFIC_KEYS, _scaling, _slo, _traffic
 from controlplane.fleet.values import _VERSION, _int, _kind, _mapping, _number, _port, _url_path
@@ -52,6 +55,8 @@ _MODEL_KEYS = {
     "tokenizer",
     "autoscaling",
     "slo",
+    "adapters",
+    "placement",
     *TRAFFIC_KEYS,
 }
 AFFINITY_BODY_FIELDS = ("prompt_cache_key", "user")
@@ -84,6 +89,7 @@ def _models(value: Any, tiers: list[Tier] | None, errs: _Errors) -> list[Model] 
         model = _model(name, spec, tiers, errs)
         if model is not None:
             out.append(model)
+    _adapter_clashes(out, errs)
     return out
 
 
@@ -156,7 +162,9 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
             f"{path}.tokenizer",
             f"expected the path of a directory with tokenizer.json, got {_kind(tokenizer)}",
         )
-    if len(errs.items) != before or tier is None or versions is None:
+    adapters = _adapters(m.get("adapters"), f"{path}.adapters", versions, errs)
+    placement = _placement(m.get("placement"), f"{path}.placement", adapters, errs)
+    if len(errs.items) != before or tier is None or versions is None or adapters is None:
         return None
     return Model(
         name=name,
@@ -178,6 +186,8 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         slo=slo,
         kv_events=kv_events,
         tokenizer=tokenizer,
+        adapters=adapters,
+        placement=placement,
     )
 
 

@@ -93,6 +93,25 @@ def flow_config(fleet: Fleet, model: Model) -> str:
     )
 
 
+def adapter_config(fleet: Fleet, model: Model) -> str:
+    """The model's LoRA adapters as its picked clusters tell the pickers
+    (names.ADAPTERS_METADATA_NS `config`, JSON; picker/adapters.py reads it): its placement,
+    and each adapter's source and the versions and endpoints that may serve it (empty: all).
+    "" for a model without adapters, or not picked."""
+    if not model.adapters or not fleet.picked(model):
+        return ""
+    return json.dumps(
+        {
+            "placement": model.placement,
+            "adapters": {
+                a.name: {"source": a.source, "versions": list(a.versions), "endpoints": list(a.endpoints)}
+                for a in model.adapters
+            },
+        },
+        sort_keys=True,
+    )
+
+
 def build_cluster(
     model: Model,
     cname: str,
@@ -100,6 +119,7 @@ def build_cluster(
     *,
     picked: bool = False,
     flow: str = "",
+    adapters: str = "",
 ) -> cluster_pb2.Cluster:
     """One EDS cluster per model version, HTTP/1.1 (one request per connection) unless
     configured, idle connections closed after UPSTREAM_IDLE_TIMEOUT_S. Weighted least request,
@@ -163,6 +183,8 @@ def build_cluster(
         c.metadata.filter_metadata[names.KV_METADATA_NS].update({"tokenizer": model.tokenizer})
     if picked and flow:
         c.metadata.filter_metadata[names.FLOW_METADATA_NS].update({"config": flow})
+    if picked and adapters:
+        c.metadata.filter_metadata[names.ADAPTERS_METADATA_NS].update({"config": adapters})
     return c
 
 

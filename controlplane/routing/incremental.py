@@ -39,6 +39,7 @@ from controlplane.resources import names
 from controlplane.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from controlplane.routing.clusters import (
     EndpointWeights,
+    adapter_config,
     build_assignment,
     build_cluster,
     build_hold_cluster,
@@ -60,7 +61,7 @@ from controlplane.routing.translate import (
     picks,
 )
 
-_ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None, bool, str | None, str]
+_ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None, bool, str | None, str, str]
 _PlacementKey = tuple[
     tuple[str, ...], tuple[str, ...], float | None, tuple[GpuClass, ...], bool, bool, tuple[object, object]
 ]
@@ -107,6 +108,7 @@ def _cluster_key(fleet: Fleet, model: Model) -> _ClusterKey:
         fleet.picked(model),
         model.tokenizer,
         flow_config(fleet, model),
+        adapter_config(fleet, model),
     )
 
 
@@ -261,7 +263,7 @@ class IncrementalTranslator:
         if cached is not None and cached[0] == key:
             return cached[1]
         self.built += 1
-        msg = build_cluster(model, cname, key[2], picked=key[4], flow=key[6])
+        msg = build_cluster(model, cname, key[2], picked=key[4], flow=key[6], adapters=key[7])
         self._clusters[cname] = (key, msg)
         return msg
 

@@ -41,6 +41,7 @@ from controlplane.resources.types import CLUSTER, ENDPOINT, LISTENER, ROUTE
 from controlplane.routing import pb
 from controlplane.routing.clusters import (
     EndpointWeights,
+    adapter_config,
     build_assignment,
     build_cluster,
     build_hold_cluster,
@@ -155,6 +156,7 @@ def translate(
                 fleet.traffic_of(model),
                 picked=fleet.picked(model),
                 flow=flow_config(fleet, model),
+                adapters=adapter_config(fleet, model),
             )
             assignments[cname] = build_assignment(
                 cname,
@@ -305,6 +307,10 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
     then) a moment before that wait ends. A picker that dies releases what it held at once
     (the stream breaks: failure_mode_allow), one that hangs when the class's wait ends."""
     queues = [f.longest_wait() for m in fleet.models if fleet.picked(m) and (f := fleet.flow_control_of(m))]
+    # A picker that loads an adapter for a request (placement: dynamic) asks Envoy to wait
+    # for it as a queue does (docs/adapters.md).
+    loads = any(fleet.picked(m) and m.adapters and m.placement == "dynamic" for m in fleet.models)
+    longest = max([*queues, ADAPTER_LOAD_WAIT_S if loads else 0.0])
     cfg = ext_proc_pb2.ExternalProcessor(
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=names.PICKER_CLUSTER),
@@ -318,7 +324,7 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
         request_attributes=["xds.cluster_name"],
         response_attributes=["upstream.address"],
         message_timeout=pb.duration(fleet.picker.timeout_s),
-        max_message_timeout=pb.duration(max(queues, default=0.0) + FLOW_TIMEOUT_MARGIN_S) if queues else None,
+        max_message_timeout=pb.duration(longest + FLOW_TIMEOUT_MARGIN_S) if queues or loads else None,
         stat_prefix="picker",
         metadata_options=ext_proc_pb2.MetadataOptions(
             forwarding_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
@@ -333,6 +339,9 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name=EXT_PROC_FILTER, typed_config=pb.pack(cfg))
 
 
+# How long a request may wait while a picker loads its adapter onto a server (placement:
+# dynamic): vLLM loads one from local disk in well under a second; a download takes longer.
+ADAPTER_LOAD_WAIT_S = 30.0
 FLOW_TIMEOUT_MARGIN_S = 1.0  # max_message_timeout past the longest wait of any model: a cap, never reached
 
 
@@ -696,6 +705,18 @@ def _model_route(
     return route
 
 
+def model_names(model: Model) -> string_pb2.StringMatcher:
+    """What a request's model must be to take `model`'s routes: its name, or one of its
+    adapters' (a request naming an adapter is its base model's: tier, rollout, classes and
+    servers; the picker finds the servers holding the adapter). Names are letters, digits
+    and . _ : / - (fleet/schema_adapters.py): only the dot needs escaping in RE2, which
+    Envoy matches against the whole value."""
+    if not model.adapters:
+        return string_pb2.StringMatcher(exact=model.name)
+    names = "|".join(n.replace(".", "\\.") for n in (model.name, *(a.name for a in model.adapters)))
+    return string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(regex=f"(?:{names})"))
+
+
 def _metadata_model(value: value_pb2.ValueMatcher) -> metadata_pb2.MetadataMatcher:
     return metadata_pb2.MetadataMatcher(
         filter=METADATA_NS,
@@ -799,7 +820,24 @@ def build_gateway_routes(
             200,
             {
                 "object": "list",
-                "data": [{"id": m.name, "object": "model", "owned_by": "controlplane"} for m in fleet.models],
+                "data": [
+                    entry
+                    for m in fleet.models
+                    for entry in (
+                        {"id": m.name, "object": "model", "owned_by": "controlplane"},
+                        *(
+                            # As vLLM lists its adapters: the base model as `parent`.
+                            {
+                                "id": a.name,
+                                "object": "model",
+                                "owned_by": "controlplane",
+                                "parent": m.name,
+                                "root": a.source or a.name,
+                            }
+                            for a in m.adapters
+                        ),
+                    )
+                ],
             },
             route_components_pb2.RouteMatch(
                 path="/v1/models",
@@ -817,11 +855,7 @@ def build_gateway_routes(
             fleet,
             model,
             f"header/{model.name}",
-            [
-                route_components_pb2.HeaderMatcher(
-                    name=MODEL_HEADER, string_match=string_pb2.StringMatcher(exact=model.name)
-                )
-            ],
+            [route_components_pb2.HeaderMatcher(name=MODEL_HEADER, string_match=model_names(model))],
             [],
             shed.get(model.name, frozenset()),
             overlay,
@@ -832,11 +866,7 @@ def build_gateway_routes(
             model,
             f"body/{model.name}",
             [header_absent],
-            [
-                _metadata_model(
-                    value_pb2.ValueMatcher(string_match=string_pb2.StringMatcher(exact=model.name))
-                )
-            ],
+            [_metadata_model(value_pb2.ValueMatcher(string_match=model_names(model)))],
             shed.get(model.name, frozenset()),
             overlay,
         )
