@@ -3,15 +3,18 @@
 Each `EmulatedServer` is one aiohttp site on its own port that answers the OpenAI API
 (`/v1/completions`, `/v1/chat/completions`, `/v1/models`), `/health` and a vLLM-dialect
 `/metrics` page. Latency comes from a continuous-batching model running in real time
-(`emulator_engine`), with `ServerSpec`'s parameters. Faults (slowness, errors, OOMs,
-crashes, a backlog, garbage metrics) are set at runtime over `/emulator/faults` or from
-Python. One process can host many servers; `start_emulators` starts a set on free ports.
+(`emulator_engine`), with `ServerSpec`'s parameters. LoRA adapters are served as vLLM
+serves them (`emulator_lora`): registered at start or at runtime, loaded into a bounded
+number of GPU slots. Faults (slowness, errors, OOMs, crashes, a backlog, garbage metrics,
+adapters that fail to load) are set at runtime over `/emulator/faults` or from Python. One
+process can host many servers; `start_emulators` starts a set on free ports.
 docs/emulator.md describes the behaviour, the HTTP API and the command.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -22,7 +25,7 @@ from collections import Counter
 from collections.abc import Awaitable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import structlog
 from aiohttp import web
@@ -30,6 +33,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from controlplane.kvcache.prompt import Tokenizers, token_ids
 from controlplane.sim.emulator_engine import LiveBatchingServer
+from controlplane.sim.emulator_lora import (
+    MAX_ADAPTERS,
+    MAX_LORA_LOAD_S,
+    MAX_LORAS,
+    AdapterLoadFailed,
+    AdapterSlots,
+    LoraCounts,
+    adapter_name_problem,
+    lora_module,
+)
 from controlplane.sim.emulator_metrics import (
     GARBAGE_PAGE,
     MAX_MODEL_LEN,
@@ -69,6 +82,14 @@ _GRACE_S = 0.5  # how long a graceful stop lets in-flight requests finish
 _COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _PROBE_PATHS_KEPT = 64  # distinct other paths counted per server; the rest count as "other"
 
+# What the page's `vllm:lora_requests_info` labels list. "in_flight": both labels list every
+# adapter with a request in flight, waiting or running, as vLLM 0.32 prints them
+# (vllm/v1/metrics/stats.py, LoRARequestStates.update_scheduler_stats writes every adapter into
+# both). "split": running lists adapters with running requests, waiting those with waiting
+# ones, as vLLM v1 printed them when the metric came (vLLM PR 13504).
+LoraInfoLabels = Literal["in_flight", "split"]
+LORA_INFO_LABELS: tuple[LoraInfoLabels, ...] = get_args(LoraInfoLabels)
+
 
 @dataclass(frozen=True)
 class EmulatorConfig:
@@ -94,6 +115,16 @@ class EmulatorConfig:
     kv_events: str | None = None
     kv_replay: str | None = None
     tokenizer: str | None = None
+    # LoRA adapters as vLLM serves them (emulator_lora.py, docs/emulator.md): those registered
+    # at start (vLLM's --lora-modules: `name=path`, or `name`); the GPU's adapter slots
+    # (--max-loras; None: 1 if lora_modules are given, else 0, LoRA disabled); the seconds a load
+    # into a slot takes; whether POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist
+    # (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); what the page's adapter labels list.
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int | None = None
+    lora_load_s: float = 0.5
+    allow_runtime_lora: bool = True
+    lora_info_labels: LoraInfoLabels = "in_flight"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -128,6 +159,54 @@ class EmulatorConfig:
             raise ValueError(
                 f"metrics_page: must be one of {', '.join(METRICS_PAGES)}, got {self.metrics_page!r}"
             )
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        modules = self.lora_modules
+        if isinstance(modules, str) or not isinstance(modules, Sequence):
+            raise ValueError(
+                f"lora_modules: must be a list of 'name=path' (or 'name') entries, got {modules!r}"
+            )
+        if len(modules) > MAX_ADAPTERS:
+            raise ValueError(f"lora_modules: at most {MAX_ADAPTERS} adapters, got {len(modules)}")
+        object.__setattr__(self, "lora_modules", tuple(modules))  # a list given: frozen, hashable
+        seen: set[str] = set()
+        for i, entry in enumerate(modules):
+            if not isinstance(entry, str):
+                raise ValueError(f"lora_modules[{i}]: must be a string 'name=path' or 'name', got {entry!r}")
+            name, path = lora_module(entry)
+            problem = adapter_name_problem(name, self.model)
+            if problem is not None:
+                raise ValueError(f"lora_modules[{i}]: the adapter name {problem}")
+            if not path:
+                raise ValueError(f"lora_modules[{i}]: the path after '=' is empty in {entry!r}")
+            if name in seen:
+                raise ValueError(f"lora_modules[{i}]: adapter {name!r} is listed twice")
+            seen.add(name)
+        n = self.max_loras
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LORAS:
+                raise ValueError(f"max_loras: must be an integer between 0 and {MAX_LORAS}, got {n!r}")
+            if n == 0 and modules:
+                raise ValueError(
+                    f"max_loras: 0 disables LoRA, but lora_modules registers {len(modules)} adapters"
+                )
+        load = self.lora_load_s
+        if isinstance(load, bool) or not isinstance(load, int | float) or not 0 <= load <= MAX_LORA_LOAD_S:
+            raise ValueError(f"lora_load_s: must be a number between 0 and {MAX_LORA_LOAD_S:g}, got {load!r}")
+        if not isinstance(self.allow_runtime_lora, bool):
+            raise ValueError(f"allow_runtime_lora: must be true or false, got {self.allow_runtime_lora!r}")
+        if self.lora_info_labels not in LORA_INFO_LABELS:
+            known = ", ".join(LORA_INFO_LABELS)
+            raise ValueError(f"lora_info_labels: must be one of {known}, got {self.lora_info_labels!r}")
+
+    @property
+    def lora_slots(self) -> int:
+        """The GPU's adapter slots: `max_loras`, else 1 if adapters are registered at start
+        (vLLM's default --max-loras), else 0: LoRA disabled."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return 1 if self.lora_modules else 0
 
     @property
     def spec(self) -> ServerSpec:
@@ -149,6 +228,7 @@ class _Life:
     metrics: VllmMetrics
     started_at: float  # event-loop time
     cache: PrefixCache  # a restart empties it, as a restarted vLLM's
+    adapters: AdapterSlots | None  # the GPU's LoRA slots (None: LoRA disabled); a restart empties them
 
 
 class EmulatedServer:
@@ -172,6 +252,13 @@ class EmulatedServer:
         # Every other request (health and load probes, /metrics, paths it does not have), by
         # "METHOD /path": a router's probes are not requests served.
         self.probes_by_path: Counter[str] = Counter()
+        # LoRA: loads, evictions and failed loads per adapter, and completion requests per
+        # adapter (kept across crashes); the adapters registered (name -> path), which a start
+        # resets to `lora_modules` (those registered at runtime die with the process, as on vLLM).
+        self.lora_counts = LoraCounts()
+        self.lora_requests: Counter[str] = Counter()
+        self.adapters: dict[str, str] = {}
+        self._registering: set[str] = set()  # adapters being loaded by POST /v1/load_lora_adapter
         self._rng = random.Random(config.seed)
         self._life: _Life | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -227,6 +314,31 @@ class EmulatedServer:
             "kv_cache_usage": engine.kv_use if engine else 0.0,
             "metrics_port": self.metrics_port,
             "faults": self.faults.to_json(),
+            "lora": self.lora_stats(),
+        }
+
+    def lora_stats(self) -> dict[str, Any] | None:
+        """The LoRA adapters: registered, resident in GPU slots (least recently used first), with
+        running and waiting requests; per adapter, completion requests, loads into a slot,
+        evictions from one and failed loads (kept across crashes). None: LoRA disabled."""
+        if not self.config.lora_slots:
+            return None
+        life = self._life
+        _, running, waiting = life.engine.lora_adapters() if life else ([], [], [])
+        c = self.lora_counts
+        return {
+            "max_loras": self.config.lora_slots,
+            "load_s": self.config.lora_load_s,
+            "registered": list(self.adapters),
+            "resident": life.adapters.resident if life and life.adapters else [],
+            "running": running,
+            "waiting": waiting,
+            "requests": dict(sorted(self.lora_requests.items())),
+            "loads": dict(sorted(c.loads.items())),
+            "loads_total": c.loads.total(),
+            "evictions": dict(sorted(c.evictions.items())),
+            "evictions_total": c.evictions.total(),
+            "load_failures": dict(sorted(c.load_failures.items())),
         }
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -235,7 +347,12 @@ class EmulatedServer:
         """Listen and serve; cold for `cold_start_s` from now. Raise OSError if the port is taken."""
         if self._life is not None:
             raise RuntimeError(f"emulated server {self.address} is already running")
-        engine = LiveBatchingServer(self.config.spec)
+        slots = None
+        if self.config.lora_slots:
+            slots = AdapterSlots(
+                self.config.lora_slots, self.config.lora_load_s, self.lora_counts, fails=self._lora_fails
+            )
+        engine = LiveBatchingServer(self.config.spec, slots)
         runner = web.AppRunner(
             self._app(), access_log=None, handler_cancellation=True, shutdown_timeout=_GRACE_S
         )
@@ -255,6 +372,7 @@ class EmulatedServer:
                 self.config.model,
                 page=self.config.metrics_page,
                 kv_capacity_tokens=self.config.kv_capacity_tokens,
+                max_loras=self.config.lora_slots,
             )
         if self.metrics_port is not None:
             mapp = web.Application()
@@ -265,7 +383,17 @@ class EmulatedServer:
         if self.kv_publisher is not None:
             self.kv_publisher.start()  # a new stream: a restarted server's sequence starts at 0
         cache = PrefixCache(self.config.kv_capacity_tokens // BLOCK_TOKENS, self.kv_publisher)
-        self._life = _Life(runner, engine, metrics, engine.now(), cache)
+        self.adapters = dict(lora_module(entry) for entry in self.config.lora_modules)
+        self._registering.clear()
+        if slots is not None:
+            # vLLM loads its --lora-modules at start-up, in order, each into a GPU slot: the last
+            # `max_loras` of them are resident when it starts serving (no load cost to a request).
+            for name in self.adapters:
+                with contextlib.suppress(AdapterLoadFailed):
+                    slots.place(name, engine.now(), cost=False)
+        life = self._life = _Life(runner, engine, metrics, engine.now(), cache, slots)
+        if slots is not None:
+            engine.on_change = lambda: self._observe_lora(life)
         self.faults = replace(self.faults, crash=False)
         await self._apply(self.faults)
         return self
@@ -360,6 +488,7 @@ class EmulatedServer:
         garbage_metrics: bool | None = None,
         probes_hang: bool | None = None,
         metrics_port_down: bool | None = None,
+        lora_load_fail: Sequence[str] | None = None,
     ) -> Faults:
         """Change the named faults (None leaves one as it is); raise FaultsInvalid naming a
         bad one. `crash=True` crashes the server (see `crash`). Returns the faults in force."""
@@ -374,6 +503,7 @@ class EmulatedServer:
                 ("garbage_metrics", garbage_metrics),
                 ("probes_hang", probes_hang),
                 ("metrics_port_down", metrics_port_down),
+                ("lora_load_fail", lora_load_fail),
             )
             if v is not None
         }
@@ -416,6 +546,9 @@ class EmulatedServer:
         if self.metrics_port is None:
             app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/get_load", self._get_load)
+        if self.config.allow_runtime_lora:  # vLLM has them with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+            app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self._unload_lora_adapter)
         app.router.add_get("/emulator/faults", self._get_faults)
         app.router.add_post("/emulator/faults", self._post_faults)
         app.router.add_get("/emulator/stats", self._get_stats)
@@ -498,7 +631,10 @@ class EmulatedServer:
                 served_model=self.config.model,
                 default_max_tokens=self.config.default_max_tokens,
                 max_tokens_limit=self.config.max_tokens_limit,
+                adapters=self.adapters,
             )
+            if req.adapter is not None:
+                self.lora_requests[req.adapter] += 1
             if self._tokenizer is not None:  # the prompt as the model's tokenizer cuts it
                 ids = token_ids(self._tokenizer, body)
                 if ids:
@@ -518,9 +654,11 @@ class EmulatedServer:
             await stream.prepare(request)
         self.responses_by_status[200] += 1
         try:
-            cached = life.cache.admit(req.prompt)
+            cached = life.cache.admit(req.prompt, req.adapter)
             life.metrics.observe_prefix(len(req.prompt), cached)
-            async with engine.admit(req.prompt_tokens, req.output_tokens, cached_tokens=cached) as seq:
+            async with engine.admit(
+                req.prompt_tokens, req.output_tokens, cached_tokens=cached, adapter=req.adapter
+            ) as seq:
                 if stream is not None:
                     for k in range(req.output_tokens):
                         await engine.wait_until(seq.token_time(k))
@@ -536,9 +674,26 @@ class EmulatedServer:
             await stream.write(sse("[DONE]"))
             await stream.write_eof()
             return stream
+        except AdapterLoadFailed as e:
+            return await self._load_failed(e, stream)
         except (asyncio.CancelledError, ConnectionError):
             self.aborted_total += 1
             raise
+
+    async def _load_failed(
+        self, e: AdapterLoadFailed, stream: web.StreamResponse | None
+    ) -> web.StreamResponse:
+        """A request whose adapter failed to load into a GPU slot: 500, or for a stream (whose
+        200 is out) an error event and the end, as vLLM ends a stream that fails."""
+        err = ApiError(500, str(e), type="server_error", code="lora_load_failed")
+        if stream is None:
+            self.responses_by_status[200] -= 1  # counted when it was accepted
+            self.responses_by_status[500] += 1
+            return self._error(err)
+        await stream.write(sse(err.body()))
+        await stream.write(sse("[DONE]"))
+        await stream.write_eof()
+        return stream
 
     async def _models(self, request: web.Request) -> web.Response:
         life = self._life
@@ -547,14 +702,21 @@ class EmulatedServer:
             self._check_warm(life)
         except ApiError as e:
             return self._error(e)
+        created = int(time.time())
         model = {
             "id": self.config.model,
             "object": "model",
-            "created": int(time.time()),
+            "created": created,
             "owned_by": "emulator",
             "root": self.config.model,
+            "parent": None,
         }
-        return web.json_response({"object": "list", "data": [model]})
+        # vLLM lists each registered adapter as a model: its path as root, the base as parent.
+        adapters = [
+            {**model, "id": name, "root": path, "parent": self.config.model}
+            for name, path in self.adapters.items()
+        ]
+        return web.json_response({"object": "list", "data": [model, *adapters]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         """vLLM's POST /tokenize: a completion's `prompt` or a chat's `messages` as the token ids
@@ -575,6 +737,7 @@ class EmulatedServer:
                 served_model=self.config.model,
                 default_max_tokens=self.config.default_max_tokens,
                 max_tokens_limit=self.config.max_tokens_limit,
+                adapters=self.adapters,
             )
         except ApiError as e:
             return self._error(e)
@@ -604,6 +767,8 @@ class EmulatedServer:
         if self.faults.garbage_metrics:
             return web.Response(body=GARBAGE_PAGE, content_type="text/html")
         engine = life.engine
+        if life.adapters is not None and (engine.num_running or engine.num_waiting):
+            self._observe_lora(life)  # a busy vLLM sets its LoRA gauge every engine step
         page = life.metrics.render(engine.num_running, engine.num_waiting, engine.kv_use)
         return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -621,6 +786,100 @@ class EmulatedServer:
             "num_tokens": round(engine.held_tokens) + engine.waiting_tokens,
         }
         return web.json_response([load])
+
+    # --- LoRA ----------------------------------------------------------------------------
+
+    def _lora_fails(self, adapter: str) -> bool:
+        return adapter in self.faults.lora_load_fail
+
+    def _observe_lora(self, life: _Life) -> None:
+        """Set the page's LoRA label set of this moment (`lora_info_labels` says which lists)."""
+        live, running, waiting = life.engine.lora_adapters()
+        if self.config.lora_info_labels == "in_flight":
+            running = waiting = live
+        life.metrics.observe_lora(running, waiting)
+
+    async def _lora_request(self, request: web.Request, life: _Life) -> dict[str, Any]:
+        """The JSON object of a load or unload request; ApiError (vLLM's shape) if it is not one."""
+        self._check_warm(life)
+        try:
+            body = json.loads(await request.read())  # aiohttp refuses bodies over 1 MiB (413)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise _lora_error(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise _lora_error(400, "request body must be a JSON object")
+        return body
+
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/load_lora_adapter: register an adapter. vLLM loads it at once (into a
+        GPU slot, evicting the least recently used idle one), so the answer comes after the load
+        time; if every slot runs requests it is registered without a slot, loaded on first use."""
+        life = self._life
+        assert life is not None
+        try:
+            body = await self._lora_request(request, life)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not (isinstance(name, str) and name and isinstance(path, str) and path):
+                raise _lora_error(
+                    400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput"
+                )
+            problem = adapter_name_problem(name, self.config.model)
+            if problem is not None:
+                raise _lora_error(400, f"'lora_name' {problem}", "InvalidUserInput")
+            if life.adapters is None:
+                raise _lora_error(
+                    400, "LoRA is not enabled on this server: max_loras is 0 (vLLM: --enable-lora)"
+                )
+            if name in self.adapters or name in self._registering:
+                raise _lora_error(
+                    400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput"
+                )
+            if len(self.adapters) + len(self._registering) >= MAX_ADAPTERS:
+                raise _lora_error(400, f"this server holds {MAX_ADAPTERS} adapters, the most it registers")
+            try:
+                placed = life.adapters.place(name, life.engine.now(), cost=True)
+            except AdapterLoadFailed as e:
+                raise _lora_error(400, str(e)) from None
+        except ApiError as e:
+            return self._error(e)
+        self._registering.add(name)
+        try:
+            ready = life.adapters.ready_at(name) if placed else None
+            if ready is not None:
+                await life.engine.wait_until(ready)
+            self.adapters[name] = path
+        finally:
+            self._registering.discard(name)
+        log.info(
+            "emulated server registered a LoRA adapter",
+            address=self.address,
+            adapter=name,
+            path=path,
+            resident=placed,
+        )
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/unload_lora_adapter: new requests naming it get 404; requests already
+        in flight finish with it; its GPU slot is freed once none runs it."""
+        life = self._life
+        assert life is not None
+        try:
+            body = await self._lora_request(request, life)
+            name = body.get("lora_name")
+            if not (isinstance(name, str) and name):
+                raise _lora_error(
+                    400, "either 'lora_name' and 'lora_int_id' needs to be provided.", "InvalidUserInput"
+                )
+            if name not in self.adapters:
+                raise _lora_error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        except ApiError as e:
+            return self._error(e)
+        del self.adapters[name]
+        if life.adapters is not None:
+            life.adapters.drop(name)
+        log.info("emulated server unregistered a LoRA adapter", address=self.address, adapter=name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _get_faults(self, request: web.Request) -> web.Response:
         return web.json_response(self.faults.to_json())
@@ -651,6 +910,11 @@ class EmulatedServer:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _lora_error(status: int, message: str, type: str = "BadRequestError") -> ApiError:
+    """An error of vLLM's LoRA endpoints, in vLLM's shape: its error type, the status as code."""
+    return ApiError(status, message, type=type, code=status)
 
 
 def _in_force(faults: Faults) -> dict[str, Any]:

@@ -12,6 +12,10 @@ adds more of a vLLM 0.32 server's families (30-60 KB, 16 histograms, as a real p
 fed by what the emulated engine did. The families the control plane parses are the same
 in both. `sample_full_page` renders the full page of a server that has served a
 workload, for benchmarks that need a realistic page without running a server.
+
+With LoRA enabled, both pages carry `vllm:lora_requests_info` as vLLM v1 prints it: a gauge
+whose labels name the adapters in flight and whose value is the Unix time that label set was
+last set; every label set ever set stays a series of its own (`LORA_INFO_SERIES_KEPT`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import bisect
 import math
 import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Literal, get_args
 
 from prometheus_client import generate_latest
@@ -57,6 +61,10 @@ MAX_MODEL_LEN = 32768
 MAX_NUM_BATCHED_TOKENS = 8192
 BLOCK_SIZE = 16  # tokens per KV block, for the cache_config_info gauge
 ENGINE = "0"  # vLLM v1 labels every series with its engine's index
+# vLLM keeps every vllm:lora_requests_info label set it ever set; the emulator keeps this many,
+# dropping the one set longest ago (a page of ~120 KB; the control plane's parser refuses more
+# than 10,000).
+LORA_INFO_SERIES_KEPT = 1024
 
 # vLLM 0.32's FinishReason, each printed (zeros included). The emulator finishes requests
 # with stop or length only; a stream its client closes is counted nowhere, as on vLLM 0.32
@@ -137,12 +145,20 @@ class VllmMetrics(Collector):
         max_model_len: int = MAX_MODEL_LEN,
         kv_capacity_tokens: int = ServerSpec.kv_capacity_tokens,
         created: float | None = None,
+        max_loras: int = 0,
     ) -> None:
+        """`max_loras`: the server's GPU adapter slots; 0 (LoRA disabled) leaves
+        `vllm:lora_requests_info` off the page, as vLLM without --enable-lora."""
         if page not in METRICS_PAGES:
             raise ValueError(f"page: must be one of {', '.join(METRICS_PAGES)}, got {page!r}")
         self.model = model
         self.page: MetricsPage = page
         self.kv_capacity_tokens = kv_capacity_tokens
+        self.max_loras = max_loras
+        # (running_lora_adapters, waiting_lora_adapters) -> the Unix time it was last set, in
+        # the order the label sets were first set (prometheus_client prints children so).
+        self._lora_info: dict[tuple[str, str], float] = {}
+        self._lora_newest = 0.0
         self.created = time.time() if created is None else created
         self._running = self._waiting = self._kv = 0.0
         # The compact page's families.
@@ -207,6 +223,19 @@ class VllmMetrics(Collector):
 
     def observe_failed(self) -> None:
         """A request answered with an error. vLLM counts only successes: nothing to do."""
+
+    def observe_lora(self, running: Iterable[str], waiting: Iterable[str], at: float | None = None) -> None:
+        """The adapters of the requests running and waiting, as of `at` (Unix time, default
+        now): that label set of `vllm:lora_requests_info` is set to the time, as vLLM sets it
+        each engine step. Times only grow, so the newest set always has the greatest value."""
+        if not self.max_loras:
+            return
+        key = (",".join(running), ",".join(waiting))
+        now = time.time() if at is None else at
+        self._lora_newest = now if now > self._lora_newest else math.nextafter(self._lora_newest, math.inf)
+        self._lora_info[key] = self._lora_newest
+        if len(self._lora_info) > LORA_INFO_SERIES_KEPT:
+            del self._lora_info[min(self._lora_info, key=self._lora_info.__getitem__)]
 
     def _observe_steps(self, prompt: int, out: int, batch: int) -> None:
         """The engine has no global steps; this is a request's share of them: its prefill
@@ -288,8 +317,23 @@ class VllmMetrics(Collector):
             [(m, self._approximates)],
             at,
         )
+        if self.max_loras:
+            yield self._lora_metric()
         if self.page == "full":
             yield from self._full_only()
+
+    def _lora_metric(self) -> Metric:
+        """vLLM v1's LoRA gauge: no engine or model label, `max_lora` the slots, the adapter
+        lists joined by commas, each label set's value the Unix time it was last set."""
+        family = Metric("vllm:lora_requests_info", "Running stats on lora requests.", "gauge")
+        for (running, waiting), when in self._lora_info.items():
+            labels = {
+                "max_lora": str(self.max_loras),
+                "running_lora_adapters": running,
+                "waiting_lora_adapters": waiting,
+            }
+            family.add_sample("vllm:lora_requests_info", labels, when)
+        return family
 
     def _full_only(self) -> Iterator[Metric]:
         e, at = {"engine": ENGINE, "model_name": self.model}, self.created

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
@@ -33,6 +33,7 @@ _VOCABULARY = (
 )
 
 MAX_BACKLOG = 10_000
+MAX_FAILING_ADAPTERS = 4096  # names in the lora_load_fail fault
 
 
 class ApiError(Exception):
@@ -45,7 +46,7 @@ class ApiError(Exception):
         *,
         type: str = "invalid_request_error",
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,  # OpenAI's are strings; vLLM's own endpoints use the status
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -81,6 +82,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     prompt: tuple[str, ...] = ()  # the prompt's tokens (the emulator's tokenizer), for the prefix cache
+    adapter: str | None = None  # the LoRA adapter `model` names (None: the base model)
 
     @property
     def finish_reason(self) -> str:
@@ -99,8 +101,10 @@ def parse_completion_request(
     served_model: str,
     default_max_tokens: int,
     max_tokens_limit: int,
+    adapters: Collection[str] = (),
 ) -> CompletionRequest:
-    """Validate a request body; raise ApiError (400, or 404 for another model)."""
+    """Validate a request body; raise ApiError (400, or 404 for another model). A `model` that
+    is one of `adapters` (the LoRA adapters registered) is served by that adapter, as vLLM does."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -112,10 +116,11 @@ def parse_completion_request(
         raise _invalid("model", "missing required field 'model'", "missing_required_parameter")
     if not isinstance(model, str):
         raise _invalid("model", f"'model' must be a string, got {_kind_of(model)}", "invalid_type")
-    if model != served_model:
+    if model != served_model and model not in adapters:
+        also = f" and {len(adapters)} LoRA adapters (GET /v1/models lists them)" if adapters else ""
         raise ApiError(
             404,
-            f"The model '{model}' does not exist; this server serves '{served_model}'",
+            f"The model '{model}' does not exist; this server serves '{served_model}'{also}",
             param="model",
             code="model_not_found",
         )
@@ -136,8 +141,9 @@ def parse_completion_request(
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise _invalid("n", f"'n' must be 1 (the emulator generates one choice), got {n!r}")
+    adapter = model if model != served_model else None
     return CompletionRequest(
-        kind, model, prompt_tokens, output_tokens, given, stream, include_usage, tuple(prompt)
+        kind, model, prompt_tokens, output_tokens, given, stream, include_usage, tuple(prompt), adapter
     )
 
 
@@ -349,12 +355,17 @@ class Faults:
     # control plane's path to the server is blackholed, the proxies' is not.
     probes_hang: bool = False
     metrics_port_down: bool = False  # the separate metrics port (--metrics-port) refuses connections
+    # LoRA adapters whose load into a GPU slot fails: registering one (POST /v1/load_lora_adapter)
+    # is refused, a request that needs it loaded is answered 500.
+    lora_load_fail: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, kind in _FAULT_TYPES.items():
             _check_type(name, getattr(self, name), kind)
             if kind is float:
                 object.__setattr__(self, name, float(getattr(self, name)))  # 2 -> 2.0, as JSON shows it
+            elif kind is tuple:
+                object.__setattr__(self, name, tuple(getattr(self, name)))  # a JSON list, frozen
         if not (math.isfinite(self.slow) and self.slow > 0):
             raise FaultsInvalid("slow", f"'slow' must be a finite number > 0, got {self.slow!r}")
         for name in ("error_rate", "oom_rate"):
@@ -369,6 +380,12 @@ class Faults:
         if not 0 <= self.backlog <= MAX_BACKLOG:
             raise FaultsInvalid(
                 "backlog", f"'backlog' must be between 0 and {MAX_BACKLOG}, got {self.backlog}"
+            )
+        if len(self.lora_load_fail) > MAX_FAILING_ADAPTERS:
+            raise FaultsInvalid(
+                "lora_load_fail",
+                f"'lora_load_fail' must name at most {MAX_FAILING_ADAPTERS} adapters, "
+                f"got {len(self.lora_load_fail)}",
             )
 
     def updated(self, changes: object) -> Faults:
@@ -386,20 +403,32 @@ class Faults:
         return Faults(**{**asdict(self), **changes})
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "lora_load_fail": list(self.lora_load_fail)}  # as JSON reads back
 
 
 _FAULT_TYPES: dict[str, type] = {
-    f.name: {"float": float, "int": int, "bool": bool}[str(f.type)] for f in fields(Faults)
+    f.name: {"float": float, "int": int, "bool": bool, "tuple[str, ...]": tuple}[str(f.type)]
+    for f in fields(Faults)
 }
 
 
 def _check_type(name: str, value: object, kind: type) -> None:
-    ok = (
-        isinstance(value, bool)
-        if kind is bool
-        else (not isinstance(value, bool) and isinstance(value, int | float if kind is float else int))
-    )
+    if kind is tuple:
+        ok = isinstance(value, list | tuple)
+        for item in value if isinstance(value, list | tuple) else ():
+            if not isinstance(item, str) or not item:
+                raise FaultsInvalid(
+                    name, f"'{name}' must be a list of non-empty adapter names, got {item!r} in it"
+                )
+    elif kind is bool:
+        ok = isinstance(value, bool)
+    else:
+        ok = not isinstance(value, bool) and isinstance(value, int | float if kind is float else int)
     if not ok:
-        expected = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+        expected = {
+            bool: "true or false",
+            int: "an integer",
+            float: "a number",
+            tuple: "a list of non-empty adapter names",
+        }[kind]
         raise FaultsInvalid(name, f"'{name}' must be {expected}, got {_kind_of(value)}")

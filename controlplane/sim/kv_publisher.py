@@ -6,7 +6,8 @@ is a new stream, as a restarted vLLM's), the last REPLAY_KEPT batches kept for r
 
 Block hashes are 64-bit integers (vLLM's default, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), the
 block size is the prefix cache's (16, vLLM's default); the token ids are the prompt's (the
-model's tokenizer where the emulator has one, else a stable id per word).
+model's tokenizer where the emulator has one, else a stable id per word); a LoRA adapter's
+blocks carry its name (`lora_name`), as vLLM's do.
 """
 
 from __future__ import annotations
@@ -79,9 +80,14 @@ class KvPublisher:
         self.published += 1
 
     def stored(
-        self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int
+        self,
+        hashes: Sequence[int],
+        parent: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        lora: str | None = None,
     ) -> None:
-        self.publish([wire.stored(hashes, parent, token_ids, block_size)])
+        self.publish([wire.stored(hashes, parent, token_ids, block_size, lora)])
 
     def removed(self, hashes: Sequence[int]) -> None:
         self.publish([wire.removed(hashes)])

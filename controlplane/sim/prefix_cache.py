@@ -8,14 +8,17 @@ the blocks it used and adds the prompt's other full blocks, evicting the least r
 used. Cached prompt tokens skip prefill: that is the time-to-first-token a server with the
 right cache wins.
 
+A request served by a LoRA adapter caches its blocks apart: vLLM keys a block by the adapter
+too, so the same prompt under another adapter (or the base model) is another block.
+
 Counters as vLLM exports them: `queries` (prompt tokens looked up) and `hits` (of those,
 tokens found cached).
 
 With a `listener` (sim/kv_publisher.py), every change is told as vLLM's KV events tell it:
-the blocks a prompt stored (their hashes, the block before the first, their token ids) and
-the blocks evicted. A block's hash is the first 8 bytes of its key; a token's id is the
-token itself where it is a number (a prompt tokenized with the model's tokenizer), else a
-stable 31-bit hash of it.
+the blocks a prompt stored (their hashes, the block before the first, their token ids, the
+LoRA adapter if any) and the blocks evicted. A block's hash is the first 8 bytes of its key;
+a token's id is the token itself where it is a number (a prompt tokenized with the model's
+tokenizer), else a stable 31-bit hash of it.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ from typing import Protocol
 BLOCK_TOKENS = 16  # vLLM's default block size
 
 
-def block_keys(tokens: Sequence[str]) -> list[bytes]:
-    """The key of every full block: a running hash of the tokens up to its end."""
+def block_keys(tokens: Sequence[str], adapter: str | None = None) -> list[bytes]:
+    """The key of every full block: a running hash of the tokens up to its end (and of the
+    LoRA adapter the prompt runs with, if any)."""
     keys = []
     h = hashlib.blake2b(digest_size=16)
+    if adapter is not None:
+        h.update(b"lora\x00" + adapter.encode() + b"\x00")
     for i in range(len(tokens) // BLOCK_TOKENS):
         for t in tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]:
             h.update(t.encode())
@@ -52,7 +58,12 @@ def token_id(token: str) -> int:
 
 class Listener(Protocol):
     def stored(
-        self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int
+        self,
+        hashes: Sequence[int],
+        parent: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        lora: str | None = None,
     ) -> None: ...
 
     def removed(self, hashes: Sequence[int]) -> None: ...
@@ -69,18 +80,19 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def peek(self, tokens: Sequence[str]) -> int:
+    def peek(self, tokens: Sequence[str], adapter: str | None = None) -> int:
         """The cached prefix in tokens, without touching or adding anything."""
         cached = 0
-        for k in block_keys(tokens):
+        for k in block_keys(tokens, adapter):
             if k not in self._blocks:
                 break
             cached += 1
         return cached * BLOCK_TOKENS
 
-    def admit(self, tokens: Sequence[str]) -> int:
-        """Look the prompt up and cache its blocks; return the cached prefix in tokens."""
-        keys = block_keys(tokens)
+    def admit(self, tokens: Sequence[str], adapter: str | None = None) -> int:
+        """Look the prompt up and cache its blocks (under `adapter`, the LoRA adapter it runs
+        with, if any); return the cached prefix in tokens."""
+        keys = block_keys(tokens, adapter)
         cached = 0
         for k in keys:
             if k not in self._blocks:
@@ -96,12 +108,16 @@ class PrefixCache:
             evicted.append(self._blocks.popitem(last=False)[0])
         if self.listener is not None and self.capacity_blocks:
             if len(keys) > cached:
-                self.listener.stored(
+                told = (
                     [block_hash(k) for k in keys[cached:]],
                     block_hash(keys[cached - 1]) if cached else None,
                     [token_id(t) for t in tokens[cached * BLOCK_TOKENS : len(keys) * BLOCK_TOKENS]],
                     BLOCK_TOKENS,
                 )
+                if adapter is None:
+                    self.listener.stored(*told)
+                else:  # as vLLM names the adapter of the blocks it stored (lora_name)
+                    self.listener.stored(*told, lora=adapter)
             if evicted:
                 self.listener.removed([block_hash(k) for k in evicted])
         hit = cached * BLOCK_TOKENS
