@@ -362,6 +362,11 @@ class EndpointService(_Base, endpoint_pb2_grpc.EndpointServiceServicer):
                     ):
                         if figure is not None:
                             setattr(msg, name, figure)
+                    # Adapters: max_adapters set says they are known (empty lists alone cannot).
+                    if load.max_lora is not None:
+                        msg.max_adapters = load.max_lora
+                        msg.running_adapters.extend(load.lora_running or ())
+                        msg.waiting_adapters.extend(load.lora_waiting or ())
                     if sig is not None and sig.scrape_error is not None:
                         msg.scrape_error = sig.scrape_error
                         msg.scrape_error_reason = sig.scrape_error_reason or ""

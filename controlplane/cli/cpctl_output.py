@@ -303,6 +303,10 @@ def endpoint_to_dict(e: endpoint_pb2.Endpoint) -> dict[str, Any]:
         # what a request costs there (vLLM's pages), as the picker weighs a cached prompt
         "prefill_seconds_per_token": figure(e, "prefill_seconds_per_token"),
         "decode_seconds_per_request": figure(e, "decode_seconds_per_request"),
+        # LoRA adapters held (vLLM): null when unknown, [] when known to be none
+        "running_adapters": list(e.running_adapters) if e.HasField("max_adapters") else None,
+        "waiting_adapters": list(e.waiting_adapters) if e.HasField("max_adapters") else None,
+        "max_adapters": e.max_adapters if e.HasField("max_adapters") else None,
         "signal_age_seconds": e.signal_age_seconds if e.signal_age_seconds >= 0 else None,
         "drain_started_at": rfc3339(e.drain_started_at),
         "sight": e.sight,
@@ -330,9 +334,37 @@ def endpoint_notes(e: endpoint_pb2.Endpoint) -> list[str]:
     return load_notes(e.note, e.scrape_error, e.scrape_error_reason)
 
 
+ADAPTERS_SHOWN = 3  # names shown per list in the table; the rest are counted (+N)
+
+
+def adapter_names_text(names: Sequence[str]) -> str:
+    """['a', 'b', 'c', 'd', 'e'] -> 'a,b,c+2'; [] -> 'none'."""
+    if not names:
+        return "none"
+    more = len(names) - ADAPTERS_SHOWN
+    return ",".join(names[:ADAPTERS_SHOWN]) + (f"+{more}" if more > 0 else "")
+
+
+def adapters_text(e: endpoint_pb2.Endpoint) -> str:
+    """The adapters column: 'a,b (2 slots)' running, then '; waiting c' for the waiting ones
+    not also running (a vLLM 0.32 names every adapter in flight in both lists: nothing to
+    add); '-' unknown."""
+    if not e.HasField("max_adapters"):
+        return "-"
+    slots = f"{e.max_adapters} slot{'' if e.max_adapters == 1 else 's'}"
+    text = f"{adapter_names_text(e.running_adapters)} ({slots})"
+    running = set(e.running_adapters)
+    only_waiting = [name for name in e.waiting_adapters if name not in running]
+    return text + (f"; waiting {adapter_names_text(only_waiting)}" if only_waiting else "")
+
+
 def endpoints_table(endpoints: Sequence[endpoint_pb2.Endpoint]) -> str:
+    """One row per endpoint, the notes under them, then where discovered ones come from. The
+    ADAPTERS column (LoRA adapters held) is shown only when some endpoint has them known: a
+    fleet without LoRA gets no column of dashes."""
     if not endpoints:
         return "no endpoints"
+    adapters = any(e.HasField("max_adapters") for e in endpoints)
     rows = [
         [
             e.model,
@@ -346,11 +378,12 @@ def endpoints_table(endpoints: Sequence[endpoint_pb2.Endpoint]) -> str:
             number_text(e.in_flight),
             seconds_text(e.latency_seconds) if e.HasField("latency_seconds") else UNKNOWN,
             percent_text(e.error_rate) if e.HasField("error_rate") else UNKNOWN,
+            *([adapters_text(e)] if adapters else []),
         ]
         for e in endpoints
     ]
     headers = ["MODEL", "VERSION", "ADDRESS", "GPU", "STATE", "WEIGHT", "RUNNING", "WAITING", "IN-FLIGHT"]
-    out = table([*headers, "LATENCY", "ERRORS"], rows)
+    out = table([*headers, "LATENCY", "ERRORS", *(["ADAPTERS"] if adapters else [])], rows)
     notes = [f"{e.model}/{e.version} {e.address}: {n}" for e in endpoints for n in endpoint_notes(e)]
     out += "\n\n" + "\n".join(notes) if notes else ""
     found = [

@@ -36,6 +36,14 @@ class EndpointLoad:
     # control plane cannot see it; whether it is held out is the cluster's call
     # (balancing/sight.py), because the proxies may well reach it.
     in_sight: bool = True
+    # vLLM's LoRA adapters, from the newest page as running and waiting are (so as old as
+    # `age_s`): its running and waiting lists (a vLLM 0.32 names every adapter with a request
+    # in flight in both; one loaded but idle is in neither), and its adapter slots
+    # (--max-loras). None: unknown (no page, a server without them, or its series refused);
+    # an empty tuple: known to hold none (docs/signals.md#lora-adapters).
+    lora_running: tuple[str, ...] | None = None
+    lora_waiting: tuple[str, ...] | None = None
+    max_lora: int | None = None
 
 
 def counted(figure: float | None) -> float:

@@ -15,6 +15,12 @@ which the control plane merges per model version (signals/model_latency.py). vLL
 export both; TGI only a per-request mean time per token (read as TPOT); Triton and llama.cpp
 neither.
 
+vLLM's LoRA adapters are read from `vllm:lora_requests_info` (`_adapters`): its labels name
+the adapters of the requests running and waiting and the adapter slots (--max-loras); its
+value is the Unix time that label set was last set. Every combination shown stays on the page
+as a series of its own, so the newest (the greatest value) is the server's state now. A
+series out of bounds (limits.METRICS_LORA_*) leaves the adapters unknown, not the page.
+
 Only the lines of the families read are parsed (`_select`): plain lines with string
 operations, any other with prometheus_client's own text parser, so the text format's
 semantics are prometheus_client's (a property test checks both paths agree). A line whose
@@ -112,6 +118,14 @@ class ServerSample:
     # vLLM's decode-time histogram (first token to the end of each request): sum and count.
     decode_sum_s: float | None = None
     decode_count: float | None = None
+    # vLLM's LoRA adapters (`_adapters`): its running and waiting lists as it prints them (a
+    # vLLM 0.32 names every adapter with a request in flight in both), in its order, and its
+    # adapter slots (--max-loras). None, all three together: the page has no
+    # `vllm:lora_requests_info` (not vLLM, or started without --enable-lora), or its series
+    # were refused. An empty tuple is known: no adapter.
+    lora_running: tuple[str, ...] | None = None
+    lora_waiting: tuple[str, ...] | None = None
+    max_lora: int | None = None
 
 
 @dataclass(frozen=True)
@@ -227,6 +241,10 @@ _DETECT = {
     "llamacpp": "llamacpp:",
 }
 _NAMES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI", "triton": "Triton", "llamacpp": "llama.cpp"}
+# vLLM's LoRA gauge (vllm/v1/metrics/loggers.py, `gauge_lora_info`): labels max_lora,
+# running_lora_adapters and waiting_lora_adapters (names joined by commas), value the time
+# the label set was last set (set_to_current_time). Read by `_adapters`, not summed.
+_LORA_FAMILY = "vllm:lora_requests_info"
 
 
 # The histograms read whole, per dialect: which -> the family's name. "e2e" is the request
@@ -257,8 +275,10 @@ _HISTOGRAMS: dict[str, dict[str, str]] = {
 }
 
 # What a sample name feeds: (a `_FIELDS` field or None, its scale, a histogram or None, the
-# histogram's part: bucket, count or sum). One lookup per sample.
+# histogram's part: bucket, count or sum). One lookup per sample. `_LORA_READ`: the LoRA
+# gauge's series, kept for `_adapters`.
 _Read = tuple[str | None, float, str | None, str | None]
+_LORA_READ: _Read = (None, 1.0, "lora", None)
 
 
 def _read_table(dialect: str) -> dict[str, _Read]:
@@ -268,6 +288,8 @@ def _read_table(dialect: str) -> dict[str, _Read]:
             name = f"{base}_{part}"
             f, scale = _FIELDS[dialect].get(name, (None, 1.0))
             out[name] = (f, scale, which, part)
+    if dialect == "vllm":
+        out[_LORA_FAMILY] = _LORA_READ
     return out
 
 
@@ -336,21 +358,6 @@ def _select(text: str) -> tuple[list[str], str | None]:
     return [line.rstrip("\r") for line in out], best
 
 
-def _selected_samples(lines: list[str]) -> list[Sample]:
-    """Samples of the selected lines. A plain line is split with string operations (label
-    values without a backslash are literal and cannot hold a quote, so `",` and `"}` only
-    end them: this is exactly what the text format says); any other line (escapes, odd
-    spacing, anything unexpected) is given to prometheus_client's parser."""
-    out: list[Sample] = []
-    for line in lines:
-        sample = _plain(line)
-        if sample is None:
-            out += _parsed(line + "\n")
-        else:
-            out.append(sample)
-    return out
-
-
 # Heads (`name{labels}`, what precedes the value) of plain lines parsed before, with their
 # name and labels. A server's page repeats the same heads every scrape, only the values
 # change, so after its first page a line costs a split, a lookup and a float(). The labels
@@ -358,13 +365,35 @@ def _selected_samples(lines: list[str]) -> list[Sample]:
 # has about 95 heads per model read (the model is a label): 32,768 heads are some 340 models
 # per collector process, about 400 bytes each (13 MB full); past that, pages cost up to
 # twice as much.
-_HEADS: dict[str, tuple[str, dict[str, str]]] = {}
+_Heads = dict[str, tuple[str, dict[str, str]]]
+_HEADS: _Heads = {}
 HEADS_MAX = 32768
+# The LoRA gauge's heads, apart: a long-running vLLM's page carries a series for every
+# combination of adapters it has shown (a new head each), which must not crowd the heads of
+# the load figures out of `_HEADS`. A head is up to a few hundred bytes: 8,192 are some 4 MB.
+_LORA_HEADS: _Heads = {}
+LORA_HEADS_MAX = 8192
 
 
-def _plain(line: str) -> Sample | None:
+def _selected_samples(lines: list[str], heads: _Heads = _HEADS, heads_max: int = HEADS_MAX) -> list[Sample]:
+    """Samples of the selected lines. A plain line is split with string operations (label
+    values without a backslash are literal and cannot hold a quote, so `",` and `"}` only
+    end them: this is exactly what the text format says); any other line (escapes, odd
+    spacing, anything unexpected) is given to prometheus_client's parser. `heads`: the head
+    cache to use, of at most `heads_max` heads."""
+    out: list[Sample] = []
+    for line in lines:
+        sample = _plain(line, heads, heads_max)
+        if sample is None:
+            out += _parsed(line + "\n")
+        else:
+            out.append(sample)
+    return out
+
+
+def _plain(line: str, heads: _Heads = _HEADS, heads_max: int = HEADS_MAX) -> Sample | None:
     head, _, value = line.rpartition(" ")
-    known = _HEADS.get(head)
+    known = heads.get(head)
     # A known head ends its line's labels (or is a bare name): `value` is the one field after
     # one space, exactly what the full parse below accepts when it caches the head.
     if known is not None and value and "_" not in value and "\t" not in value:
@@ -372,10 +401,10 @@ def _plain(line: str) -> Sample | None:
             return known[0], known[1], float(value)
         except ValueError:
             return None
-    return _plain_uncached(line)
+    return _plain_uncached(line, heads, heads_max)
 
 
-def _plain_uncached(line: str) -> Sample | None:
+def _plain_uncached(line: str, heads: _Heads = _HEADS, heads_max: int = HEADS_MAX) -> Sample | None:
     if "\\" in line or " # " in line or "__name__" in line:
         return None
     brace = line.find("{")
@@ -413,12 +442,12 @@ def _plain_uncached(line: str) -> Sample | None:
     except ValueError:
         return None
     if len(fields) == 1 and rest == " " + fields[0]:
-        if len(_HEADS) >= HEADS_MAX:
-            _HEADS.clear()
+        if len(heads) >= heads_max:
+            heads.clear()
         # Names, label names and values repeat across heads: one string each.
         name = sys.intern(name)
         labels = {sys.intern(k): sys.intern(v) for k, v in labels.items()}
-        _HEADS[line[: len(line) - len(rest)]] = (name, labels)
+        heads[line[: len(line) - len(rest)]] = (name, labels)
     return name, labels, number
 
 
@@ -436,12 +465,26 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
     families read (`_select`, then `_selected_samples`); a page with none of them is
     parsed whole by prometheus_client, for the precise reason."""
     chosen, hint = _select(text) if select else ([], None)
+    # The LoRA gauge's series are bounded on their own (a long-running vLLM's page grows
+    # them), parsed with their own head cache, and past their bound not parsed at all.
+    lora_lines: list[str] = []
+    if _LORA_FAMILY in text:
+        rest: list[str] = []
+        for line in chosen:
+            (lora_lines if line.startswith(_LORA_FAMILY) else rest).append(line)
+        chosen = rest
     if len(chosen) > limits.METRICS_MAX_SERIES:
         raise MetricsPageInvalid(
             f"{len(chosen)} series of the families read, over the {limits.METRICS_MAX_SERIES} limit "
             "(docs/limits.md)"
         )
-    samples = _selected_samples(chosen) if chosen else _parsed(text)
+    lora_over = len(lora_lines) > limits.METRICS_LORA_MAX_SERIES
+    if not chosen:
+        samples = _parsed(text)
+    elif lora_lines and not lora_over:
+        samples = _selected_samples(chosen) + _selected_samples(lora_lines, _LORA_HEADS, LORA_HEADS_MAX)
+    else:
+        samples = _selected_samples(chosen)
     dialect = hint if chosen else _detect(name for name, _, _ in samples)
     if dialect is None:
         names = [_NAMES[d] for d in DIALECTS]
@@ -471,10 +514,14 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
     buckets: dict[str, dict[float, float]] = {}  # histogram -> le -> cumulative count
     totals: dict[tuple[str, str | None], float] = {}  # (histogram, count or sum) -> value
     series: dict[str, int] = {}  # a _MEAN_FIELDS field -> the series summed into it
+    lora: list[tuple[dict[str, str], float]] = []  # the LoRA gauge's series, for `_adapters`
     read = _READ[dialect]
     for name, labels, value in samples:
         what = read.get(name)
         if what is None:
+            continue
+        if what is _LORA_READ:
+            lora.append((labels, value))
             continue
         # The model label: model_name, else model.
         labelled = labels.get("model_name")
@@ -534,13 +581,95 @@ def parse_metrics(text: str, model: str | None = None, *, select: bool = True) -
         values["kv_use"] = values["kv_use"] / 100.0  # some exporters report percent
     if not values:
         raise MetricsPageInvalid(f"{dialect} page has none of its load metrics for model {model!r}")
+    running, waiting, slots = _NO_ADAPTERS if lora_over else _adapters(lora, model)
     return ServerSample(
         dialect=dialect,
         latency_buckets=tuple(sorted(buckets.get("e2e", {}).items())),
         ttft=_histogram("ttft", buckets, totals),
         tpot=_histogram("tpot", buckets, totals) or _histogram("tpot_alt", buckets, totals),
+        lora_running=running,
+        lora_waiting=waiting,
+        max_lora=slots,
         **values,
     )
+
+
+# What `_adapters` gives: (running, waiting, slots), all None when unknown.
+_Adapters = tuple[tuple[str, ...] | None, tuple[str, ...] | None, int | None]
+_NO_ADAPTERS: _Adapters = (None, None, None)
+# The longest adapter list a label may hold: METRICS_LORA_MAX_ADAPTERS names of the longest
+# length, joined by commas. A longer one is refused before it is split.
+_ADAPTERS_MAX_CHARS = limits.METRICS_LORA_MAX_ADAPTERS * (limits.API_NAME_MAX_CHARS + 1)
+
+
+def _adapters(series: list[tuple[dict[str, str], float]], model: str | None) -> _Adapters:
+    """The LoRA adapters the page says the server holds: those of its newest
+    `vllm:lora_requests_info` series (the greatest value, the Unix time its labels were last
+    set; a tie, two label sets set in one microsecond, goes to the greater labels, so the
+    answer never depends on the order of the lines). Unknown, all three: no series (of the
+    model), more than limits.METRICS_LORA_MAX_SERIES, a value not finite (a series claiming
+    +Inf would be the newest for ever, NaN cannot be ordered), or a newest series whose labels
+    are refused (`_slots`, `_adapter_names`). Only the time orders the series: it need not be
+    recent (the server's clock is its own)."""
+    if not series or len(series) > limits.METRICS_LORA_MAX_SERIES:
+        return _NO_ADAPTERS
+    newest: dict[str, str] | None = None
+    newest_at = -math.inf
+    for labels, value in series:
+        if model is not None and ("model_name" in labels or "model" in labels):
+            labelled = labels.get("model_name")
+            if (labelled if labelled is not None else labels["model"]) != model:
+                continue
+        if not math.isfinite(value):
+            return _NO_ADAPTERS
+        if newest is None or value > newest_at or (value == newest_at and _order(labels) > _order(newest)):
+            newest, newest_at = labels, value
+    if newest is None:
+        return _NO_ADAPTERS
+    slots = _slots(newest.get("max_lora"))
+    running = _adapter_names(newest.get("running_lora_adapters"))
+    waiting = _adapter_names(newest.get("waiting_lora_adapters"))
+    if slots is None or running is None or waiting is None:
+        return _NO_ADAPTERS
+    return running, waiting, slots
+
+
+def _order(labels: dict[str, str]) -> tuple[str, str, str]:
+    """What breaks a tie between two LoRA series set at the same time."""
+    return (
+        labels.get("running_lora_adapters", ""),
+        labels.get("waiting_lora_adapters", ""),
+        labels.get("max_lora", ""),
+    )
+
+
+def _slots(text: str | None) -> int | None:
+    """The `max_lora` label as a number of slots: a whole number in decimal digits (as vLLM
+    prints its --max-loras), 0 to limits.METRICS_LORA_MAX_SLOTS; else (or missing) None."""
+    if text is None or not (0 < len(text) <= 4 and text.isascii() and text.isdigit()):
+        return None
+    n = int(text)
+    return n if n <= limits.METRICS_LORA_MAX_SLOTS else None
+
+
+def _adapter_names(text: str | None) -> tuple[str, ...] | None:
+    """An adapter list label as names: split at commas, each stripped, empty ones dropped,
+    repeats removed (the first kept, in order). None (refused) when the label is missing,
+    longer than any list within the bounds could be, or names more than
+    limits.METRICS_LORA_MAX_ADAPTERS adapters, one longer than limits.API_NAME_MAX_CHARS or
+    one with a character that cannot be printed (a control character, a line break)."""
+    if text is None or len(text) > _ADAPTERS_MAX_CHARS:
+        return None
+    if not text:
+        return ()
+    names = dict.fromkeys(name.strip() for name in text.split(","))
+    names.pop("", None)
+    if len(names) > limits.METRICS_LORA_MAX_ADAPTERS:
+        return None
+    for name in names:
+        if len(name) > limits.API_NAME_MAX_CHARS or not name.isprintable():
+            return None
+    return tuple(names)
 
 
 # Bucket bounds tuples, one object per distinct value: a batch of records pickles each

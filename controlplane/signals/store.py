@@ -25,6 +25,8 @@ Rules (docs/signals.md):
 - A figure never read is None in the load, never 0: no sample, or a sample without it (a
   dialect that has no KV gauge), and for running no proxy's report either. The policies
   weigh it as 0 (`load.counted`), as they did before unknown was told apart.
+- vLLM's LoRA adapters (running, waiting, slots) come with the newest sample, as running
+  and waiting do, and are as old (`age_s`); a newer page without them makes them unknown.
 - Latency and error rate are EWMAs over scrape intervals with completions. The error rate
   is the worse of the server's own counters and the proxies' LRS error share.
 """
@@ -440,6 +442,9 @@ class SignalStore:
             capacity=capacity,
             ready_for_s=ready_for,
             in_sight=sig.out_of_sight_since is None,
+            lora_running=s.lora_running if s is not None else None,
+            lora_waiting=s.lora_waiting if s is not None else None,
+            max_lora=s.max_lora if s is not None else None,
         )
 
 

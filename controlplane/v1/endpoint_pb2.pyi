@@ -42,7 +42,7 @@ class DrainRequest(_message.Message):
     def __init__(self, address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Endpoint(_message.Message):
-    __slots__ = ("model", "version", "address", "gpu", "state", "weight", "capacity", "running", "waiting", "in_flight", "kv_use", "latency_seconds", "error_rate", "signal_age_seconds", "drain_started_at", "sight", "note", "source", "last_seen_seconds", "scrape_error", "scrape_error_reason", "prefill_seconds_per_token", "decode_seconds_per_request")
+    __slots__ = ("model", "version", "address", "gpu", "state", "weight", "capacity", "running", "waiting", "in_flight", "kv_use", "latency_seconds", "error_rate", "signal_age_seconds", "drain_started_at", "sight", "note", "source", "last_seen_seconds", "scrape_error", "scrape_error_reason", "prefill_seconds_per_token", "decode_seconds_per_request", "running_adapters", "waiting_adapters", "max_adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,9 @@ class Endpoint(_message.Message):
     SCRAPE_ERROR_REASON_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     address: str
@@ -89,7 +92,10 @@ class Endpoint(_message.Message):
     scrape_error_reason: str
     prefill_seconds_per_token: float
     decode_seconds_per_request: float
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., address: _Optional[str] = ..., gpu: _Optional[str] = ..., state: _Optional[str] = ..., weight: _Optional[int] = ..., capacity: _Optional[float] = ..., running: _Optional[float] = ..., waiting: _Optional[float] = ..., in_flight: _Optional[float] = ..., kv_use: _Optional[float] = ..., latency_seconds: _Optional[float] = ..., error_rate: _Optional[float] = ..., signal_age_seconds: _Optional[float] = ..., drain_started_at: _Optional[float] = ..., sight: _Optional[str] = ..., note: _Optional[str] = ..., source: _Optional[str] = ..., last_seen_seconds: _Optional[float] = ..., scrape_error: _Optional[str] = ..., scrape_error_reason: _Optional[str] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_seconds_per_request: _Optional[float] = ...) -> None: ...
+    running_adapters: _containers.RepeatedScalarFieldContainer[str]
+    waiting_adapters: _containers.RepeatedScalarFieldContainer[str]
+    max_adapters: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., address: _Optional[str] = ..., gpu: _Optional[str] = ..., state: _Optional[str] = ..., weight: _Optional[int] = ..., capacity: _Optional[float] = ..., running: _Optional[float] = ..., waiting: _Optional[float] = ..., in_flight: _Optional[float] = ..., kv_use: _Optional[float] = ..., latency_seconds: _Optional[float] = ..., error_rate: _Optional[float] = ..., signal_age_seconds: _Optional[float] = ..., drain_started_at: _Optional[float] = ..., sight: _Optional[str] = ..., note: _Optional[str] = ..., source: _Optional[str] = ..., last_seen_seconds: _Optional[float] = ..., scrape_error: _Optional[str] = ..., scrape_error_reason: _Optional[str] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_seconds_per_request: _Optional[float] = ..., running_adapters: _Optional[_Iterable[str]] = ..., waiting_adapters: _Optional[_Iterable[str]] = ..., max_adapters: _Optional[int] = ...) -> None: ...
 
 class ListEndpointsResponse(_message.Message):
     __slots__ = ("endpoints",)

@@ -78,3 +78,29 @@ def test_prefill_and_decode_times_are_listed_once_two_pages_show_them() -> None:
     assert read.prefill_seconds_per_token == pytest.approx(0.0005)
     assert read.decode_seconds_per_request == pytest.approx(0.4)
     assert not listed(store)[NEVER].HasField("decode_seconds_per_request")
+
+
+def test_lora_adapters_are_listed_where_known_and_unset_where_not() -> None:
+    store = SignalStore()
+    now = time.monotonic()
+    held = ServerSample(
+        "vllm", running=2, waiting=1, lora_running=("sql", "chat"), lora_waiting=("x",), max_lora=4
+    )
+    store.record_scrape(("m", READ), ScrapeResult(200, sample=held), now)
+    # Known to hold none: max_adapters set, the lists empty.
+    empty = ServerSample("vllm", running=0, waiting=0, lora_running=(), lora_waiting=(), max_lora=2)
+    store.record_scrape(("m", NO_DIALECT), ScrapeResult(200, sample=empty), now)
+    eps = listed(store)
+    read = eps[READ]
+    assert (list(read.running_adapters), list(read.waiting_adapters), read.max_adapters) == (
+        ["sql", "chat"],
+        ["x"],
+        4,
+    )
+    assert eps[NO_DIALECT].HasField("max_adapters") and eps[NO_DIALECT].max_adapters == 2
+    assert not eps[NO_DIALECT].running_adapters and not eps[NO_DIALECT].waiting_adapters
+    never = eps[NEVER]
+    assert not never.HasField("max_adapters") and not never.running_adapters and not never.waiting_adapters
+    # Through the wire format and back: the same.
+    again = endpoint_pb2.Endpoint.FromString(read.SerializeToString())
+    assert list(again.running_adapters) == ["sql", "chat"] and again.max_adapters == 4

@@ -1183,3 +1183,45 @@ cpctl() {
 )
 def test_bash_completion_asks_the_control_plane_for_names(line: str, expected: str, asked: str) -> None:
     assert _complete_with_fake_cpctl(line) == (expected, asked)
+
+
+def test_lora_adapters_in_the_table_and_in_json() -> None:
+    held = endpoint_pb2.Endpoint(
+        model="llama", version="v1", address="10.0.0.1:8000", state="SERVING", weight=7,
+        running_adapters=["sql", "chat"], max_adapters=2,
+    )  # fmt: skip
+    waiting = endpoint_pb2.Endpoint(
+        model="llama", version="v1", address="10.0.0.2:8000", state="SERVING", weight=7,
+        running_adapters=["a", "b", "c", "d", "e"], waiting_adapters=["f"], max_adapters=1,
+    )  # fmt: skip
+    idle = endpoint_pb2.Endpoint(model="llama", version="v1", address="10.0.0.3:8000", max_adapters=4)
+    # A vLLM 0.32 names every adapter in flight in both lists: the waiting part adds nothing.
+    both = endpoint_pb2.Endpoint(
+        model="llama", version="v1", address="10.0.0.5:8000", state="SERVING",
+        running_adapters=["a", "b"], waiting_adapters=["a", "b", "c"], max_adapters=2,
+    )  # fmt: skip
+    unknown = endpoint_pb2.Endpoint(model="llama", version="v1", address="10.0.0.4:8000", state="SERVING")
+    lines = out.endpoints_table([held, waiting, idle, unknown, both]).splitlines()
+    assert lines[0].split()[-1] == "ADAPTERS"
+    column = lines[0].index("ADAPTERS")
+    assert [line[column:] for line in lines[1:6]] == [
+        "sql,chat (2 slots)",
+        "a,b,c+2 (1 slot); waiting f",
+        "none (4 slots)",
+        "-",
+        "a,b (2 slots); waiting c",
+    ]
+    assert out.endpoint_to_dict(both)["waiting_adapters"] == ["a", "b", "c"]  # JSON: as listed
+    # No endpoint with adapters known: no column (a fleet without LoRA gets no dashes).
+    assert "ADAPTERS" not in out.endpoints_table([unknown])
+    assert out.endpoints_table([unknown]).splitlines()[0].split()[-1] == "ERRORS"
+    doc = json.loads(
+        out.dump({"endpoints": [out.endpoint_to_dict(e) for e in (held, idle, unknown)]}, "json")
+    )
+    rows = doc["endpoints"]
+    assert [(r["running_adapters"], r["waiting_adapters"], r["max_adapters"]) for r in rows] == [
+        (["sql", "chat"], [], 2),
+        ([], [], 4),
+        (None, None, None),
+    ]
+    assert yaml.safe_load(out.dump(out.endpoint_to_dict(held), "yaml"))["running_adapters"] == ["sql", "chat"]

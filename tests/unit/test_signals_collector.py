@@ -155,3 +155,31 @@ def test_a_collector_says_why_a_scrape_read_no_load() -> None:
     assert records_of(ProbeResult(200, None, 200, b"<html>", None)).error_reason == "unreadable"
     ok = records_of(ProbeResult(200, None, 200, b"vllm:num_requests_running 1\n", None))
     assert ok.error_reason is None and ok.metrics_error is None and ok.sample is not None
+
+
+def test_a_collectors_record_carries_the_lora_adapters_across_the_process_boundary() -> None:
+    import pickle
+
+    from controlplane.signals.store import SignalStore
+    from tests.unit.test_signals_parse import VLLM, lora
+
+    page = (VLLM + lora("a", at="1") + lora("sql,chat", "x", at="2")).encode()
+    record = records_of(ProbeResult(200, None, 200, page, None))
+    # What the control plane unpickles (the worker sends records over a socket pair).
+    record = pickle.loads(pickle.dumps(record))
+    assert record.sample is not None
+    assert (record.sample.lora_running, record.sample.lora_waiting, record.sample.max_lora) == (
+        ("sql", "chat"),
+        ("x",),
+        2,
+    )
+    # Two records in one round: the later's adapters stand (a later page without the gauge:
+    # unknown, not the earlier's).
+    later = records_of(ProbeResult(200, None, 200, VLLM.encode(), None))
+    newer, older = _later(record, later).sample, _later(later, record).sample
+    assert newer is not None and newer.max_lora is None
+    assert older is not None and older.lora_running == ("sql", "chat")
+    store = SignalStore()
+    store.record_scrape(("llama-3-8b", "127.0.0.1:8000"), record, now=1.0)
+    load = store.load(("llama-3-8b", "127.0.0.1:8000"), 1.0, 1.0)
+    assert (load.lora_running, load.lora_waiting, load.max_lora) == (("sql", "chat"), ("x",), 2)

@@ -22,6 +22,7 @@ NAMES = [
     "vllm:time_per_output_token_seconds_sum", "vllm:time_per_output_token_seconds_count",
     "sglang:num_running_reqs", "tgi_queue_size", "tgi_request_failure", "nv_inference_request_success",
     "nv_inference_request_duration_us", "nv_inference_pending_request_count", "other_metric",
+    "vllm:lora_requests_info",
 ]  # fmt: skip
 LABELS = [
     '{model_name="m"}',
@@ -31,6 +32,8 @@ LABELS = [
     "",
     '{le="x"}',
     "{",
+    '{max_lora="2",running_lora_adapters="a,b",waiting_lora_adapters=""}',
+    '{max_lora="x",running_lora_adapters=",,",waiting_lora_adapters="a\\nb"}',
 ]
 VALUES = ["0", "1", "3.5", "-1", "NaN", "+Inf", "1e300", "1e6", "abc", "", "1 1700000000000"]
 OTHER_LINES = ["# TYPE vllm:num_requests_running gauge", "# HELP x y", "#", "", "garbage line", "\x00"]
@@ -54,6 +57,12 @@ def test_any_page_gets_a_sample_or_a_precise_refusal(page: str, model: str | Non
         return
     for v in (sample.running, sample.waiting, sample.kv_use, sample.latency_sum_s, sample.successes):
         assert v is None or (math.isfinite(v) and v >= 0)
+    # The LoRA adapters: known all together or not at all, within their bounds.
+    if sample.max_lora is None:
+        assert sample.lora_running is None and sample.lora_waiting is None
+    else:
+        assert 0 <= sample.max_lora <= 1024 and sample.lora_running is not None
+        assert sample.lora_waiting is not None and len(sample.lora_running) <= 64
 
 
 @settings(max_examples=N, deadline=None, suppress_health_check=[HealthCheck.too_slow])

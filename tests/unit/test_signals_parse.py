@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -288,6 +290,7 @@ _NAMES = st.sampled_from(
         "vllm:time_to_first_token_seconds_count",
         "vllm:time_to_first_token_seconds_sum",
         "vllm:inter_token_latency_seconds_bucket",
+        "vllm:lora_requests_info",
         "vllm:iteration_tokens_total_bucket",  # a family not read
     ]
 )
@@ -314,6 +317,15 @@ def _lines(draw: st.DrawFn) -> str:
     )
     if name.endswith("_bucket"):
         labels["le"] = draw(st.sampled_from(["0.1", "1.0", "+Inf", "2.5e1"]))
+    if name == "vllm:lora_requests_info":  # mostly whole label sets, some broken
+        adapters = st.one_of(st.sampled_from(["", "a", "a,b", " b , ,a,b", "x" * 257]), _LABEL_VALUE)
+        for key, values in (
+            ("max_lora", st.sampled_from(["2", "0", "1024", "1025", "2.0", "-1", "", "x"])),
+            ("running_lora_adapters", adapters),
+            ("waiting_lora_adapters", adapters),
+        ):
+            if draw(st.integers(0, 9)):
+                labels[key] = draw(values)
     body = ",".join(f'{k}="{v}"' for k, v in labels.items())
     sep = draw(st.sampled_from([" ", "  ", "\t"]))
     ts = draw(st.sampled_from(["", " 1700000000000", ' # {a="b"} 1', "\t5", " -3"]))
@@ -664,3 +676,209 @@ def test_prefill_per_uncached_token_and_decode_per_request_are_read_and_derived(
     assert derive(later, same).prefill_s_per_token is None
     # A page without them: unknown.
     assert derive(parse_metrics(VLLM), parse_metrics(VLLM)).prefill_s_per_token is None
+
+
+# ---- vLLM's LoRA adapters: the newest vllm:lora_requests_info series ---------------------------
+
+LORA_HEAD = """\
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+"""
+
+
+def lora(running: str, waiting: str = "", max_lora: str = "2", at: str = "1.7650e9") -> str:
+    """One series of vLLM's LoRA gauge, as its PrometheusStatLogger prints it."""
+    return (
+        f'vllm:lora_requests_info{{max_lora="{max_lora}",running_lora_adapters="{running}",'
+        f'waiting_lora_adapters="{waiting}"}} {at}\n'
+    )
+
+
+def adapters(page: str, model: str | None = "llama-3-8b") -> tuple[object, object, object]:
+    """(running, waiting, slots) read from the page, the same both ways (selective and whole)."""
+    s = parse_metrics(page, model)
+    assert s == parse_metrics(page, model, select=False)
+    return s.lora_running, s.lora_waiting, s.max_lora
+
+
+def test_the_newest_lora_series_is_the_servers_adapters_whatever_the_order_of_the_lines() -> None:
+    series = [
+        lora("", at="1.7650e9"),
+        lora("sql-lora", at="1.7650001e9"),
+        lora("sql-lora,chat-lora", "x", at="1.7650002e9"),
+    ]
+    for order in (series, series[::-1], [series[1], series[2], series[0]]):
+        page = VLLM + LORA_HEAD + "".join(order)
+        assert adapters(page) == (("sql-lora", "chat-lora"), ("x",), 2)
+    # The load figures are what they are without the gauge.
+    assert parse_metrics(VLLM + LORA_HEAD + "".join(series), "llama-3-8b") == dataclasses.replace(
+        parse_metrics(VLLM, "llama-3-8b"),
+        lora_running=("sql-lora", "chat-lora"),
+        lora_waiting=("x",),
+        max_lora=2,
+    )
+    # Before the load's lines, and with no model asked for: the same.
+    assert adapters(LORA_HEAD + "".join(series) + VLLM, None) == (("sql-lora", "chat-lora"), ("x",), 2)
+
+
+def test_the_emulators_lora_gauge_reads_as_it_was_set() -> None:
+    """Another writer of the gauge (sim/emulator_metrics.py, prometheus_client's own output):
+    a label set set again is the newest, wherever its series is on the page."""
+    from controlplane.sim.emulator_metrics import VllmMetrics
+
+    metrics = VllmMetrics("m", page="compact", max_loras=2)
+    for running, waiting in (([], []), (["sql"], []), (["sql", "chat"], ["x"]), (["sql"], [])):
+        metrics.observe_lora(running, waiting)
+    page = metrics.render(2, 1, 0.3).decode()
+    assert adapters(page, "m") == (("sql",), (), 2)
+
+
+def test_empty_adapter_lists_are_known_and_a_page_without_the_gauge_is_unknown() -> None:
+    assert adapters(VLLM + lora("", "")) == ((), (), 2)
+    assert adapters(VLLM + lora("", "", max_lora="0")) == ((), (), 0)
+    assert adapters(VLLM) == (None, None, None)
+    # Not vLLM: no such gauge to read.
+    sglang = 'sglang:num_running_reqs{model_name="m"} 1\nsglang:num_queue_reqs{model_name="m"} 0\n'
+    assert adapters(sglang + lora("a"), "m") == (None, None, None)
+
+
+def test_adapter_names_are_stripped_and_empty_and_repeated_ones_dropped_in_order() -> None:
+    assert adapters(VLLM + lora(" b , ,a,b,, a", "c,c")) == (("b", "a"), ("c",), 2)
+    # A name with an escaped quote or backslash reads as prometheus_client unescapes it.
+    assert adapters(VLLM + lora('q\\"x,back\\\\slash')) == (('q"x', "back\\slash"), (), 2)
+
+
+def test_a_tie_goes_to_the_same_series_in_any_order() -> None:
+    a, b = lora("a", at="5"), lora("b", at="5")
+    assert adapters(VLLM + a + b) == adapters(VLLM + b + a) == (("b",), (), 2)
+
+
+def test_the_adapters_of_another_model_are_not_this_ones() -> None:
+    other = lora("o", max_lora="4", at="9").replace("{", '{model_name="other",')
+    assert adapters(VLLM + lora("mine", at="1") + other) == (("mine",), (), 2)
+    assert adapters(VLLM + other) == (None, None, None)
+
+
+@pytest.mark.parametrize(
+    "series",
+    [
+        lora("a", max_lora="abc"),
+        lora("a", max_lora="-1"),
+        lora("a", max_lora="1025"),
+        lora("a", max_lora="2.0"),
+        lora("a", max_lora=""),
+        lora("a", max_lora="1" * 5000),  # past Python's own limit on int(): refused first
+        'vllm:lora_requests_info{running_lora_adapters="a",waiting_lora_adapters=""} 1\n',  # no max_lora
+        'vllm:lora_requests_info{max_lora="2",waiting_lora_adapters=""} 1\n',  # no running list
+        lora("x" * 257),  # a name over API_NAME_MAX_CHARS
+        lora(",".join(f"a{i}" for i in range(65))),  # 65 names: over METRICS_LORA_MAX_ADAPTERS
+        lora("a", ",".join(f"w{i}" for i in range(65))),
+        lora("a," * 9000),  # a list longer than 64 names of 256 characters can be
+        lora("tab\there"),
+        lora("line\\nbreak"),  # an escaped line break: a name no terminal shows as it is
+        lora("a", at="NaN"),
+        lora("a", at="+Inf"),
+        lora("a", at="-Inf"),
+    ],
+)
+def test_a_lora_series_out_of_bounds_leaves_the_adapters_unknown_and_the_rest_of_the_page_read(
+    series: str,
+) -> None:
+    page = VLLM + LORA_HEAD + lora("older", at="0.5") + series
+    assert adapters(page) == (None, None, None)
+    assert parse_metrics(page, "llama-3-8b") == parse_metrics(VLLM, "llama-3-8b")
+
+
+def test_a_series_out_of_bounds_that_is_not_the_newest_does_not_matter_but_one_not_finite_does() -> None:
+    stale = lora("x" * 257, max_lora="9999", at="1")
+    assert adapters(VLLM + stale + lora("a", at="2")) == (("a",), (), 2)
+    # A NaN cannot be ordered, and a +Inf would be the newest for ever: unknown.
+    assert adapters(VLLM + lora("a", at="2") + lora("b", at="NaN")) == (None, None, None)
+    # A negative time still orders (the server's clock is its own).
+    assert adapters(VLLM + lora("a", at="-2") + lora("b", at="-1")) == (("b",), (), 2)
+
+
+def test_the_most_names_and_the_longest_name_within_bounds_are_read() -> None:
+    from controlplane import limits
+
+    names = [
+        f"n{i:03d}" + "x" * (limits.API_NAME_MAX_CHARS - 4) for i in range(limits.METRICS_LORA_MAX_ADAPTERS)
+    ]
+    running, waiting, slots = adapters(
+        VLLM + lora(",".join(names), max_lora=str(limits.METRICS_LORA_MAX_SLOTS))
+    )
+    assert running == tuple(names) and waiting == () and slots == limits.METRICS_LORA_MAX_SLOTS
+
+
+def test_lora_series_are_bounded_on_their_own_not_with_the_pages_series(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from controlplane import limits
+
+    monkeypatch.setattr(limits, "METRICS_LORA_MAX_SERIES", 3)
+    three = "".join(lora(f"a{i}", at=str(i)) for i in range(3))
+    assert adapters(VLLM + three) == (("a2",), (), 2)
+    assert adapters(VLLM + three + lora("a3", at="3")) == (None, None, None)
+    # However many, they do not count in METRICS_MAX_SERIES (the load's lines do).
+    monkeypatch.setattr(limits, "METRICS_MAX_SERIES", 10)
+    many = "".join(lora(f"a{i}", at=str(i)) for i in range(20))
+    assert parse_metrics(VLLM + many, "llama-3-8b").running == 3.0
+
+
+def test_lora_heads_are_cached_apart_from_the_load_figures_heads() -> None:
+    parse._HEADS.clear()
+    parse._LORA_HEADS.clear()
+    parse_metrics(VLLM + "".join(lora(f"a{i}", at=str(i)) for i in range(5)), "llama-3-8b")
+    assert len(parse._LORA_HEADS) == 5
+    assert not any("lora" in head for head in parse._HEADS)
+    for i in range(parse.LORA_HEADS_MAX + 5):
+        parse._plain(lora(f"b{i}").rstrip("\n"), parse._LORA_HEADS, parse.LORA_HEADS_MAX)
+    assert len(parse._LORA_HEADS) <= parse.LORA_HEADS_MAX
+
+
+_ADAPTER_LISTS = st.one_of(st.sampled_from(["", "a", "a,b", "b,a", " a ,,b,a", "x" * 257]), _LABEL_VALUE)
+
+
+@st.composite
+def _lora_lines(draw: st.DrawFn) -> str:
+    labels = {
+        key: draw(values)
+        for key, values in (
+            ("max_lora", st.sampled_from(["2", "0", "1024", "1025", "2.0", "-1", "", "x"])),
+            ("running_lora_adapters", _ADAPTER_LISTS),
+            ("waiting_lora_adapters", _ADAPTER_LISTS),
+            ("model_name", st.sampled_from(["llama-3-8b", "other"])),
+        )
+        if draw(st.integers(0, 5))
+    }
+    keys = draw(st.permutations(list(labels)))
+    value = draw(
+        st.one_of(
+            st.sampled_from(["1.765e9", "1765000000.5", "1", "NaN", "+Inf", "-Inf", "-1", "0"]),
+            st.floats(width=32).map(repr),
+        )
+    )
+    body = ",".join(f'{k}="{labels[k]}"' for k in keys)
+    return f"vllm:lora_requests_info{{{body}}} {value}\n"
+
+
+@settings(max_examples=500, deadline=None)
+@given(series=st.lists(_lora_lines(), max_size=8), data=st.data())
+def test_lora_series_read_the_same_both_ways_in_any_order_and_change_nothing_else(
+    series: list[str], data: st.DataObject
+) -> None:
+    expected = parse_metrics(VLLM, "llama-3-8b")
+    got = parse_metrics(VLLM + "".join(series), "llama-3-8b")
+    assert got == parse_metrics(VLLM + "".join(series), "llama-3-8b", select=False)
+    shuffled = data.draw(st.permutations(series))
+    assert got == parse_metrics("".join(shuffled) + VLLM, "llama-3-8b")
+    assert dataclasses.replace(got, lora_running=None, lora_waiting=None, max_lora=None) == expected
+    # Known all together or not at all, and within the bounds when known.
+    known = [got.lora_running is not None, got.lora_waiting is not None, got.max_lora is not None]
+    assert all(known) or not any(known)
+    if got.max_lora is not None:
+        assert got.lora_running is not None and got.lora_waiting is not None
+        assert 0 <= got.max_lora <= 1024
+        for names in (got.lora_running, got.lora_waiting):
+            assert len(names) <= 64 and len(set(names)) == len(names)
+            assert all(n and n == n.strip() and len(n) <= 256 for n in names)

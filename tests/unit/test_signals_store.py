@@ -459,3 +459,30 @@ def test_seen_ready_takes_a_ready_health_answer_where_health_is_probed() -> None
     other = ("m", "127.0.0.99:8000")
     store.record_scrape(other, ScrapeResult(sample=page), now=1.0)  # no health observed
     assert store.seen_ready(other)
+
+
+def test_lora_adapters_reach_the_load_from_the_newest_page_and_age_with_it() -> None:
+    from tests.unit.test_signals_parse import lora
+
+    store = SignalStore()
+    assert store.load(KEY, 1.0, 0.0).max_lora is None  # never scraped: unknown
+    held = VLLM + lora("", at="1") + lora("sql,chat", "x", at="2")
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=held), now=10.0)
+    load = store.load(KEY, 1.0, 10.5)
+    assert (load.lora_running, load.lora_waiting, load.max_lora) == (("sql", "chat"), ("x",), 2)
+    assert load.age_s == 0.5
+    # A refused page keeps the last good sample, adapters and all, and they age with it.
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text="<html>oops</html>"), now=11.0)
+    load = store.load(KEY, 1.0, 40.0)
+    assert (load.lora_running, load.max_lora, load.age_s) == (("sql", "chat"), 2, 30.0)
+    # A page whose gauge is refused (a name too long) reads its load, and no adapters.
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=VLLM + lora("x" * 257, at="3")), now=41.0)
+    load = store.load(KEY, 1.0, 41.0)
+    assert (load.running, load.lora_running, load.lora_waiting, load.max_lora) == (3.0, None, None, None)
+    # None held: known, empty.
+    store.record_scrape(KEY, ScrapeResult(200, metrics_text=VLLM + lora("", at="4")), now=42.0)
+    assert (store.load(KEY, 1.0, 42.0).lora_running, store.load(KEY, 1.0, 42.0).max_lora) == ((), 2)
+    # A server started again without --enable-lora: unknown again.
+    store.record_scrape(KEY, OK, now=43.0)
+    load = store.load(KEY, 1.0, 43.0)
+    assert (load.lora_running, load.lora_waiting, load.max_lora) == (None, None, None)
