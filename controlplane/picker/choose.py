@@ -65,6 +65,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from controlplane import limits
 from controlplane.kvcache.index import STEP_BLOCKS, Applied, KvIndex, run
 from controlplane.kvcache.wire import Batch
+from controlplane.picker.adapters import BLOCKED, EVICT, RESIDENT, SLOT_FREE, UNKNOWN, AdapterView
 
 # Health statuses a server may be picked in: what Envoy's override_host takes by default.
 ELIGIBLE = frozenset({health_check_pb2.UNKNOWN, health_check_pb2.HEALTHY})
@@ -85,6 +86,18 @@ KV_STALE_S = 10.0
 # saving is the request's own: cached tokens / (prompt tokens + its decode in prompt tokens).
 KV_PREFILL_SHARE = 0.5
 APPROXIMATE_BLOCK = 8  # a prompt's approximate key: the key of its 8th block (or its last)
+
+
+def adapter_reason(state: str) -> str:
+    """The pick reason of a request for an adapter sent to a server in `state` (adapters.py):
+    adapter_resident, adapter_slot_free, adapter_evict (a blocked server evicts once a slot's
+    requests end); a server whose slots are unknown: least_loaded."""
+    return {
+        RESIDENT: "adapter_resident",
+        SLOT_FREE: "adapter_slot_free",
+        EVICT: "adapter_evict",
+        BLOCKED: "adapter_evict",
+    }.get(state, "least_loaded")
 
 
 def prefix_digest(cluster: str, prefix: str) -> bytes:
@@ -132,6 +145,9 @@ def sane_load(page: ServerLoad) -> ServerLoad | None:
         kv_use=None if kv is None else min(kv, 1.0),
         prefill_s_per_token=_finite(page.prefill_s_per_token),
         decode_s_per_request=_finite(page.decode_s_per_request),
+        lora_running=page.lora_running,
+        lora_waiting=page.lora_waiting,
+        max_lora=page.max_lora,
     )
 
 
@@ -151,6 +167,11 @@ class ServerLoad:
     # seconds per prompt token not cached, decode seconds per request. None: unknown.
     prefill_s_per_token: float | None = None
     decode_s_per_request: float | None = None
+    # Its LoRA adapters (vLLM's lora_requests_info): those with requests running and waiting,
+    # and its adapter slots. None: the page showed none.
+    lora_running: tuple[str, ...] | None = None
+    lora_waiting: tuple[str, ...] | None = None
+    max_lora: int | None = None
 
     def decode_in_prompt_tokens(self) -> float | None:
         """A request's decode as the prompt tokens whose prefill takes as long (None: unknown):
@@ -254,6 +275,7 @@ class PickerState:
     kv_publishers: set[str] = field(default_factory=set)  # servers the control plane says publish
     kv_pending: dict[str, float] = field(default_factory=dict)  # server -> a pick not yet published
     kv_stale_picks: int = 0  # picks that scored a server by the approximate index: its events stale
+    adapters: AdapterView = field(default_factory=AdapterView)  # where LoRA adapters are (adapters.py)
     _events: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     _last_pick: dict[str, int] = field(default_factory=dict)
     _picks: int = 0
@@ -267,7 +289,7 @@ class PickerState:
         self.clusters = {cla.cluster_name: candidates(cla) for cla in assignments}
         self._known = {c.address for servers in self.clusters.values() for c in servers}
         known = self._known
-        for kept in (self._events, self._last_pick, self.slots, self.kv_pending):
+        for kept in (self._events, self._last_pick, self.slots, self.kv_pending, self.adapters.servers):
             for address in [a for a in kept if a not in known and a not in self.inflight]:
                 del kept[address]
         self.kv.keep_only(known)
@@ -284,6 +306,7 @@ class PickerState:
         for address, page in self.loads.items():
             if page.waiting and page.running and page.running > self.slots.get(address, 0.0):
                 self.slots[address] = page.running
+            self.adapters.observe(address, page.lora_running, page.lora_waiting, page.max_lora, page.read_at)
 
     def inflight_at(self, address: str, t: float) -> float:
         """The picker's requests in flight at `address` at time `t` (from the starts and ends
@@ -428,6 +451,7 @@ class PickerState:
         prefix: str = "",
         subset: frozenset[str] | None = None,
         kv: KvAsk | None = None,
+        adapter: str = "",
     ) -> Pick:
         """The servers to send a request of `cluster` to, best first (the first and up to
         FALLBACKS more), counted in flight at `now` on the first; NO_PICK when the picker
@@ -444,7 +468,14 @@ class PickerState:
         approximate index (all of it, if the prompt's approximate key went there last). Where
         any server has such a credit, the lowered times alone rank (no free slot first): a
         short wait where the prompt is cached beats computing it again, while a long hit on a
-        busy or slow server still loses to an idle fast one."""
+        busy or slow server still loses to an idle fast one.
+
+        With `adapter` (a request naming a LoRA adapter), each server's time gains what
+        loading the adapter there costs (adapters.AdapterView.penalty: nothing where it is
+        resident, a load where a slot is free, a load and the evicted adapter's harm
+        otherwise), over its speed, and the times alone rank: a short wait where the adapter
+        is loaded beats a free slot where it must be loaded, while a hot adapter's servers,
+        once their queues outgrow a load, spill to others."""
         if kv is not None and not prefix:
             prefix = kv.approximate_key()
         servers = [
@@ -499,6 +530,13 @@ class PickerState:
             adjusted = costs
 
         credited = any(adjusted[a] < costs[a] for a in costs)
+        states: dict[str, str] = {}
+        if adapter:
+            adjusted = dict(adjusted)
+            for c in servers:
+                states[c.address], penalty = self.adapters.penalty(c.address, adapter, now)
+                adjusted[c.address] += penalty / c.scale
+            credited = credited or len({adjusted[a] - costs[a] for a in costs}) > 1
 
         def order(c: Candidate) -> tuple[bool, float, float, int, int]:
             # A server known to have a slot free before any other: a wait's length is a guess
@@ -519,7 +557,9 @@ class PickerState:
         servers.sort(key=order)
         ranked = [s.address for s in servers]
         reason = "least_loaded"
-        if kv is not None:
+        if adapter:
+            reason = adapter_reason(states[ranked[0]])
+        elif kv is not None:
             top = ranked[0]
             if blocks.get(top):
                 reason = "kv_hit"
@@ -536,6 +576,8 @@ class PickerState:
                 self.prefixes.popitem(last=False)
         chosen = ranked[0]
         self.started(chosen, now)
+        if adapter:
+            self.adapters.started(chosen, adapter, now)
         self._picks += 1
         self._last_pick[chosen] = self._picks
         held = blocks.get(chosen, 0)
@@ -544,6 +586,19 @@ class PickerState:
             if size and held < len(kv.keys.get(size, ())):
                 self.kv_pending.setdefault(chosen, now)  # it will store blocks: it should publish
         return Pick(tuple(ranked[: 1 + FALLBACKS]), reason, held)
+
+    def placement_order(self, servers: Sequence[str], adapter: str, now: float) -> list[str]:
+        """`servers` in the order an adapter is best loaded onto them: a free slot before an
+        eviction before a wait for a slot (adapters.py), then the least busy for its speed."""
+        rank = {RESIDENT: 0, SLOT_FREE: 1, UNKNOWN: 2, EVICT: 3, BLOCKED: 4}
+
+        def key(address: str) -> tuple[int, float, float, str]:
+            state, harm = self.adapters.state(address, adapter, now)
+            known = self.loads.get(address)
+            speed = known.capacity if known is not None and known.capacity else 1.0
+            return rank.get(state, 2), harm, self.load(address, now) / speed, address
+
+        return sorted(servers, key=key)
 
     def _decode_in_prompt_tokens(self, address: str) -> float | None:
         load = self.loads.get(address)
@@ -559,8 +614,11 @@ class PickerState:
         self._events.setdefault(address, deque(maxlen=EVENTS_KEEP)).append((now, 1))
         self._forget(address, now)
 
-    def done(self, address: str, now: float = 0.0) -> None:
-        """A request picked for `address` ended at `now` (answered, failed or cancelled)."""
+    def done(self, address: str, now: float = 0.0, adapter: str = "") -> None:
+        """A request picked for `address` (of `adapter`, if it named one) ended at `now`
+        (answered, failed or cancelled)."""
+        if adapter:
+            self.adapters.done(address, adapter, now)
         left = self.inflight.get(address, 0) - 1
         if left > 0:
             self.inflight[address] = left

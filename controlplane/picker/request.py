@@ -27,6 +27,7 @@ SERVED_ATTRIBUTE = "upstream.address"  # sent with the response headers: where t
 PREFIX_KEY = "affinity_prefix"  # the prefix key the gateway's Lua filter sets (routing/prefix_key.lua)
 PROMPT_KEY = "prompt"  # the request body, for a picked model with a tokenizer (the same filter)
 SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
+MODEL_HEADER = "x-model"  # as routing/translate.py's: the model a request names, else its body's
 REQUEST_ID_MAX_CHARS = 128  # a request id as logged (debug): a 3 MB header is not a log line
 
 # The inputs a bound applies to, as counted (the `input` label).
@@ -44,6 +45,8 @@ class Ask:
     subset: frozenset[str] | None = None
     request_id: str = ""
     prompt: str = ""  # the request body, where the gateway sent it (a model with a tokenizer)
+    model: str = ""  # the model the request names (x-model, else the body's): an adapter's name, maybe
+    adapter: str = ""  # `model`, where it is one of the cluster's adapters (the service sets it)
 
 
 class Refused(NamedTuple):
@@ -72,7 +75,12 @@ def read_ask(req: ep.ProcessingRequest) -> Ask | Refused:
     if len(prompt) > limits.PICKER_PROMPT_MAX_BYTES:  # characters: at least as many bytes
         return Refused(PROMPT, f"more than {limits.PICKER_PROMPT_MAX_BYTES} bytes")
     request_id = header_bytes(req, "x-request-id")[:REQUEST_ID_MAX_CHARS]
-    return Ask(cluster, prefix, subset, request_id.decode(errors="replace"), prompt)
+    # The name the route matched (x-model first, as the routes): one no route takes is longer
+    # than any fleet name, and names nothing here.
+    model = header(req, MODEL_HEADER) or _metadata(req, METADATA_NS, "model")
+    if len(model) > limits.API_NAME_MAX_CHARS:
+        model = ""
+    return Ask(cluster, prefix, subset, request_id.decode(errors="replace"), prompt, model)
 
 
 def attribute(req: ep.ProcessingRequest, key: str) -> str:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import math
@@ -74,6 +75,7 @@ from controlplane.kvcache.index import MAX_BLOCKS
 from controlplane.kvcache.prompt import PromptError, Tokenizers, token_ids
 from controlplane.net.tls import SIDE_FLAGS, ServerTls, client_credentials, server_credentials
 from controlplane.obs.outage import Outage
+from controlplane.picker.adapters import AdapterConfigError, ClusterAdapters, read_adapter_config
 from controlplane.picker.choose import PREFIX_ENTRIES, PREFIX_LOAD_BOUND, KvAsk, Pick, PickerState, ServerLoad
 from controlplane.picker.flow import (
     BYTES_PER_TOKEN,
@@ -90,6 +92,7 @@ from controlplane.picker.flow import (
     tenant_key,
 )
 from controlplane.picker.kv_events import KvMetrics, KvSubscriptions
+from controlplane.picker.placement import LoadFailed, Placer
 from controlplane.picker.request import (
     INPUTS,
     SERVED_ATTRIBUTE,
@@ -101,9 +104,16 @@ from controlplane.picker.request import (
     read_ask,
 )
 from controlplane.process.side_service import serve_until_signalled
-from controlplane.resources.names import FLOW_METADATA_NS, KV_METADATA_NS, PICKED_HEADER, PICKED_METADATA_NS
+from controlplane.resources.names import (
+    ADAPTERS_METADATA_NS,
+    FLOW_METADATA_NS,
+    KV_METADATA_NS,
+    PICKED_HEADER,
+    PICKED_METADATA_NS,
+)
 from controlplane.resources.types import CLUSTER, ENDPOINT
 from controlplane.routing.translate import (
+    ADAPTER_LOAD_WAIT_S,
     FLOW_PICKED_MODE,
     PICKED_MODE,
     PRIORITY_HEADER,
@@ -130,7 +140,8 @@ class PickerMetrics:
         r = self.registry
         self.picks = Counter(
             "controlplane_picker_picks",
-            "Requests the picker answered, by reason: least_loaded, kv_hit or approximate (a "
+            "Requests the picker answered, by reason: least_loaded, kv_hit or approximate, or for a "
+            "request naming a LoRA adapter adapter_resident, adapter_slot_free or adapter_evict (a "
             "server named), else why it named none and Envoy routes by the weights (no_cluster, "
             "unknown_cluster, no_eligible_server, not_ready, input_refused)",
             ["reason"],
@@ -248,6 +259,30 @@ class PickerMetrics:
             "Clusters whose flow control the picker could not read (their requests are picked as without it)",
             registry=r,
         )
+        self.adapter_requests = Counter(
+            "controlplane_picker_adapter_requests",
+            "Requests naming a LoRA adapter the picker answered, by model and adapter (the fleet's names)",
+            ["model", "adapter"],
+            registry=r,
+        )
+        self.adapter_loads = Counter(
+            "controlplane_picker_adapter_loads",
+            "Adapter loads the picker asked a server for (placement: dynamic), by model, adapter and "
+            "outcome: loaded, failed (no server it tried could: the request got 503)",
+            ["model", "adapter", "outcome"],
+            registry=r,
+        )
+        self.adapter_evictions = Gauge(
+            "controlplane_picker_adapter_evictions",
+            "Adapter evictions the picker has seen its servers make since it started: an adapter "
+            "entering a server whose max_lora slots were all taken (by the pages and its own requests)",
+            registry=r,
+        )
+        self.adapter_config_errors = Counter(
+            "controlplane_picker_adapter_config_errors",
+            "Clusters whose adapters the picker could not read (their requests are picked as without them)",
+            registry=r,
+        )
 
 
 class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -284,6 +319,8 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.tokenizer_of: dict[str, str] = {}  # cluster -> its model's tokenizer directory
         self.kv_subs: KvSubscriptions | None = None  # made on the running loop (follow)
         self.flows = Flows()  # the queues of clusters with flow control (picker/flow.py)
+        self.adapters_of: dict[str, ClusterAdapters] = {}  # cluster -> its model's adapters
+        self.placer = Placer()  # adapters this picker loaded (placement: dynamic)
         self._flow_wake = asyncio.Event()  # a slot may have freed: dispatch
         self._flow_labels: set[tuple[str, str, str]] = set()  # flow_waiting's series set so far
         self._slots_shown: set[str] = set()  # servers with a controlplane_picker_server_slots series
@@ -320,6 +357,20 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     asked = True
                     t0 = time.perf_counter()
                     ask = read_ask(req)
+                    if isinstance(ask, Ask) and ask.model:
+                        ask = self._with_adapter(ask)
+                        if self._must_place(ask):  # placement: dynamic, and no server has it yet
+                            yield ep.ProcessingResponse(
+                                override_message_timeout=_duration(ADAPTER_LOAD_WAIT_S)
+                            )
+                            placed = await self._place(ask)
+                            if isinstance(placed, ep.ProcessingResponse):
+                                yield placed  # no server could load it: a 503 naming the adapter
+                                continue
+                            resp, picked = self._answer(placed)
+                            self.metrics.decision.observe(time.perf_counter() - t0)
+                            yield resp
+                            continue
                     kv = await self._kv_ask(ask) if isinstance(ask, Ask) and ask.prompt else None
                     flow = self._flow_of(ask)
                     if flow is None or not self._must_wait(ask, flow):  # type: ignore[arg-type]
@@ -344,12 +395,12 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                             self._readback(picked, served)  # in flight until its trailers
                             read_back = True
                         else:
-                            self._served(picked, served)
+                            self._served(picked, served, adapter=_adapter(ask))
                             picked = ()
                     yield _unchanged(req)
                 elif req.HasField("response_trailers"):  # a flow-controlled request's end
                     if picked:
-                        self._served(picked, "", readback=not read_back)
+                        self._served(picked, "", readback=not read_back, adapter=_adapter(ask))
                         picked = ()
                     yield _unchanged(req)
                 else:  # a phase not asked for (a newer Envoy's mode override): change nothing
@@ -361,12 +412,15 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 pending.exception()  # the stream's end, seen while it waited: nothing to log
             if picked:  # the stream closed before a response (a reset, a cancel, a timeout), or
                 # a flow-controlled request ended (its server's slot is free only now)
-                self._served(picked, "", readback=not read_back)
+                self._served(picked, "", readback=not read_back, adapter=_adapter(ask))
 
-    def _served(self, picked: tuple[str, ...], served: str, *, readback: bool = True) -> None:
-        """The request picked for `picked` answered from `served` (the upstream.address Envoy
-        reports: the Endpoint Picker Protocol's served-endpoint readback), "" if unknown."""
-        self.state.done(picked[0], time.monotonic())
+    def _served(
+        self, picked: tuple[str, ...], served: str, *, readback: bool = True, adapter: str = ""
+    ) -> None:
+        """The request (of `adapter`, if it named one) picked for `picked` answered from
+        `served` (the upstream.address Envoy reports: the Endpoint Picker Protocol's
+        served-endpoint readback), "" if unknown."""
+        self.state.done(picked[0], time.monotonic(), adapter)
         self.metrics.inflight.dec()
         self._flow_wake.set()  # a slot freed: a queued request may go
         if readback:
@@ -462,7 +516,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             elif not answered:  # picked as its stream closed: not in flight after all
                 outcome = held.future.result()
                 if isinstance(outcome, Pick) and outcome.servers:
-                    self.state.done(outcome.servers[0], time.monotonic())
+                    self.state.done(outcome.servers[0], time.monotonic(), ask.adapter)
                     self._flow_wake.set()
 
     def _count_shed(self, cluster: str, held: Held, reason: str) -> None:
@@ -513,9 +567,13 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if held is None or held.future.done():
                     continue
                 ask = held.asked
-                chosen = self.state.pick(cluster, now, prefix=ask.prefix, subset=ask.subset, kv=held.kv)
+                chosen = self.state.pick(
+                    cluster, now, prefix=ask.prefix, subset=ask.subset, kv=held.kv, adapter=ask.adapter
+                )
                 held.future.set_result(chosen)
                 model = _model_of(cluster)
+                if ask.adapter:
+                    self.metrics.adapter_requests.labels(model, ask.adapter).inc()
                 self.metrics.flow_wait.labels(model, held.klass, held.tenant_label).observe(
                     now - held.arrival
                 )
@@ -574,6 +632,79 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 held.future.set_result(RELEASED)
         self._refresh_flow_gauges()
 
+    # ---- LoRA adapters (picker/adapters.py, picker/placement.py) ------------------------------
+
+    def configure_adapters(self, clusters: Iterable[cluster_pb2.Cluster]) -> None:
+        """The clusters' adapters as the control plane now sends them."""
+        configs: dict[str, ClusterAdapters] = {}
+        for c in clusters:
+            text = metadata_string(c.metadata, ADAPTERS_METADATA_NS, "config")
+            if not text:
+                continue
+            name = c.eds_cluster_config.service_name or c.name
+            try:
+                configs[name] = read_adapter_config(text)
+            except AdapterConfigError as e:
+                self.metrics.adapter_config_errors.inc()
+                log.warning(
+                    "adapters unreadable: the cluster is picked without them",
+                    cluster=name,
+                    error=str(e)[:300],
+                )
+        self.adapters_of = configs
+
+    def _with_adapter(self, ask: Ask) -> Ask:
+        """`ask` with its adapter, where its model names one of its cluster's, and narrowed to
+        the servers that may serve it (the adapter's versions and endpoints; with placement
+        dynamic, those this picker loaded it onto)."""
+        cfg = self.adapters_of.get(ask.cluster)
+        if cfg is None or ask.model not in cfg.rules:
+            return ask
+        servers = [c.address for c in self.state.clusters.get(ask.cluster, ()) if c.eligible]
+        may = cfg.servers(ask.model, ask.cluster.rsplit("@", 1)[-1], servers)
+        subset = ask.subset
+        for narrower in (
+            may,
+            self.placer.holding(ask.model, frozenset(servers)) if cfg.placement == "dynamic" else None,
+        ):
+            if narrower is not None:
+                subset = narrower if subset is None else subset & narrower
+        return dataclasses.replace(ask, adapter=ask.model, subset=subset)
+
+    def _must_place(self, ask: Ask) -> bool:
+        """The request's adapter must be loaded first: its model's placement is dynamic and no
+        server it may go to has it."""
+        cfg = self.adapters_of.get(ask.cluster)
+        return (
+            bool(ask.adapter)
+            and cfg is not None
+            and cfg.placement == "dynamic"
+            and self.ready.is_set()
+            and not ask.subset
+        )
+
+    async def _place(self, ask: Ask) -> Ask | ep.ProcessingResponse:
+        """Load the request's adapter onto the best server that may serve it; the request,
+        narrowed to that server, or the 503 it gets when none could."""
+        cfg = self.adapters_of[ask.cluster]
+        rule = cfg.rules[ask.adapter]
+        now = time.monotonic()
+        servers = [c.address for c in self.state.clusters.get(ask.cluster, ()) if c.eligible]
+        may = cfg.servers(ask.adapter, ask.cluster.rsplit("@", 1)[-1], servers)
+        candidates = [s for s in servers if may is None or s in may]
+        ranked = self.state.placement_order(candidates, ask.adapter, now)
+        model = _model_of(ask.cluster)
+        try:
+            server = await self.placer.place(ask.adapter, rule.source or ask.adapter, ranked)
+        except LoadFailed as e:
+            self.metrics.adapter_loads.labels(model, ask.adapter, "failed").inc()
+            return _unavailable(
+                f"The adapter {ask.adapter} of model {model} could not be loaded on any server ({e}). "
+                "Requests for the base model are not affected."
+            )
+        self.metrics.adapter_loads.labels(model, ask.adapter, "loaded").inc()
+        return dataclasses.replace(ask, subset=frozenset({server}))
+
     async def _kv_ask(self, ask: Ask) -> KvAsk | None:
         """The prompt's blocks, keyed for every block size the cluster's servers publish (16,
         vLLM's default, where none does yet: the approximate key), or None (no tokenizer for
@@ -610,8 +741,15 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             reason = "unknown_cluster"
         else:
             chosen = self.state.pick(
-                ask.cluster, time.monotonic(), prefix=ask.prefix, subset=ask.subset, kv=kv
+                ask.cluster,
+                time.monotonic(),
+                prefix=ask.prefix,
+                subset=ask.subset,
+                kv=kv,
+                adapter=ask.adapter,
             )
+            if ask.adapter:
+                self.metrics.adapter_requests.labels(_model_of(ask.cluster), ask.adapter).inc()
             reason = chosen.reason or "no_eligible_server"
             if kv is not None and chosen.servers:
                 self.metrics.kv.matched.observe(chosen.kv_blocks)
@@ -654,10 +792,12 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 for server, slots in shown.items():
                     self.metrics.slots.labels(server).set(slots)
                 self._slots_shown = set(shown)
+                self.metrics.adapter_evictions.set(self.state.adapters.evictions)
                 await asyncio.sleep(KV_GAUGES_S)
         finally:
             if self.kv_subs is not None:
                 await self.kv_subs.close()
+            await self.placer.close()
 
     # ---- the other pickers -------------------------------------------------------------------
 
@@ -816,6 +956,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     if (tokenizer := metadata_string(c.metadata, KV_METADATA_NS, "tokenizer"))
                 }
                 self.configure_flows(clusters)
+                self.configure_adapters(clusters)
                 await out.put(
                     discovery_pb2.DiscoveryRequest(
                         node=node, type_url=CLUSTER, version_info=resp.version_info, response_nonce=resp.nonce
@@ -860,6 +1001,31 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 
 FLOW_TICK_S = 0.02  # while requests wait, a look for a free slot at least this often
+
+
+def _adapter(ask: Ask | Refused | None) -> str:
+    """The adapter a request named, "" if none (or it was refused)."""
+    return ask.adapter if isinstance(ask, Ask) else ""
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    return duration_pb2.Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9))
+
+
+def _unavailable(message: str) -> ep.ProcessingResponse:
+    """A 503 in Envoy's place, with OpenAI's error body (its SDK raises an APIStatusError)."""
+    resp = ep.ProcessingResponse()
+    im = resp.immediate_response
+    im.status.code = http_status_pb2.ServiceUnavailable
+    im.body = json.dumps(
+        {"error": {"message": message, "type": "adapter_unavailable", "param": "model", "code": 503}}
+    ).encode()
+    im.details = "adapter_load_failed"
+    im.headers.set_headers.add(
+        header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+    return resp
 
 
 def _model_of(cluster: str) -> str:
@@ -933,6 +1099,16 @@ def server_loads(endpoints: Iterable[Any], now: float) -> dict[str, ServerLoad]:
             decode_s_per_request=e.decode_seconds_per_request
             if e.HasField("decode_seconds_per_request")
             else None,
+            # A page without LoRA's series has no adapter slots: its lists say nothing then.
+            **(
+                {
+                    "lora_running": tuple(e.running_adapters),
+                    "lora_waiting": tuple(e.waiting_adapters),
+                    "max_lora": e.max_adapters,
+                }
+                if e.HasField("max_adapters")
+                else {}
+            ),
         )
     return out
 

@@ -320,7 +320,7 @@ def _picker_filter(fleet: Fleet) -> hcm_pb2.HttpFilter:
         processing_mode=_processing_mode(processing_mode_pb2.ProcessingMode.SKIP),
         allow_mode_override=True,
         allowed_override_modes=[PICKED_MODE, FLOW_PICKED_MODE] if queues else [PICKED_MODE],
-        disable_immediate_response=not queues,
+        disable_immediate_response=not (queues or loads),
         request_attributes=["xds.cluster_name"],
         response_attributes=["upstream.address"],
         message_timeout=pb.duration(fleet.picker.timeout_s),
