@@ -74,17 +74,17 @@ def test_adapters_load_with_their_sources_versions_and_endpoints() -> None:
             "adapters: {base.1: {}}",
             "models.base.1.adapters.base.1: its name is also model 'base.1''s",
         ),
-        ("adapters: [a, b]", "models.base.1.adapters: expected a mapping of adapter name to adapter, got a list"),
-        ("adapters: {a: {sorce: x}}", "models.base.1.adapters.a.sorce: unknown key (allowed: endpoints, source"),
+        ("adapters: [a, b]", "models.base.1.adapters: expected a mapping of adapter name to adapter"),
+        ("adapters: {a: {sorce: x}}", "adapters.a.sorce: unknown key (allowed: endpoints, source"),
         ("adapters: {a: {source: 3}}", "models.base.1.adapters.a.source: expected the adapter's path or URI"),
-        ("adapters: {a: {versions: [v9]}}", "models.base.1.adapters.a.versions: names version 'v9', which is not"),
+        ("adapters: {a: {versions: [v9]}}", "adapters.a.versions: names version 'v9', which is not"),
         ("adapters: {a: {endpoints: x}}", "models.base.1.adapters.a.endpoints: expected a list of distinct"),
         ("adapters: {'a b': {}}", "models.base.1.adapters.a b: adapter names use letters, digits"),
         ("adapters: {1: {}}", "models.base.1.adapters.1: adapter names use letters, digits"),
-        ("placement: everywhere", "models.base.1.placement: expected one of static, dynamic, got 'everywhere'"),
+        ("placement: everywhere", "base.1.placement: expected one of static, dynamic, got 'everywhere'"),
         (
             "placement: dynamic\n    adapters: {a: {source: /x}, b: {}}",
-            "models.base.1.placement: dynamic placement loads adapters from their source: adapter 'b' has none",
+            "base.1.placement: dynamic placement loads adapters from their source: adapter 'b' has none",
         ),
     ],
 )
@@ -139,7 +139,8 @@ def test_v1_models_lists_the_adapters_with_their_base() -> None:
 
 
 def test_picked_clusters_tell_the_pickers_their_adapters() -> None:
-    fleet = parse_fleet(FLEET % ("placement: dynamic\n    " + ADAPTERS.replace("bare:", "bare: {source: /b}")))
+    dynamic = "placement: dynamic\n    " + ADAPTERS.replace("bare:", "bare: {source: /b}")
+    fleet = parse_fleet(FLEET % dynamic)
     d = translate(fleet)
     for cname in ("base.1@v1", "base.1@v2"):
         c = d.by_type[CLUSTER][cname]

@@ -47,9 +47,9 @@ def test_unknown_key_names_path_and_line() -> None:
     errs = errors_of(BASIC.replace("stable: v1", "stable: v1\n    stabel: v2"))
     assert errs == [
         "fleet.yaml:10: models.llama-3-8b.stabel: unknown key (allowed: adapters, affinity, autoscaling, "
-        "balancing, circuit_breakers, cluster_overrides, dtype, flow_control, health, kv_events, max_body_bytes, "
-        "memory_gb, metrics, outlier_detection, params_b, placement, preferred_gpus, protocol, retries, slo, "
-        "stable, "
+        "balancing, circuit_breakers, cluster_overrides, dtype, flow_control, health, kv_events, "
+        "max_body_bytes, memory_gb, metrics, outlier_detection, params_b, placement, preferred_gpus, "
+        "protocol, retries, slo, stable, "
         "stream_idle_timeout, tier, timeout, tokenizer, versions, zones)"
     ]
 
