@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import sys
+from typing import Any
 
 from controlplane.cli import argtypes
 
@@ -171,6 +172,35 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "does on 8002; 0 picks a free one (default: on the serving port). With --count, each "
         "server gets PORT+i",
     )
+    e.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=(),
+        metavar="NAME[=PATH]",
+        help="LoRA adapters registered at start, as vLLM's --lora-modules: a request whose model "
+        "names one is served with it (docs/emulator.md#lora-adapters; default: none, LoRA off)",
+    )
+    e.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="adapters held in GPU slots at once, as vLLM's --max-loras; a request for another waits "
+        "for a slot and its load (default: 1 with --lora-modules, else LoRA off)",
+    )
+    e.add_argument(
+        "--lora-load-s",
+        type=argtypes.number(0),
+        default=0.5,
+        metavar="SECONDS",
+        help="what loading an adapter into a slot costs its request (default: %(default)s)",
+    )
+    e.add_argument(
+        "--no-runtime-lora",
+        action="store_true",
+        help="no POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM without "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING; default: they answer)",
+    )
     e.add_argument("--log-format", choices=["console", "json"], default="console", help="log output format")
     e.add_argument("--log-level", default="info", help="debug, info, warning, error (default: info)")
 
@@ -179,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     """`controlplane emulate`: check the flags (exit 2), then run the servers until a signal."""
     from controlplane.obs.http import split_host_port
     from controlplane.obs.logging import configure_logging
-    from controlplane.sim.emulator import EmulatorConfig, Faults, FaultsInvalid
+    from controlplane.sim.emulator import Faults, FaultsInvalid
 
     configure_logging(args.log_format, args.log_level)
     try:
@@ -198,24 +228,11 @@ def run(args: argparse.Namespace) -> int:
     except FaultsInvalid as e:
         print(f"controlplane emulate: --{(e.field or '').replace('_', '-')}: {e}", file=sys.stderr)
         return 2
-    config = EmulatorConfig(
-        model=args.model,
-        gpu=args.gpu,
-        speed=args.speed,
-        slots=args.slots,
-        prefill_s_per_token=args.prefill_ms_per_token / 1000,
-        decode_s_per_token=args.decode_ms_per_token / 1000,
-        kv_capacity_tokens=args.kv_capacity_tokens,
-        cold_start_s=args.cold_start,
-        default_max_tokens=args.max_tokens,
-        phantom_output_tokens=args.phantom_output_tokens,
-        faults=faults,
-        seed=args.seed,
-        metrics_page=args.metrics_page,
-        kv_events=args.kv_events,
-        kv_replay=args.kv_replay,
-        tokenizer=args.tokenizer,
-    )
+    try:
+        config = _config(args, faults)
+    except ValueError as e:
+        print(f"controlplane emulate: {e}", file=sys.stderr)
+        return 2
     if args.tokenizer:
         from controlplane.kvcache.prompt import PromptError, Tokenizers
 
@@ -244,6 +261,34 @@ def run(args: argparse.Namespace) -> int:
         )
         return asyncio.run(_run_emulators_until_signal(config, host, ports, args.crash_after, mports))
     return 0
+
+
+def _config(args: argparse.Namespace, faults: Any) -> Any:
+    """The servers' EmulatorConfig from the flags; ValueError naming the field if one is bad."""
+    from controlplane.sim.emulator import EmulatorConfig
+
+    return EmulatorConfig(
+        model=args.model,
+        gpu=args.gpu,
+        speed=args.speed,
+        slots=args.slots,
+        prefill_s_per_token=args.prefill_ms_per_token / 1000,
+        decode_s_per_token=args.decode_ms_per_token / 1000,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        cold_start_s=args.cold_start,
+        default_max_tokens=args.max_tokens,
+        phantom_output_tokens=args.phantom_output_tokens,
+        faults=faults,
+        seed=args.seed,
+        metrics_page=args.metrics_page,
+        kv_events=args.kv_events,
+        kv_replay=args.kv_replay,
+        tokenizer=args.tokenizer,
+        lora_modules=tuple(args.lora_modules),
+        max_loras=args.max_loras,
+        lora_load_s=args.lora_load_s,
+        allow_runtime_lora=not args.no_runtime_lora,
+    )
 
 
 async def _run_emulators_until_signal(
