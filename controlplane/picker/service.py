@@ -685,14 +685,18 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def _place(self, ask: Ask) -> Ask | ep.ProcessingResponse:
         """Load the request's adapter onto the best server that may serve it; the request,
-        narrowed to that server, or the 503 it gets when none could."""
+        narrowed to that server, or the 503 it gets when none could (with no server eligible,
+        the request as it was: no pick, Envoy routes it by the weights)."""
         cfg = self.adapters_of[ask.cluster]
         rule = cfg.rules[ask.adapter]
         now = time.monotonic()
         servers = [c.address for c in self.state.clusters.get(ask.cluster, ()) if c.eligible]
         may = cfg.servers(ask.adapter, ask.cluster.rsplit("@", 1)[-1], servers)
         candidates = [s for s in servers if may is None or s in may]
+        if not candidates:  # nothing eligible to load onto: the weights route it, as any request
+            return ask
         ranked = self.state.placement_order(candidates, ask.adapter, now)
+        log.debug("adapter placement", adapter=ask.adapter, cluster=ask.cluster, order=ranked[:4])
         model = _model_of(ask.cluster)
         try:
             server = await self.placer.place(ask.adapter, rule.source or ask.adapter, ranked)

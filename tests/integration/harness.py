@@ -293,7 +293,13 @@ class Emulator:
         self.address = f"{host}:{self.port}"
         args = [str(BIN / "controlplane"), "emulate", "--listen", self.address, "--model", model]
         for key, value in flags.items():
-            args += [f"--{key.replace('_', '-')}", str(value)]
+            flag = f"--{key.replace('_', '-')}"
+            if value is True:
+                args.append(flag)
+            elif isinstance(value, list | tuple):  # a flag of several values (--lora-modules a b)
+                args += [flag, *map(str, value)]
+            else:
+                args += [flag, str(value)]
         self.proc = Proc(name, args, log_dir)
         try:
             wait_until(self._listening, 15, f"emulated server {name} to listen")
