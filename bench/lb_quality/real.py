@@ -324,9 +324,12 @@ def start_servers(stack: Stack, args: argparse.Namespace) -> list[tuple[str, flo
     return classes
 
 
-def start_pickers(stack: Stack, workdir: Path, ports: Sequence[int], xds: int, admin: int) -> list[int]:
-    """`controlplane picker` processes on `ports`, reading the servers' loads from the operator
-    API: their metrics ports, once each has the control plane's assignments."""
+def start_pickers(
+    stack: Stack, workdir: Path, ports: Sequence[int], xds: int, admin: int, extra: Sequence[str] = ()
+) -> list[int]:
+    """`controlplane picker` processes on `ports` (with `extra` flags), reading the servers'
+    loads from the operator API: their metrics ports, once each has the control plane's
+    assignments."""
     metrics = []
     peer_token = workdir / "picker-peer-token"  # the pickers' shared --peer-token-file
     peer_token.write_text("bench-picker-peers\n")
@@ -341,6 +344,7 @@ def start_pickers(stack: Stack, workdir: Path, ports: Sequence[int], xds: int, a
                 "--node-id", f"picker-{i}",
                 "--peers", ",".join(f"127.0.0.1:{p}" for p in ports if p != port),
                 "--peer-token-file", str(peer_token),
+                *extra,
             ],
         )  # fmt: skip
     for port in metrics:

@@ -276,6 +276,7 @@ class PickerState:
     kv_pending: dict[str, float] = field(default_factory=dict)  # server -> a pick not yet published
     kv_stale_picks: int = 0  # picks that scored a server by the approximate index: its events stale
     adapters: AdapterView = field(default_factory=AdapterView)  # where LoRA adapters are (adapters.py)
+    adapter_affinity: bool = True  # False: an adapter's requests picked as the base model's (A/B)
     _events: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     _last_pick: dict[str, int] = field(default_factory=dict)
     _picks: int = 0
@@ -531,7 +532,7 @@ class PickerState:
 
         credited = any(adjusted[a] < costs[a] for a in costs)
         states: dict[str, str] = {}
-        if adapter:
+        if adapter and self.adapter_affinity:
             adjusted = dict(adjusted)
             for c in servers:
                 states[c.address], penalty = self.adapters.penalty(c.address, adapter, now)
@@ -557,7 +558,7 @@ class PickerState:
         servers.sort(key=order)
         ranked = [s.address for s in servers]
         reason = "least_loaded"
-        if adapter:
+        if adapter and self.adapter_affinity:
             reason = adapter_reason(states[ranked[0]])
         elif kv is not None:
             top = ranked[0]

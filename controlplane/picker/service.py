@@ -1202,6 +1202,7 @@ async def serve(
     tls: ServerTls | None = None,
     peer_token: str | None = None,
     peer_server_name: str | None = None,
+    adapter_affinity: bool = True,
 ) -> None:
     """Run a picker until SIGINT or SIGTERM (OSError naming the flag if it cannot listen;
     TlsConfigInvalid naming the flag if a TLS file cannot be used)."""
@@ -1222,6 +1223,7 @@ async def serve(
     )
     picker.state.prefix_entries = prefix_entries
     picker.state.prefix_bound = prefix_bound
+    picker.state.adapter_affinity = adapter_affinity
     picker.state.kv.max_blocks = kv_index_blocks
     server = grpc.aio.server(
         options=[

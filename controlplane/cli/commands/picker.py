@@ -129,6 +129,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="SECONDS",
         help="how often the --peers are read (default: %(default)s)",
     )
+    pk.add_argument(
+        "--no-adapter-affinity",
+        action="store_true",
+        help="pick a request naming a LoRA adapter as its base model's, blind to where the adapter "
+        "is loaded (still only among the servers that may serve it): for comparing, as "
+        "bench/adapters does (default: the servers holding it first, docs/adapters.md)",
+    )
     pk.add_argument("--node-id", help="its node id on the control plane (default: picker-PID)")
     pk.add_argument("--log-format", choices=("console", "json"), default="console")
     pk.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -206,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
                 tls=tls,
                 peer_token=peer_token,
                 peer_server_name=args.peer_server_name,
+                adapter_affinity=not args.no_adapter_affinity,
             )
         )
     except OSError as e:
