@@ -399,6 +399,10 @@ class WeightController:
                         self.store.lrs_totals(key, now)[0] if sig is not None and sig.lrs else 0.0,
                         sig.scrape_errors if sig is not None else 0,
                         was_ready=key in self._was_ready,
+                        adapters_in_use=None
+                        if load.max_lora is None
+                        else float(len({*(load.lora_running or ()), *(load.lora_waiting or ())})),
+                        adapter_slots=None if load.max_lora is None else float(load.max_lora),
                     )
                 )
         b.endpoints.publish(tuple(rows), at=now)

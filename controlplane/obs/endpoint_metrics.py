@@ -39,6 +39,8 @@ class EndpointRow:
     in_flight: float
     scrape_errors: int  # cumulative, for as long as the endpoint is in the fleet
     was_ready: bool = False  # it has been ready since it joined (else it is still warming)
+    adapters_in_use: float | None = None  # LoRA adapters with requests there (None: its page shows none)
+    adapter_slots: float | None = None  # its max_lora (None: unknown)
 
     @property
     def state(self) -> str:
@@ -102,6 +104,18 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
         "controlplane_endpoint_in_flight",
         "Requests in progress to the endpoint, summed over all proxies' load reports (LRS).",
         "in_flight",
+    ),
+    (
+        "controlplane_endpoint_adapters_in_use",
+        "LoRA adapters with requests running or waiting on the server (vLLM's lora_requests_info, "
+        "docs/adapters.md); no sample for a server whose page shows no LoRA.",
+        "adapters_in_use",
+    ),
+    (
+        "controlplane_endpoint_adapter_slots",
+        "The server's LoRA adapter slots (vLLM's max_lora): adapters it holds loaded at once; no "
+        "sample for a server whose page shows no LoRA.",
+        "adapter_slots",
     ),
     (
         "controlplane_endpoint_signal_age_seconds",

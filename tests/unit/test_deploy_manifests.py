@@ -518,6 +518,7 @@ def test_the_dashboard_loads_and_every_panel_has_queries_on_the_datasource_varia
         "Picker",
         "Quotas",
         "Flow control",
+        "LoRA adapters",
     ]
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
