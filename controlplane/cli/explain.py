@@ -336,6 +336,7 @@ def _envoy(
     out["picker"] = _picker(fleet, cluster, hcm) if first == "override_host" else None
     if out["picker"] is not None:
         out["picker"]["prefix_index"] = _prefix_index(model)
+    out["adapters"] = _adapters(model, out["picker"] is not None)
     out["connect_timeout_s"] = _seconds(cluster.connect_timeout)
     if model.cluster_overrides and "load_balancing_policy" in model.cluster_overrides:
         warnings.append(
@@ -393,6 +394,27 @@ def _picker(fleet: Fleet, cluster: Any, hcm: Any) -> dict[str, Any]:
             "envoy_http_ext_proc_picker_failure_mode_allowed",
             'controlplane_picker_picks_total{reason!~"least_loaded|approximate|kv_hit"}',
         ],
+    }
+
+
+def _adapters(model: Model, picked: bool) -> dict[str, Any] | None:
+    """The model's LoRA adapters (docs/adapters.md) and how their requests are placed; None
+    without any."""
+    if not model.adapters:
+        return None
+    names = [a.name for a in model.adapters]
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    how = (
+        "the picker sends each adapter's requests where it is loaded"
+        + ("; one no server has is loaded onto one first" if model.placement == "dynamic" else "")
+        if picked
+        else "no picker: Envoy's weights route them as the base model's, wherever the adapter is"
+    )
+    return {
+        "names": names,
+        "placement": model.placement,
+        "picked": picked,
+        "text": f"{len(names)} ({shown}), placement {model.placement}: {how}",
     }
 
 

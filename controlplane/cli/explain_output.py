@@ -136,6 +136,8 @@ def _envoy_rows(e: Mapping[str, Any]) -> list[list[str]]:
             rows.append(["prefix index", pk["prefix_index"]["text"]])
     else:
         rows.append(["balancing", f"{e['settings']['balancing']['text']}: Envoy {lb}{weighted}"])
+    if env.get("adapters") is not None:
+        rows.append(["LoRA adapters", env["adapters"]["text"]])
     aff = e["affinity"]
     if aff is not None:
         key = f"header {aff['header']}" if aff["header"] else f"JSON body field {aff['body_field']}"

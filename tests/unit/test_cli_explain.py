@@ -1156,3 +1156,19 @@ def test_a_picked_model_shows_its_picker_budget_and_fallback() -> None:
     assert "else least_request with the control plane's weights" in table
     assert explained(text, "hashed")["envoy"]["picker"]["fallback"] in ("maglev", "ring_hash")
     assert explained(FLEET, "chat")["envoy"]["picker"] is None
+
+
+def test_explain_says_a_models_adapters_and_how_they_are_placed() -> None:
+    from tests.unit.test_fleet_adapters import ADAPTERS
+    from tests.unit.test_fleet_adapters import FLEET as ADAPTER_FLEET
+
+    picked = explained(
+        ADAPTER_FLEET % ("placement: dynamic\n    " + ADAPTERS.replace("bare:", "bare: {source: /b}")),
+        "base.1",
+    )
+    a = picked["envoy"]["adapters"]
+    assert a["names"] == ["sql-lora", "chat.lora", "bare"] and a["placement"] == "dynamic" and a["picked"]
+    assert "where it is loaded" in a["text"] and "loaded onto one first" in a["text"]
+    weighed = explained((ADAPTER_FLEET % ADAPTERS).replace(", balancing: picker", ""), "base.1")
+    assert "no picker: Envoy's weights" in weighed["envoy"]["adapters"]["text"]
+    assert explained(ADAPTER_FLEET % "", "other")["envoy"]["adapters"] is None
