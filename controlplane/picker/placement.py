@@ -14,6 +14,10 @@ for it goes to those only; a server that restarted has lost it, and its next loa
 - **A load that fails** (an error, a refusal, no answer within LOAD_TIMEOUT_S) holds that
   server out for that adapter for FAILED_HOLD_S, never for the base model: the next server in
   the pick's order is tried, up to LOAD_TRIES servers.
+- **Cold adapters are unloaded**: one this picker loaded that no request of its has used on a
+  server for `idle_unload_s` (and with none in flight there) is unloaded from it (`POST
+  /v1/unload_lora_adapter`), after being dropped from what the picker sends there. vLLM keeps
+  registered adapters in host memory: a placement that only grew would fill it.
 - Nothing here decides where: the caller gives the servers best first (choose.py's order).
 """
 
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -32,6 +36,7 @@ log = structlog.get_logger("controlplane.picker")
 LOAD_TIMEOUT_S = 25.0  # one load's answer: within routing/translate.ADAPTER_LOAD_WAIT_S, with room
 FAILED_HOLD_S = 60.0  # a server that failed to load an adapter is not asked for it again this long
 LOAD_TRIES = 2  # servers tried for one load before the request is answered with the failure
+IDLE_UNLOAD_S = 600.0  # an adapter this picker loaded, unused on a server this long, is unloaded
 ERROR_MAX_CHARS = 300
 
 
@@ -45,7 +50,9 @@ class Placer:
 
     registered: dict[str, set[str]] = field(default_factory=dict)  # adapter -> servers that have it
     failed: dict[tuple[str, str], float] = field(default_factory=dict)  # (server, adapter) -> when
-    loads: dict[str, int] = field(default_factory=dict)  # outcome -> count (loaded, failed)
+    loads: dict[str, int] = field(default_factory=dict)  # outcome -> count (loaded, failed, unloaded)
+    idle_unload_s: float = IDLE_UNLOAD_S
+    used: dict[tuple[str, str], float] = field(default_factory=dict)  # (adapter, server) -> last sent
     _loading: dict[str, asyncio.Task[str]] = field(default_factory=dict)
     _session: aiohttp.ClientSession | None = None
 
@@ -56,6 +63,48 @@ class Placer:
     def usable(self, adapter: str, servers: Sequence[str], now: float) -> list[str]:
         """`servers` less those that failed to load `adapter` within FAILED_HOLD_S."""
         return [s for s in servers if now - self.failed.get((s, adapter), -FAILED_HOLD_S) >= FAILED_HOLD_S]
+
+    def sent(self, adapter: str, server: str, now: float) -> None:
+        """A request of `adapter` sent to `server` at `now` (it is not cold there)."""
+        if server in self.registered.get(adapter, ()):
+            self.used[(adapter, server)] = now
+
+    def cold(self, now: float, busy: Callable[[str, str], bool]) -> list[tuple[str, str]]:
+        """(adapter, server) pairs loaded here and unused for idle_unload_s, none in flight
+        (`busy(adapter, server)`): dropped from what requests are sent to; the caller unloads them."""
+        out = []
+        for adapter, servers in self.registered.items():
+            for server in sorted(servers):
+                last = self.used.get((adapter, server), now)
+                self.used.setdefault((adapter, server), last)
+                if now - last >= self.idle_unload_s and not busy(adapter, server):
+                    out.append((adapter, server))
+        for adapter, server in out:
+            self.registered[adapter].discard(server)
+            self.used.pop((adapter, server), None)
+        return out
+
+    async def unload(self, adapter: str, server: str) -> bool:
+        """Unload `adapter` from `server` (already dropped from where requests go); whether the
+        server said it did (an adapter it no longer has counts as done)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S))
+        try:
+            async with self._session.post(
+                f"http://{server}/v1/unload_lora_adapter", json={"lora_name": adapter}
+            ) as r:
+                text = (await r.content.read(4096)).decode(errors="replace")
+                ok = r.status == 200 or (r.status in (400, 404) and "not" in text.lower())
+        except (aiohttp.ClientError, TimeoutError) as e:
+            error = str(e)[:ERROR_MAX_CHARS]
+            log.warning("adapter unload failed", adapter=adapter, server=server, error=error)
+            return False
+        if ok:
+            self.loads["unloaded"] = self.loads.get("unloaded", 0) + 1
+            log.info("cold adapter unloaded", adapter=adapter, server=server)
+        else:
+            log.warning("adapter unload refused", adapter=adapter, server=server, answer=text.strip()[:300])
+        return ok
 
     def forget(self, server: str) -> None:
         """A server gone from every cluster: what it had is no more."""

@@ -92,7 +92,7 @@ from controlplane.picker.flow import (
     tenant_key,
 )
 from controlplane.picker.kv_events import KvMetrics, KvSubscriptions
-from controlplane.picker.placement import LoadFailed, Placer
+from controlplane.picker.placement import IDLE_UNLOAD_S, LoadFailed, Placer
 from controlplane.picker.request import (
     INPUTS,
     SERVED_ATTRIBUTE,
@@ -268,7 +268,8 @@ class PickerMetrics:
         self.adapter_loads = Counter(
             "controlplane_picker_adapter_loads",
             "Adapter loads the picker asked a server for (placement: dynamic), by model, adapter and "
-            "outcome: loaded, failed (no server it tried could: the request got 503)",
+            "outcome: loaded, failed (no server it tried could: the request got 503), unloaded (gone "
+            "cold: --adapter-idle-unload)",
             ["model", "adapter", "outcome"],
             registry=r,
         )
@@ -709,6 +710,21 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.metrics.adapter_loads.labels(model, ask.adapter, "loaded").inc()
         return dataclasses.replace(ask, subset=frozenset({server}))
 
+    async def _unload_cold(self) -> None:
+        """Unload the adapters this picker loaded that went cold (placement.Placer.cold)."""
+        now = time.monotonic()
+
+        def busy(adapter: str, server: str) -> bool:
+            s = self.state.adapters.servers.get(server)
+            return s is not None and s.inflight.get(adapter, 0) > 0
+
+        for adapter, server in self.placer.cold(now, busy):
+            if await self.placer.unload(adapter, server):
+                self.metrics.adapter_loads.labels(self._model_of_adapter(adapter), adapter, "unloaded").inc()
+
+    def _model_of_adapter(self, adapter: str) -> str:
+        return next((_model_of(c) for c, cfg in self.adapters_of.items() if adapter in cfg.rules), "")
+
     async def _kv_ask(self, ask: Ask) -> KvAsk | None:
         """The prompt's blocks, keyed for every block size the cluster's servers publish (16,
         vLLM's default, where none does yet: the approximate key), or None (no tokenizer for
@@ -754,6 +770,8 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             )
             if ask.adapter:
                 self.metrics.adapter_requests.labels(_model_of(ask.cluster), ask.adapter).inc()
+                if chosen.servers:
+                    self.placer.sent(ask.adapter, chosen.servers[0], time.monotonic())
             reason = chosen.reason or "no_eligible_server"
             if kv is not None and chosen.servers:
                 self.metrics.kv.matched.observe(chosen.kv_blocks)
@@ -797,6 +815,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     self.metrics.slots.labels(server).set(slots)
                 self._slots_shown = set(shown)
                 self.metrics.adapter_evictions.set(self.state.adapters.evictions)
+                await self._unload_cold()
                 await asyncio.sleep(KV_GAUGES_S)
         finally:
             if self.kv_subs is not None:
@@ -1203,6 +1222,7 @@ async def serve(
     peer_token: str | None = None,
     peer_server_name: str | None = None,
     adapter_affinity: bool = True,
+    adapter_idle_unload_s: float = IDLE_UNLOAD_S,
 ) -> None:
     """Run a picker until SIGINT or SIGTERM (OSError naming the flag if it cannot listen;
     TlsConfigInvalid naming the flag if a TLS file cannot be used)."""
@@ -1224,6 +1244,7 @@ async def serve(
     picker.state.prefix_entries = prefix_entries
     picker.state.prefix_bound = prefix_bound
     picker.state.adapter_affinity = adapter_affinity
+    picker.placer.idle_unload_s = adapter_idle_unload_s
     picker.state.kv.max_blocks = kv_index_blocks
     server = grpc.aio.server(
         options=[

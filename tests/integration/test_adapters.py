@@ -19,6 +19,8 @@ from tests.ports import free_port
 
 pytestmark = pytest.mark.envoy
 
+IDLE_UNLOAD_S = 4  # the picker's --adapter-idle-unload: a dynamic adapter unused this long is unloaded
+
 
 def fleet(servers: dict[str, Emulator], picker: str, picked: bool) -> str:
     a, b, c, d = (servers[n].address for n in "abcd")
@@ -71,7 +73,8 @@ def rig(tmp_path: Path, picked: bool) -> Iterator[tuple[EmulatedFleet, PickerPro
         assert fl.cp is not None and fl.envoy is not None
         if picked:
             admin = (fl.cp.admin, fl.cp.state_dir / "admin-token")
-            picker = PickerProc("picker", fl.cp.xds, tmp_path, picker_port, admin=admin).start()
+            idle = ("--adapter-idle-unload", str(IDLE_UNLOAD_S))
+            picker = PickerProc("picker", fl.cp.xds, tmp_path, picker_port, admin=admin, extra=idle).start()
         envoy = fl.envoy
         for cluster in ("base@v1", "dyn@v1"):
             wait_until(
@@ -170,6 +173,16 @@ def test_adapters_go_where_they_are_and_dynamic_ones_are_loaded(
         )
         == 1
     )
+
+    # Unused for --adapter-idle-unload, `fresh` goes cold: unloaded from its server.
+    wait_until(
+        lambda: "fresh" not in lora(fl.servers[holders[0]])["registered"],  # type: ignore[operator]
+        IDLE_UNLOAD_S + 20,
+        "the cold adapter to be unloaded",
+    )
+    unloaded = 'controlplane_picker_adapter_loads_total{adapter="fresh",model="dyn",outcome="unloaded"}'
+    assert picker.metric(unloaded) == 1
+    assert complete(fl.listener, "fresh")[0] == 200  # asked for again: loaded again
 
 
 def test_without_the_picker_adapter_requests_reach_servers_without_them(

@@ -136,6 +136,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "is loaded (still only among the servers that may serve it): for comparing, as "
         "bench/adapters does (default: the servers holding it first, docs/adapters.md)",
     )
+    pk.add_argument(
+        "--adapter-idle-unload",
+        type=argtypes.number(1, 86400),
+        default=600.0,
+        metavar="SECONDS",
+        help="with placement: dynamic, an adapter this picker loaded onto a server and has not sent "
+        "a request of there this long (none in flight) is unloaded from it (default: %(default)s)",
+    )
     pk.add_argument("--node-id", help="its node id on the control plane (default: picker-PID)")
     pk.add_argument("--log-format", choices=("console", "json"), default="console")
     pk.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -214,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
                 peer_token=peer_token,
                 peer_server_name=args.peer_server_name,
                 adapter_affinity=not args.no_adapter_affinity,
+                adapter_idle_unload_s=args.adapter_idle_unload,
             )
         )
     except OSError as e:
