@@ -106,10 +106,25 @@ class Placer:
             log.warning("adapter unload refused", adapter=adapter, server=server, answer=text.strip()[:300])
         return ok
 
-    def forget(self, server: str) -> None:
-        """A server gone from every cluster: what it had is no more."""
-        for servers in self.registered.values():
-            servers.discard(server)
+    def lost(self, adapter: str, server: str) -> None:
+        """`server` answered a request of `adapter` 404: it no longer has it (a restart)."""
+        if server in self.registered.get(adapter, ()):
+            self.registered[adapter].discard(server)
+            self.used.pop((adapter, server), None)
+            self.loads["lost"] = self.loads.get("lost", 0) + 1
+            log.warning(
+                "a server lost an adapter the picker loaded: loaded again when asked",
+                adapter=adapter,
+                server=server,
+            )
+
+    def keep_only(self, servers: set[str]) -> None:
+        """Servers gone from every cluster: what they had is no more (one back later starts
+        without the adapters loaded at runtime)."""
+        for adapter, had in self.registered.items():
+            for server in had - servers:
+                had.discard(server)
+                self.used.pop((adapter, server), None)
 
     async def place(self, adapter: str, source: str, servers: Sequence[str]) -> str:
         """Load `adapter` from `source` onto the first of `servers` that takes it (best first);

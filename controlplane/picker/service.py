@@ -392,6 +392,10 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 elif req.HasField("response_headers"):
                     if picked:  # the request ended, or its response started: it is no more ours
                         served = attribute(req, SERVED_ATTRIBUTE)
+                        if isinstance(ask, Ask) and ask.adapter and _status(req) == 404:
+                            # The server no longer has the adapter (it restarted since the
+                            # picker loaded it there): loaded again for the next request.
+                            self.placer.lost(ask.adapter, served or picked[0])
                         if isinstance(ask, Ask) and ask.cluster in self.flows.clusters:
                             self._readback(picked, served)  # in flight until its trailers
                             read_back = True
@@ -999,6 +1003,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             elif resp.type_url == ENDPOINT:
                 assignments = [_unpack(a, endpoint_pb2.ClusterLoadAssignment) for a in resp.resources]
                 self.state.assign(assignments)
+                self.placer.keep_only(self.state.known())
                 if self.kv_subs is None:
                     self.kv_subs = KvSubscriptions(self.state, self.metrics.kv)
                 named = publishers(assignments)
@@ -1024,6 +1029,20 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 
 FLOW_TICK_S = 0.02  # while requests wait, a look for a free slot at least this often
+
+
+def _status(req: ep.ProcessingRequest) -> int:
+    """A response-headers message's HTTP status (0 if absent or not a number)."""
+    value = header_bytes_of(req.response_headers.headers, ":status")
+    return int(value) if value.isdigit() and len(value) <= 3 else 0
+
+
+def header_bytes_of(headers: Any, name: str) -> bytes:
+    """A header's value in an ext_proc HeaderMap, b"" if absent."""
+    for h in headers.headers:
+        if h.key == name:
+            return bytes(h.raw_value) if h.raw_value else h.value.encode(errors="surrogatepass")
+    return b""
 
 
 def _adapter(ask: Ask | Refused | None) -> str:

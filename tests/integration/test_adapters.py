@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -161,6 +162,24 @@ def test_adapters_go_where_they_are_and_dynamic_ones_are_loaded(
         == 1
     )
 
+    # The server loses it (a restart forgets adapters loaded at runtime; here, unloaded behind
+    # the gateway's back): its next request there gets the server's 404, which tells the
+    # picker, and the one after is loaded again and served.
+    unload = urllib.request.Request(
+        f"http://{fl.servers[holders[0]].address}/v1/unload_lora_adapter",
+        data=json.dumps({"lora_name": "fresh"}).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(unload, timeout=10) as r:
+        assert r.status == 200
+    assert complete(fl.listener, "fresh")[0] == 404
+    assert complete(fl.listener, "fresh")[0] == 200
+    loaded = 'controlplane_picker_adapter_loads_total{adapter="fresh",model="dyn",outcome="loaded"}'
+    assert picker.metric(loaded) == 2
+    holders = [n for n in "cd" if "fresh" in lora(fl.servers[n])["registered"]]  # type: ignore[operator]
+    assert len(holders) == 1, holders
+
     # One that fails to load on every server: a 503 naming it; the base model is untouched.
     status, body = complete(fl.listener, "broken")
     assert status == 503, body
@@ -183,6 +202,7 @@ def test_adapters_go_where_they_are_and_dynamic_ones_are_loaded(
     unloaded = 'controlplane_picker_adapter_loads_total{adapter="fresh",model="dyn",outcome="unloaded"}'
     assert picker.metric(unloaded) == 1
     assert complete(fl.listener, "fresh")[0] == 200  # asked for again: loaded again
+    assert picker.metric(loaded) == 3
 
 
 def test_without_the_picker_adapter_requests_reach_servers_without_them(
