@@ -51,9 +51,9 @@ import math
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from itertools import islice
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -84,7 +84,6 @@ from controlplane.picker.flow import (
     SHED_FULL,
     SHED_TIMEOUT,
     ClusterFlow,
-    FlowConfig,
     FlowConfigError,
     Flows,
     Held,
@@ -122,6 +121,7 @@ from controlplane.v1 import endpoint_pb2 as admin_endpoint_pb2
 from controlplane.v1 import endpoint_pb2_grpc, picker_pb2, picker_pb2_grpc
 
 log = structlog.get_logger("controlplane.picker")
+T = TypeVar("T")
 
 NODE_CLUSTER = "controlplane-picker"
 RECONNECT_MIN_S = 0.2
@@ -617,21 +617,14 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def configure_flows(self, clusters: Iterable[cluster_pb2.Cluster]) -> None:
         """The clusters' flow control as the control plane now sends it; the requests of a
         queue that went (or changed) are picked at once."""
-        configs: dict[str, FlowConfig] = {}
-        for c in clusters:
-            text = metadata_string(c.metadata, FLOW_METADATA_NS, "config")
-            if not text:
-                continue
-            name = c.eds_cluster_config.service_name or c.name
-            try:
-                configs[name] = read_config(text)
-            except FlowConfigError as e:
-                self.metrics.flow_config_errors.inc()
-                log.warning(
-                    "flow control unreadable: the cluster is picked without it",
-                    cluster=name,
-                    error=str(e)[:300],
-                )
+        configs = _cluster_configs(
+            clusters,
+            FLOW_METADATA_NS,
+            read_config,
+            FlowConfigError,
+            self.metrics.flow_config_errors,
+            "flow control",
+        )
         for held in self.flows.configure(configs):
             if not held.future.done():
                 held.future.set_result(RELEASED)
@@ -641,22 +634,14 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def configure_adapters(self, clusters: Iterable[cluster_pb2.Cluster]) -> None:
         """The clusters' adapters as the control plane now sends them."""
-        configs: dict[str, ClusterAdapters] = {}
-        for c in clusters:
-            text = metadata_string(c.metadata, ADAPTERS_METADATA_NS, "config")
-            if not text:
-                continue
-            name = c.eds_cluster_config.service_name or c.name
-            try:
-                configs[name] = read_adapter_config(text)
-            except AdapterConfigError as e:
-                self.metrics.adapter_config_errors.inc()
-                log.warning(
-                    "adapters unreadable: the cluster is picked without them",
-                    cluster=name,
-                    error=str(e)[:300],
-                )
-        self.adapters_of = configs
+        self.adapters_of = _cluster_configs(
+            clusters,
+            ADAPTERS_METADATA_NS,
+            read_adapter_config,
+            AdapterConfigError,
+            self.metrics.adapter_config_errors,
+            "adapters",
+        )
 
     def _with_adapter(self, ask: Ask) -> Ask:
         """`ask` with its adapter, where its model names one of its cluster's, and narrowed to
@@ -1029,6 +1014,32 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 
 FLOW_TICK_S = 0.02  # while requests wait, a look for a free slot at least this often
+
+
+def _cluster_configs(
+    clusters: Iterable[cluster_pb2.Cluster],
+    namespace: str,
+    read: Callable[[str], T],
+    error: type[Exception],
+    errors: Counter,
+    what: str,
+) -> dict[str, T]:
+    """Each cluster's `config` in its `namespace` metadata, read by `read`; a cluster whose
+    config `read` refuses (with `error`) is counted in `errors`, logged, and picked without it."""
+    configs: dict[str, T] = {}
+    for c in clusters:
+        text = metadata_string(c.metadata, namespace, "config")
+        if not text:
+            continue
+        name = c.eds_cluster_config.service_name or c.name
+        try:
+            configs[name] = read(text)
+        except error as e:
+            errors.inc()
+            log.warning(
+                f"{what} unreadable: the cluster is picked without it", cluster=name, error=str(e)[:300]
+            )
+    return configs
 
 
 def _status(req: ep.ProcessingRequest) -> int:
