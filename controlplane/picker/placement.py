@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import structlog
 
+from controlplane.net.http import client_session
+
 log = structlog.get_logger("controlplane.picker")
 
 LOAD_TIMEOUT_S = 25.0  # one load's answer: within routing/translate.ADAPTER_LOAD_WAIT_S, with room
@@ -88,7 +90,7 @@ class Placer:
         """Unload `adapter` from `server` (already dropped from where requests go); whether the
         server said it did (an adapter it no longer has counts as done)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S))
+            self._session = client_session(timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S))
         try:
             async with self._session.post(
                 f"http://{server}/v1/unload_lora_adapter", json={"lora_name": adapter}
@@ -155,7 +157,7 @@ class Placer:
 
     async def _load(self, server: str, adapter: str, source: str) -> None:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S))
+            self._session = client_session(timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S))
         try:
             async with self._session.post(
                 f"http://{server}/v1/load_lora_adapter", json={"lora_name": adapter, "lora_path": source}

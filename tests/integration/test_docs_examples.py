@@ -65,6 +65,7 @@ NOT_RUN = {
     ("docs/benchmarks.md", ".venv/bin/python bench/quotas/accuracy.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/python bench/peers/run.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/python bench/flow/run.py"): BENCH,
+    ("docs/benchmarks.md", ".venv/bin/python bench/adapters/run.py"): BENCH,
     ("docs/benchmarks.md", ".venv/bin/pip install -e '.[bench]'"): "installs the optional bench extra",
     ("docs/quotas.md", "controlplane ratelimit --config fleet.yaml --listen 10.0.0.5:18081"): (
         "a deployment across hosts, with a Redis and certificates; test_quotas.py's "
