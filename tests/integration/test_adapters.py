@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +84,9 @@ def rig(tmp_path: Path, picked: bool) -> Iterator[tuple[EmulatedFleet, PickerPro
                 20,
                 f"Envoy to have {cluster}'s servers healthy",
             )
+        if picker is not None:  # and the picker to pick in both clusters (its EDS may lag Envoy's)
+            for model in ("base", "dyn"):
+                wait_until(lambda m=model: _picked(fl.listener, picker, m), 20, f"the picker to pick {model}")  # type: ignore[misc]
         yield fl, picker
     finally:
         if picker is not None:
@@ -98,6 +102,21 @@ def picked(tmp_path: Path) -> Iterator[tuple[EmulatedFleet, PickerProc | None]]:
 @pytest.fixture
 def unpicked(tmp_path: Path) -> Iterator[tuple[EmulatedFleet, PickerProc | None]]:
     yield from rig(tmp_path, picked=False)
+
+
+def _picked(port: int, picker: PickerProc, model: str) -> bool:
+    """A request of `model` (the base) through the gateway was picked by the picker."""
+    rid = f"warm-{model}-{time.monotonic_ns()}"
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 1}).encode()
+        conn.request(
+            "POST", "/v1/completions", body, {"content-type": "application/json", "x-request-id": rid}
+        )
+        conn.getresponse().read()
+    finally:
+        conn.close()
+    return rid in picker.picks()
 
 
 def complete(port: int, model: str, by_header: bool = False) -> tuple[int, dict[str, object]]:
