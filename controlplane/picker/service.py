@@ -1037,7 +1037,10 @@ def _cluster_configs(
         except error as e:
             errors.inc()
             log.warning(
-                f"{what} unreadable: the cluster is picked without it", cluster=name, error=str(e)[:300]
+                "cluster config unreadable: the cluster is picked without it",
+                what=what,
+                cluster=name,
+                error=str(e)[:300],
             )
     return configs
 
