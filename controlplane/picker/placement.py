@@ -89,10 +89,8 @@ class Placer:
     async def unload(self, adapter: str, server: str) -> bool:
         """Unload `adapter` from `server` (already dropped from where requests go); whether the
         server said it did (an adapter it no longer has counts as done)."""
-        if self._session is None:
-            self._session = client_session(timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S))
         try:
-            async with self._session.post(
+            async with self._client().post(
                 f"http://{server}/v1/unload_lora_adapter", json={"lora_name": adapter}
             ) as r:
                 text = (await r.content.read(4096)).decode(errors="replace")
@@ -156,10 +154,8 @@ class Placer:
         raise LoadFailed(why)
 
     async def _load(self, server: str, adapter: str, source: str) -> None:
-        if self._session is None:
-            self._session = client_session(timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S))
         try:
-            async with self._session.post(
+            async with self._client().post(
                 f"http://{server}/v1/load_lora_adapter", json={"lora_name": adapter, "lora_path": source}
             ) as r:
                 text = (await r.content.read(4096)).decode(errors="replace")
@@ -168,6 +164,12 @@ class Placer:
                 raise LoadFailed(f"HTTP {r.status}: {text.strip()[:ERROR_MAX_CHARS]}")
         except (aiohttp.ClientError, TimeoutError) as e:
             raise LoadFailed(f"{type(e).__name__}: {str(e)[:ERROR_MAX_CHARS]}") from None
+
+    def _client(self) -> aiohttp.ClientSession:
+        """The session the loads and unloads share (made on first use, on the picker's loop)."""
+        if self._session is None:
+            self._session = client_session(timeout=aiohttp.ClientTimeout(total=LOAD_TIMEOUT_S))
+        return self._session
 
     async def close(self) -> None:
         for task in list(self._loading.values()):

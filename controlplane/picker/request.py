@@ -148,7 +148,12 @@ def _subset(req: ep.ProcessingRequest) -> frozenset[str] | Refused | None:
 
 def header_bytes(req: ep.ProcessingRequest, name: str) -> bytes:
     """A request header's value as sent, b"" if absent (the first, if sent twice)."""
-    for h in req.request_headers.headers.headers:
+    return map_header_bytes(req.request_headers.headers, name)
+
+
+def map_header_bytes(headers: base_pb2.HeaderMap, name: str) -> bytes:
+    """A header's value in an ext_proc header map (a request's or a response's), b"" if absent."""
+    for h in headers.headers:
         if h.key == name:
             return bytes(h.raw_value) if h.raw_value else h.value.encode(errors="surrogatepass")
     return b""

@@ -99,6 +99,7 @@ from controlplane.picker.request import (
     Refused,
     attribute,
     header_bytes,
+    map_header_bytes,
     metadata_string,
     read_ask,
 )
@@ -650,8 +651,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         cfg = self.adapters_of.get(ask.cluster)
         if cfg is None or ask.model not in cfg.rules:
             return ask
-        servers = [c.address for c in self.state.clusters.get(ask.cluster, ()) if c.eligible]
-        may = cfg.servers(ask.model, ask.cluster.rsplit("@", 1)[-1], servers)
+        servers, may = self._may_serve(ask.cluster, cfg, ask.model)
         subset = ask.subset
         for narrower in (
             may,
@@ -660,6 +660,13 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if narrower is not None:
                 subset = narrower if subset is None else subset & narrower
         return dataclasses.replace(ask, adapter=ask.model, subset=subset)
+
+    def _may_serve(
+        self, cluster: str, cfg: ClusterAdapters, adapter: str
+    ) -> tuple[list[str], frozenset[str] | None]:
+        """The cluster's eligible servers, and those of them `adapter` may go to (None: all)."""
+        servers = [c.address for c in self.state.clusters.get(cluster, ()) if c.eligible]
+        return servers, cfg.servers(adapter, cluster.rsplit("@", 1)[-1], servers)
 
     def _must_place(self, ask: Ask) -> bool:
         """The request's adapter must be loaded first: its model's placement is dynamic and no
@@ -680,8 +687,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         cfg = self.adapters_of[ask.cluster]
         rule = cfg.rules[ask.adapter]
         now = time.monotonic()
-        servers = [c.address for c in self.state.clusters.get(ask.cluster, ()) if c.eligible]
-        may = cfg.servers(ask.adapter, ask.cluster.rsplit("@", 1)[-1], servers)
+        servers, may = self._may_serve(ask.cluster, cfg, ask.adapter)
         candidates = [s for s in servers if may is None or s in may]
         if not candidates:  # nothing eligible to load onto: the weights route it, as any request
             return ask
@@ -1047,16 +1053,8 @@ def _cluster_configs(
 
 def _status(req: ep.ProcessingRequest) -> int:
     """A response-headers message's HTTP status (0 if absent or not a number)."""
-    value = header_bytes_of(req.response_headers.headers, ":status")
+    value = map_header_bytes(req.response_headers.headers, ":status")
     return int(value) if value.isdigit() and len(value) <= 3 else 0
-
-
-def header_bytes_of(headers: Any, name: str) -> bytes:
-    """A header's value in an ext_proc HeaderMap, b"" if absent."""
-    for h in headers.headers:
-        if h.key == name:
-            return bytes(h.raw_value) if h.raw_value else h.value.encode(errors="surrogatepass")
-    return b""
 
 
 def _adapter(ask: Ask | Refused | None) -> str:
