@@ -457,7 +457,7 @@ def test_endpoints_table_and_dict() -> None:
     e = endpoint_pb2.Endpoint(
         model="llama",
         version="v1",
-        address="127.0.0.1:8000",
+        address="10.0.0.1:8000",
         gpu="A100",
         state="SERVING",
         weight=7,
@@ -485,7 +485,7 @@ def test_endpoints_table_and_dict() -> None:
     assert row.split() == [
         "llama",
         "v1",
-        "127.0.0.1:8000",
+        "10.0.0.1:8000",
         "A100",
         "SERVING",
         "7",
@@ -502,7 +502,7 @@ def test_endpoints_table_and_dict() -> None:
 
 def test_a_figure_never_read_is_unknown_in_the_table_and_null_in_json_and_yaml() -> None:
     e = endpoint_pb2.Endpoint(
-        model="llama", version="v1", address="127.0.0.1:8000", state="SERVING", weight=100
+        model="llama", version="v1", address="10.0.0.1:8000", state="SERVING", weight=100
     )
     row = out.endpoints_table([e]).splitlines()[1].split()
     assert row[6:] == ["unknown", "unknown", "0", "unknown", "unknown"]
@@ -512,7 +512,7 @@ def test_a_figure_never_read_is_unknown_in_the_table_and_null_in_json_and_yaml()
     assert [yaml.safe_load(out.dump(out.endpoint_to_dict(e), "yaml"))[k] for k in figures] == [None] * 5
     # Read as 0, a figure is 0: idle is not unknown.
     idle = endpoint_pb2.Endpoint(
-        model="llama", version="v1", address="127.0.0.2:8000", state="SERVING", running=0, waiting=0,
+        model="llama", version="v1", address="10.0.0.2:8000", state="SERVING", running=0, waiting=0,
         kv_use=0, error_rate=0,
     )  # fmt: skip
     assert out.endpoints_table([idle]).splitlines()[1].split()[6:] == ["0", "0", "0", "unknown", "0.00%"]
@@ -525,7 +525,7 @@ def test_why_the_last_scrape_read_no_load_is_shown_for_an_endpoint_in_sight() ->
         "unreadable metrics page: no vLLM, SGLang, TGI, Triton or llama.cpp metrics on the page (15 samples)"
     )
     e = endpoint_pb2.Endpoint(
-        model="llama", version="v1", address="127.0.0.1:8000", state="SERVING", weight=100, sight="SEEN",
+        model="llama", version="v1", address="10.0.0.1:8000", state="SERVING", weight=100, sight="SEEN",
         scrape_error=why, scrape_error_reason="no_dialect",
     )  # fmt: skip
     text = out.endpoints_table([e])
@@ -536,14 +536,14 @@ def test_why_the_last_scrape_read_no_load_is_shown_for_an_endpoint_in_sight() ->
     # No answer is for the sight to tell (out of sight after 3): the table does not say it per
     # scrape; JSON has it.
     silent = endpoint_pb2.Endpoint(
-        model="llama", version="v1", address="127.0.0.1:8000", state="SERVING", sight="SEEN",
+        model="llama", version="v1", address="10.0.0.1:8000", state="SERVING", sight="SEEN",
         scrape_error="GET /metrics failed: refused", scrape_error_reason="unreachable",
     )  # fmt: skip
     assert "refused" not in out.endpoints_table([silent])
     assert out.endpoint_to_dict(silent)["scrape_error_reason"] == "unreachable"
     # A note that already names the error does not get it twice.
     held = endpoint_pb2.Endpoint(
-        model="llama", version="v1", address="127.0.0.1:8000", state="HELD_OUT",
+        model="llama", version="v1", address="10.0.0.1:8000", state="HELD_OUT",
         note="not ready: GET /metrics answered HTTP 503",
         scrape_error="GET /metrics answered HTTP 503", scrape_error_reason="http_error",
     )  # fmt: skip
