@@ -704,6 +704,7 @@ def explain(
         else {
             "header": model.affinity.header,
             "body_field": model.affinity.body_field,
+            "adapter": model.affinity.adapter,
             "algorithm": model.affinity.algorithm,
             "balance_factor": model.affinity.balance_factor,
         },

@@ -140,7 +140,15 @@ def _envoy_rows(e: Mapping[str, Any]) -> list[list[str]]:
         rows.append(["LoRA adapters", env["adapters"]["text"]])
     aff = e["affinity"]
     if aff is not None:
-        key = f"header {aff['header']}" if aff["header"] else f"JSON body field {aff['body_field']}"
+        key = (
+            f"header {aff['header']}"
+            if aff["header"]
+            else f"JSON body field {aff['body_field']}"
+            if aff["body_field"]
+            else "adapter a request names (the base model's requests spread)"
+            if aff.get("adapter")
+            else "prompt's leading part"
+        )
         rows.append(
             ["affinity", f"{aff['algorithm']} on the {key}, bounded at {aff['balance_factor']}% of mean load"]
         )

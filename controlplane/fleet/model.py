@@ -303,6 +303,13 @@ class Affinity:
     algorithm: str = "maglev"  # or ring_hash
     balance_factor: int = 150  # percent of the mean requests in flight per endpoint (>= 100)
     prefix: PrefixKey | None = None  # the key is the prompt's leading part (prefix affinity)
+    # The key is the adapter a request names (its model name): each adapter's requests keep to
+    # the servers that hold it, and the base model's, without a key, spread within the bound.
+    # A model with adapters and no affinity of its own gets this one (ADAPTER_AFFINITY).
+    adapter: bool = False
+
+
+ADAPTER_AFFINITY = Affinity(adapter=True)
 
 
 @dataclass(frozen=True)
@@ -342,6 +349,18 @@ class Model:
     tokenizer: str | None = None  # a directory with its tokenizer.json (and tokenizer_config.json)
     adapters: tuple[Adapter, ...] = ()  # LoRA adapters served on its servers
     placement: str = "static"  # PLACEMENTS: how its adapters reach the servers
+
+    def lb_adapters(self, version: Version) -> dict[str, tuple[str, ...]]:
+        """Per endpoint address of `version`, the adapters restricted to some endpoints
+        (Adapter.endpoints) that it may serve: Envoy's subsets for the no-hop path. Empty
+        when no adapter of the model is restricted so."""
+        restricted = [a for a in self.adapters if a.endpoints]
+        if not restricted:
+            return {}
+        return {
+            ep.address: tuple(a.name for a in restricted if a.may_serve(version.name, ep.address))
+            for ep in version.endpoints
+        }
 
     def adapter(self, name: str) -> Adapter | None:
         """The adapter named `name`, None if this model has none so named."""

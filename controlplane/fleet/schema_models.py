@@ -11,6 +11,7 @@ from typing import Any
 from controlplane import limits
 from controlplane.fleet.errors import _Errors
 from controlplane.fleet.model import (
+    ADAPTER_AFFINITY,
     DTYPE_BYTES,
     METRICS_SCHEMES,
     Affinity,
@@ -130,7 +131,9 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         if "memory_gb" in m
         else None
     )
-    affinity = _affinity(m["affinity"], f"{path}.affinity", errs) if "affinity" in m else None
+    affinity = (
+        _affinity(m["affinity"], f"{path}.affinity", errs) if m.get("affinity", False) is not False else None
+    )
     zones = m.get("zones", [])
     if (
         not isinstance(zones, list)
@@ -164,6 +167,10 @@ def _model(name: str, spec: Any, tiers: list[Tier] | None, errs: _Errors) -> Mod
         )
     adapters = _adapters(m.get("adapters"), f"{path}.adapters", versions, errs)
     placement = _placement(m.get("placement"), f"{path}.placement", adapters, errs)
+    if adapters and "affinity" not in m:
+        affinity = ADAPTER_AFFINITY  # `affinity: false` keeps Envoy's least request, adapters ignored
+    elif affinity is not None and affinity.adapter and not adapters:
+        errs.add(f"{path}.affinity.adapter", "the model has no adapters: add them under adapters")
     if len(errs.items) != before or tier is None or versions is None or adapters is None:
         return None
     return Model(
@@ -275,17 +282,24 @@ def _versions(path: str, value: Any, errs: _Errors) -> list[Version] | None:
 
 
 def _affinity(value: Any, path: str, errs: _Errors) -> Affinity | None:
-    m = _mapping(value, path, errs, {"header", "body", "prefix", "algorithm", "hash_balance_factor"})
+    m = _mapping(
+        value, path, errs, {"header", "body", "prefix", "adapter", "algorithm", "hash_balance_factor"}
+    )
     if m is None:
         return None
     before = len(errs.items)
     header, body = m.get("header"), m.get("body")
     prefix = _prefix_key(m["prefix"], f"{path}.prefix", errs) if "prefix" in m else None
-    if sum(x is not None for x in (header, body, m.get("prefix"))) != 1:
+    adapter = m.get("adapter")
+    if adapter is not None and adapter is not True:
+        errs.add(
+            f"{path}.adapter", f"expected true (the key is the adapter a request names), got {adapter!r}"
+        )
+    if sum(x is not None for x in (header, body, m.get("prefix"), adapter)) != 1:
         errs.add(
             path,
-            "give exactly one of header (e.g. x-session-id), body (prompt_cache_key or user) "
-            "or prefix (the prompt's leading part)",
+            "give exactly one of header (e.g. x-session-id), body (prompt_cache_key or user), "
+            "prefix (the prompt's leading part) or adapter (true: the adapter a request names)",
         )
     if header is not None and (not isinstance(header, str) or not _HEADER_NAME.match(header)):
         errs.add(f"{path}.header", f"expected a lower-case header name such as x-session-id, got {header!r}")
@@ -298,7 +312,12 @@ def _affinity(value: Any, path: str, errs: _Errors) -> Affinity | None:
     if len(errs.items) != before or factor is None:
         return None
     return Affinity(
-        header=header, body_field=body, algorithm=str(algorithm), balance_factor=factor, prefix=prefix
+        header=header,
+        body_field=body,
+        algorithm=str(algorithm),
+        balance_factor=factor,
+        prefix=prefix,
+        adapter=adapter is True,
     )
 
 

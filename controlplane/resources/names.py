@@ -19,6 +19,9 @@ PICKED_HEADER = "x-gateway-destination-endpoint"
 PICKED_METADATA_NS = "envoy.lb"
 KV_METADATA_NS = "controlplane.kv"  # an EDS endpoint's KV-event publisher, for the picker
 ADAPTERS_METADATA_NS = "controlplane.adapters"  # a model's LoRA adapters (its `config`), for the picker
+# Envoy's subset key (under envoy.lb) for adapters that only some servers may serve: on an
+# endpoint, the list of such adapters it may; on a request, the model it names.
+ADAPTER_LB_KEY = "controlplane.adapter"
 FLOW_METADATA_NS = "controlplane.flow"  # a cluster's flow control (its `config`), for the picker
 SUBSET_METADATA_NS = "envoy.lb.subset_hint"  # the Endpoint Picker Protocol's subset hint, to the picker
 _STAT_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")

@@ -20,6 +20,7 @@ from envoy.extensions.load_balancing_policies.maglev.v3 import maglev_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.extensions.load_balancing_policies.ring_hash.v3 import ring_hash_pb2
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
+from envoy.extensions.load_balancing_policies.subset.v3 import subset_pb2
 from envoy.extensions.load_balancing_policies.wrr_locality.v3 import wrr_locality_pb2
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2 as common_tls_pb2
 from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
@@ -133,15 +134,7 @@ def build_cluster(
         type=cluster_pb2.Cluster.EDS,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(eds_config=pb.ads(), service_name=cname),
         connect_timeout=pb.duration(1.0),
-        load_balancing_policy=(
-            picked_policy(hashing_policy(model.affinity) if model.affinity is not None else None)
-            if picked
-            else hashing_policy(model.affinity)
-            if model.affinity is not None
-            else round_robin_policy()
-            if t.balancing == "round_robin"
-            else least_request_policy()
-        ),
+        load_balancing_policy=_policy(model, t, picked),
         circuit_breakers=circuit_breaker_pb2.CircuitBreakers(
             thresholds=[
                 _thresholds(base_pb2.DEFAULT, t.breaker_default),
@@ -186,6 +179,40 @@ def build_cluster(
     if picked and adapters:
         c.metadata.filter_metadata[names.ADAPTERS_METADATA_NS].update({"config": adapters})
     return c
+
+
+def _policy(model: Model, t: TrafficPolicy, picked: bool) -> cluster_pb2.LoadBalancingPolicy:
+    """The cluster's load balancing: the picked server first when `picked`, else (or when the
+    picker names none) the model's hashing, round robin or weighted least request; within the
+    subset of its servers that may serve the request's adapter when some adapters are
+    restricted to some servers (adapter_subsets)."""
+    if model.affinity is not None:
+        inner = hashing_policy(model.affinity)
+    elif picked or t.balancing != "round_robin":
+        inner = least_request_policy()
+    else:
+        inner = round_robin_policy()
+    if any(a.endpoints for a in model.adapters):
+        inner = adapter_subsets(inner)
+    return picked_policy(inner) if picked else inner
+
+
+def adapter_subsets(inner: cluster_pb2.LoadBalancingPolicy) -> cluster_pb2.LoadBalancingPolicy:
+    """Envoy's subset load balancer over `inner`, keyed on names.ADAPTER_LB_KEY: a request
+    whose envoy.lb metadata names an adapter that only some servers may serve (the gateway
+    copies its model name there) goes to those servers only (each lists such adapters in its
+    endpoint metadata, a list: list_as_any); any other request (the base model's, an adapter
+    every server has) matches no subset and takes the whole cluster. Proxyless gRPC, which has
+    no subsets, takes `inner`'s own list after it."""
+    subset = subset_pb2.Subset(
+        fallback_policy=subset_pb2.Subset.ANY_ENDPOINT,
+        subset_selectors=[subset_pb2.Subset.LbSubsetSelector(keys=[names.ADAPTER_LB_KEY])],
+        list_as_any=True,
+        subset_lb_policy=inner,
+    )
+    return cluster_pb2.LoadBalancingPolicy(
+        policies=[_lb_policy("envoy.load_balancing_policies.subset", subset), *inner.policies]
+    )
 
 
 def upstream_http_options(
@@ -445,6 +472,7 @@ def build_assignment(
     ring_hash: bool = False,
     hashed: bool = False,
     kv_events: KvEventPorts | None = None,
+    adapters: Mapping[str, tuple[str, ...]] | None = None,
 ) -> endpoint_pb2.ClusterLoadAssignment:
     """The version's endpoints with their weights, by EDS priority, one locality each.
 
@@ -462,7 +490,8 @@ def build_assignment(
     cluster (a model with affinity) sends its weights squared (hashed_weights). An endpoint
     that publishes KV events (its own `kv_events`, else its version's or `kv_events`'s port on
     its host) says where, for the picker, in its metadata (names.KV_METADATA_NS: `events`,
-    `replay`)."""
+    `replay`). `adapters`: per address, the restricted adapters it may serve (Model.lb_adapters),
+    which its envoy.lb metadata lists for the subset load balancer (adapter_subsets)."""
     if hashed:
         weights = hashed_weights(weights)
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cname)
@@ -500,6 +529,10 @@ def build_assignment(
             if publisher is not None:
                 kv = {"events": publisher[0]} | ({"replay": publisher[1]} if publisher[1] else {})
                 lb.metadata.filter_metadata[names.KV_METADATA_NS].update(kv)
+            if adapters and adapters.get(ep.address):
+                lb.metadata.filter_metadata["envoy.lb"].update(
+                    {names.ADAPTER_LB_KEY: list(adapters[ep.address])}
+                )
     return cla
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from controlplane.fleet.model import (
+    Adapter,
     Affinity,
     Endpoint,
     Fleet,
@@ -61,9 +62,16 @@ from controlplane.routing.translate import (
     picks,
 )
 
-_ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None, bool, str | None, str, str]
+_ClusterKey = tuple[str, str, TrafficPolicy, Affinity | None, bool, str | None, str, str, bool]
 _PlacementKey = tuple[
-    tuple[str, ...], tuple[str, ...], float | None, tuple[GpuClass, ...], bool, bool, tuple[object, object]
+    tuple[str, ...],
+    tuple[str, ...],
+    float | None,
+    tuple[GpuClass, ...],
+    bool,
+    bool,
+    tuple[object, object],
+    tuple[Adapter, ...],
 ]
 _ModelRouteKey = tuple[
     str,
@@ -75,6 +83,7 @@ _ModelRouteKey = tuple[
     tuple[str, int] | None,
     bool,
     str | None,
+    tuple[Adapter, ...],
 ]
 _RouteKey = tuple[
     ListenerSpec,
@@ -109,6 +118,7 @@ def _cluster_key(fleet: Fleet, model: Model) -> _ClusterKey:
         model.tokenizer,
         flow_config(fleet, model),
         adapter_config(fleet, model),
+        any(a.endpoints for a in model.adapters),  # subsets for the restricted adapters
     )
 
 
@@ -206,6 +216,7 @@ class IncrementalTranslator:
                     overlay.shadow.get(m.name),
                     holds(m, overlay),
                     m.tokenizer,  # a picked model with one sends the picker its prompt
+                    m.adapters,  # their names route as the model's; /v1/models lists them
                 )
                 for m in fleet.models
             ),
@@ -285,6 +296,7 @@ class IncrementalTranslator:
             ring_hashed(model),
             model.affinity is not None,  # hashed: weights squared
             (model.kv_events, version.kv_events),  # where the servers publish KV events
+            model.adapters,  # the restricted adapters' subsets
         )
         mine = (
             frozenset(ep.address for ep in version.endpoints if ep.address in draining)
@@ -310,6 +322,7 @@ class IncrementalTranslator:
             ring_hash=pkey[4],
             hashed=pkey[5],
             kv_events=model.kv_events,
+            adapters=model.lb_adapters(version),
         )
         self._assignments[cname] = (version.endpoints, pkey, dict(weights), mine, msg)
         return msg

@@ -21,6 +21,7 @@ from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.common.set_filter_state.v3 import value_pb2 as value_pb2_fs
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.header_to_metadata.v3 import header_to_metadata_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2
 from envoy.extensions.filters.http.lua.v3 import lua_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
@@ -167,6 +168,7 @@ def translate(
                 ring_hash=ring_hashed(model),
                 hashed=model.affinity is not None,
                 kv_events=model.kv_events,
+                adapters=model.lb_adapters(version),
             )
     if overlay.hold_address is not None:
         clusters[names.HOLD_CLUSTER] = build_hold_cluster(overlay.hold_address)
@@ -233,10 +235,15 @@ def affinity_state_key(body_field: str) -> str:
 
 
 def _affinity_body_fields(fleet: Fleet) -> list[str]:
-    return sorted({m.affinity.body_field for m in fleet.models if m.affinity and m.affinity.body_field})
+    """The body fields requests hash on: the affinity ones, and `model` where a model hashes
+    its adapters' requests on their name (Affinity.adapter)."""
+    fields = {m.affinity.body_field for m in fleet.models if m.affinity and m.affinity.body_field}
+    fields |= {ADAPTER_FIELD for m in fleet.models if m.affinity and m.affinity.adapter}
+    return sorted(fields)
 
 
 PREFIX_FIELD = "prefix"  # affinity_prefix in metadata; never a body field name (AFFINITY_BODY_FIELDS)
+ADAPTER_FIELD = "model"  # the body's model, hashed for Affinity.adapter (affinity_model in metadata)
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 
 
@@ -411,13 +418,43 @@ def _affinity_filter_state(fields: list[str]) -> hcm_pb2.HttpFilter:
     return hcm_pb2.HttpFilter(name="envoy.filters.http.set_filter_state", typed_config=pb.pack(cfg))
 
 
-def _json_to_metadata(affinity_fields: list[str] | None = None, tokens: bool = False) -> hcm_pb2.HttpFilter:
+def _adapter_subsets(fleet: Fleet) -> bool:
+    """Whether an adapter of some model may be served by some of its servers only: then the
+    request's model goes to envoy.lb too (clusters.adapter_subsets)."""
+    return any(a.endpoints for m in fleet.models for a in m.adapters)
+
+
+def _model_to_lb() -> hcm_pb2.HttpFilter:
+    """The x-model header's name into envoy.lb (names.ADAPTER_LB_KEY), after the body's, so
+    that the name the request is routed by is the one its subset is chosen by."""
+    cfg = header_to_metadata_pb2.Config(
+        request_rules=[
+            header_to_metadata_pb2.Config.Rule(
+                header=MODEL_HEADER,
+                on_header_present=header_to_metadata_pb2.Config.KeyValuePair(
+                    metadata_namespace="envoy.lb",
+                    key=names.ADAPTER_LB_KEY,
+                    type=header_to_metadata_pb2.Config.STRING,
+                ),
+            )
+        ]
+    )
+    return hcm_pb2.HttpFilter(name="envoy.filters.http.header_to_metadata", typed_config=pb.pack(cfg))
+
+
+def _json_to_metadata(
+    affinity_fields: list[str] | None = None, tokens: bool = False, subsets: bool = False
+) -> hcm_pb2.HttpFilter:
     """The model (and affinity fields) from the request's JSON body; with token quotas
     (routing/quotas.py), every limit on its output and count of completions it may carry
     (OUTPUT_LIMIT_FIELDS, COPIES_FIELDS) too, and the response's usage.total_tokens (a JSON
     response's; a stream's is text/event-stream and passes by: the stream usage filter reads
     its usage event, if it has one)."""
     rules = [_json_rule("model", "model")]
+    if subsets:  # the body's model picks a restricted adapter's subset (clusters.adapter_subsets)
+        lb = _json_rule("model", names.ADAPTER_LB_KEY)
+        lb.on_present.metadata_namespace = "envoy.lb"
+        rules.append(lb)
     rules += [_json_rule(f, f"affinity_{f}") for f in affinity_fields or []]
     if tokens:
         for key, path in {**OUTPUT_LIMIT_FIELDS, **COPIES_FIELDS}.items():
@@ -481,7 +518,9 @@ def build_gateway_listener(fleet: Fleet) -> listener_pb2.Listener:
             _json_to_metadata(
                 body_fields := _affinity_body_fields(fleet),
                 tokens=_counts_tokens(fleet),
+                subsets=_adapter_subsets(fleet),
             ),
+            *([_model_to_lb()] if _adapter_subsets(fleet) else []),
             *([_prefix_key_filter()] if _lua_needed(fleet) else []),
             *(
                 [_affinity_filter_state(state_fields)]
@@ -557,9 +596,12 @@ def _model_action(
     high: bool = False,
     overlay: RoutingOverlay = NO_OVERLAY,
     version: str | None = None,
+    adapter_key: str | None = None,
 ) -> route_components_pb2.RouteAction:
     """Where a model's requests go: `version` alone when given, else the overlay's split (a
-    rollout in progress), else the stable version."""
+    rollout in progress), else the stable version. `adapter_key`: the route takes requests
+    naming one of the model's adapters, by the x-model header ("header") or the body ("body"),
+    and hashes them on that name when the model's affinity is by adapter."""
     t = fleet.traffic_of(model)
     action = route_components_pb2.RouteAction(
         timeout=pb.duration(t.timeout_s),
@@ -595,6 +637,12 @@ def _model_action(
     elif a is not None and a.prefix is not None and not proxyless:
         keyed = action.hash_policy.add()
         keyed.filter_state.key = affinity_state_key(PREFIX_FIELD)
+    elif a is not None and a.adapter and adapter_key is not None and not proxyless:
+        keyed = action.hash_policy.add()
+        if adapter_key == "header":
+            keyed.header.header_name = MODEL_HEADER
+        else:
+            keyed.filter_state.key = affinity_state_key(ADAPTER_FIELD)
     if keyed is not None and not proxyless:
         # A request without a key hashes on its request id: spread as at random, within the
         # bounded load, instead of every keyless request on one server.
@@ -665,11 +713,14 @@ def _model_route(
     high: bool = False,
     overlay: RoutingOverlay = NO_OVERLAY,
     version: str | None = None,
+    adapter_key: str | None = None,
 ) -> route_components_pb2.Route:
     route = route_components_pb2.Route(
         name=name,
         match=match,
-        route=_model_action(fleet, model, high=high, overlay=overlay, version=version),
+        route=_model_action(
+            fleet, model, high=high, overlay=overlay, version=version, adapter_key=adapter_key
+        ),
     )
     add_rate_limits(fleet, model, route.route)
     if route.route.cluster == names.HOLD_CLUSTER:
@@ -713,8 +764,26 @@ def model_names(model: Model) -> string_pb2.StringMatcher:
     Envoy matches against the whole value."""
     if not model.adapters:
         return string_pb2.StringMatcher(exact=model.name)
-    names = "|".join(n.replace(".", "\\.") for n in (model.name, *(a.name for a in model.adapters)))
-    return string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(regex=f"(?:{names})"))
+    return _names_regex([model.name, *(a.name for a in model.adapters)])
+
+
+def _names_regex(names: list[str]) -> string_pb2.StringMatcher:
+    alternatives = "|".join(n.replace(".", "\\.") for n in names)
+    return string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(regex=f"(?:{alternatives})"))
+
+
+def _namings(model: Model) -> list[tuple[str, string_pb2.StringMatcher, bool]]:
+    """The ways a request names `model`, each with its own routes: (route name suffix, what the
+    name must be, whether it names an adapter). One, model_names, unless the model hashes its
+    requests by adapter (Affinity.adapter): then the base model's name alone (no key: spread
+    within the bound) and its adapters' names (hashed on the name: each adapter keeps to the
+    servers that hold it)."""
+    if model.affinity is None or not model.affinity.adapter:
+        return [("", model_names(model), False)]
+    return [
+        ("", string_pb2.StringMatcher(exact=model.name), False),
+        ("/adapters", _names_regex([a.name for a in model.adapters]), True),
+    ]
 
 
 def _metadata_model(value: value_pb2.ValueMatcher) -> metadata_pb2.MetadataMatcher:
@@ -733,6 +802,7 @@ def _class_routes(
     metadata: list[metadata_pb2.MetadataMatcher],
     shed: frozenset[str],
     overlay: RoutingOverlay = NO_OVERLAY,
+    adapter_key: str | None = None,
 ) -> list[route_components_pb2.Route]:
     """A model's routes for one way of naming it: with several versions, a route per version
     for requests that name one in x-model-version; a route per priority class that is treated
@@ -758,7 +828,9 @@ def _class_routes(
     if len(routable) > 1:
         for v in routable:
             match = match_also(MODEL_VERSION_HEADER, v.name)
-            out.append(_model_route(fleet, model, f"{name}@{v.name}", match, version=v.name))
+            out.append(
+                _model_route(fleet, model, f"{name}@{v.name}", match, version=v.name, adapter_key=adapter_key)
+            )
     for c in fleet.priority_classes:
         b = behaviour(c)
         if c is default or b == default_behaviour:
@@ -767,13 +839,31 @@ def _class_routes(
         out.append(
             _shed_route(f"{name}/{c.name}", match)
             if b == "shed"
-            else _model_route(fleet, model, f"{name}/{c.name}", match, high=b == "high", overlay=overlay)
+            else _model_route(
+                fleet,
+                model,
+                f"{name}/{c.name}",
+                match,
+                high=b == "high",
+                overlay=overlay,
+                adapter_key=adapter_key,
+            )
         )
     match = route_components_pb2.RouteMatch(prefix="/", headers=headers, dynamic_metadata=metadata)
     if default_behaviour == "shed":
         out.append(_shed_route(name, match))
     else:
-        out.append(_model_route(fleet, model, name, match, high=default_behaviour == "high", overlay=overlay))
+        out.append(
+            _model_route(
+                fleet,
+                model,
+                name,
+                match,
+                high=default_behaviour == "high",
+                overlay=overlay,
+                adapter_key=adapter_key,
+            )
+        )
     return out
 
 
@@ -851,25 +941,29 @@ def build_gateway_routes(
         ),
     ]
     for model in fleet.models:
-        routes += _class_routes(
-            fleet,
-            model,
-            f"header/{model.name}",
-            [route_components_pb2.HeaderMatcher(name=MODEL_HEADER, string_match=model_names(model))],
-            [],
-            shed.get(model.name, frozenset()),
-            overlay,
-        )
+        for suffix, matcher, adapters in _namings(model):
+            routes += _class_routes(
+                fleet,
+                model,
+                f"header/{model.name}{suffix}",
+                [route_components_pb2.HeaderMatcher(name=MODEL_HEADER, string_match=matcher)],
+                [],
+                shed.get(model.name, frozenset()),
+                overlay,
+                adapter_key="header" if adapters else None,
+            )
     for model in fleet.models:
-        routes += _class_routes(
-            fleet,
-            model,
-            f"body/{model.name}",
-            [header_absent],
-            [_metadata_model(value_pb2.ValueMatcher(string_match=model_names(model)))],
-            shed.get(model.name, frozenset()),
-            overlay,
-        )
+        for suffix, matcher, adapters in _namings(model):
+            routes += _class_routes(
+                fleet,
+                model,
+                f"body/{model.name}{suffix}",
+                [header_absent],
+                [_metadata_model(value_pb2.ValueMatcher(string_match=matcher))],
+                shed.get(model.name, frozenset()),
+                overlay,
+                adapter_key="body" if adapters else None,
+            )
     routes.append(
         _direct(
             "unknown-model-header",

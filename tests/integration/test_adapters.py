@@ -24,8 +24,11 @@ pytestmark = pytest.mark.envoy
 IDLE_UNLOAD_S = 4  # the picker's --adapter-idle-unload: a dynamic adapter unused this long is unloaded
 
 
-def fleet(servers: dict[str, Emulator], picker: str, picked: bool) -> str:
+def fleet(servers: dict[str, Emulator], picker: str, picked: bool, known: bool = True) -> str:
+    """`known`: the fleet file says which server has sql and chat, and hashes adapters (else
+    Envoy's weighted least request, blind to adapters: `affinity: false`)."""
     a, b, c, d = (servers[n].address for n in "abcd")
+    only_a, only_b = (f", endpoints: ['{a}']", f", endpoints: ['{b}']") if known else ("", "")
     return f"""
 listener: {{port: %d}}
 signals: {{interval: 300ms, timeout: 250ms}}
@@ -34,10 +37,11 @@ tiers: {{small: {{timeout: 30s{", balancing: picker" if picked else ""}}}}}
 models:
   base:
     params_b: 8
-    stable: v1
+    stable: v1{"" if known else chr(10) + "    affinity: false"}
     adapters:
-      sql: {{source: /adapters/sql, endpoints: ['{a}']}}
-      chat: {{source: /adapters/chat, endpoints: ['{b}']}}
+      sql: {{source: /adapters/sql{only_a}}}
+      chat: {{source: /adapters/chat{only_b}}}
+      shared: {{source: /adapters/shared}}
     versions: {{v1: {{endpoints: [{{address: '{a}'}}, {{address: '{b}'}}]}}}}
   dyn:
     params_b: 8
@@ -53,8 +57,13 @@ models:
 def emulators(tmp_path: Path) -> dict[str, Emulator]:
     out: dict[str, Emulator] = {}
     try:
-        out["a"] = Emulator("a", tmp_path, "base", slots=4, lora_modules=["sql=/adapters/sql"], max_loras=1)
-        out["b"] = Emulator("b", tmp_path, "base", slots=4, lora_modules=["chat=/adapters/chat"], max_loras=1)
+        shared = "shared=/adapters/shared"  # on both
+        out["a"] = Emulator(
+            "a", tmp_path, "base", slots=4, lora_modules=["sql=/adapters/sql", shared], max_loras=1
+        )
+        out["b"] = Emulator(
+            "b", tmp_path, "base", slots=4, lora_modules=["chat=/adapters/chat", shared], max_loras=1
+        )
         for n in "cd":  # LoRA on, nothing registered: adapters come at runtime
             out[n] = Emulator(n, tmp_path, "dyn", slots=4, max_loras=1, lora_load_s=0.2)
             out[n].set_faults(lora_load_fail=["broken"])
@@ -65,13 +74,15 @@ def emulators(tmp_path: Path) -> dict[str, Emulator]:
     return out
 
 
-def rig(tmp_path: Path, picked: bool) -> Iterator[tuple[EmulatedFleet, PickerProc | None]]:
+def rig(
+    tmp_path: Path, picked: bool, known: bool = True
+) -> Iterator[tuple[EmulatedFleet, PickerProc | None]]:
     fl = EmulatedFleet(tmp_path)
     picker: PickerProc | None = None
     try:
         fl.servers.update(emulators(tmp_path))
         picker_port = free_port()
-        fl.serve(fleet(fl.servers, f"127.0.0.1:{picker_port}", picked) % fl.listener)
+        fl.serve(fleet(fl.servers, f"127.0.0.1:{picker_port}", picked, known) % fl.listener)
         assert fl.cp is not None and fl.envoy is not None
         if picked:
             admin = (fl.cp.admin, fl.cp.state_dir / "admin-token")
@@ -102,6 +113,11 @@ def picked(tmp_path: Path) -> Iterator[tuple[EmulatedFleet, PickerProc | None]]:
 @pytest.fixture
 def unpicked(tmp_path: Path) -> Iterator[tuple[EmulatedFleet, PickerProc | None]]:
     yield from rig(tmp_path, picked=False)
+
+
+@pytest.fixture
+def unrouted(tmp_path: Path) -> Iterator[tuple[EmulatedFleet, PickerProc | None]]:
+    yield from rig(tmp_path, picked=False, known=False)
 
 
 def _picked(port: int, picker: PickerProc, model: str) -> bool:
@@ -142,6 +158,11 @@ def lora(e: Emulator) -> dict[str, object]:
     out = json.loads(text)["lora"]
     assert isinstance(out, dict)
     return out
+
+
+def total(e: Emulator) -> int:
+    _, text = http_get(f"http://{e.address}/emulator/stats")
+    return int(json.loads(text)["requests_total"])
 
 
 def test_adapters_go_where_they_are_and_dynamic_ones_are_loaded(
@@ -224,11 +245,36 @@ def test_adapters_go_where_they_are_and_dynamic_ones_are_loaded(
     assert picker.metric(loaded) == 3
 
 
-def test_without_the_picker_adapter_requests_reach_servers_without_them(
+def test_without_the_picker_envoy_keeps_adapters_on_their_servers(
     unpicked: tuple[EmulatedFleet, PickerProc | None],
 ) -> None:
-    """The test above fails without the routing: by the weights alone, half the requests for
-    an adapter go to the server that does not have it, and get its 404."""
+    """The no-hop path: sql and chat, each restricted to one server, are subsets of the
+    cluster (Envoy's subset load balancer on the name the gateway copies to envoy.lb);
+    `shared`, on both, is hashed on its name (Maglev, bounded load): all on one server while
+    that one is not loaded past the bound, as here, one request at a time."""
     fl, _ = unpicked
+    for i in range(8):
+        for adapter in ("sql", "chat", "shared"):
+            status, body = complete(fl.listener, adapter, by_header=i % 2 == 0)
+            assert status == 200, (adapter, body)
+    counts = [lora(fl.servers[n])["requests"] for n in "ab"]
+    assert counts[0].get("sql") == 8 and "chat" not in counts[0], counts  # type: ignore[attr-defined]
+    assert counts[1].get("chat") == 8 and "sql" not in counts[1], counts  # type: ignore[attr-defined]
+    assert sorted(c.get("shared", 0) for c in counts) == [0, 8], counts  # type: ignore[attr-defined]
+    # The base model's own requests have no key: Maglev at random, both servers take some.
+    before = [total(fl.servers[n]) for n in "ab"]
+    for _ in range(20):
+        assert complete(fl.listener, "base")[0] == 200
+    grew = [total(fl.servers[n]) - b for n, b in zip("ab", before, strict=True)]
+    assert sum(grew) == 20 and min(grew) > 0, grew  # all on one: 2 * 0.5^20
+
+
+def test_without_the_routing_adapter_requests_reach_servers_without_them(
+    unrouted: tuple[EmulatedFleet, PickerProc | None],
+) -> None:
+    """The tests above fail without the routing (no picker, a fleet file that does not say
+    where the adapters are, `affinity: false`): by the weights alone, half the requests for
+    an adapter go to the server that does not have it, and get its 404."""
+    fl, _ = unrouted
     statuses = [complete(fl.listener, "sql")[0] for _ in range(12)]
     assert 404 in statuses and 200 in statuses, statuses

@@ -7,8 +7,12 @@ tests/integration/test_adapters.py.
 - Every request naming lora-a (in the body or x-model) is served by the first vLLM, every one
   naming lora-b by the second, all 200: each server's own page counts exactly its requests
   and names only its adapter.
-- Without the routing (the tier without `balancing: picker`) the same requests go by the
-  weights alone, and those sent to the vLLM without the adapter get its 404.
+- Without the picker (the tier without `balancing: picker`), Envoy alone keeps them so too:
+  lora-a and lora-b are restricted to one server each (`endpoints:`), which makes each a
+  subset of the cluster (the no-hop path).
+- Without the routing (no picker, and a fleet file that does not say which server holds
+  which adapter, with `affinity: false`) the same requests go by the weights alone, and
+  those sent to the vLLM without the adapter get its 404.
 - lora-c, which no server has, is loaded by the picker through vLLM's runtime API
   (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) onto one server before its first request goes:
   served there, and that server's /v1/models lists it.
@@ -77,8 +81,16 @@ class Rig:
     listener: int
 
 
-def fleet(tmp: Path, servers: list[VllmServer], listener: int, picker: int, picked: bool) -> str:
+def fleet(
+    tmp: Path, servers: list[VllmServer], listener: int, picker: int, picked: bool, known: bool = True
+) -> str:
+    """`known`: the fleet file says which server has lora-a and lora-b (else neither that nor
+    adapter hashing: Envoy's weighted least request, blind to adapters)."""
     one, two = (s.address for s in servers)
+    if not known:
+        one_only = two_only = ""
+    else:
+        one_only, two_only = f", endpoints: ['{one}']", f", endpoints: ['{two}']"
     return (
         f"listener: {{port: {listener}}}\n"
         "signals: {interval: 300ms, timeout: 250ms}\n"
@@ -89,9 +101,10 @@ def fleet(tmp: Path, servers: list[VllmServer], listener: int, picker: int, pick
         "    params_b: 1\n"
         "    stable: v1\n"
         "    placement: dynamic\n"
+        f"{'' if known else '    affinity: false'}\n"
         "    adapters:\n"
-        f"      lora-a: {{source: '{tmp}/lora-a', endpoints: ['{one}']}}\n"
-        f"      lora-b: {{source: '{tmp}/lora-b', endpoints: ['{two}']}}\n"
+        f"      lora-a: {{source: '{tmp}/lora-a'{one_only}}}\n"
+        f"      lora-b: {{source: '{tmp}/lora-b'{two_only}}}\n"
         f"      lora-c: {{source: '{tmp}/lora-c'}}\n"
         f"    versions: {{v1: {{endpoints: ['{one}', '{two}']}}}}\n"
     )
@@ -126,13 +139,13 @@ def made(procs: list[subprocess.Popen[str]]) -> None:
         assert p.returncode == 0, out + err[-3000:]
 
 
-def gateway(vllms: Vllms, tmp: Path, picked: bool) -> Rig:
+def gateway(vllms: Vllms, tmp: Path, picked: bool, known: bool = True) -> Rig:
     """A control plane and an Envoy (and, picked, the picker) over the running servers, once
     Envoy has both healthy; whatever started is stopped if that fails."""
     servers = vllms.servers
     listener, picker_port = free_port(), free_port()
     config = tmp / "fleet.yaml"
-    config.write_text(fleet(vllms.tmp, servers, listener, picker_port, picked))
+    config.write_text(fleet(vllms.tmp, servers, listener, picker_port, picked, known))
     cp = ControlPlane(config, tmp)
     envoy = Envoy("envoy-1", cp.xds, tmp, listener)
     picker: PickerProc | None = None
@@ -194,10 +207,20 @@ def rig(vllms: Vllms, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]
 
 
 @pytest.fixture
-def unrouted(vllms: Vllms, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+def nohop(vllms: Vllms, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     """The same servers behind a control plane and an Envoy of their own, whose tier has no
     `balancing: picker` (a few seconds to start, against the vLLMs' minutes)."""
-    rig = gateway(vllms, tmp_path_factory.mktemp("unpicked"), picked=False)
+    rig = gateway(vllms, tmp_path_factory.mktemp("nohop"), picked=False)
+    try:
+        yield rig
+    finally:
+        close(rig)
+
+
+@pytest.fixture
+def unrouted(vllms: Vllms, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    """As `nohop`, with a fleet file that does not say where the adapters are, nor hashes."""
+    rig = gateway(vllms, tmp_path_factory.mktemp("unrouted"), picked=False, known=False)
     try:
         yield rig
     finally:
@@ -292,8 +315,17 @@ def test_an_adapter_the_fleet_does_not_have_gets_the_gateways_404(rig: Rig) -> N
     assert parents == {MODEL: None, **{a: MODEL for a in ADAPTERS}}, parents
 
 
+def test_without_the_picker_envoys_subsets_keep_each_adapter_on_its_vllm(nohop: Rig) -> None:
+    before = [successes(s) for s in nohop.servers]
+    for i in range(6):
+        for adapter in ("lora-a", "lora-b"):
+            status, body = complete(nohop.listener, adapter, by_header=i % 2 == 0)
+            assert status == 200 and body["model"] == adapter, (adapter, body)
+    counted(nohop, before, [6, 6])
+
+
 def test_without_the_routing_the_vllm_without_the_adapter_answers_404(unrouted: Rig) -> None:
-    """The first test fails without the picker: by the weights alone, some of lora-a's
+    """The first test fails without the routing: by the weights alone, some of lora-a's
     requests reach the second vLLM, which does not have it and answers its own 404."""
     before = [successes(s) for s in unrouted.servers]
     replies = [complete(unrouted.listener, "lora-a") for _ in range(12)]

@@ -309,6 +309,7 @@ def test_affinity_shows_with_its_hashing_load_balancer() -> None:
     assert e["affinity"] == {
         "header": "x-session-id",
         "body_field": None,
+        "adapter": False,
         "algorithm": "maglev",
         "balance_factor": 150,
     }

@@ -10,11 +10,13 @@ import re
 import pytest
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.load_balancing_policies.subset.v3 import subset_pb2
+from google.protobuf import json_format
 
 from controlplane.fleet import FleetConfigInvalid, parse_fleet
 from controlplane.resources import names
 from controlplane.routing.incremental import IncrementalTranslator
-from controlplane.routing.translate import CLUSTER, ROUTE, model_names, translate
+from controlplane.routing.translate import CLUSTER, ENDPOINT, ROUTE, model_names, translate
 from tests.unit.test_flow_config import _ext_proc
 
 FLEET = """
@@ -81,6 +83,15 @@ def test_adapters_load_with_their_sources_versions_and_endpoints() -> None:
         ("adapters: {a: {endpoints: x}}", "models.base.1.adapters.a.endpoints: expected a list of distinct"),
         ("adapters: {'a b': {}}", "models.base.1.adapters.a b: adapter names use letters, digits"),
         ("adapters: {1: {}}", "models.base.1.adapters.1: adapter names use letters, digits"),
+        ("affinity: {adapter: true}", "models.base.1.affinity.adapter: the model has no adapters"),
+        (
+            "affinity: {adapter: 1}\n    " + ADAPTERS,
+            "base.1.affinity.adapter: expected true (the key is the adapter",
+        ),
+        (
+            "affinity: {adapter: true, header: x-s}\n    " + ADAPTERS,
+            "models.base.1.affinity: give exactly one of header",
+        ),
         ("placement: everywhere", "base.1.placement: expected one of static, dynamic, got 'everywhere'"),
         (
             "placement: dynamic\n    adapters: {a: {source: /x}, b: {}}",
@@ -119,13 +130,111 @@ def test_routes_take_an_adapters_name_as_its_base_models() -> None:
     for name in ("basex1", "chatxlora", "bare2", "sql-lora,bare", ""):
         assert not re.fullmatch(regex, name)
     assert model_names(fleet.model("other")).exact == "other"
-    d = translate(fleet)
+    # Without adapter hashing (`affinity: false`), one route per naming takes every name.
+    d = translate(parse_fleet(FLEET % ("affinity: false\n    " + ADAPTERS)))
     routes = d.by_type[ROUTE][names.GATEWAY_ROUTES]
     assert isinstance(routes, route_pb2.RouteConfiguration)
     header = [r for r in routes.virtual_hosts[0].routes if r.name == "header/base.1"]
     assert header and header[0].match.headers[0].string_match.safe_regex.regex == regex
+    assert not header[0].route.hash_policy
     body = [r for r in routes.virtual_hosts[0].routes if r.name == "body/base.1"]
     assert body and body[0].match.dynamic_metadata[0].value.string_match.safe_regex.regex == regex
+    assert not [r for r in routes.virtual_hosts[0].routes if r.name.endswith("/adapters")]
+
+
+def _route(routes: route_pb2.RouteConfiguration, name: str) -> route_pb2.Route:
+    found = [r for r in routes.virtual_hosts[0].routes if r.name == name]
+    assert len(found) == 1, [r.name for r in routes.virtual_hosts[0].routes]
+    return found[0]
+
+
+@pytest.mark.parametrize("tier", ["small", "large"])  # picked, and Envoy's alone
+def test_a_model_with_adapters_hashes_each_adapters_requests_on_its_name(tier: str) -> None:
+    fleet = parse_fleet(FLEET % (f"tier: {tier}\n    " + ADAPTERS))
+    m = fleet.model("base.1")
+    assert m.affinity is not None and m.affinity.adapter and m.affinity.balance_factor == 150
+    d = translate(fleet)
+    routes = d.by_type[ROUTE][names.GATEWAY_ROUTES]
+    assert isinstance(routes, route_pb2.RouteConfiguration)
+    # The base model's own name: no key, so its requests spread (Maglev at random, bounded).
+    for naming in ("header/base.1", "body/base.1"):
+        base = _route(routes, naming)
+        matcher = (
+            base.match.headers[0] if naming.startswith("header") else base.match.dynamic_metadata[0].value
+        )
+        assert matcher.string_match.exact == "base.1"
+        assert not base.route.hash_policy
+    # An adapter's name: hashed on it, then on the request id (never all on one server).
+    header = _route(routes, "header/base.1/adapters")
+    regex = header.match.headers[0].string_match.safe_regex.regex
+    assert re.fullmatch(regex, "chat.lora") and not re.fullmatch(regex, "base.1")
+    keys = header.route.hash_policy
+    assert keys[0].header.header_name == "x-model" and keys[0].terminal
+    assert keys[1].header.header_name == "x-request-id"
+    body = _route(routes, "body/base.1/adapters").route.hash_policy
+    assert body[0].filter_state.key == "controlplane.affinity.model" and body[0].terminal
+    assert _route(routes, "header/other").match.headers[0].string_match.exact == "other"
+    # The body's model becomes hashable filter state; the clusters hash with bounded load.
+    listener = d.by_type["type.googleapis.com/envoy.config.listener.v3.Listener"][names.GATEWAY_LISTENER]
+    assert "%DYNAMIC_METADATA(controlplane:affinity_model)%" in str(listener)
+    for cname in ("base.1@v1", "base.1@v2"):
+        c = d.by_type[CLUSTER][cname]
+        assert isinstance(c, cluster_pb2.Cluster)
+        policies = [p.typed_extension_config.name for p in c.load_balancing_policy.policies]
+        assert "envoy.load_balancing_policies.maglev" in str(c.load_balancing_policy)
+        assert policies[0] == (
+            "envoy.load_balancing_policies.override_host"
+            if tier == "small"
+            else "envoy.load_balancing_policies.subset"  # sql-lora is on some servers only
+        )
+
+
+def test_an_adapter_restricted_to_some_servers_is_a_subset_of_its_cluster() -> None:
+    """Without the picker, Envoy's subset load balancer keeps sql-lora (only on 9001) there;
+    every other request matches no subset and takes the whole cluster."""
+    d = translate(parse_fleet(FLEET % ("tier: large\n    " + ADAPTERS)))
+    c = d.by_type[CLUSTER]["base.1@v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    first = c.load_balancing_policy.policies[0].typed_extension_config
+    assert first.name == "envoy.load_balancing_policies.subset"
+    subset = subset_pb2.Subset()
+    first.typed_config.Unpack(subset)
+    assert subset.fallback_policy == subset_pb2.Subset.ANY_ENDPOINT and subset.list_as_any
+    assert list(subset.subset_selectors[0].keys) == [names.ADAPTER_LB_KEY]
+    assert (
+        subset.subset_lb_policy.policies[0].typed_extension_config.name
+        == "envoy.load_balancing_policies.maglev"
+    )
+    cla = d.by_type[ENDPOINT]["base.1@v1"]
+    lists = {
+        e.lb_endpoints[0].endpoint.address.socket_address.port_value: json_format.MessageToDict(
+            e.lb_endpoints[0].metadata
+        )
+        for e in cla.endpoints  # type: ignore[attr-defined]
+    }
+    assert lists[9001] == {"filterMetadata": {"envoy.lb": {names.ADAPTER_LB_KEY: ["sql-lora"]}}}
+    assert lists[9003] == {}
+    listener = str(d.by_type["type.googleapis.com/envoy.config.listener.v3.Listener"][names.GATEWAY_LISTENER])
+    assert "envoy.filters.http.header_to_metadata" in listener and names.ADAPTER_LB_KEY in listener
+    # No restricted adapter: no subsets, no copy of the model to envoy.lb.
+    d = translate(parse_fleet(FLEET % ("tier: large\n    adapters: {chat.lora: {}}")))
+    c = d.by_type[CLUSTER]["base.1@v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    assert "subset" not in str(c.load_balancing_policy)
+    assert names.ADAPTER_LB_KEY not in str(d.by_type["type.googleapis.com/envoy.config.listener.v3.Listener"])
+
+
+def test_affinity_false_keeps_least_request_and_an_operators_own_affinity_wins() -> None:
+    off = parse_fleet(FLEET % ("tier: large\n    affinity: false\n    " + ADAPTERS))
+    assert off.model("base.1").affinity is None
+    c = translate(off).by_type[CLUSTER]["base.1@v1"]
+    assert isinstance(c, cluster_pb2.Cluster)
+    assert [p.typed_extension_config.name for p in c.load_balancing_policy.policies][:2] == [
+        "envoy.load_balancing_policies.subset",  # sql-lora is on some servers only
+        "envoy.load_balancing_policies.least_request",
+    ]
+    own = parse_fleet(FLEET % ("affinity: {header: x-session-id}\n    " + ADAPTERS)).model("base.1")
+    assert own.affinity is not None and own.affinity.header == "x-session-id" and not own.affinity.adapter
 
 
 def test_v1_models_lists_the_adapters_with_their_base() -> None:
