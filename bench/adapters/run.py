@@ -12,11 +12,14 @@ fresh stack:
 - `aware`: the picker, placing each adapter's requests where it is loaded (picker/adapters.py);
 - `blind`: the same picker with --no-adapter-affinity (the least loaded server, wherever the
   adapter is);
-- `weights`: no picker: Envoy's weighted least request on the control plane's weights.
+- `nohop`: no picker: Envoy alone, hashing each adapter's requests on its name (the default
+  of a model with adapters: Maglev with bounded load, docs/adapters.md#without-the-picker);
+- `weights`: no picker, `affinity: false`: Envoy's weighted least request, blind to adapters.
 
 Per arm: adapter loads per 1,000 requests (the servers' own counts, /emulator/stats), the
 evictions they made, and time to first token and latency percentiles; then each against
-`blind` measured in the same run. Everything on loopback; every process stopped, on failure too.
+`blind` measured in the same run; and the floor of loads that holding the most wanted
+adapters in every slot leaves (the others' requests load on arrival). Everything on loopback; every process stopped, on failure too.
 
     .venv/bin/python bench/adapters/run.py                   # about 5 minutes on 2 cores
     .venv/bin/python bench/adapters/run.py --seconds 30 --arms aware,blind
@@ -44,10 +47,12 @@ from real import BIN, Stack, proxy_stat, start_pickers, start_proxied, wait_http
 from bench.ports import free_port  # noqa: E402
 
 MODEL = "bench-8b"
-ARMS = ("aware", "blind", "weights")
+ARMS = ("aware", "blind", "nohop", "weights")
+PICKED = ("aware", "blind")
 
 
-def fleet_yaml(args: argparse.Namespace, listener: int, picker: int, servers: list[str], picked: bool) -> str:
+def fleet_yaml(args: argparse.Namespace, listener: int, picker: int, servers: list[str], name: str) -> str:
+    picked = name in PICKED
     lines = [
         f"listener: {{port: {listener}}}",
         "signals: {interval: 500ms, timeout: 400ms}",
@@ -61,6 +66,7 @@ def fleet_yaml(args: argparse.Namespace, listener: int, picker: int, servers: li
         f"  {MODEL}:",
         "    params_b: 8",
         "    stable: v1",
+        *(["    affinity: false"] if name == "weights" else []),
         "    adapters:",
         *(f"      a{i}: {{source: /adapters/a{i}}}" for i in range(args.adapters)),
         "    versions:",
@@ -107,11 +113,11 @@ def arm(args: argparse.Namespace, name: str, rate: float) -> dict[str, object]:
             wait_http(f"http://{s}/health", 30, "emulated servers", stack.procs)
         listener, picker, xds, admin = free_port(), free_port(), free_port(), free_port()
         config = work / "fleet.yaml"
-        config.write_text(fleet_yaml(args, listener, picker, servers, picked=name != "weights"))
+        config.write_text(fleet_yaml(args, listener, picker, servers, name))
         serve = ["--admin-listen", f"127.0.0.1:{admin}"]
         node = f"bench-adapters-{name}"
         start_proxied(stack, work, config, listener, node, serve, proxies=args.proxies, xds=xds)
-        if name != "weights":
+        if name in PICKED:
             blind = ["--no-adapter-affinity"] if name == "blind" else []
             start_pickers(stack, work, [picker], xds, admin, blind)
         time.sleep(2.0)  # every server seen ready by the control plane
@@ -184,7 +190,19 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = arm(args, name, rate)
         print(json.dumps({"arm": name, **results[name]}), flush=True)
     report(results)
+    print(
+        f"\nfloor: {floor_per_1k(args):.0f} loads / 1k (every request of an adapter beyond the fleet's slots)"
+    )
     return 0
+
+
+def floor_per_1k(args: argparse.Namespace) -> float:
+    """Loads per 1,000 requests if every adapter slot of the fleet held one of the most wanted
+    adapters for good: each request of the others loads on arrival (fewer when requests of
+    one wait together and share a load; more when a hot adapter needs more than one server)."""
+    weights = [1 / (i + 1) ** args.zipf for i in range(args.adapters)]
+    held = args.servers * args.max_loras
+    return 1000 * sum(weights[held:]) / sum(weights)
 
 
 def report(results: dict[str, dict[str, object]]) -> None:
