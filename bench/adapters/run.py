@@ -19,7 +19,8 @@ fresh stack:
 Per arm: adapter loads per 1,000 requests (the servers' own counts, /emulator/stats), the
 evictions they made, and time to first token and latency percentiles; then each against
 `blind` measured in the same run; and the floor of loads that holding the most wanted
-adapters in every slot leaves (the others' requests load on arrival). Everything on loopback; every process stopped, on failure too.
+adapters in every slot leaves (the others' requests load on arrival). Everything on loopback;
+every process stopped, on failure too.
 
     .venv/bin/python bench/adapters/run.py                   # about 5 minutes on 2 cores
     .venv/bin/python bench/adapters/run.py --seconds 30 --arms aware,blind
