@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MAX_REQUESTS = 10_000
@@ -114,9 +115,11 @@ class FlowQueue:
         shed.reverse()
         return shed
 
-    def pop(self) -> Waiting | None:
+    def pop(self, accept: Callable[[Waiting], bool] | None = None) -> Waiting | None:
         """The next request to leave for a free slot (None: none waits); its prompt's tokens
-        are charged to its tenant."""
+        are charged to its tenant. `accept`: only a request it accepts may leave (one that may
+        go only to some servers, when only others have a slot free); the order among those is
+        the same: class, then tenant's counter, then arrival within a tenant."""
         for rank in sorted(r for r, c in self._classes.items() if c):
             best: tuple[float, int, str] | None = None
             for (r, tenant), ids in self._tenants.items():
@@ -124,10 +127,18 @@ class FlowQueue:
                     continue
                 while ids and ids[0] not in self._where:
                     ids.popleft()
-                if ids:
-                    score = (self.counter(tenant), self._classes[rank][ids[0]].arrival, tenant)
+                first = next(
+                    (
+                        i
+                        for i in ids
+                        if i in self._where and (accept is None or accept(self._classes[rank][i]))
+                    ),
+                    None,
+                )
+                if first is not None:
+                    score = (self.counter(tenant), self._classes[rank][first].arrival, tenant)
                     if best is None or score < (best[0], self._classes[rank][best[1]].arrival, best[2]):
-                        best = (score[0], ids[0], tenant)
+                        best = (score[0], first, tenant)
             if best is not None:
                 w = self._classes[rank][best[1]]
                 self._take(w)

@@ -396,15 +396,20 @@ class PickerState:
             load = max(load, slots)
         return wait_and_service(load, slots, c.scale)
 
-    def free_slot(self, cluster: str, now: float) -> bool:
-        """Whether any eligible server of `cluster` (in its first failover rank) has a slot
+    def free_slot(self, cluster: str, now: float, subset: frozenset[str] | None = None) -> bool:
+        """Whether any eligible server of `cluster` (of `subset`, if given: the only servers a
+        request may go to; in its first failover rank) has a slot
         free by this picker's view: its requests in flight (its own, its peers', those its
         fresh page shows that none of them sent) below its slots, and its fresh page not
         showing the KV cache full. A server whose slots were never seen takes the most its
         cluster's others showed; where none was ever seen, a server is free until its fresh
         page shows a request waiting (which shows its slots: the running count). No eligible
         server: True (nothing to wait for: Envoy routes by the weights)."""
-        servers = [c for c in self.clusters.get(cluster, ()) if c.eligible]
+        servers = [
+            c
+            for c in self.clusters.get(cluster, ())
+            if c.eligible and (subset is None or c.address in subset)
+        ]
         if not servers:
             return True
         first = min(c.priority for c in servers)

@@ -27,7 +27,7 @@ import asyncio
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,9 +218,11 @@ class Flows:
                 out.append((flow.held.pop(w.id), SHED_TIMEOUT))
         return out
 
-    def next_up(self, cluster: str) -> Held | None:
-        """The next request of `cluster`'s queue, out of it (None: none waits); its tenant
-        charged its prompt's tokens (flow/queue.py)."""
+    def next_up(self, cluster: str, may_go: Callable[[Held], bool] | None = None) -> Held | None:
+        """The next request of `cluster`'s queue, out of it (None: none waits, or none that
+        `may_go`: a request that may go only to some servers, whose slots are all taken);
+        its tenant charged its prompt's tokens (flow/queue.py)."""
         flow = self.clusters[cluster]
-        w = flow.queue.pop()
+        accept = None if may_go is None else (lambda w: w.id in flow.held and may_go(flow.held[w.id]))
+        w = flow.queue.pop(accept)
         return flow.held.pop(w.id) if w is not None else None

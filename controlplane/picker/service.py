@@ -448,14 +448,16 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _flow_of(self, ask: Ask | Refused) -> ClusterFlow | None:
         """The queue a request may wait in: its cluster's, if it has one (and the picker is
-        fed, and the request names no subset: a hint narrows the servers the queue waits for)."""
-        if isinstance(ask, Refused) or not self.ready.is_set() or ask.subset is not None:
+        fed). A request that may go only to some servers (a subset hint, an adapter on some
+        servers only) waits for a slot on one of them."""
+        if isinstance(ask, Refused) or not self.ready.is_set():
             return None
         return self.flows.clusters.get(ask.cluster)
 
     def _must_wait(self, ask: Ask, flow: ClusterFlow) -> bool:
-        """Others wait already (a newcomer goes behind them), or no server has a slot free."""
-        return bool(len(flow.queue)) or not self.state.free_slot(ask.cluster, time.monotonic())
+        """Others wait already (a newcomer goes behind them), or no server it may go to has a
+        slot free."""
+        return bool(len(flow.queue)) or not self.state.free_slot(ask.cluster, time.monotonic(), ask.subset)
 
     async def _hold(
         self,
@@ -568,9 +570,22 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if not late.future.done():
                 late.future.set_result(why)
         for cluster, flow in self.flows.clusters.items():
+            free: dict[frozenset[str] | None, bool] = {}  # by subset, for this round
+
+            def may_go(
+                h: Held, cluster: str = cluster, free: dict[frozenset[str] | None, bool] = free
+            ) -> bool:
+                s = h.asked.subset
+                if s not in free:
+                    free[s] = self.state.free_slot(cluster, now, s)
+                return free[s]
+
             while len(flow.queue) and self.state.free_slot(cluster, now):
-                held = self.flows.next_up(cluster)
-                if held is None or held.future.done():
+                held = self.flows.next_up(cluster, may_go)
+                free.clear()  # a request leaving takes a slot
+                if held is None:
+                    break  # those waiting may go only to servers with no slot free
+                if held.future.done():
                     continue
                 ask = held.asked
                 chosen = self.state.pick(

@@ -32,7 +32,8 @@ TOKENS = 10
 STANDARD_WAIT_S = 8.0
 
 
-def fleet(addresses: list[str], picker: str) -> str:
+def fleet(addresses: list[str], picker: str, adapter: bool = False) -> str:
+    """`adapter`: the model has an adapter, `tuned`, on the first server only."""
     return (
         "\n".join(
             [
@@ -56,6 +57,7 @@ def fleet(addresses: list[str], picker: str) -> str:
                 f"  {MODEL}:",
                 "    params_b: 8",
                 "    stable: v1",
+                *([f"    adapters: {{tuned: {{endpoints: ['{addresses[0]}']}}}}"] if adapter else []),
                 "    versions:",
                 "      v1:",
                 "        endpoints:",
@@ -68,15 +70,26 @@ def fleet(addresses: list[str], picker: str) -> str:
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
+    yield from _rig(tmp_path)
+
+
+@pytest.fixture
+def adapter_rig(tmp_path: Path) -> Iterator[Rig]:
+    yield from _rig(tmp_path, adapter=True)
+
+
+def _rig(tmp_path: Path, adapter: bool = False) -> Iterator[Rig]:
     """Two emulated servers of one slot each, a control plane, a picker with the servers'
-    pages, and a real Envoy."""
+    pages, and a real Envoy; `adapter`: the first server has adapter `tuned`, in the fleet
+    file as on its first server only."""
     fl = EmulatedFleet(tmp_path)
     picker: PickerProc | None = None
     try:
         for n in ("a", "b"):
-            fl.servers[n] = Emulator(n, tmp_path, MODEL, slots=1, decode_ms_per_token=DECODE_MS)
+            lora = {"lora_modules": ["tuned=/adapters/tuned"], "max_loras": 1} if adapter and n == "a" else {}
+            fl.servers[n] = Emulator(n, tmp_path, MODEL, slots=1, decode_ms_per_token=DECODE_MS, **lora)
         picker_port = free_port()
-        text = fleet([s.address for s in fl.servers.values()], f"127.0.0.1:{picker_port}")
+        text = fleet([s.address for s in fl.servers.values()], f"127.0.0.1:{picker_port}", adapter)
         fl.serve(text % fl.listener)
         assert fl.cp is not None and fl.envoy is not None
         admin = (fl.cp.admin, fl.cp.state_dir / "admin-token")
@@ -117,10 +130,10 @@ class Sent:
     threads: list[threading.Thread] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
-    def send(self, port: int, rid: str, headers: dict[str, str] | None = None) -> None:
+    def send(self, port: int, rid: str, headers: dict[str, str] | None = None, model: str = MODEL) -> None:
         def run() -> None:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-            body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": TOKENS}).encode()
+            body = json.dumps({"model": model, "prompt": "hello", "max_tokens": TOKENS}).encode()
             t0 = time.monotonic()
             try:
                 conn.request(
@@ -204,6 +217,31 @@ def test_while_every_server_is_full_premium_goes_first_then_tenants_take_turns(r
         )
         == 1
     )
+
+
+def test_an_adapter_on_one_server_waits_for_that_one_and_lets_others_pass(adapter_rig: Rig) -> None:
+    """While server a (the only one with `tuned`) is busy, a request for `tuned` waits in the
+    queue, and the base model's requests behind it take b's slot as it frees; `tuned` goes
+    to a once a frees, and is served there."""
+    rig = adapter_rig
+    sent = Sent()
+    n0 = len(picked_order(rig))
+    for i in range(2):  # both servers busy
+        sent.send(rig.listener, f"busy-{i}")
+    wait_until(lambda: len(picked_order(rig)) >= n0 + 2, 20, "both servers busy")
+    sent.send(rig.listener, "tuned-0", model="tuned")
+    wait_until(lambda: waiting(rig) >= 1, 20, "the adapter's request queued")
+    for i in range(2):
+        sent.send(rig.listener, f"base-{i}")
+    wait_until(lambda: waiting(rig) >= 3, 20, "the base model's requests queued behind it")
+    sent.join()
+    assert sent.errors == [], sent.errors
+    assert {s for s, _, _ in sent.results.values()} == {200}, sent.results
+    assert json.loads(sent.results["tuned-0"][2])["model"] == "tuned"
+    _, stats = http_get(f"http://{rig.fleet.servers['a'].address}/emulator/stats")
+    assert json.loads(stats)["lora"]["requests"] == {"tuned": 1}
+    order = [r for r in picked_order(rig) if not r.startswith(("busy", "learn"))]
+    assert sorted(order) == ["base-0", "base-1", "tuned-0"], order
 
 
 def test_past_its_class_wait_a_request_gets_429_with_openais_body(rig: Rig) -> None:

@@ -103,6 +103,18 @@ def test_deadlines_and_removal() -> None:
         q.push(w(7))
 
 
+def test_a_request_that_may_not_go_yet_lets_those_behind_it_go_in_their_order() -> None:
+    """`accept`: the servers of a request that may go only to some are full; those behind it
+    that may go leave first, in the queue's own order, and it stays first for later."""
+    q = FlowQueue()
+    for i, (rank, tenant) in enumerate([(1, "a"), (1, "a"), (1, "b"), (0, "c"), (1, "a")]):
+        q.push(w(i, rank, tenant, at=float(i)))
+    not_3_or_0 = q.pop(lambda x: x.id not in (0, 3))
+    assert not_3_or_0 is not None and not_3_or_0.id in (1, 2)  # the lower class, 3, may not go
+    assert q.pop(lambda x: False) is None and len(q) == 4
+    assert [x for x in drain(q)][:2] == [3, 0]  # then each in its turn again
+
+
 def test_tenant_counters_are_bounded() -> None:
     q = FlowQueue(max_tenants=10)
     for i in range(100):
@@ -117,6 +129,7 @@ ops = st.lists(
             st.just("push"), st.integers(0, 2), st.sampled_from("abc"), st.integers(0, 40), st.integers(0, 50)
         ),
         st.tuples(st.just("pop")),
+        st.tuples(st.just("pop_if"), st.integers(0, 1)),  # only ids of this parity may leave
         st.tuples(st.just("expire"), st.floats(0, 100)),
         st.tuples(st.just("remove"), st.integers(0, 60)),
         st.tuples(st.just("charge"), st.sampled_from("abc"), st.integers(-5, 500)),
@@ -148,6 +161,14 @@ def test_every_request_comes_out_once_and_the_order_and_bounds_hold(program: lis
                 assert not waiting
                 continue
             assert got.rank == min(waiting)  # no lower class leaves while a higher one waits
+            out.append(got.id)
+        elif op[0] == "pop_if":
+            ok = {j: pushed[j].rank for j in pushed if j in q and j % 2 == op[1]}
+            got = q.pop(lambda x, p=op[1]: x.id % 2 == p)  # type: ignore[misc]
+            if got is None:
+                assert not ok  # None only when no request it accepts waits
+                continue
+            assert got.id % 2 == op[1] and got.rank == min(ok.values())
             out.append(got.id)
         elif op[0] == "expire":
             gone = q.expired(op[1])
