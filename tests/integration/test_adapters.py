@@ -268,6 +268,24 @@ def test_without_the_picker_envoy_keeps_adapters_on_their_servers(
     grew = [total(fl.servers[n]) - b for n, b in zip("ab", before, strict=True)]
     assert sum(grew) == 20 and min(grew) > 0, grew  # all on one: 2 * 0.5^20
 
+    # sql's only server down: its requests get Envoy's 503, never the other server (which
+    # would answer 404); chat and the base model are served as before.
+    fl.servers["a"].stop()
+    assert fl.envoy is not None
+    envoy = fl.envoy
+    wait_until(
+        lambda: (
+            [h for a, (_, h) in envoy.endpoints("base@v1").items() if a == fl.servers["a"].address]
+            != ["healthy"]
+        ),
+        20,
+        "Envoy to hold the stopped server out",
+    )
+    chat_before = lora(fl.servers["b"])["requests"]
+    assert [complete(fl.listener, "sql", by_header=i % 2 == 0)[0] for i in range(4)] == [503] * 4
+    assert lora(fl.servers["b"])["requests"] == chat_before  # none reached b
+    assert complete(fl.listener, "chat")[0] == 200 and complete(fl.listener, "base")[0] == 200
+
 
 def test_without_the_routing_adapter_requests_reach_servers_without_them(
     unrouted: tuple[EmulatedFleet, PickerProc | None],
