@@ -216,8 +216,12 @@ def report(results: dict[str, dict[str, object]]) -> None:
             ratios = f"({', '.join(x)})"
         print(
             f"{name:<9} {r.get('loads_per_1k')!s:>8}  {r.get('evictions_per_1k')!s:>12}  "
-            f"{r.get('ttft_p90')!s:>8}  {r.get('latency_p90')!s:>11}  {ratios}"
+            f"{_s(r.get('ttft_p90')):>8}  {_s(r.get('latency_p90')):>11}  {ratios}"
         )
+
+
+def _s(seconds: object) -> str:
+    return f"{seconds:.2f} s" if isinstance(seconds, int | float) else "-"
 
 
 def _ratio(a: object, b: object) -> str:
