@@ -332,6 +332,8 @@ def _envoy(
     out["healthy_panic_threshold_percent"] = panic
     policies = [p.typed_extension_config.name for p in cluster.load_balancing_policy.policies]
     first = policies[0].rsplit(".", 1)[-1] if policies else None
+    if first == "subset" and len(policies) > 1:  # adapters on some servers only: the policy within
+        first = policies[1].rsplit(".", 1)[-1]
     out["load_balancer"] = first
     out["picker"] = _picker(fleet, cluster, hcm) if first == "override_host" else None
     if out["picker"] is not None:
@@ -404,11 +406,26 @@ def _adapters(model: Model, picked: bool) -> dict[str, Any] | None:
         return None
     names = [a.name for a in model.adapters]
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    restricted = [a.name for a in model.adapters if a.endpoints]
+    hashed = model.affinity is not None and model.affinity.adapter
+    envoy = (
+        "Envoy hashes each adapter's requests on its name (bounded load)"
+        if hashed
+        else "Envoy routes them as the base model's"
+    ) + (
+        f"; {', '.join(restricted[:5])}{' and more' if len(restricted) > 5 else ''} only to "
+        f"{'its' if len(restricted) == 1 else 'their'} endpoints (Envoy subsets)"
+        if restricted
+        else ""
+        if hashed
+        else ", wherever the adapter is"
+    )
     how = (
         "the picker sends each adapter's requests where it is loaded"
         + ("; one no server has is loaded onto one first" if model.placement == "dynamic" else "")
+        + f"; without a pick, {envoy}"
         if picked
-        else "no picker: Envoy's weights route them as the base model's, wherever the adapter is"
+        else f"no picker: {envoy}"
     )
     return {
         "names": names,

@@ -1170,6 +1170,20 @@ def test_explain_says_a_models_adapters_and_how_they_are_placed() -> None:
     a = picked["envoy"]["adapters"]
     assert a["names"] == ["sql-lora", "chat.lora", "bare"] and a["placement"] == "dynamic" and a["picked"]
     assert "where it is loaded" in a["text"] and "loaded onto one first" in a["text"]
+    assert "without a pick, Envoy hashes each adapter's requests on its name" in a["text"]
     weighed = explained((ADAPTER_FLEET % ADAPTERS).replace(", balancing: picker", ""), "base.1")
-    assert "no picker: Envoy's weights" in weighed["envoy"]["adapters"]["text"]
+    text = weighed["envoy"]["adapters"]["text"]
+    assert "no picker: Envoy hashes each adapter's requests on its name (bounded load)" in text
+    assert "; sql-lora only to its endpoints (Envoy subsets)" in text
+    assert weighed["envoy"]["load_balancer"] == "maglev"  # within the subsets
+    assert weighed["affinity"]["adapter"]
+    off = explained(
+        (ADAPTER_FLEET % ("affinity: false\n    adapters: {bare: {}}")).replace(", balancing: picker", ""),
+        "base.1",
+    )
+    assert (
+        "no picker: Envoy routes them as the base model's, wherever the adapter is"
+        in (off["envoy"]["adapters"]["text"])
+    )
+    assert off["envoy"]["load_balancer"] == "least_request" and off["affinity"] is None
     assert explained(ADAPTER_FLEET % "", "other")["envoy"]["adapters"] is None
