@@ -107,7 +107,8 @@ def _fleet(data: Any, errs: _Errors) -> Fleet | None:
         picker=picker,
     )
     if "quotas" in top:
-        fleet = replace(fleet, quotas=_quotas(top["quotas"], {m.name for m in fleet.models}, errs))
+        adapters = {a.name for m in fleet.models for a in m.adapters}
+        fleet = replace(fleet, quotas=_quotas(top["quotas"], {m.name for m in fleet.models}, errs, adapters))
     _check_pickers(fleet, errs)
     _check_flow_control(fleet, errs)
     fleet = _match_gpu_classes(fleet, errs)

@@ -46,8 +46,12 @@ def _tenants(value: Any, path: str, errs: _Errors) -> dict[str, QuotaLimit]:
     return out
 
 
-def _quotas(value: Any, model_names: set[str], errs: _Errors) -> QuotaSpec | None:
-    """`quotas:` or None when absent. Errors name the field and the reason."""
+def _quotas(
+    value: Any, model_names: set[str], errs: _Errors, adapter_names: set[str] | None = None
+) -> QuotaSpec | None:
+    """`quotas:` or None when absent. Errors name the field and the reason. `quotas.models`
+    takes the fleet's models and its models' adapters (an adapter's limits are its own, on top
+    of its base model's)."""
     if value is None:
         return None
     m = _mapping(value, "quotas", errs, {"key", "default", "tenants", "models", "service"})
@@ -83,8 +87,11 @@ def _quotas(value: Any, model_names: set[str], errs: _Errors) -> QuotaSpec | Non
     per_model: dict[str, tuple[QuotaLimit, dict[str, QuotaLimit]]] = {}
     for name, spec in (models or {}).items():
         path = f"quotas.models.{name}"
-        if name not in model_names:
-            errs.add(path, f"unknown model {name!r} (models: {', '.join(sorted(model_names))})")
+        if name not in model_names and name not in (adapter_names or ()):
+            known = f"models: {', '.join(sorted(model_names))}"
+            if adapter_names:
+                known += f"; adapters: {', '.join(sorted(adapter_names))}"
+            errs.add(path, f"unknown model or adapter {name!r} ({known})")
             continue
         mm = _mapping(spec, path, errs, {"default", "tenants"})
         if mm is None:

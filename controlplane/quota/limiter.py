@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from controlplane.fleet.model import QuotaSpec
@@ -149,6 +150,9 @@ class Limiter:
 
     spec: QuotaSpec
     models: frozenset[str] = frozenset()  # the fleet's models: a named tenant on one always gets room
+    # The adapters quotas.models names, each to its base model (routing/quotas.limited_adapters):
+    # buckets of their own, under the adapter's name, with the adapter's own limits only.
+    adapters: Mapping[str, str] = field(default_factory=dict)
     max_buckets: int = MAX_BUCKETS
     max_bytes: int = MAX_BUCKET_BYTES
     buckets: dict[Key, Bucket] = field(default_factory=dict)
@@ -157,6 +161,18 @@ class Limiter:
     refused: int = 0  # new buckets refused for want of room
     _heap: list[tuple[float, int, Key]] = field(default_factory=list)
     _seq: int = 0
+
+    def limit(self, tenant: str, model: str, kind: str) -> int | None:
+        """The per-minute limit of `kind` for `tenant` on `model` (QuotaSpec.limit); on an
+        adapter with limits of its own, its own levels only (its tenant, then its default):
+        the base model's limits are its base model's descriptor's, never counted twice."""
+        if model not in self.adapters:
+            return self.spec.limit(tenant, model, kind)
+        adapter_default, adapter_tenants = self.spec.models.get(model, (None, {}))
+        for level in (adapter_tenants.get(tenant), adapter_default):
+            if level is not None and getattr(level, kind) is not None:
+                return int(getattr(level, kind))
+        return None
 
     # ---- the bound ----------------------------------------------------------------------------
 
@@ -185,7 +201,7 @@ class Limiter:
             heapq.heappop(self._heap)
             key = top[2]
             bucket = self.buckets[key]
-            limit = self.spec.limit(key[0], key[1], KINDS[key[2]])
+            limit = self.limit(key[0], key[1], KINDS[key[2]])
             if limit is not None:
                 bucket.refill(limit, now)
                 if bucket.level < limit:  # its limit was raised since: not full yet
@@ -205,7 +221,7 @@ class Limiter:
     def named(self, tenant: str, model: str) -> bool:
         """A tenant the fleet file names, on a model the fleet has: bounded by the file, always
         given a bucket."""
-        if model not in self.models:
+        if model not in self.models and model not in self.adapters:
             return False
         if tenant in self.spec.tenants:
             return True
@@ -232,13 +248,21 @@ class Limiter:
 
     # ---- decisions ----------------------------------------------------------------------------
 
-    def check(self, tenant: str, model: str, now: float, hits: int = 1, kind: str = "requests") -> Decision:
-        """Requests: take `hits` from the bucket of `tenant` on `model` at `now`, if it has them.
-        Tokens: allowed while the bucket is above zero; nothing is taken (see charge). No room
-        for a new bucket: refused (`crowded`)."""
-        limit = self.spec.limit(tenant, model, KINDS[kind])
+    def check(
+        self, tenant: str, model: str, now: float, hits: int = 1, kind: str = "requests", take: bool = True
+    ) -> Decision:
+        """Requests: take `hits` from the bucket of `tenant` on `model` at `now`, if it has them
+        (`take` false: only whether it has them, nothing taken, no bucket made). Tokens:
+        allowed while the bucket is above zero; nothing is taken (see charge). No room for a
+        new bucket: refused (`crowded`)."""
+        limit = self.limit(tenant, model, KINDS[kind])
         if limit is None:
             return Decision(True, None, kind=kind)
+        if not take:
+            level = self.level(tenant, model, now, kind)
+            assert level is not None
+            need = needed(kind, hits)
+            return decision(kind, limit, level, level >= need, need)
         bucket = self._bucket(tenant, model, kind, limit, now)
         if bucket is None:
             return crowded(kind, limit, self.room_in(now))
@@ -254,7 +278,7 @@ class Limiter:
         the level after. None when no token limit applies, or when there is no room for the
         bucket (the request's own check made it: it was dropped only if full, and the charge
         found the store crowded since; the service counts it)."""
-        limit = self.spec.limit(tenant, model, "tokens_per_minute")
+        limit = self.limit(tenant, model, "tokens_per_minute")
         if limit is None:
             return None
         bucket = self._bucket(tenant, model, "tokens", limit, now)
@@ -268,7 +292,7 @@ class Limiter:
         """(remaining, limit) of `tenant` on `model` at `now` without taking any, None when no
         limit applies."""
         level = self.level(tenant, model, now, kind)
-        limit = self.spec.limit(tenant, model, KINDS[kind])
+        limit = self.limit(tenant, model, KINDS[kind])
         if level is None or limit is None:
             return None
         return max(0, math.floor(level)), limit
@@ -276,7 +300,7 @@ class Limiter:
     def level(self, tenant: str, model: str, now: float, kind: str = "requests") -> float | None:
         """The bucket's level at `now` (a bucket not kept is full), without changing it; None
         when no limit applies."""
-        limit = self.spec.limit(tenant, model, KINDS[kind])
+        limit = self.limit(tenant, model, KINDS[kind])
         if limit is None:
             return None
         bucket = self.buckets.get((tenant, model, kind))

@@ -11,6 +11,10 @@ limit waits until the file holds still; a bad edit keeps the last good quotas, l
 Answers: OK or OVER_LIMIT with the x-ratelimit-* headers for either, and over the limit
 `retry-after` and an OpenAI-style error body, which Envoy sends with its 429. A descriptor
 this service cannot read (another domain, no model) is OK: never a refusal of its making.
+A descriptor with an adapter (routing/quotas.py, on the routes that take adapters' names) is
+checked against the adapter's own limits when quotas.models names it, and is OK otherwise
+(the base model's descriptor in the same call decides); a request with both takes from
+neither bucket unless both have room.
 Every name it keeps or labels is bounded (limiter.bounded_name); metric labels are names the
 fleet file has, else `other`. Metrics on --metrics-listen (docs/metrics.md#quotas).
 """
@@ -21,6 +25,7 @@ import asyncio
 import hashlib
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +45,22 @@ from controlplane.quota.charge import charged_tokens
 from controlplane.quota.limiter import INVALID, KINDS, Decision, Limiter, bounded_name, decision, needed
 from controlplane.quota.redis_store import RedisStore, RedisUnavailable
 from controlplane.quota.status import QuotaStatus
-from controlplane.routing.quotas import BEARER_KEY, DOMAIN, KIND_KEY, MODEL_KEY, REFUSED_KEY, TENANT_KEY
+from controlplane.routing.quotas import (
+    ADAPTER_KEY,
+    BEARER_KEY,
+    DOMAIN,
+    KIND_KEY,
+    MODEL_KEY,
+    REFUSED_KEY,
+    TENANT_KEY,
+    limited_adapters,
+)
 from controlplane.v1 import quota_pb2_grpc
 
 log = structlog.get_logger("controlplane.quota")
 
 OTHER = "other"  # the label of every model or tenant the fleet file does not name
-MAX_DESCRIPTORS = 64  # per call; Envoy sends one to three. The rest are answered OK, unread
+MAX_DESCRIPTORS = 64  # per call; Envoy sends one to four. The rest are answered OK, unread
 MAX_MESSAGE_BYTES = 1 << 20  # a call larger than this is refused by gRPC before it is read
 STATUS_SERVICE = "controlplane.v1.QuotaService"
 
@@ -136,8 +150,10 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         metrics: QuotaMetrics | None = None,
         store: RedisStore | None = None,
         models: frozenset[str] = frozenset(),
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
-        self.limiter = Limiter(spec, models)  # the quotas, and the buckets when store is None
+        # the quotas, and the buckets when store is None
+        self.limiter = Limiter(spec, models, dict(adapters or {}))
         self.metrics = metrics or QuotaMetrics()
         self.store = store  # Redis: buckets shared by every service using it
         self.token: str | None = None  # the bearer token cpctl quota status must send
@@ -150,13 +166,17 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             error_chars=300,
         )
 
-    def set_spec(self, spec: QuotaSpec, models: frozenset[str] | None = None) -> None:
-        """New quotas (and the fleet's models); the buckets in use stay (each refills to its
-        new limit)."""
+    def set_spec(
+        self, spec: QuotaSpec, models: frozenset[str] | None = None, adapters: Mapping[str, str] | None = None
+    ) -> None:
+        """New quotas (and the fleet's models, and its adapters with limits of their own, each
+        to its base model); the buckets in use stay (each refills to its new limit)."""
         self.limiter.spec = spec
         self._tenants = _named_tenants(spec)
         if models is not None:
             self.limiter.models = models
+        if adapters is not None:
+            self.limiter.adapters = dict(adapters)
 
     def set_fleet(self, fleet: Fleet) -> None:
         """The quotas and model names of a fleet; FleetConfigInvalid if it has no quotas (the
@@ -165,10 +185,12 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             raise FleetConfigInvalid(
                 [ConfigError("", "quotas", "removed; this service keeps the last quotas it had")]
             )
-        self.set_spec(fleet.quotas, frozenset(m.name for m in fleet.models))
+        self.set_spec(fleet.quotas, frozenset(m.name for m in fleet.models), limited_adapters(fleet))
 
     def model_label(self, model: str) -> str:
-        return model if model in self.limiter.models else OTHER
+        """The model's name, or an adapter's with limits of its own; else OTHER (bounded: the
+        fleet's names)."""
+        return model if model in self.limiter.models or model in self.limiter.adapters else OTHER
 
     def tenant_label(self, tenant: str) -> str:
         return tenant if tenant in self._tenants else OTHER
@@ -200,23 +222,28 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         finally:
             self._memory_gauges()
 
-    async def _check(self, tenant: str, model: str, now: float, hits: int, kind: str) -> Decision:
+    async def _check(
+        self, tenant: str, model: str, now: float, hits: int, kind: str, take: bool = True
+    ) -> Decision:
+        """One bucket's answer; `take` false: whether it has room, nothing taken."""
         if self.store is None:
-            return self.limiter.check(tenant, model, now, hits=hits, kind=kind)
-        limit = self.limiter.spec.limit(tenant, model, KINDS[kind])
+            return self.limiter.check(tenant, model, now, hits=hits, kind=kind, take=take)
+        limit = self.limiter.limit(tenant, model, KINDS[kind])
         if limit is None:
             return Decision(True, None, kind=kind)
-        mode = "take" if kind == "requests" else "peek"
+        mode = "peek" if kind != "requests" else "take" if take else "read"
         try:
             allowed, level = await self.store.apply(kind, model, tenant, limit, hits, mode)
         except RedisUnavailable as e:
             self._store_failed(e)
             return Decision(True, None, kind=kind)  # fail open: no limit known, none applied
         self._store_ok()
+        if mode == "read":
+            allowed = level >= hits
         return decision(kind, limit, level, allowed, needed(kind, hits))
 
     async def _charge(self, tenant: str, model: str, tokens: int, now: float) -> None:
-        limit = self.limiter.spec.limit(tenant, model, "tokens_per_minute")
+        limit = self.limiter.limit(tenant, model, "tokens_per_minute")
         if limit is None:
             return
         if self.store is None:
@@ -245,10 +272,11 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
         return name
 
     async def decide_async(self, request: rls_pb2.RateLimitRequest, now: float) -> rls_pb2.RateLimitResponse:
-        statuses = []
-        decisions: list[Decision] = []
-        model = ""
-        ok = rls_pb2.RateLimitResponse.DescriptorStatus(code=rls_pb2.RateLimitResponse.OK)
+        Status = rls_pb2.RateLimitResponse.DescriptorStatus
+        ok = Status(code=rls_pb2.RateLimitResponse.OK)
+        statuses: list[Any] = []  # a Status each, None for a check decided below
+        # (where in statuses, tenant, model, kind, hits, labels) of each check
+        checks: list[tuple[int, str, str, str, int, tuple[str, str]]] = []
         for descriptor in request.descriptors[:MAX_DESCRIPTORS]:
             entries = {e.key: e.value for e in descriptor.entries}
             if request.domain != DOMAIN or not entries.get(MODEL_KEY):
@@ -256,6 +284,14 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 statuses.append(ok)
                 continue
             model = self._name(entries[MODEL_KEY], "model")
+            of_adapter = ADAPTER_KEY in entries
+            if of_adapter:
+                # An adapter's own limits, by its name. One without any (or not this model's)
+                # counts as its base model only: the base model's descriptor decides.
+                if self.limiter.adapters.get(entries[ADAPTER_KEY]) != model:
+                    statuses.append(ok)
+                    continue
+                model = entries[ADAPTER_KEY]
             tenant = entries.get(TENANT_KEY, "")
             if BEARER_KEY in entries:
                 tenant = bearer_tenant(entries[BEARER_KEY])
@@ -268,7 +304,8 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                     continue
                 tokens, how = charged_tokens(entries)
                 await self._charge(tenant, model, tokens, now)
-                self.metrics.tokens.labels(*labels, how).inc(tokens)
+                if not of_adapter:  # each response's tokens counted once, under its base model
+                    self.metrics.tokens.labels(*labels, how).inc(tokens)
                 statuses.append(ok)
                 continue
             if kind not in KINDS:
@@ -276,7 +313,20 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
                 statuses.append(ok)
                 continue
             hits = descriptor.hits_addend.value if descriptor.HasField("hits_addend") else request.hits_addend
-            got = await self._check(tenant, model, now, max(1, hits), kind)
+            checks.append((len(statuses), tenant, model, kind, max(1, hits), labels))
+            statuses.append(None)
+        # Several request checks (an adapter's and its base model's): a request one of them
+        # refuses takes from none of the buckets.
+        take = True
+        requests = [c for c in checks if c[3] == "requests"]
+        if len(requests) > 1:
+            for _, tenant, model, kind, hits, _ in requests:
+                if not (await self._check(tenant, model, now, hits, kind, take=False)).allowed:
+                    take = False
+                    break
+        decided: list[tuple[str, Decision]] = []
+        for where, tenant, model, kind, hits, labels in checks:
+            got = await self._check(tenant, model, now, hits, kind, take=take)
             result = (
                 "unlimited"
                 if got.limit is None
@@ -288,29 +338,35 @@ class RateLimitService(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[m
             )
             self.metrics.decisions.labels(*labels, result if kind == "requests" else f"tokens_{result}").inc()
             code = rls_pb2.RateLimitResponse.OK if got.allowed else rls_pb2.RateLimitResponse.OVER_LIMIT
-            statuses.append(rls_pb2.RateLimitResponse.DescriptorStatus(code=code))
+            statuses[where] = Status(code=code)
             if got.limit is not None:
-                decisions.append(got)
+                decided.append((model, got))
         extra = len(request.descriptors) - MAX_DESCRIPTORS
         if extra > 0:
             self.metrics.decisions.labels(OTHER, "", "unreadable").inc(extra)
             statuses += [ok] * extra
-        refused = [d for d in decisions if not d.allowed]
+        refused = [(model, d) for model, d in decided if not d.allowed]
         response = rls_pb2.RateLimitResponse(
             overall_code=rls_pb2.RateLimitResponse.OVER_LIMIT if refused else rls_pb2.RateLimitResponse.OK,
             statuses=statuses,
         )
+        # Per kind, the headers of the bucket that refused, else of the one with the least left
+        # (an adapter's and its base model's); retry-after: the longest wait of those refused.
+        shown: dict[str, Decision] = {}
+        for _, d in decided:
+            seen = shown.get(d.kind)
+            if seen is None or (d.allowed, d.remaining) < (seen.allowed, seen.remaining):
+                shown[d.kind] = d
         headers: dict[str, str] = {}
-        for d in decisions:
-            for key, value in d.headers().items():
-                if key == "retry-after" and key in headers:
-                    value = str(max(int(value), int(headers[key])))
-                headers[key] = value
+        for d in shown.values():
+            headers.update((k, v) for k, v in d.headers().items() if k != "retry-after")
+        if refused:
+            headers["retry-after"] = str(max(int(d.headers()["retry-after"]) for _, d in refused))
         for key, value in headers.items():
             response.response_headers_to_add.add(key=key, value=value)
         if refused:
             response.dynamic_metadata.fields[REFUSED_KEY].string_value = "yes"
-            response.raw_body = error_body(model, refused[0]).encode()
+            response.raw_body = error_body(*refused[0]).encode()
             response.response_headers_to_add.add(key="content-type", value="application/json")
         return response
 
@@ -399,7 +455,9 @@ async def serve(
     credentials = server_credentials(tls, SIDE_FLAGS) if tls is not None else None
     metrics = QuotaMetrics()
     store = None if store_url == "memory" else RedisStore(store_url)
-    service = RateLimitService(fleet.quotas, metrics, store, frozenset(m.name for m in fleet.models))
+    service = RateLimitService(
+        fleet.quotas, metrics, store, frozenset(m.name for m in fleet.models), limited_adapters(fleet)
+    )
     service.token = token
     reloads = QuotaReloads(service, metrics)
     watcher.on_fleet, watcher.on_invalid = reloads.fleet, reloads.invalid

@@ -118,7 +118,6 @@ class QuotaStatus(quota_pb2_grpc.QuotaServiceServicer):
     ) -> tuple[list[quota_pb2.QuotaBucket], str]:
         """One page of rows from `start` (a decoded token, {} for the first), and the token
         of the next ("" for none)."""
-        spec = self.service.limiter.spec
         store = self.service.store
         rows: list[quota_pb2.QuotaBucket] = []
         if store is None:
@@ -129,7 +128,7 @@ class QuotaStatus(quota_pb2_grpc.QuotaServiceServicer):
             keys, more = memory_page(self.service.limiter.buckets, tenant, after, size)
             for who, model, kind in keys:
                 level = self.service.limiter.level(who, model, now, kind)
-                limit = spec.limit(who, model, KINDS[kind])
+                limit = self.service.limiter.limit(who, model, KINDS[kind])
                 if level is not None and limit is not None:
                     rows.append(_row(who, model, kind, limit, level))
             return rows, encode_token({"after": list(keys[-1])}) if more and keys else ""
@@ -141,7 +140,7 @@ class QuotaStatus(quota_pb2_grpc.QuotaServiceServicer):
         found, cursor = await store.scan(cursor, tenant, size)
         wanted = []
         for kind, model, who in dict.fromkeys(found):
-            limit = spec.limit(who, model, KINDS[kind])
+            limit = self.service.limiter.limit(who, model, KINDS[kind])
             if limit is not None:
                 wanted.append((kind, model, who, limit))
         if wanted:

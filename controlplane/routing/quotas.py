@@ -14,6 +14,12 @@ With token limits, each response is charged when it ends (`apply_on_stream_done`
 usage (a JSON answer's, read by json_to_metadata; a stream's usage event, read by the Lua
 filter here as the stream passes), else with what the request let the server send (its
 output limits, whatever its dialect calls them, and how many completions it asked for).
+
+An adapter named under quotas.models has limits of its own on top of its base model's: on the
+routes that take the model's adapters' names, each descriptor comes twice, first with (adapter,
+the name the request gave) after the model (the adapter's), then as for the base model. The
+service ignores the adapter's descriptor of an adapter without limits of its own, so such an
+adapter counts as its base model only.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ RATELIMIT_FILTER = "envoy.filters.http.ratelimit"
 DOMAIN = "inference"  # the rate-limit domain every descriptor is under
 MODEL_KEY = "model"  # descriptor entry keys
 TENANT_KEY = "tenant"
+ADAPTER_KEY = "adapter"  # the adapter the request named (routes that take adapters' names)
+MODEL_HEADER = "x-model"  # as routing/translate.py's: the model (or adapter) a request names
 BEARER_KEY = "bearer"  # key.bearer: the Authorization header as sent; the service hashes it
 KIND_KEY = "kind"  # absent: requests; "tokens": the token check; "charge": a response's tokens
 USAGE_KEY = "usage"  # the response's usage.total_tokens (json_to_metadata), at stream end
@@ -147,21 +155,68 @@ def counts_tokens(quotas: QuotaSpec) -> bool:
     return any(level.tokens_per_minute is not None for level in levels)
 
 
-def add_rate_limits(fleet: Fleet, model: Model, action: route_components_pb2.RouteAction) -> None:
+def limited_adapters(fleet: Fleet) -> dict[str, str]:
+    """Adapter -> its base model, for every adapter quotas.models names (an adapter with limits
+    of its own); empty without quotas."""
+    return {a: m.name for m in fleet.models for a in own_limited_adapters(fleet, m)}
+
+
+def own_limited_adapters(fleet: Fleet, model: Model) -> list[str]:
+    """The names of `model`'s adapters that quotas.models names (cheap: the model's adapters)."""
+    if fleet.quotas is None:
+        return []
+    return [a.name for a in model.adapters if a.name in fleet.quotas.models]
+
+
+def add_rate_limits(
+    fleet: Fleet,
+    model: Model,
+    action: route_components_pb2.RouteAction,
+    adapter_key: str | None = None,
+) -> None:
     """The model route's descriptors, each starting (model, its name), (tenant, the key header)
     if sent: the request check; with token quotas, the token check, (kind, tokens); and, when
     the stream is done, the charge: (kind, charge), (usage, the response's
     usage.total_tokens, a JSON answer's or a stream's usage event's), (prompt_bytes, its
     content-length), then each output limit and count of completions the request may carry
-    (OUTPUT_LIMIT_FIELDS, COPIES_FIELDS; "none" where it sent none), (refused, ...)."""
+    (OUTPUT_LIMIT_FIELDS, COPIES_FIELDS; "none" where it sent none), (refused, ...).
+
+    `adapter_key`: the route takes the model's adapters' names, from the x-model header
+    ("header") or the body's model ("body"). When quotas name one of the model's adapters,
+    each check (and charge, where an adapter sets tokens) comes first with (adapter, that
+    name) after the model: the adapter's own limits, which the service looks up by the name
+    (and ignores for an adapter without limits of its own)."""
     quotas = fleet.quotas
     if quotas is None:
         return
     Action = route_components_pb2.RateLimit.Action
+    own = own_limited_adapters(fleet, model) if adapter_key is not None else []
+    if adapter_key is None or not own:
+        adapter: route_components_pb2.RateLimit.Action | None = None
+    elif adapter_key == "header":
+        adapter = Action(
+            request_headers=Action.RequestHeaders(header_name=MODEL_HEADER, descriptor_key=ADAPTER_KEY)
+        )
+    else:  # the route matched the body's model (json_to_metadata's), so it is there
+        adapter = Action(
+            metadata=Action.MetaData(
+                descriptor_key=ADAPTER_KEY,
+                metadata_key=metadata_pb2.MetadataKey(
+                    key=METADATA_NS, path=[metadata_pb2.MetadataKey.PathSegment(key=MODEL_KEY)]
+                ),
+                source=Action.MetaData.DYNAMIC,
+            )
+        )
+    adapter_tokens = adapter is not None and any(
+        level.tokens_per_minute is not None
+        for name in own
+        for level in (quotas.models[name][0], *quotas.models[name][1].values())
+    )
 
-    def who() -> list[route_components_pb2.RateLimit.Action]:
+    def who(of_adapter: bool = False) -> list[route_components_pb2.RateLimit.Action]:
         return [
             Action(generic_key=Action.GenericKey(descriptor_key=MODEL_KEY, descriptor_value=model.name)),
+            *([adapter] if of_adapter and adapter is not None else []),
             Action(
                 request_headers=Action.RequestHeaders(
                     header_name="authorization" if quotas.key_bearer else quotas.key_header,
@@ -187,26 +242,33 @@ def add_rate_limits(fleet: Fleet, model: Model, action: route_components_pb2.Rou
             )
         )
 
+    # The adapter's first (its name in the 429's message when both are out); the service takes
+    # from no bucket unless every one of the call's has room.
+    if adapter is not None:
+        action.rate_limits.add(actions=who(of_adapter=True))
     action.rate_limits.add(actions=who())
     if not counts_tokens(quotas):
         return
     kind = Action(generic_key=Action.GenericKey(descriptor_key=KIND_KEY, descriptor_value="tokens"))
+    if adapter_tokens:
+        action.rate_limits.add(actions=[*who(of_adapter=True), kind])
     action.rate_limits.add(actions=[*who(), kind])
     charge = Action(generic_key=Action.GenericKey(descriptor_key=KIND_KEY, descriptor_value="charge"))
-    action.rate_limits.add(
-        apply_on_stream_done=True,
-        actions=[
-            *who(),
-            charge,
-            metadata(USAGE_METADATA, USAGE_KEY),
-            Action(
-                request_headers=Action.RequestHeaders(
-                    header_name="content-length", descriptor_key=PROMPT_BYTES_KEY, skip_if_absent=True
-                )
-            ),
-            *(metadata(output_metadata_key(key), key) for key in (*OUTPUT_LIMIT_FIELDS, *COPIES_FIELDS)),
-            # The service's own mark on a request it refused (its answer's dynamic metadata):
-            # a 429 costs no tokens.
-            metadata(REFUSED_KEY, REFUSED_KEY, namespace=RATELIMIT_FILTER),
-        ],
-    )
+    for of_adapter in (True, False) if adapter_tokens else (False,):
+        action.rate_limits.add(
+            apply_on_stream_done=True,
+            actions=[
+                *who(of_adapter),
+                charge,
+                metadata(USAGE_METADATA, USAGE_KEY),
+                Action(
+                    request_headers=Action.RequestHeaders(
+                        header_name="content-length", descriptor_key=PROMPT_BYTES_KEY, skip_if_absent=True
+                    )
+                ),
+                *(metadata(output_metadata_key(key), key) for key in (*OUTPUT_LIMIT_FIELDS, *COPIES_FIELDS)),
+                # The service's own mark on a request it refused (its answer's dynamic metadata):
+                # a 429 costs no tokens.
+                metadata(REFUSED_KEY, REFUSED_KEY, namespace=RATELIMIT_FILTER),
+            ],
+        )

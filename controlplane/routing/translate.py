@@ -60,6 +60,7 @@ from controlplane.routing.quotas import (
     build_stream_usage_filter,
     counts_tokens,
     output_metadata_key,
+    own_limited_adapters,
 )
 
 MODEL_HEADER = "x-model"
@@ -722,7 +723,7 @@ def _model_route(
             fleet, model, high=high, overlay=overlay, version=version, adapter_key=adapter_key
         ),
     )
-    add_rate_limits(fleet, model, route.route)
+    add_rate_limits(fleet, model, route.route, adapter_key=adapter_key)
     if route.route.cluster == names.HOLD_CLUSTER:
         held = route.request_headers_to_add.add(
             append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -772,13 +773,16 @@ def _names_regex(names: list[str]) -> string_pb2.StringMatcher:
     return string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(regex=f"(?:{alternatives})"))
 
 
-def _namings(model: Model) -> list[tuple[str, string_pb2.StringMatcher, bool]]:
+def _namings(fleet: Fleet, model: Model) -> list[tuple[str, string_pb2.StringMatcher, bool]]:
     """The ways a request names `model`, each with its own routes: (route name suffix, what the
     name must be, whether it names an adapter). One, model_names, unless the model hashes its
-    requests by adapter (Affinity.adapter): then the base model's name alone (no key: spread
-    within the bound) and its adapters' names (hashed on the name: each adapter keeps to the
-    servers that hold it)."""
-    if model.affinity is None or not model.affinity.adapter:
+    requests by adapter (Affinity.adapter) or quotas name one of its adapters: then the base
+    model's name alone and its adapters' names. With Affinity.adapter the base model's requests
+    spread within the bound (no key) and its adapters' are hashed on the name (each adapter
+    keeps to the servers that hold it); with quotas, the adapters' route asks for the adapter's
+    limits too (routing/quotas.py)."""
+    by_adapter = model.affinity is not None and model.affinity.adapter
+    if not (by_adapter or own_limited_adapters(fleet, model)):
         return [("", model_names(model), False)]
     return [
         ("", string_pb2.StringMatcher(exact=model.name), False),
@@ -941,7 +945,7 @@ def build_gateway_routes(
         ),
     ]
     for model in fleet.models:
-        for suffix, matcher, adapters in _namings(model):
+        for suffix, matcher, adapters in _namings(fleet, model):
             routes += _class_routes(
                 fleet,
                 model,
@@ -953,7 +957,7 @@ def build_gateway_routes(
                 adapter_key="header" if adapters else None,
             )
     for model in fleet.models:
-        for suffix, matcher, adapters in _namings(model):
+        for suffix, matcher, adapters in _namings(fleet, model):
             routes += _class_routes(
                 fleet,
                 model,
