@@ -74,6 +74,10 @@ METRICS_MAX_QUEUE = 100_000  # requests running or waiting on one server
 METRICS_LORA_MAX_ADAPTERS = 64
 METRICS_LORA_MAX_SLOTS = 1024
 METRICS_LORA_MAX_SERIES = 10_000
+# llama.cpp's adapters (`GET /lora-adapters`, docs/signals.md#lora-adapters): the answer's
+# size (a list of METRICS_LORA_MAX_ADAPTERS entries is a few KB). Past it, or past
+# METRICS_LORA_MAX_ADAPTERS entries, the adapters are unknown.
+LLAMACPP_LORA_MAX_BYTES = 1 << 20
 
 # ---- the xDS and LRS port ------------------------------------------------------------------
 

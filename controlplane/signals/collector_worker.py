@@ -7,7 +7,9 @@ per lane (one lane for endpoints that answered last time, one for those that did
 so hung servers never delay live ones), and a scrape's timeout starts when it gets a
 slot, not while it waits for one. Pages are
 parsed here (`parse_metrics`, only the families read), so the control plane receives a
-`ScrapeResult` with a `ServerSample`, never a page. Records go out in batches every
+`ScrapeResult` with a `ServerSample`, never a page. A llama.cpp page of a model with
+adapters is followed by a GET of the server's /lora-adapters (signals/llamacpp_adapters.py),
+in the same lane, with the same timeout. Records go out in batches every
 `FLUSH_S`, with the process's counters (CPU seconds, pages, bytes, lag, back-off).
 
 A sample's TTFT and TPOT histograms (about 40 buckets, most of a record's bytes) are sent
@@ -39,6 +41,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from controlplane.net.http import client_session
+from controlplane.signals import llamacpp_adapters
 from controlplane.signals.parse import (
     MetricsPageInvalid,
     ServerHistogram,
@@ -266,6 +269,11 @@ class _Worker:
                 error = page_error(e)
                 self.stats.unreadable += 1
             self.stats.parse_s += time.perf_counter() - t0
+            if sample is not None and llamacpp_adapters.wanted(sample, probe):
+                async with lane:  # llama.cpp's adapters are not on its page: one more GET
+                    sample = await llamacpp_adapters.with_adapters(
+                        sample, self.prober, key[1], probe, s.timeout_s
+                    )
             if sample is not None:
                 sample = self.histograms.changed_only(key, sample, time.monotonic())
         self.outbox.append(

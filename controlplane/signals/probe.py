@@ -65,12 +65,16 @@ class Probe:
     metrics_path: str = "/metrics"
     metrics_port: int | None = None
     metrics_scheme: str = "http"
+    # The model's LoRA adapters as (name, source; "" without one): a llama.cpp page read from
+    # this target has its adapters read from /lora-adapters (signals/llamacpp_adapters.py).
+    adapters: tuple[tuple[str, str], ...] = ()
 
 
 def probes_of(fleet: Fleet) -> dict[EndpointKey, Probe]:
     """Every scrape target's probe (the first version listing an address decides)."""
     out: dict[EndpointKey, Probe] = {}
     for m in fleet.models:
+        adapters = tuple((a.name, a.source or "") for a in m.adapters)
         for v in m.versions:
             h, mp = fleet.health_of(m, v), fleet.metrics_of(m, v)
             probe = Probe(
@@ -82,6 +86,7 @@ def probes_of(fleet: Fleet) -> dict[EndpointKey, Probe]:
                 metrics_path=mp.path or fleet.signals.metrics_path,
                 metrics_port=mp.port,
                 metrics_scheme=mp.scheme,
+                adapters=adapters,
             )
             for ep in v.endpoints:
                 out.setdefault((m.name, ep.address), probe)
@@ -115,15 +120,16 @@ async def fetch(
     want_body: bool,
     stalls: LoopStalls | None = None,
     timeout_s: float | None = None,
+    max_bytes: int = MAX_PAGE_BYTES,
 ) -> tuple[int | None, bytes | None, str | None]:
     """One GET: (status, body, error); error is set when no usable HTTP answer came in time.
-    A body over MAX_PAGE_BYTES is refused, not buffered. With `stalls`, the GET has
+    A body over `max_bytes` is refused, not buffered. With `stalls`, the GET has
     `timeout_s` of the time its event loop could run (`timeout` is then the outer bound)."""
     limit_s = timeout.total if timeout_s is None else timeout_s
     try:
         if stalls is None:
-            return await _get(session, url, timeout, want_body)
-        result, _ = await stalls.within(_get(session, url, timeout, want_body), limit_s or 0.0)
+            return await _get(session, url, timeout, want_body, max_bytes)
+        result, _ = await stalls.within(_get(session, url, timeout, want_body, max_bytes), limit_s or 0.0)
         return result
     except ScrapeTimeout as e:
         more = f" (and {e.extra_s:.1f}s more while the collector stood still)" if e.extra_s >= 0.05 else ""
@@ -139,16 +145,20 @@ async def fetch(
 
 
 async def _get(
-    session: aiohttp.ClientSession, url: URL | str, timeout: aiohttp.ClientTimeout, want_body: bool
+    session: aiohttp.ClientSession,
+    url: URL | str,
+    timeout: aiohttp.ClientTimeout,
+    want_body: bool,
+    max_bytes: int = MAX_PAGE_BYTES,
 ) -> tuple[int | None, bytes | None, str | None]:
     async with session.get(url, timeout=timeout, ssl=False) as resp:  # https: not verified
         if not want_body:
             return resp.status, None, None
-        if resp.content_length is not None and resp.content_length > MAX_PAGE_BYTES:
+        if resp.content_length is not None and resp.content_length > max_bytes:
             return resp.status, None, f"page of {resp.content_length} bytes is over the limit"
-        body = await read_page(resp.content, MAX_PAGE_BYTES)
+        body = await read_page(resp.content, max_bytes)
         if body is None:
-            return resp.status, None, f"page is over the {MAX_PAGE_BYTES} byte limit"
+            return resp.status, None, f"page is over the {max_bytes} byte limit"
         return resp.status, body, None
 
 
@@ -253,6 +263,17 @@ class Prober:
         return await fetch(
             self.session, url, p.metrics_path, self._timeout(timeout_s), want_body=True,
             stalls=self.stalls, timeout_s=timeout_s,
+        )  # fmt: skip
+
+    async def get(
+        self, address: str, p: Probe, path: str, timeout_s: float, max_bytes: int
+    ) -> tuple[int | None, bytes | None, str | None]:
+        """GET `path` of the server whose metrics page `p` reads (its port and scheme), bounded
+        as that page is: (status, body, error)."""
+        url = self._url(p.metrics_scheme, at_port(address, p.metrics_port), path)
+        return await fetch(
+            self.session, url, path, self._timeout(timeout_s), want_body=True, stalls=self.stalls,
+            timeout_s=timeout_s, max_bytes=max_bytes,
         )  # fmt: skip
 
     async def _grpc_health(

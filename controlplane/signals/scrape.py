@@ -2,16 +2,21 @@
 
 One aiohttp session with keep-alive connections is reused across rounds. A server that
 hangs costs its own timeout and nothing else: every endpoint is scraped in parallel and a
-round takes at most `timeout_s` (plus scheduling).
+round takes at most `timeout_s` (plus scheduling), twice that for a llama.cpp server of a
+model with adapters, whose /lora-adapters is asked once its page is read
+(signals/llamacpp_adapters.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 
 from controlplane.fleet.model import Fleet
 from controlplane.net.http import client_session
+from controlplane.signals import llamacpp_adapters
+from controlplane.signals.parse import MetricsPageInvalid, parse_metrics
 from controlplane.signals.probe import Probe, Prober, probes_of
 from controlplane.signals.store import EndpointKey, ScrapeResult, fetch_error
 
@@ -54,17 +59,28 @@ class Scraper:
         """Scrape all targets at once; every result arrives within the timeout."""
         keys = list(targets)
         probes = probes or {}
-        results = await asyncio.gather(*(self._scrape(k[1], probes.get(k, self.default)) for k in keys))
+        results = await asyncio.gather(*(self._scrape(k[1], probes.get(k, self.default), k[0]) for k in keys))
         return dict(zip(keys, results, strict=True))
 
-    async def _scrape(self, address: str, probe: Probe) -> ScrapeResult:
-        r = await self._client().probe(address, probe, self.timeout_s)
+    async def _scrape(self, address: str, probe: Probe, model: str | None = None) -> ScrapeResult:
+        client = self._client()
+        r = await client.probe(address, probe, self.timeout_s)
         error = fetch_error(probe.metrics_path, r.metrics_status, r.metrics_error)
         text = r.body.decode("utf-8", errors="replace") if r.body is not None and error is None else None
+        sample = None
+        if text is not None and probe.adapters:
+            # A llama.cpp page's adapters are read from its server: the page is parsed here to
+            # tell (a page refused is left to the store, which says why).
+            with contextlib.suppress(MetricsPageInvalid):
+                sample = parse_metrics(text, model)
+            if sample is not None:
+                sample = await llamacpp_adapters.with_adapters(sample, client, address, probe, self.timeout_s)
+                text = None
         return ScrapeResult(
             health_status=r.health_status,
             health_error=r.health_error,
             metrics_text=text,
+            sample=sample,
             metrics_error=None if error is None else error.text,
             reached=r.reached,
             error_reason=None if error is None else error.reason,
