@@ -183,6 +183,11 @@ class VllmServer:
             # No torch.compile tracing: vLLM's engine init took 1 s instead of 50 s here
             # (start-up 36-66 s instead of 136 s); the page and the API are the same.
             "--enforce-eager",
+            # float32, not the model's bfloat16: on a CPU that lists AMX, vLLM 0.32 takes its
+            # AMX attention kernel for bfloat16, whose first use died of SIGILL in the worker
+            # on this CI's VM (Linux 6.18, Firecracker): every request a 500. float32 takes the
+            # AVX-512 kernel; the page, the events and the API are the same.
+            "--dtype", "float32",
         ]  # fmt: skip
         self.env = {
             **os.environ,
