@@ -406,7 +406,7 @@ def _adapters(model: Model, picked: bool) -> dict[str, Any] | None:
         return None
     names = [a.name for a in model.adapters]
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    restricted = [a.name for a in model.adapters if a.endpoints]
+    restricted = [a.name for a in model.restricted_adapters]
     hashed = model.affinity is not None and model.affinity.adapter
     envoy = (
         "Envoy hashes each adapter's requests on its name (bounded load)"

@@ -350,11 +350,16 @@ class Model:
     adapters: tuple[Adapter, ...] = ()  # LoRA adapters served on its servers
     placement: str = "static"  # PLACEMENTS: how its adapters reach the servers
 
+    @property
+    def restricted_adapters(self) -> tuple[Adapter, ...]:
+        """Its adapters that only some endpoints may serve (Adapter.endpoints): each one a
+        subset of its clusters for Envoy (routing/clusters.adapter_subsets)."""
+        return tuple(a for a in self.adapters if a.endpoints)
+
     def lb_adapters(self, version: Version) -> dict[str, tuple[str, ...]]:
-        """Per endpoint address of `version`, the adapters restricted to some endpoints
-        (Adapter.endpoints) that it may serve: Envoy's subsets for the no-hop path. Empty
-        when no adapter of the model is restricted so."""
-        restricted = [a for a in self.adapters if a.endpoints]
+        """Per endpoint address of `version`, the restricted adapters (restricted_adapters)
+        that it may serve: Envoy's subsets for the no-hop path. Empty when the model has none."""
+        restricted = self.restricted_adapters
         if not restricted:
             return {}
         return {

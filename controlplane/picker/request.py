@@ -20,14 +20,13 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from controlplane import limits
-from controlplane.resources.names import METADATA_NS, SUBSET_METADATA_NS
+from controlplane.resources.names import METADATA_NS, MODEL_HEADER, SUBSET_METADATA_NS
 
 CLUSTER_ATTRIBUTE = "xds.cluster_name"
 SERVED_ATTRIBUTE = "upstream.address"  # sent with the response headers: where the request went
 PREFIX_KEY = "affinity_prefix"  # the prefix key the gateway's Lua filter sets (routing/prefix_key.lua)
 PROMPT_KEY = "prompt"  # the request body, for a picked model with a tokenizer (the same filter)
 SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
-MODEL_HEADER = "x-model"  # as routing/translate.py's: the model a request names, else its body's
 REQUEST_ID_MAX_CHARS = 128  # a request id as logged (debug): a 3 MB header is not a log line
 
 # The inputs a bound applies to, as counted (the `input` label).

@@ -9,6 +9,7 @@ GATEWAY_ROUTES = "inference"
 # The control plane's holding service (hold/): a model with no ready server routes there.
 HOLD_CLUSTER = "controlplane-hold"
 HOLD_MODEL_HEADER = "x-controlplane-hold-model"  # which model a held request is for
+MODEL_HEADER = "x-model"  # the model (or adapter) a request names, read before its body's
 METADATA_NS = "controlplane"  # the dynamic-metadata namespace of what the gateway reads from requests
 PICKER_CLUSTER = "controlplane-picker"  # the per-request endpoint pickers (picker/)
 RATELIMIT_CLUSTER = "controlplane-ratelimit"  # the rate-limit services counting quotas (quota/)

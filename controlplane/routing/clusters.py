@@ -192,7 +192,7 @@ def _policy(model: Model, t: TrafficPolicy, picked: bool) -> cluster_pb2.LoadBal
         inner = least_request_policy()
     else:
         inner = round_robin_policy()
-    if any(a.endpoints for a in model.adapters):
+    if model.restricted_adapters:
         inner = adapter_subsets(inner)
     return picked_policy(inner) if picked else inner
 

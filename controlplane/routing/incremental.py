@@ -118,7 +118,7 @@ def _cluster_key(fleet: Fleet, model: Model) -> _ClusterKey:
         model.tokenizer,
         flow_config(fleet, model),
         adapter_config(fleet, model),
-        any(a.endpoints for a in model.adapters),  # subsets for the restricted adapters
+        bool(model.restricted_adapters),  # subsets for them
     )
 
 

@@ -38,7 +38,7 @@ from envoy.type.v3 import http_status_pb2
 
 from controlplane.fleet.model import Fleet, Model, QuotaSpec
 from controlplane.resources import names
-from controlplane.resources.names import METADATA_NS
+from controlplane.resources.names import METADATA_NS, MODEL_HEADER
 from controlplane.routing import pb
 from controlplane.routing.clusters import build_side_service_cluster
 
@@ -47,7 +47,6 @@ DOMAIN = "inference"  # the rate-limit domain every descriptor is under
 MODEL_KEY = "model"  # descriptor entry keys
 TENANT_KEY = "tenant"
 ADAPTER_KEY = "adapter"  # the adapter the request named (routes that take adapters' names)
-MODEL_HEADER = "x-model"  # as routing/translate.py's: the model (or adapter) a request names
 BEARER_KEY = "bearer"  # key.bearer: the Authorization header as sent; the service hashes it
 KIND_KEY = "kind"  # absent: requests; "tokens": the token check; "charge": a response's tokens
 USAGE_KEY = "usage"  # the response's usage.total_tokens (json_to_metadata), at stream end

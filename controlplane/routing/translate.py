@@ -63,7 +63,7 @@ from controlplane.routing.quotas import (
     own_limited_adapters,
 )
 
-MODEL_HEADER = "x-model"
+MODEL_HEADER = names.MODEL_HEADER
 METADATA_NS = names.METADATA_NS
 JSON_CONTENT_TYPES = r"^application/json(\s*;.*)?$"
 
@@ -422,7 +422,7 @@ def _affinity_filter_state(fields: list[str]) -> hcm_pb2.HttpFilter:
 def _adapter_subsets(fleet: Fleet) -> bool:
     """Whether an adapter of some model may be served by some of its servers only: then the
     request's model goes to envoy.lb too (clusters.adapter_subsets)."""
-    return any(a.endpoints for m in fleet.models for a in m.adapters)
+    return any(m.restricted_adapters for m in fleet.models)
 
 
 def _model_to_lb() -> hcm_pb2.HttpFilter:
