@@ -86,6 +86,13 @@ KV_STALE_S = 10.0
 # saving is the request's own: cached tokens / (prompt tokens + its decode in prompt tokens).
 KV_PREFILL_SHARE = 0.5
 APPROXIMATE_BLOCK = 8  # a prompt's approximate key: the key of its 8th block (or its last)
+# The share of a request's whole service (its prompt computed, and its decode) that a
+# cluster's requests take once their cached prompts are counted: a moving average over its
+# picks with a prompt, each weighing KV_INCURRED_ALPHA. A wait for a slot is a wait for
+# requests ahead to end, and those are mostly cached too: the wait is this share of services
+# (at most 1, at least KV_INCURRED_MIN), not whole ones.
+KV_INCURRED_ALPHA = 0.05
+KV_INCURRED_MIN = 0.05
 
 
 def adapter_reason(state: str) -> str:
@@ -277,6 +284,7 @@ class PickerState:
     kv_stale_picks: int = 0  # picks that scored a server by the approximate index: its events stale
     adapters: AdapterView = field(default_factory=AdapterView)  # where LoRA adapters are (adapters.py)
     adapter_affinity: bool = True  # False: an adapter's requests picked as the base model's (A/B)
+    kv_incurred: dict[str, float] = field(default_factory=dict)  # cluster -> share (KV_INCURRED_ALPHA)
     _events: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     _last_pick: dict[str, int] = field(default_factory=dict)
     _picks: int = 0
@@ -290,6 +298,7 @@ class PickerState:
         self.clusters = {cla.cluster_name: candidates(cla) for cla in assignments}
         self._known = {c.address for servers in self.clusters.values() for c in servers}
         known = self._known
+        self.kv_incurred = {k: v for k, v in self.kv_incurred.items() if k in self.clusters}
         for kept in (self._events, self._last_pick, self.slots, self.kv_pending, self.adapters.servers):
             for address in [a for a in kept if a not in known and a not in self.inflight]:
                 del kept[address]
@@ -389,12 +398,16 @@ class PickerState:
         sent = self.inflight_at(address, page.read_at) + self.peer_load(address, now)
         return known + max(0.0, page.queued - sent)
 
-    def cost(self, c: Candidate, load: float, slots: float) -> float:
-        """wait_and_service for `c` at `load`; a page showing its KV cache full counts it full."""
+    def cost(self, c: Candidate, load: float, slots: float, incurred: float = 1.0) -> float:
+        """wait_and_service for `c` at `load`; a page showing its KV cache full counts it full.
+        `incurred`: what a request ahead takes, as a share of a whole service (the wait for a
+        slot is counted in such services)."""
         page = self.loads.get(c.address)
         if page is not None and page.kv_use is not None and page.kv_use >= KV_FULL:
             load = max(load, slots)
-        return wait_and_service(load, slots, c.scale)
+        whole = wait_and_service(load, slots, c.scale)
+        service = 1.0 / (_finite(c.scale) or 1.0)
+        return service + (whole - service) * incurred
 
     def free_slot(self, cluster: str, now: float, subset: frozenset[str] | None = None) -> bool:
         """Whether any eligible server of `cluster` (of `subset`, if given: the only servers a
@@ -471,7 +484,9 @@ class PickerState:
         prompt it holds saves, over its speed (cached tokens / (prompt tokens + the request's
         decode in prompt tokens, from the servers' pages: ServerLoad), else KV_PREFILL_SHARE
         times the part): from its KV events where they are fresh (kv_fresh), else by the
-        approximate index (all of it, if the prompt's approximate key went there last). Where
+        approximate index (all of it, if the prompt's approximate key went there last); a
+        wait for a slot counts the requests ahead at the share of a whole service the
+        cluster's picks have been taking (kv_incurred: they are mostly cached too). Where
         any server has such a credit, the lowered times alone rank (no free slot first): a
         short wait where the prompt is cached beats computing it again, while a long hit on a
         busy or slow server still loses to an idle fast one.
@@ -507,6 +522,11 @@ class PickerState:
         key = prefix_digest(cluster, prefix) if prefix and self.prefix_entries > 0 else None
         approximate = self.prefixes.get(key) if key is not None else None
         blocks: dict[str, int] = {}
+        incurred = self.kv_incurred.get(cluster, 1.0)
+        if kv is not None and kv.tokens > 0 and incurred < 1.0:
+            # The requests ahead are mostly cached too: a wait is shorter than whole services.
+            costs = {c.address: self.cost(c, loads[c.address], slots[c.address], incurred) for c in servers}
+            bound = self.prefix_bound * sum(costs.values()) / len(costs)
         if kv is not None and kv.tokens > 0:
             fresh = [c.address for c in servers if self.kv_fresh(c.address, now)]
             blocks = self.kv.matched(fresh, kv.keys)
@@ -587,6 +607,10 @@ class PickerState:
         self._picks += 1
         self._last_pick[chosen] = self._picks
         held = blocks.get(chosen, 0)
+        if kv is not None and kv.tokens > 0:
+            took = 1.0 - max(0.0, costs[chosen] - adjusted[chosen]) * servers[0].scale
+            share = min(1.0, max(KV_INCURRED_MIN, took))
+            self.kv_incurred[cluster] = incurred + KV_INCURRED_ALPHA * (share - incurred)
         if kv is not None and chosen in blocks:
             size = self.kv.block_size(chosen) or min(kv.keys, default=0)
             if size and held < len(kv.keys.get(size, ())):

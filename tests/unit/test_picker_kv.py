@@ -140,6 +140,34 @@ def test_a_hit_on_a_full_server_loses_to_a_free_one() -> None:
     assert state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] == B
 
 
+def test_where_a_clusters_prompts_are_mostly_cached_a_short_wait_where_it_is_held_wins() -> None:
+    """A wait for a slot is a wait for the requests ahead, and where those are mostly cached
+    they are short: the picker learns the share of a whole service its picks take."""
+    state = state_with(A, B, slots=2.0)
+    other = list(range(5000, 5000 + 20 * 16))
+    hold(state, A, PROMPT)
+    hold(state, B, other)
+    assert state.kv_incurred.get("m@v1", 1.0) == 1.0  # nothing learnt: whole services
+    for _ in range(100):  # prompts held where they go: each takes half a service (the default share)
+        state.done(state.pick("m@v1", 0.0, kv=ask(other)).servers[0])
+    assert 0.45 < state.kv_incurred["m@v1"] < 0.6
+    state.started(A, 0.0)
+    state.started(A, 0.0)  # A: 2 of 2 slots busy, and it holds the prompt
+    assert state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] == A
+    state.done(A)
+    for _ in range(4):  # a long queue still loses to a free server
+        state.started(A, 0.0)
+    assert state.pick("m@v1", 0.0, kv=ask(PROMPT)).servers[0] == B
+
+
+def test_prompts_held_nowhere_teach_whole_services() -> None:
+    state = state_with(A, B)
+    for i in range(50):
+        prompt = list(range(100_000 * (i + 1), 100_000 * (i + 1) + 20 * 16))
+        state.done(state.pick("m@v1", 0.0, kv=ask(prompt)).servers[0])
+    assert state.kv_incurred["m@v1"] == pytest.approx(1.0)
+
+
 def test_a_hot_prompt_spreads_instead_of_piling_up() -> None:
     state = state_with(A, B, C, slots=2.0)
     hold(state, A, PROMPT)
