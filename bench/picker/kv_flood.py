@@ -15,7 +15,10 @@ over `unsubscribed`: the picker's own share), the index's size against
 RSS. Everything on loopback; every process is stopped, on failure too.
 
     .venv/bin/python bench/picker/kv_flood.py                      # 100,000 blocks/s, 60 s
-    .venv/bin/python bench/picker/kv_flood.py --seconds 20 --blocks-per-s 50000
+    .venv/bin/python bench/picker/kv_flood.py --seconds 20 --blocks-per-s 50000 --layouts process
+
+Each layout (where the picker reads the events: `process`, its default, a process of its own
+at nice 19; `in-process`, --kv-in-process) runs the three phases on a stack of its own.
 """
 
 from __future__ import annotations
@@ -152,6 +155,15 @@ def machine_busy() -> tuple[float, float]:
     return sum(values) - idle, sum(values)
 
 
+def index_pid(pid: int) -> int | None:
+    """The picker's index process (its child), if it has one."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        if children:
+            return int(children[0])
+    return None
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -166,7 +178,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kv-index-blocks", type=int, default=1 << 20, help="the picker's bound (default: %(default)s)"
     )
+    p.add_argument(
+        "--layouts",
+        default="process,in-process",
+        help="where the picker reads the events, each run in turn: `process` (the default: a "
+        "process of its own at nice 19), `in-process` (--kv-in-process) (default: %(default)s)",
+    )
     a = p.parse_args(argv)
+    layouts = a.layouts.split(",")
+    for layout in layouts:
+        if layout not in ("process", "in-process"):
+            p.error(f"--layouts: unknown {layout!r} (process, in-process)")
+    rises = {layout: run_layout(a, layout) for layout in layouts}
+    print(json.dumps({"p99_rise_ms_by_layout": rises}), flush=True)
+    return 0
+
+
+def run_layout(a: argparse.Namespace, layout: str) -> float:
+    """The three phases with the picker reading the events as `layout` says; the p99 rise."""
+    print(f"# layout: {layout}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="bench-kv-flood-"))
     stack = Stack(work)
     try:
@@ -196,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(BIN / "controlplane"), "picker", "--control-plane", f"127.0.0.1:{xds}",
                 "--listen", f"127.0.0.1:{picker_port}", "--metrics-listen", f"127.0.0.1:{metrics}",
                 "--kv-index-blocks", str(a.kv_index_blocks),
+                *(["--kv-in-process"] if layout == "in-process" else []),
             ],
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -216,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             applied0 = picker_metric(metrics, "controlplane_picker_kv_index_blocks") + picker_metric(
                 metrics, "controlplane_picker_kv_index_evicted_blocks"
             )
-            cpu0 = (cpu_s(picker.pid), cpu_s(flood.pid), machine_busy())
+            child = index_pid(picker.pid)
+            cpu0 = (cpu_s(picker.pid), cpu_s(flood.pid), machine_busy(), cpu_s(child) if child else 0.0)
             t = threading.Thread(target=probe, args=(f"127.0.0.1:{picker_port}", a.seconds, lat, errors))
             t.start()
             while t.is_alive():
@@ -233,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 # CPU share of one core over the phase: the picker's, the flood generator's;
                 # and the machine's, every core together (1.0: all busy)
                 "picker_cpu": round((cpu_s(picker.pid) - cpu0[0]) / a.seconds, 3),
+                "index_process_cpu": round((cpu_s(child) - cpu0[3]) / a.seconds, 3) if child else None,
                 "flood_cpu": round((cpu_s(flood.pid) - cpu0[1]) / a.seconds, 3),
                 "machine_busy": round((busy - cpu0[2][0]) / max(1, total - cpu0[2][1]), 3),
                 "picks": len(lat),
@@ -243,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 "index_bound": a.kv_index_blocks,
                 "blocks_applied_per_s": round(applied / a.seconds),
                 "picker_rss_mb": round(rss_mb(picker.pid), 1),
+                "index_process_rss_mb": round(rss_mb(child), 1) if child else None,
             }
             print(json.dumps({"phase": phase, **phases[phase]}), flush=True)
         rise = float(phases["flood"]["p99_ms"]) - float(phases["baseline"]["p99_ms"])  # type: ignore[arg-type]
@@ -265,9 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         )
+        return round(rise, 3)
     finally:
         stack.stop()
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,14 +6,18 @@ matches too: the answer is "the longest cached prefix, in whole blocks"). The se
 hashes are not reproducible here (vLLM seeds them per process, and may hash with sha256 of
 pickled tuples), so the index keys a block by its own chain over the token ids the events
 carry: `block_key(parent, tokens, extra)`, Python's 64-bit hash of the tuple (computed in C:
-a block costs well under a microsecond; the keys are compared only within the picker's own
-process, so its per-process hash seed is no matter). A request's token ids, chunked by the
+a block costs well under a microsecond). A tuple of integers hashes alike in every process
+(only strings and bytes are seeded per process), so the index's process and the picker's
+key a block alike; an adapter's root is a digest of its name for the same reason. What else
+a server hashed (`extra`) may hold strings: such blocks are keyed per process, and no
+request's keys (which never carry extra keys) match them anyway. A request's token ids, chunked by the
 same size and chained the same way, give the same keys; a partial last block is never
 cached, so it is not keyed.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Hashable, Sequence
 
 ROOT = 0  # the parent of a prompt's first block
@@ -24,7 +28,10 @@ def root(lora: str | None) -> int:
     hashes the adapter into its blocks: the same tokens under another adapter are not a hit)."""
     if lora is None:
         return ROOT
-    return hash(("lora", lora))
+    # Not hash(): a string's hash is seeded per process, and the index's keys are computed in
+    # a process of its own (picker/kv_process.py) while a request's are computed in the picker.
+    digest = hashlib.blake2b(b"lora\x00" + lora.encode(errors="surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
 
 
 def block_key(parent: int, tokens: tuple[int, ...], extra: Hashable | None = None) -> int:

@@ -36,6 +36,7 @@ from enum import StrEnum
 from typing import Generic, TypeVar
 
 from controlplane.kvcache.blocks import block_key, root
+from controlplane.kvcache.mirror import ADD, BLOCK_SIZE, CLEAR, PUBLISHED, REMOVE
 from controlplane.kvcache.wire import Batch, Cleared, Removed, Stored
 
 K = TypeVar("K", bound=Hashable)
@@ -127,6 +128,9 @@ class KvIndex:
     streams: dict[str, Stream] = field(default_factory=dict)
     size: int = 0  # blocks held over every server
     evicted: int = 0  # blocks dropped for the bound
+    # Every change to the keys a server holds, in order, for a mirror in another process
+    # (kvcache/mirror.py: its ops); None: not kept. The owner drains it.
+    journal: list[tuple[int, str, int]] | None = None
 
     def stream(self, server: str) -> Stream:
         st = self.streams.get(server)
@@ -175,6 +179,8 @@ class KvIndex:
             outcome = Applied.RESTART
         st.seq = batch.seq
         st.last_event_at = now
+        if self.journal is not None:
+            self.journal.append((PUBLISHED, server, 0))
         return outcome
 
     def replayed(self, server: str) -> None:
@@ -189,6 +195,8 @@ class KvIndex:
         st = self.streams.pop(server, None)
         if st is not None:
             self.size -= len(st.blocks)
+            if self.journal is not None:
+                self.journal.append((CLEAR, server, 0))
 
     def keep_only(self, servers: Iterable[str]) -> None:
         """Forget every server not in `servers` (those the fleet no longer has)."""
@@ -198,6 +206,10 @@ class KvIndex:
 
     def _clear(self, st: Stream) -> None:
         self.size -= len(st.blocks)
+        if self.journal is not None:
+            self.journal.append((CLEAR, st.server, 0))
+            if st.block_size is not None:
+                self.journal.append((BLOCK_SIZE, st.server, st.block_size))
         st.blocks.clear()
         st.keys.clear()
         st.order.clear()
@@ -205,6 +217,8 @@ class KvIndex:
     def _store(self, st: Stream, ev: Stored, step: int) -> Iterator[None]:
         if st.block_size is None:
             st.block_size = ev.block_size
+            if self.journal is not None:
+                self.journal.append((BLOCK_SIZE, st.server, ev.block_size))
         elif ev.block_size != st.block_size:
             st.refused += 1
             return
@@ -234,6 +248,8 @@ class KvIndex:
             st.keys.set(key, h)
             st.order.append(h)
             self.size += 1
+            if self.journal is not None:
+                self.journal.append((ADD, st.server, key))
             parent = key
         if len(st.order) > 2 * len(st.blocks) + 4096:  # hashes removed since: compact
             st.order = deque(h for h in st.order if h in st.blocks)
@@ -243,6 +259,8 @@ class KvIndex:
         if key is not None:
             st.keys.pop(key)
             self.size -= 1
+            if self.journal is not None:
+                self.journal.append((REMOVE, st.server, key))
 
     def _bound(self) -> None:
         while self.size > self.max_blocks:

@@ -9,6 +9,7 @@ from typing import Literal
 import structlog
 
 LogFormat = Literal["json", "console"]
+CONFIGURED: tuple[LogFormat, str] = ("console", "info")  # as last configured (a child process takes it)
 
 
 class _CurrentStderr:
@@ -24,6 +25,8 @@ class _CurrentStderr:
 
 def configure_logging(fmt: LogFormat = "console", level: str = "info") -> None:
     """Configure structlog (and stdlib logging) once for the process, writing to stderr."""
+    global CONFIGURED
+    CONFIGURED = (fmt, level)
     lvl = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()

@@ -64,6 +64,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 
 from controlplane import limits
 from controlplane.kvcache.index import STEP_BLOCKS, Applied, KvIndex, run
+from controlplane.kvcache.mirror import KvMirror
 from controlplane.kvcache.wire import Batch
 from controlplane.picker.adapters import BLOCKED, EVICT, RESIDENT, SLOT_FREE, UNKNOWN, AdapterView
 
@@ -278,7 +279,9 @@ class PickerState:
     slots: dict[str, float] = field(default_factory=dict)
     peers: dict[str, tuple[float, dict[str, int]]] = field(default_factory=dict)  # peer -> (read at, counts)
     prefixes: OrderedDict[bytes, str] = field(default_factory=OrderedDict)  # prefix_digest -> server
-    kv: KvIndex = field(default_factory=KvIndex)  # the servers' KV events (kvcache/index.py)
+    # The servers' KV events: the index (kvcache/index.py), or the picker's mirror of it where
+    # the index runs in a process of its own (kvcache/mirror.py, picker/kv_process.py).
+    kv: KvIndex | KvMirror = field(default_factory=KvIndex)
     kv_publishers: set[str] = field(default_factory=set)  # servers the control plane says publish
     kv_pending: dict[str, float] = field(default_factory=dict)  # server -> a pick not yet published
     kv_stale_picks: int = 0  # picks that scored a server by the approximate index: its events stale
@@ -451,6 +454,8 @@ class PickerState:
     ) -> Generator[None, None, Applied]:
         """kv_event `step` blocks at a time (KvIndex.apply_steps): for a caller on an event loop."""
         self.kv_pending.pop(server, None)
+        if not isinstance(self.kv, KvIndex):
+            raise TypeError("KV events are applied to the index, not to a mirror of it")
         return self.kv.apply_steps(server, batch, now, step)
 
     def kv_fresh(self, server: str, now: float) -> bool:

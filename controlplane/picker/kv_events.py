@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from controlplane import limits
 from controlplane.kvcache import wire
+from controlplane.kvcache.index import KvIndex
 from controlplane.picker.choose import PickerState
 
 log = structlog.get_logger("controlplane.picker.kv_events")
@@ -47,8 +48,24 @@ STEP_BLOCKS = 64  # blocks applied between two looks at the picks waiting (about
 STEP_PAUSE_S = 0.0005  # between two steps the loop waits on its sockets: the GIL is free
 
 
+# The families the subscriptions themselves count: where they run in a process of their own
+# (kv_process.py), that process counts them and the picker exports what it last said.
+EVENT_FAMILIES = (
+    "controlplane_picker_kv_batches",
+    "controlplane_picker_kv_replays",
+    "controlplane_picker_kv_streams_lost",
+    "controlplane_picker_kv_event_lag_seconds",
+    "controlplane_picker_kv_publishers_connected",
+)
+
+
 class KvMetrics:
-    def __init__(self, r: CollectorRegistry) -> None:
+    """The precise index's metrics on registry `r`; with `events` False, EVENT_FAMILIES are
+    kept off it (another process counts them: kv_process.KvProcessMetrics exports its)."""
+
+    def __init__(self, r: CollectorRegistry, events: bool = True) -> None:
+        own = r
+        r = r if events else CollectorRegistry()
         self.batches = Counter(
             "controlplane_picker_kv_batches",
             "KV-event batches from a server's publisher, by result: applied, restart (a new "
@@ -76,6 +93,13 @@ class KvMetrics:
             ["server"],
             registry=r,
         )
+        self.connected = Gauge(
+            "controlplane_picker_kv_publishers_connected",
+            "Servers whose KV-event publisher the picker's subscription has reached (of those "
+            "the control plane names): events a server publishes before it is reached are lost",
+            registry=r,
+        )
+        r = own
         self.blocks = Gauge(
             "controlplane_picker_kv_index_blocks",
             "Blocks in the precise prefix index, every server",
@@ -117,18 +141,44 @@ class KvMetrics:
         )
 
 
+def refresh_gauges(state: PickerState, metrics: KvMetrics, now: float) -> None:
+    """The index's size and evictions, and each cluster's stale servers, as `state` has them."""
+    metrics.blocks.set(state.kv.size)
+    metrics.evicted.set(state.kv.evicted)
+    metrics.stale_picks.set(state.kv_stale_picks)
+    for cluster, servers in state.clusters.items():
+        stale = sum(
+            1 for c in servers if c.address in state.kv_publishers and not state.kv_fresh(c.address, now)
+        )
+        metrics.stale.labels(cluster).set(stale)
+
+
 class KvSubscriptions:
     """One subscription per publishing server, kept to what the assignments name."""
 
     def __init__(
-        self, state: PickerState, metrics: KvMetrics, clock: Callable[[], float] = time.monotonic
+        self,
+        state: PickerState,
+        metrics: KvMetrics,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        busy_share: float = BUSY_SHARE,
+        step_pause_s: float = STEP_PAUSE_S,
+        step_blocks: int = STEP_BLOCKS,
     ) -> None:
+        if not isinstance(state.kv, KvIndex):
+            raise TypeError("KvSubscriptions apply events to an index (kvcache/index.py), not a mirror")
         self.state = state
+        self.index: KvIndex = state.kv
         self.metrics = metrics
         self.clock = clock
+        self.busy_share = busy_share
+        self.step_pause_s = step_pause_s
+        self.step_blocks = step_blocks
         self.ctx = zmq.asyncio.Context.instance()
         self.tasks: dict[str, tuple[tuple[str, str | None], asyncio.Task[None]]] = {}
         self._busy, self._window = 0.0, clock()  # loop time on events in this BUSY_WINDOW_S
+        self.connected: set[str] = set()  # servers whose publisher has been reached
         metrics.bound.set(state.kv.max_blocks)
 
     def update(self, publishers: Mapping[str, tuple[str, str | None]]) -> None:
@@ -138,12 +188,14 @@ class KvSubscriptions:
             if publishers.get(server) != where:
                 task.cancel()
                 del self.tasks[server]
+                self.connected.discard(server)
                 self.state.kv.forget(server)
                 self.metrics.lost.labels(server, "removed").inc()
         for server, where in publishers.items():
             if server not in self.tasks:
                 task = asyncio.get_running_loop().create_task(self._follow(server, *where))
                 self.tasks[server] = (where, task)
+        self.metrics.connected.set(len(self.connected))
 
     async def close(self) -> None:
         for _, task in self.tasks.values():
@@ -154,18 +206,7 @@ class KvSubscriptions:
         self.tasks.clear()
 
     def refresh_gauges(self) -> None:
-        kv = self.state.kv
-        self.metrics.blocks.set(kv.size)
-        self.metrics.evicted.set(kv.evicted)
-        self.metrics.stale_picks.set(self.state.kv_stale_picks)
-        now = self.clock()
-        for cluster, servers in self.state.clusters.items():
-            stale = sum(
-                1
-                for c in servers
-                if c.address in self.state.kv_publishers and not self.state.kv_fresh(c.address, now)
-            )
-            self.metrics.stale.labels(cluster).set(stale)
+        refresh_gauges(self.state, self.metrics, self.clock())
 
     async def _follow(self, server: str, endpoint: str, replay: str | None) -> None:
         sock = self.ctx.socket(zmq.SUB)
@@ -185,6 +226,8 @@ class KvSubscriptions:
                 if monitor in ready:
                     await monitor.recv_multipart()
                     connects += 1
+                    self.connected.add(server)
+                    self.metrics.connected.set(len(self.connected))
                     if connects > 1:  # again: what was sent while away is unknown
                         self.state.kv.forget(server)
                         self.metrics.lost.labels(server, "reconnect").inc()
@@ -213,7 +256,7 @@ class KvSubscriptions:
         self._busy += self.clock() - t0
         result = await self._apply(server, batch)
         if result == "gap":
-            st = self.state.kv.stream(server)
+            st = self.index.stream(server)
             start = (st.seq or 0) + 1
             filled = replay is not None and await self._replay(server, replay, start, batch.seq)
             self.metrics.replays.labels(server, "filled" if filled else "failed").inc()
@@ -231,15 +274,15 @@ class KvSubscriptions:
         now = self.clock()
         if now - self._window >= BUSY_WINDOW_S:
             self._busy, self._window = 0.0, now
-        elif self._busy > BUSY_SHARE * BUSY_WINDOW_S:
-            await asyncio.sleep(self._window + self._busy / BUSY_SHARE - now)
+        elif self._busy > self.busy_share * BUSY_WINDOW_S:
+            await asyncio.sleep(self._window + self._busy / self.busy_share - now)
         else:
-            await asyncio.sleep(STEP_PAUSE_S)
+            await asyncio.sleep(self.step_pause_s)
 
     async def _apply(self, server: str, batch: wire.Batch) -> str:
         """Apply a batch a step at a time (KvIndex.apply_steps), letting the picks run between,
         within the budget."""
-        steps = self.state.kv_event_steps(server, batch, self.clock(), STEP_BLOCKS)
+        steps = self.state.kv_event_steps(server, batch, self.clock(), self.step_blocks)
         while True:
             t0 = self.clock()
             try:
@@ -285,5 +328,5 @@ class KvSubscriptions:
             return False  # the replay no longer reaches back, or skipped some
         for b in got:
             await self._apply(server, b)
-        self.state.kv.replayed(server)
+        self.index.replayed(server)
         return True

@@ -72,6 +72,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from controlplane import limits
 from controlplane.kvcache.blocks import prompt_keys
 from controlplane.kvcache.index import MAX_BLOCKS
+from controlplane.kvcache.mirror import KvMirror
 from controlplane.kvcache.prompt import PromptError, Tokenizers, token_ids
 from controlplane.net.tls import SIDE_FLAGS, ServerTls, client_credentials, server_credentials
 from controlplane.obs.outage import Outage
@@ -91,6 +92,7 @@ from controlplane.picker.flow import (
     tenant_key,
 )
 from controlplane.picker.kv_events import KvMetrics, KvSubscriptions
+from controlplane.picker.kv_process import KvProcess, KvProcessMetrics
 from controlplane.picker.placement import IDLE_UNLOAD_S, LoadFailed, Placer
 from controlplane.picker.request import (
     INPUTS,
@@ -136,7 +138,7 @@ ERROR_MAX_CHARS = 300  # a peer's or the operator API's error as logged, cut at 
 class PickerMetrics:
     """The picker's own metrics, in a registry of its own (served on --metrics-listen)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_in_process: bool = False) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.picks = Counter(
@@ -204,7 +206,9 @@ class PickerMetrics:
             "Assignment sets received from the control plane",
             registry=r,
         )
-        self.kv = KvMetrics(r)
+        # The KV events' own counters: from the index's process (kv_process.py), or this one's.
+        self.kv = KvMetrics(r, events=kv_in_process)
+        self.kv_process = KvProcessMetrics(r) if not kv_in_process else None
         self.flow_waiting = Gauge(
             "controlplane_picker_flow_waiting",
             "Requests waiting in the picker's queue for a slot (flow_control), by model, priority "
@@ -319,7 +323,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.peer_server_name = peer_server_name
         self.tokenizers = Tokenizers()
         self.tokenizer_of: dict[str, str] = {}  # cluster -> its model's tokenizer directory
-        self.kv_subs: KvSubscriptions | None = None  # made on the running loop (follow)
+        self.kv_subs: KvSubscriptions | KvProcess | None = None  # made on the running loop (follow)
         self.flows = Flows()  # the queues of clusters with flow control (picker/flow.py)
         self.adapters_of: dict[str, ClusterAdapters] = {}  # cluster -> its model's adapters
         self.placer = Placer()  # adapters this picker loaded (placement: dynamic)
@@ -1011,7 +1015,10 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 self.state.assign(assignments)
                 self.placer.keep_only(self.state.known())
                 if self.kv_subs is None:
-                    self.kv_subs = KvSubscriptions(self.state, self.metrics.kv)
+                    if self.metrics.kv_process is not None:  # the index in a process of its own
+                        self.kv_subs = KvProcess(self.state, self.metrics.kv, self.metrics.kv_process)
+                    else:
+                        self.kv_subs = KvSubscriptions(self.state, self.metrics.kv)
                 named = publishers(assignments)
                 self.state.kv_publishers = set(named)
                 self.kv_subs.update(named)
@@ -1269,12 +1276,14 @@ async def serve(
     peer_server_name: str | None = None,
     adapter_affinity: bool = True,
     adapter_idle_unload_s: float = IDLE_UNLOAD_S,
+    kv_in_process: bool = False,
 ) -> None:
     """Run a picker until SIGINT or SIGTERM (OSError naming the flag if it cannot listen;
-    TlsConfigInvalid naming the flag if a TLS file cannot be used)."""
+    TlsConfigInvalid naming the flag if a TLS file cannot be used). The servers' KV events are
+    read by a process of its own (kv_process.py), or with `kv_in_process` by this one."""
     credentials = server_credentials(tls, SIDE_FLAGS) if tls is not None else None
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    metrics = PickerMetrics()
+    metrics = PickerMetrics(kv_in_process)
     picker = Picker(
         control_plane,
         node_id or f"picker-{os.getpid()}",
@@ -1291,7 +1300,10 @@ async def serve(
     picker.state.prefix_bound = prefix_bound
     picker.state.adapter_affinity = adapter_affinity
     picker.placer.idle_unload_s = adapter_idle_unload_s
-    picker.state.kv.max_blocks = kv_index_blocks
+    if kv_in_process:
+        picker.state.kv.max_blocks = kv_index_blocks
+    else:
+        picker.state.kv = KvMirror(kv_index_blocks)
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 0),

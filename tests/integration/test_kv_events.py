@@ -119,6 +119,13 @@ class Rig:
             20,
             "Envoy to have both servers healthy",
         )
+        if self.events:  # the emulators' publishers reached (a hostile one is bound by its test)
+            picker, reached = self.picker, 2 if self.hostile is None else 1
+            wait_until(
+                lambda: picker.metric("controlplane_picker_kv_publishers_connected") >= reached,
+                20,
+                "the picker to reach the servers' publishers",
+            )
         return self
 
     def close(self) -> None:

@@ -119,6 +119,11 @@ def stack(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             STARTUP_S,
             "Envoy to have both vLLMs healthy",
         )
+        wait_until(
+            lambda: picker.metric("controlplane_picker_kv_publishers_connected") >= 2,  # type: ignore[union-attr]
+            STARTUP_S,
+            "the picker to reach both vLLMs' publishers",
+        )
         yield Stack(tmp, model, servers, cp, envoy, picker, listener)
     finally:
         for s in servers:

@@ -83,6 +83,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "affinity, for models with affinity: {prefix: ...}",
     )
     pk.add_argument(
+        "--kv-in-process",
+        action="store_true",
+        help="read the servers' KV events in the picker's own process, within 30%% of its loop, "
+        "instead of a process of its own at nice 19 (the default: a flood of events then never "
+        "slows the picks; docs/kv-events.md#a-flood-of-events); for comparisons",
+    )
+    pk.add_argument(
         "--kv-index-blocks",
         type=argtypes.number(0, 100_000_000),
         default=1 << 20,
@@ -223,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
                 peer_server_name=args.peer_server_name,
                 adapter_affinity=not args.no_adapter_affinity,
                 adapter_idle_unload_s=args.adapter_idle_unload,
+                kv_in_process=args.kv_in_process,
             )
         )
     except OSError as e:

@@ -1,0 +1,129 @@
+"""A copy of the precise index's keys, kept from its journal (pure).
+
+The precise index (index.py) decodes, keys and bounds the servers' KV events in a process of
+its own (picker/kv_process.py), at a low CPU priority, so that a flood of events never takes
+the picks' cores nor their interpreter. What a pick needs of it is small: which keys each
+server holds, and each server's block size. The index writes every change to those in its
+journal, in order; the process sends the journal to the picker in runs (`runs`), and the
+picker keeps them here. Applying a run of a thousand stored blocks is one set update in C
+(tens of nanoseconds a block), where decoding and keying them was microseconds a block.
+
+Ops: ADD and REMOVE a server's key, CLEAR a server (its stream dropped, or AllBlocksCleared),
+BLOCK_SIZE (a server's block size, once known), PUBLISHED (a batch of the server's was
+applied: it publishes, so it is not stale).
+
+About 60 bytes a key here (a set entry and its integer), beside the index's own
+index.BYTES_PER_BLOCK in its process; `max_blocks` bounds this copy too: a journal that would
+grow it past twice the index's bound (which the index never lets happen) clears it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+ADD, REMOVE, CLEAR, BLOCK_SIZE, PUBLISHED = 1, 2, 3, 4, 5
+RUN_KEYS = 2048  # keys in one run at most: applying one is a fraction of a millisecond
+
+
+def runs(journal: Sequence[tuple[int, str, int]], most: int = RUN_KEYS) -> list[list[Any]]:
+    """The journal as runs `[op, server, values]`: consecutive ADDs (or REMOVEs) of one server
+    become one run of their keys (at most `most`); other ops are runs of one value."""
+    out: list[list[Any]] = []
+    last: list[Any] | None = None
+    for op, server, value in journal:
+        if (
+            last is not None
+            and op in (ADD, REMOVE)
+            and last[0] == op
+            and last[1] == server
+            and len(last[2]) < most
+        ):
+            last[2].append(value)
+            continue
+        last = [op, server, [value]]
+        out.append(last)
+    return out
+
+
+@dataclass
+class KvMirror:
+    """The keys each server holds, as the index's journal says (see the module's text)."""
+
+    max_blocks: int
+    keys: dict[str, set[int]] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    size: int = 0
+    evicted: int = 0  # the index's, as its process last said
+    overflows: int = 0  # journals that would have grown this past twice the bound: cleared
+
+    def apply(self, ops: Iterable[Sequence[Any]]) -> set[str]:
+        """Runs from the journal (`runs`), in order; the servers that published."""
+        published: set[str] = set()
+        for op, server, values in ops:
+            if op == ADD:
+                held = self.keys.setdefault(server, set())
+                before = len(held)
+                held.update(values)
+                self.size += len(held) - before
+            elif op == REMOVE:
+                held = self.keys.get(server, set())
+                before = len(held)
+                held.difference_update(values)
+                self.size -= before - len(held)
+            elif op == CLEAR:
+                self.forget(server)
+            elif op == BLOCK_SIZE:
+                self.sizes[server] = int(values[0])
+            elif op == PUBLISHED:
+                published.add(server)
+        if self.size > 2 * self.max_blocks:
+            self.clear()
+            self.overflows += 1
+        return published
+
+    def clear(self) -> None:
+        """Forget every server (the index's process is gone: its next one starts empty)."""
+        self.keys.clear()
+        self.sizes.clear()
+        self.size = 0
+
+    def forget(self, server: str) -> None:
+        held = self.keys.pop(server, None)
+        if held is not None:
+            self.size -= len(held)
+        self.sizes.pop(server, None)
+
+    def keep_only(self, servers: Iterable[str]) -> None:
+        wanted = set(servers)
+        for server in [s for s in self.keys.keys() | self.sizes.keys() if s not in wanted]:
+            self.forget(server)
+
+    def held_blocks(self, server: str) -> int:
+        return len(self.keys.get(server, ()))
+
+    def block_size(self, server: str) -> int | None:
+        return self.sizes.get(server)
+
+    def held(self, server: str, keys: list[int]) -> int:
+        """How many of `keys` (first to last) `server` holds from the first on."""
+        held = self.keys.get(server)
+        if not held:
+            return 0
+        n = 0
+        for key in keys:
+            if key not in held:
+                break
+            n += 1
+        return n
+
+    def matched(self, servers: Iterable[str], keys_by_size: Mapping[int, list[int]]) -> dict[str, int]:
+        """As KvIndex.matched: each server's longest cached prefix in blocks, on the keys of its
+        own block size (none known: 0)."""
+        out = {}
+        for server in servers:
+            size = self.sizes.get(server)
+            keys = keys_by_size.get(size or 0) if size is not None else None
+            out[server] = self.held(server, keys) if keys else 0
+        return out

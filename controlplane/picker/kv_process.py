@@ -1,0 +1,348 @@
+"""The precise index in a process of its own, at a low CPU priority (thin I/O shell).
+
+A flood of KV events is CPU work: reading a batch and keying its blocks is microseconds a
+block, 100,000 blocks a second half a core. Done in the picker's process, that work shares
+the picks' interpreter and their loop, and raised their p99 by 2-5 ms on 2 cores however it
+was sliced (docs/kv-events.md). So the picker starts, once the control plane names a
+publisher, a child process (`python -m controlplane.picker.kv_process`) that:
+
+- runs at nice KV_NICE (19: the kernel gives it only what the picks and every other process
+  leave), and ends when the picker does (PR_SET_PDEATHSIG, and a look at its parent);
+- subscribes to the publishers the picker names (kv_events.KvSubscriptions, unchanged: gaps
+  replayed or forgotten, restarts, reconnects, hostile messages refused), into the bounded
+  index (kvcache/index.py), whose journal it sends to the picker every FLUSH_S as runs
+  (kvcache/mirror.py: a thousand stored blocks are one run, one set update in C);
+- sends its counters (kv_events.EVENT_FAMILIES) every STATS_S, which the picker exports.
+
+The picker keeps a mirror of the index's keys (kvcache/mirror.KvMirror) for its picks: a pick
+never waits on the child. If the child dies, the mirror is cleared (its servers are scored by
+the approximate index until their events come again), counted
+(`controlplane_picker_kv_process_restarts_total`), and a new child starts after
+RESTART_BACKOFF_S (doubling, at most RESTART_BACKOFF_MAX_S), re-reading every replay buffer
+from its start. If the picker falls behind, the child stops reading events until it catches
+up (JOURNAL_HIGH): ZMQ then drops the publishers' messages (a gap, as for any flood).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from controlplane.kvcache.index import KvIndex
+from controlplane.kvcache.mirror import RUN_KEYS, KvMirror, runs
+from controlplane.obs import logging as logging_setup
+from controlplane.picker.choose import PickerState
+from controlplane.picker.kv_events import EVENT_FAMILIES, KvMetrics, KvSubscriptions, refresh_gauges
+
+log = structlog.get_logger("controlplane.picker.kv_process")
+
+KV_NICE = 19
+FLUSH_S = 0.01  # the journal sent this often: the picks see a stored block this much later
+STATS_S = 1.0
+JOURNAL_HIGH = 64 * RUN_KEYS  # changes not yet sent past which the child stops reading events
+MESSAGE_BYTES_MAX = 1 << 22  # a message from the child larger than this is refused (never sent)
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 30.0
+START_TIMEOUT_S = 30.0  # a child that has not said hello by then is killed and started again
+PR_SET_PDEATHSIG = 1
+
+
+class EventFamilies(Collector):
+    """EVENT_FAMILIES as the child last sent them (none before it has)."""
+
+    def __init__(self) -> None:
+        self.families: list[Any] = []
+
+    def collect(self) -> Iterator[Metric]:
+        for name, documentation, kind, samples in self.families:
+            m = Metric(name, documentation, kind)
+            for sample, labels, value in samples:
+                m.add_sample(sample, labels, value)
+            yield m
+
+    def describe(self) -> Iterable[Metric]:
+        return ()
+
+
+class KvProcessMetrics:
+    """The picker's side: the child's restarts, and its counters re-exported."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.restarts = Counter(
+            "controlplane_picker_kv_process_restarts",
+            "Times the precise index's process (KV events) ended and was started again: its "
+            "servers were scored by the approximate index until their events came again",
+            registry=r,
+        )
+        self.families = EventFamilies()
+        r.register(self.families)
+
+
+def _snapshot(registry: CollectorRegistry) -> list[Any]:
+    return [
+        [m.name, m.documentation, m.type, [[s.name, s.labels, s.value] for s in m.samples]]
+        for m in registry.collect()
+        if m.name in EVENT_FAMILIES
+    ]
+
+
+class KvProcess:
+    """The picker's handle on its index process; the same calls as KvSubscriptions."""
+
+    def __init__(
+        self,
+        state: PickerState,
+        metrics: KvMetrics,
+        process_metrics: KvProcessMetrics,
+        *,
+        nice: int = KV_NICE,
+        clock: Any = time.monotonic,
+    ) -> None:
+        if not isinstance(state.kv, KvMirror):
+            raise TypeError("KvProcess keeps a KvMirror: set state.kv = KvMirror(max_blocks) first")
+        self.state = state
+        self.mirror: KvMirror = state.kv
+        self.metrics = metrics
+        self.process_metrics = process_metrics
+        self.nice = nice
+        self.clock = clock
+        self.publishers: dict[str, tuple[str, str | None]] = {}
+        self.ctx = zmq.asyncio.Context.instance()
+        self._task: asyncio.Task[None] | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._decoder = msgspec.msgpack.Decoder()
+
+    def update(self, publishers: Mapping[str, tuple[str, str | None]]) -> None:
+        """Follow `publishers` (server -> events endpoint, replay socket) and no other."""
+        self.publishers = dict(publishers)
+        if self._task is None and self.publishers:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        elif self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send(self._publishers_message(), zmq.NOBLOCK)
+
+    def refresh_gauges(self) -> None:
+        refresh_gauges(self.state, self.metrics, self.clock())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    def _publishers_message(self) -> bytes:
+        return msgspec.msgpack.encode({"publishers": {s: list(w) for s, w in self.publishers.items()}})
+
+    async def _run(self) -> None:
+        backoff = RESTART_BACKOFF_S
+        while True:
+            started = self.clock()
+            try:
+                await self._one()
+            except (OSError, zmq.ZMQError, msgspec.DecodeError, ValueError, TypeError, KeyError) as e:
+                log.warning("kv index process failed", error=str(e)[:200])
+            self.mirror.clear()
+            self.process_metrics.restarts.inc()
+            if self.clock() - started > RESTART_BACKOFF_MAX_S:
+                backoff = RESTART_BACKOFF_S  # it ran a good while: a fresh failure, not a loop
+            await asyncio.sleep(backoff)
+            backoff = min(RESTART_BACKOFF_MAX_S, 2 * backoff)
+
+    async def _one(self) -> None:
+        """One child: started, fed the publishers, read until it ends (then killed for sure)."""
+        workdir = tempfile.mkdtemp(prefix="controlplane-kv-")  # 0700: only this user connects
+        sock = self.ctx.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MESSAGE_BYTES_MAX)
+        endpoint = f"ipc://{workdir}/index"
+        proc = None
+        try:
+            sock.bind(endpoint)
+            proc = self._proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "controlplane.picker.kv_process",
+                "--parent",
+                endpoint,
+                "--max-blocks",
+                str(self.mirror.max_blocks),
+                "--nice",
+                str(self.nice),
+                "--log-format",
+                logging_setup.CONFIGURED[0],
+                "--log-level",
+                logging_setup.CONFIGURED[1],
+                stdin=asyncio.subprocess.DEVNULL,
+            )
+            if not await sock.poll(int(START_TIMEOUT_S * 1000)):
+                log.warning("kv index process did not start", pid=proc.pid)
+                return
+            self._hello(self._decoder.decode(await sock.recv()))
+            self._sock = sock
+            await sock.send(self._publishers_message())
+            log.info("kv index process started", pid=proc.pid)
+            exited = asyncio.ensure_future(proc.wait())
+            try:
+                while not exited.done():
+                    if not await sock.poll(1000):
+                        continue
+                    self._take(self._decoder.decode(await sock.recv()))
+            finally:
+                exited.cancel()
+            log.warning("kv index process ended", pid=proc.pid, returncode=proc.returncode)
+        finally:
+            self._sock = None
+            sock.close(linger=0)
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    @staticmethod
+    def _hello(message: object) -> None:
+        if not (isinstance(message, dict) and message.get("hello") == os.getpid()):
+            raise ValueError(f"not the index process's hello: {str(message)[:100]}")
+
+    def _take(self, message: object) -> None:
+        if not isinstance(message, dict):
+            raise ValueError("a message from the index process that is not a map")
+        if "runs" in message:
+            for server in self.mirror.apply(message["runs"]):
+                self.state.kv_pending.pop(server, None)  # it publishes: not stale
+        if "stats" in message:
+            self.process_metrics.families.families = message["stats"]
+            self.mirror.evicted = int(message.get("evicted", 0))
+
+
+# ---- the child ---------------------------------------------------------------------------------
+
+
+class _Subscriptions(KvSubscriptions):
+    """KvSubscriptions that stop reading events while the picker has JOURNAL_HIGH changes unsent."""
+
+    def __init__(self, *args: Any, drained: asyncio.Event, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.drained = drained
+
+    async def _budget(self) -> None:
+        journal = self.index.journal
+        while journal is not None and len(journal) > JOURNAL_HIGH:
+            self.drained.clear()
+            await self.drained.wait()
+        await super()._budget()
+
+
+async def child(parent: str, max_blocks: int) -> None:
+    ppid = os.getppid()
+    index = KvIndex(max_blocks=max_blocks, journal=[])
+    state = PickerState(kv=index)
+    registry = CollectorRegistry()
+    metrics = KvMetrics(registry)
+    drained = asyncio.Event()
+    # Niced, it takes only spare CPU: no budget of its own, bigger steps.
+    subs = _Subscriptions(state, metrics, busy_share=1.0, step_pause_s=0.0, step_blocks=256, drained=drained)
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MESSAGE_BYTES_MAX)
+    sock.connect(parent)
+    decoder = msgspec.msgpack.Decoder()
+    await sock.send(msgspec.msgpack.encode({"hello": ppid}))
+
+    async def control() -> None:
+        while True:
+            message = decoder.decode(await sock.recv())
+            if isinstance(message, dict) and isinstance(message.get("publishers"), dict):
+                named = {
+                    str(s): (str(w[0]), None if w[1] is None else str(w[1]))
+                    for s, w in message["publishers"].items()
+                }
+                state.kv_publishers = set(named)
+                subs.update(named)
+                log.debug("kv index process following", publishers=len(named))
+
+    async def flush() -> None:
+        stats_at, connected = 0.0, 0
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            assert index.journal is not None
+            if index.journal:
+                pending = runs(index.journal)
+                index.journal.clear()
+                message: list[Any] = []
+                keys = 0
+                for run in pending:
+                    message.append(run)
+                    keys += len(run[2])
+                    if keys >= RUN_KEYS:
+                        await sock.send(msgspec.msgpack.encode({"runs": message}))
+                        message, keys = [], 0
+                if message:
+                    await sock.send(msgspec.msgpack.encode({"runs": message}))
+            drained.set()
+            now = time.monotonic()
+            if now - stats_at >= STATS_S or len(subs.connected) != connected:
+                stats_at, connected = now, len(subs.connected)  # a publisher reached: said at once
+                await sock.send(
+                    msgspec.msgpack.encode({"stats": _snapshot(registry), "evicted": index.evicted})
+                )
+            if os.getppid() != ppid:
+                return  # the picker is gone
+
+    try:
+        tasks = [asyncio.ensure_future(control()), asyncio.ensure_future(flush())]
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            t.result()
+    finally:
+        await subs.close()
+        sock.close(linger=0)
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="The picker's precise-index process (started by the picker).")
+    p.add_argument("--parent", required=True, help="the picker's ZMQ endpoint (ipc://...)")
+    p.add_argument("--max-blocks", type=int, required=True, help="the index's bound (--kv-index-blocks)")
+    p.add_argument("--nice", type=int, default=KV_NICE, help="added to this process's nice value")
+    p.add_argument("--log-format", choices=("json", "console"), default="console")
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    logging_setup.configure_logging(a.log_format, a.log_level)
+    _die_with_parent()
+    if a.nice:
+        with contextlib.suppress(OSError):
+            os.nice(a.nice)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(child(a.parent, a.max_blocks))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

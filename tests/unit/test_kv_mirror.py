@@ -1,0 +1,146 @@
+"""kvcache/mirror.py: the picker's copy of the precise index, kept from the index's journal,
+holds exactly the keys and block sizes the index holds, whatever the batches did (stores
+chained or orphaned, removals, clears, restarts, gaps forgotten, the bound evicting), and
+answers a prompt's match as the index does."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.kvcache import wire
+from controlplane.kvcache.blocks import prompt_keys, root
+from controlplane.kvcache.index import KvIndex
+from controlplane.kvcache.mirror import ADD, PUBLISHED, REMOVE, KvMirror, runs
+
+SERVERS = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
+
+
+def snapshot(index: KvIndex) -> tuple[dict[str, set[int]], dict[str, int]]:
+    keys = {s: {k for m in st.keys._maps for k in m} for s, st in index.streams.items()}
+    sizes = {s: st.block_size for s, st in index.streams.items() if st.block_size is not None}
+    return {s: k for s, k in keys.items() if k}, sizes
+
+
+def fed(mirror: KvMirror, index: KvIndex, most: int = 5) -> set[str]:
+    assert index.journal is not None
+    published = mirror.apply(runs(index.journal, most))
+    index.journal.clear()
+    return published
+
+
+# An op: (server, kind, a), kind: store a chain of `a` blocks after the server's last stored
+# block (or from a prompt's start), remove its `a`-th newest block, clear it, restart it (its
+# sequence numbers start over), or skip a batch (a gap: the index is told to forget it).
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(SERVERS),
+        st.sampled_from(["store", "root", "remove", "clear", "restart", "gap", "size"]),
+        st.integers(1, 6),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS, st.integers(3, 40))
+def test_the_mirror_holds_what_the_index_holds(ops: list[tuple[str, str, int]], bound: int) -> None:
+    index = KvIndex(max_blocks=bound, journal=[])
+    mirror = KvMirror(max_blocks=bound)
+    seq = dict.fromkeys(SERVERS, -1)
+    last: dict[str, list[int]] = {s: [] for s in SERVERS}
+    counter = 0
+    for server, kind, a in ops:
+        events: list[dict[str, object]] = []
+        if kind in ("store", "root", "size"):
+            hashes = [counter + i for i in range(a)]
+            counter += a
+            parent = last[server][-1] if kind == "store" and last[server] else None
+            size = 8 if kind == "size" else 4  # another block size is refused
+            events.append(wire.stored(hashes, parent, [h % 97 for h in hashes for _ in range(size)], size))
+            last[server] += hashes
+        elif kind == "remove" and last[server]:
+            events.append(wire.removed([last[server][-min(a, len(last[server]))]]))
+        elif kind == "clear":
+            events.append(wire.cleared())
+        if kind == "restart":
+            seq[server] = -1
+            last[server] = []
+        if kind == "gap":
+            index.forget(server)
+            seq[server] = -1
+            last[server] = []
+            continue
+        seq[server] += 1
+        index.apply(server, wire.read(wire.frames(max(seq[server], 0), 0.0, events)), 0.0)
+        assert server in fed(mirror, index)
+        keys, sizes = snapshot(index)
+        assert {s: k for s, k in mirror.keys.items() if k} == keys
+        assert mirror.sizes == sizes
+        assert mirror.size == index.size <= bound
+        for s in SERVERS:
+            assert mirror.held_blocks(s) == index.held_blocks(s)
+            assert mirror.block_size(s) == index.block_size(s)
+
+
+def test_a_prompt_matches_in_the_mirror_as_in_the_index() -> None:
+    index = KvIndex(journal=[])
+    mirror = KvMirror(max_blocks=index.max_blocks)
+    prompt = list(range(64))
+    index.apply(
+        SERVERS[0], wire.read(wire.frames(0, 0.0, [wire.stored([1, 2, 3], None, prompt[:48], 16)])), 0.0
+    )
+    index.apply(SERVERS[1], wire.read(wire.frames(0, 0.0, [wire.stored([9], None, prompt[:16], 16)])), 0.0)
+    lora = [wire.stored([5], None, prompt[:16], 16, lora="sql")]
+    index.apply(SERVERS[2], wire.read(wire.frames(0, 0.0, lora)), 0.0)
+    fed(mirror, index)
+    ask = {16: prompt_keys(prompt, 16)}
+    assert (
+        mirror.matched(SERVERS, ask)
+        == index.matched(SERVERS, ask)
+        == {
+            SERVERS[0]: 3,
+            SERVERS[1]: 1,
+            SERVERS[2]: 0,
+        }
+    )
+    assert mirror.matched(SERVERS[2:], {16: prompt_keys(prompt, 16, "sql")}) == {SERVERS[2]: 1}
+    mirror.keep_only(SERVERS[:1])
+    assert mirror.matched(SERVERS, ask) == {SERVERS[0]: 3, SERVERS[1]: 0, SERVERS[2]: 0}
+
+
+def test_an_adapters_root_is_the_same_in_every_process() -> None:
+    import subprocess
+    import sys
+
+    code = "from controlplane.kvcache.blocks import root; print(root('sql'))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(other.stdout) == root("sql") != root(None)
+
+
+def test_runs_merge_a_servers_consecutive_keys_up_to_a_most() -> None:
+    a, b = SERVERS[:2]
+    journal = [
+        (ADD, a, 1),
+        (ADD, a, 2),
+        (ADD, a, 3),
+        (ADD, b, 4),
+        (REMOVE, a, 1),
+        (REMOVE, a, 2),
+        (PUBLISHED, a, 0),
+    ]
+    assert runs(journal, most=2) == [
+        [ADD, a, [1, 2]],
+        [ADD, a, [3]],
+        [ADD, b, [4]],
+        [REMOVE, a, [1, 2]],
+        [PUBLISHED, a, [0]],
+    ]
+
+
+def test_a_journal_past_twice_the_bound_clears_the_mirror() -> None:
+    mirror = KvMirror(max_blocks=2)
+    mirror.apply([[ADD, SERVERS[0], [1, 2, 3, 4]]])
+    assert mirror.size == 4
+    mirror.apply([[ADD, SERVERS[0], [5]]])
+    assert mirror.size == 0 and mirror.keys == {} and mirror.overflows == 1
