@@ -5,14 +5,14 @@ its own (picker/kv_process.py), at a low CPU priority, so that a flood of events
 the picks' cores nor their interpreter. What a pick needs of it is small: which keys each
 server holds, and each server's block size. The index writes every change to those in its
 journal, in order; the process sends the journal to the picker in runs (`runs`), and the
-picker keeps them here. Applying a run of a thousand stored blocks is one set update in C
+picker keeps them here. Applying a run of a thousand stored blocks is one dict update in C
 (tens of nanoseconds a block), where decoding and keying them was microseconds a block.
 
 Ops: ADD and REMOVE a server's key, CLEAR a server (its stream dropped, or AllBlocksCleared),
 BLOCK_SIZE (a server's block size, once known), PUBLISHED (a batch of the server's was
 applied: it publishes, so it is not stale).
 
-About 60 bytes a key here (a set entry and its integer), beside the index's own
+About BYTES_PER_KEY bytes a key here (a dict entry and its integer), beside the index's own
 index.BYTES_PER_BLOCK in its process; `max_blocks` bounds this copy too: a journal that would
 grow it past twice the index's bound (which the index never lets happen) clears it.
 """
@@ -25,6 +25,9 @@ from typing import Any
 
 ADD, REMOVE, CLEAR, BLOCK_SIZE, PUBLISHED = 1, 2, 3, 4, 5
 RUN_KEYS = 2048  # keys in one run at most: applying one is a fraction of a millisecond
+BYTES_PER_KEY = (
+    70  # measured: tests/unit/test_kv_mirror.py::test_the_mirrors_bytes_per_block_are_as_documented
+)
 
 
 def runs(journal: Sequence[tuple[int, str, int]], most: int = RUN_KEYS) -> list[list[Any]]:
@@ -52,10 +55,16 @@ class KvMirror:
     """The keys each server holds, as the index's journal says (see the module's text)."""
 
     max_blocks: int
-    keys: dict[str, set[int]] = field(default_factory=dict)
+    # Per server, its keys (a dict of ints to None, not a set: holding only atoms, the
+    # collector never tracks it, where a full collection walks a set's every entry: 20 ms a
+    # million on the picks' loop).
+    keys: dict[str, dict[int, None]] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     size: int = 0
     evicted: int = 0  # the index's, as its process last said
+    # The index's own size, as its process last said (None: not yet). This copy may hold up to
+    # one flush's stored blocks more for a moment: it applies a flush's adds before its evictions.
+    index_size: int | None = None
     overflows: int = 0  # journals that would have grown this past twice the bound: cleared
 
     def apply(self, ops: Iterable[Sequence[Any]]) -> set[str]:
@@ -63,14 +72,18 @@ class KvMirror:
         published: set[str] = set()
         for op, server, values in ops:
             if op == ADD:
-                held = self.keys.setdefault(server, set())
+                held = self.keys.setdefault(server, {})
                 before = len(held)
-                held.update(values)
+                held.update(dict.fromkeys(values))
                 self.size += len(held) - before
             elif op == REMOVE:
-                held = self.keys.get(server, set())
+                held = self.keys.get(server)
+                if held is None:
+                    continue
                 before = len(held)
-                held.difference_update(values)
+                pop = held.pop
+                for key in values:
+                    pop(key, None)
                 self.size -= before - len(held)
             elif op == CLEAR:
                 self.forget(server)

@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from controlplane import limits
 from controlplane.kvcache import wire
 from controlplane.kvcache.index import KvIndex
+from controlplane.kvcache.mirror import KvMirror
 from controlplane.picker.choose import PickerState
 
 log = structlog.get_logger("controlplane.picker.kv_events")
@@ -143,7 +144,8 @@ class KvMetrics:
 
 def refresh_gauges(state: PickerState, metrics: KvMetrics, now: float) -> None:
     """The index's size and evictions, and each cluster's stale servers, as `state` has them."""
-    metrics.blocks.set(state.kv.size)
+    kv = state.kv
+    metrics.blocks.set(kv.index_size if isinstance(kv, KvMirror) and kv.index_size is not None else kv.size)
     metrics.evicted.set(state.kv.evicted)
     metrics.stale_picks.set(state.kv_stale_picks)
     for cluster, servers in state.clusters.items():

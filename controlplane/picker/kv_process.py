@@ -162,6 +162,7 @@ class KvProcess:
             except (OSError, zmq.ZMQError, msgspec.DecodeError, ValueError, TypeError, KeyError) as e:
                 log.warning("kv index process failed", error=str(e)[:200])
             self.mirror.clear()
+            self.mirror.index_size = None
             self.process_metrics.restarts.inc()
             if self.clock() - started > RESTART_BACKOFF_MAX_S:
                 backoff = RESTART_BACKOFF_S  # it ran a good while: a fresh failure, not a loop
@@ -233,6 +234,7 @@ class KvProcess:
         if "stats" in message:
             self.process_metrics.families.families = message["stats"]
             self.mirror.evicted = int(message.get("evicted", 0))
+            self.mirror.index_size = int(message.get("size", 0))
 
 
 # ---- the child ---------------------------------------------------------------------------------
@@ -305,7 +307,9 @@ async def child(parent: str, max_blocks: int) -> None:
             if now - stats_at >= STATS_S or len(subs.connected) != connected:
                 stats_at, connected = now, len(subs.connected)  # a publisher reached: said at once
                 await sock.send(
-                    msgspec.msgpack.encode({"stats": _snapshot(registry), "evicted": index.evicted})
+                    msgspec.msgpack.encode(
+                        {"stats": _snapshot(registry), "evicted": index.evicted, "size": index.size}
+                    )
                 )
             if os.getppid() != ppid:
                 return  # the picker is gone

@@ -75,7 +75,7 @@ def test_the_mirror_holds_what_the_index_holds(ops: list[tuple[str, str, int]], 
         index.apply(server, wire.read(wire.frames(max(seq[server], 0), 0.0, events)), 0.0)
         assert server in fed(mirror, index)
         keys, sizes = snapshot(index)
-        assert {s: k for s, k in mirror.keys.items() if k} == keys
+        assert {s: set(k) for s, k in mirror.keys.items() if k} == keys
         assert mirror.sizes == sizes
         assert mirror.size == index.size <= bound
         for s in SERVERS:
@@ -144,3 +144,30 @@ def test_a_journal_past_twice_the_bound_clears_the_mirror() -> None:
     assert mirror.size == 4
     mirror.apply([[ADD, SERVERS[0], [5]]])
     assert mirror.size == 0 and mirror.keys == {} and mirror.overflows == 1
+
+
+def test_the_mirrors_bytes_per_block_are_as_documented() -> None:
+    import gc
+    import tracemalloc
+
+    import msgspec
+
+    from controlplane.kvcache.mirror import BYTES_PER_KEY
+
+    mirror = KvMirror(max_blocks=1 << 20)
+    n = 20_000
+    keys = [(i * 2654435761) % (1 << 63) - (1 << 62) for i in range(n)]  # as block_key's: any 64 bits
+    # As the picker gets them: decoded from the index process's messages (new integers).
+    messages = [msgspec.msgpack.encode([[ADD, SERVERS[0], keys[i : i + 1000]]]) for i in range(0, n, 1000)]
+    del keys
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for message in messages:
+        mirror.apply(msgspec.msgpack.decode(message))
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    per_key = sum(s.size_diff for s in after.compare_to(before, "filename")) / n
+    assert mirror.size == n
+    assert not gc.is_tracked(mirror.keys[SERVERS[0]])  # no full collection walks it
+    print(f"{per_key:.0f} bytes per key")
+    assert BYTES_PER_KEY * 0.5 <= per_key <= BYTES_PER_KEY * 1.2, per_key
