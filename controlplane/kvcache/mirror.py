@@ -77,14 +77,14 @@ class KvMirror:
                 held.update(dict.fromkeys(values))
                 self.size += len(held) - before
             elif op == REMOVE:
-                held = self.keys.get(server)
-                if held is None:
+                holding = self.keys.get(server)
+                if holding is None:
                     continue
-                before = len(held)
-                pop = held.pop
+                before = len(holding)
+                pop = holding.pop
                 for key in values:
                     pop(key, None)
-                self.size -= before - len(held)
+                self.size -= before - len(holding)
             elif op == CLEAR:
                 self.forget(server)
             elif op == BLOCK_SIZE:
