@@ -163,6 +163,7 @@ class KvProcess:
                 log.warning("kv index process failed", error=str(e)[:200])
             self.mirror.clear()
             self.mirror.index_size = None
+            self.process_metrics.families.families = []  # its counters went with it
             self.process_metrics.restarts.inc()
             if self.clock() - started > RESTART_BACKOFF_MAX_S:
                 backoff = RESTART_BACKOFF_S  # it ran a good while: a fresh failure, not a loop
@@ -207,7 +208,7 @@ class KvProcess:
                 while not exited.done():
                     if not await sock.poll(1000):
                         continue
-                    self._take(self._decoder.decode(await sock.recv()))
+                    await self._take(self._decoder.decode(await sock.recv()))
             finally:
                 exited.cancel()
             log.warning("kv index process ended", pid=proc.pid, returncode=proc.returncode)
@@ -225,12 +226,14 @@ class KvProcess:
         if not (isinstance(message, dict) and message.get("hello") == os.getpid()):
             raise ValueError(f"not the index process's hello: {str(message)[:100]}")
 
-    def _take(self, message: object) -> None:
+    async def _take(self, message: object) -> None:
         if not isinstance(message, dict):
             raise ValueError("a message from the index process that is not a map")
         if "runs" in message:
-            for server in self.mirror.apply(message["runs"]):
-                self.state.kv_pending.pop(server, None)  # it publishes: not stale
+            for published in self.mirror.steps(message["runs"]):
+                for server in published:
+                    self.state.kv_pending.pop(server, None)  # it publishes: not stale
+                await asyncio.sleep(0)  # the picks between steps
         if "stats" in message:
             self.process_metrics.families.families = message["stats"]
             self.mirror.evicted = int(message.get("evicted", 0))

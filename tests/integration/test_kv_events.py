@@ -15,6 +15,8 @@ tokenizer, a picker subscribed to both, the gateway handing it each prompt.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -45,6 +47,9 @@ SYSTEM_A = "You are the assistant of the alpha team. " + " ".join(
 )
 SYSTEM_B = "You are the assistant of the beta team. " + " ".join(
     f"beta rule {i}: the lazy dog waits." for i in range(60)
+)
+SYSTEM_C = "You are the assistant of the gamma team. " + " ".join(
+    f"gamma rule {i}: jump over the fence." for i in range(60)
 )
 
 
@@ -260,6 +265,49 @@ def test_prompts_sent_past_the_gateway_draw_their_followers_and_a_restart_ends_i
         kv_lines(picker),
     )
     assert served[1:] == [served[0]] * 3, served
+
+
+def index_process(picker: PickerProc) -> int:
+    """The pid of the picker's index process (its one child)."""
+    assert picker.proc is not None
+    pid = picker.proc.popen.pid
+    children = [c for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def test_the_index_process_killed_is_started_again_and_the_prompts_follow_again(rig: Rig) -> None:
+    """The picker reads the events in a process of its own (picker/kv_process.py). Killed, its
+    blocks are forgotten (the picks meanwhile take the approximate index), a new one starts,
+    reaches the publishers again, and the next prompt sent past the gateway draws its
+    followers as before. No request fails meanwhile."""
+    a, b = rig.fleet.servers["a"], rig.fleet.servers["b"]
+    assert rig.picker is not None
+    picker = rig.picker
+    direct(b, chat(SYSTEM_A, "warm up"))
+    wait_until(lambda: picker.metric("controlplane_picker_kv_index_blocks") > 0, 15, "b's blocks indexed")
+    first = index_process(picker)
+    os.kill(first, signal.SIGKILL)
+    wait_until(
+        lambda: picker.metric("controlplane_picker_kv_process_restarts_total") >= 1, 15, "the restart counted"
+    )
+    served = [via_gateway(rig, chat(SYSTEM_B, f"meanwhile {i}")) for i in range(2)]  # none fails
+    assert set(served) <= {a.address, b.address}
+    wait_until(lambda: index_process(picker) != first, 15, "a new index process")
+    wait_until(
+        lambda: picker.metric("controlplane_picker_kv_publishers_connected") >= 2,
+        15,
+        "the new process to reach both publishers",
+    )
+    # Warmed on b, which a free choice would not give it (ties go to the server holding fewer).
+    direct(b, chat(SYSTEM_C, "warm up"))
+    b_applied = f'controlplane_picker_kv_batches_total{{result="applied",server="{b.address}"}}'
+    wait_until(lambda: picker.metric(b_applied) >= 1, 15, "b's new blocks indexed by the new process")
+    settled(rig)
+    kv_hits = picker.metric('controlplane_picker_picks_total{reason="kv_hit"}')
+    served = [via_gateway(rig, chat(SYSTEM_C, f"question {i}")) for i in range(3)]
+    assert served == [b.address] * 3, kv_lines(picker)
+    assert picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') - kv_hits == 3
 
 
 @pytest.mark.parametrize("rig", [False], indirect=True)

@@ -171,3 +171,12 @@ def test_the_mirrors_bytes_per_block_are_as_documented() -> None:
     assert not gc.is_tracked(mirror.keys[SERVERS[0]])  # no full collection walks it
     print(f"{per_key:.0f} bytes per key")
     assert BYTES_PER_KEY * 0.5 <= per_key <= BYTES_PER_KEY * 1.2, per_key
+
+
+def test_steps_apply_as_apply_does_a_step_at_a_time() -> None:
+    one, stepped = KvMirror(max_blocks=100), KvMirror(max_blocks=100)
+    ops = [[ADD, SERVERS[0], list(range(10))], [REMOVE, SERVERS[0], [3, 4]], [PUBLISHED, SERVERS[1], [0]]]
+    one.apply(ops)
+    seen = list(stepped.steps(ops, step=4))
+    assert len(seen) == 3 + 1 + 1 and seen[-1] == {SERVERS[1]}
+    assert stepped.keys == one.keys and stepped.size == one.size == 8
