@@ -87,7 +87,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="read the servers' KV events in the picker's own process, within 30%% of its loop, "
         "instead of a process of its own at nice 19 (the default: a flood of events then never "
-        "slows the picks; docs/kv-events.md#a-flood-of-events); for comparisons",
+        "slows the picks: docs/kv-events.md); for comparisons",
     )
     pk.add_argument(
         "--kv-index-blocks",
