@@ -21,8 +21,12 @@ def registered() -> set[str]:
     XdsServer(SnapshotCache(), metrics)  # registers the collectors counted at scrape time
     ModelLatency(metrics.registry)  # the weight loop's (balancing/controller.py), merged at scrape time
     picker = PickerMetrics()  # `controlplane picker`'s own, on its --metrics-listen
+    # The KV events' own families, which its index process counts and it exports once told
+    # (picker/kv_process.py), are registered directly where it reads the events itself.
+    in_process = PickerMetrics(kv_in_process=True)
     quota = QuotaMetrics()  # `controlplane ratelimit`'s own
-    for metric in [*metrics.registry.collect(), *picker.registry.collect(), *quota.registry.collect()]:
+    collected = [*picker.registry.collect(), *in_process.registry.collect(), *quota.registry.collect()]
+    for metric in [*metrics.registry.collect(), *collected]:
         name = metric.name
         if metric.type == "counter":
             name += "_total"
