@@ -35,7 +35,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -114,7 +114,7 @@ class KvProcess:
         process_metrics: KvProcessMetrics,
         *,
         nice: int = KV_NICE,
-        clock: Any = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(state.kv, KvMirror):
             raise TypeError("KvProcess keeps a KvMirror: set state.kv = KvMirror(max_blocks) first")
@@ -128,7 +128,6 @@ class KvProcess:
         self.ctx = zmq.asyncio.Context.instance()
         self._task: asyncio.Task[None] | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._proc: asyncio.subprocess.Process | None = None
         self._decoder = msgspec.msgpack.Decoder()
 
     def update(self, publishers: Mapping[str, tuple[str, str | None]]) -> None:
@@ -180,7 +179,7 @@ class KvProcess:
         proc = None
         try:
             sock.bind(endpoint)
-            proc = self._proc = await asyncio.create_subprocess_exec(
+            proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
                 "controlplane.picker.kv_process",
