@@ -97,6 +97,12 @@ class Oracle:
     def __init__(self, servers: int, kv_tokens: int) -> None:
         self.caches = [PrefixCache(kv_tokens // 16) for _ in range(servers)]
         self.sent = [0] * servers
+        self.warmup_queries = self.warmup_hits = 0  # what the warm-up looked up (measure())
+
+    def measure(self) -> None:
+        """The measured window starts: what the caches counted so far was the warm-up."""
+        self.warmup_queries = sum(c.queries for c in self.caches)
+        self.warmup_hits = sum(c.hits for c in self.caches)
 
     def pick(self, tokens: list[str]) -> None:
         best = max(range(len(self.caches)), key=lambda i: (self.caches[i].peek(tokens), -self.sent[i]))
@@ -105,6 +111,13 @@ class Oracle:
 
     @property
     def hit_ratio(self) -> float:
+        """Over the measured window (after the warm-up)."""
+        q = sum(c.queries for c in self.caches) - self.warmup_queries
+        return (sum(c.hits for c in self.caches) - self.warmup_hits) / q if q else float("nan")
+
+    @property
+    def hit_ratio_all(self) -> float:
+        """Warm-up included."""
         q = sum(c.queries for c in self.caches)
         return sum(c.hits for c in self.caches) / q if q else float("nan")
 
@@ -142,10 +155,17 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             latencies.append(time.monotonic() - start)
             by_server[server] = by_server.get(server, 0) + 1
 
+    measuring: list[bool] = []
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
         def launch(measure: bool) -> Coroutine[Any, Any, None]:
+            if measure and not measuring:  # the first measured arrival: the warm-up is over
+                measuring.append(True)
+                if oracle is not None:
+                    oracle.measure()
+                if args.measure_marker is not None:
+                    args.measure_marker.touch()
             sid, messages = wl.next_request()
             if oracle is not None:
                 oracle.pick(tokens_of(messages))
@@ -176,6 +196,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "by_server": by_server,
         "max_over_mean": max(counts) / (sum(counts) / len(counts)) if counts else float("nan"),
         "oracle_hit_ratio": oracle.hit_ratio if oracle is not None else None,
+        "oracle_hit_ratio_all": oracle.hit_ratio_all if oracle is not None else None,
     }
 
 
@@ -206,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--tokens-sigma", type=float, default=0.9)
     p.add_argument("--tokens-max", type=int, default=400)
+    p.add_argument(
+        "--measure-marker",
+        type=Path,
+        help="a file touched when the measured window starts (after --warmup): the caller reads "
+        "the servers' counters then",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args(argv)

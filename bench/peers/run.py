@@ -623,7 +623,21 @@ def run_arm(arm: Arm, work: Workload, args: argparse.Namespace, rate: float) -> 
                 load += ["--oracle-kv-tokens", str(args.kv_tokens)]
         else:
             load = [sys.executable, str(LBQ / "loadgen.py"), "--target", front.target, *common]
+        window: dict[str, tuple[float, float]] = {}  # the servers' prefix counters as the window starts
+        watcher: threading.Thread | None = None
+        if prefix:
+            marker = workdir / "measuring"
+            load += ["--measure-marker", str(marker)]
+
+            def at_window() -> None:
+                while not marker.exists() and proc.poll() is None:
+                    time.sleep(0.05)
+                window.update({a: counters(a) for a in fleet.addresses})
+
+            watcher = threading.Thread(target=at_window, daemon=True)
         proc = subprocess.Popen(load, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if watcher is not None:
+            watcher.start()
         fault = ""
         if work.fault:
             at = args.warmup + args.seconds * (1 / 3 if work.fault == "kill" else 1 / 4)
@@ -638,11 +652,16 @@ def run_arm(arm: Arm, work: Workload, args: argparse.Namespace, rate: float) -> 
         result["served"] = [served[a] for a in fleet.fast()] + [served[a] for a in fleet.slow()]
         result["fault"] = fault
         if prefix:
-            q = h = 0.0
+            if watcher is not None:
+                watcher.join(10)
+            q = h = q0 = h0 = 0.0
             for a in fleet.addresses:
                 dq, dh = counters(a)
                 q, h = q + dq, h + dh
-            result["hit_rate"] = h / q if q else float("nan")
+                q0, h0 = q0 + window.get(a, (0.0, 0.0))[0], h0 + window.get(a, (0.0, 0.0))[1]
+            # The measured window's (as the latencies are), and the warm-up's first requests too.
+            result["hit_rate"] = (h - h0) / (q - q0) if window and q > q0 else float("nan")
+            result["hit_rate_all"] = h / q if q else float("nan")
         return result
     finally:
         stack.stop()
@@ -745,7 +764,7 @@ def table(work: Workload, results: dict[str, dict[str, Any]], base: str) -> list
     prefix = work.kind == "prefix"
     key = "ttft_p90" if prefix else "p90"
     head = "| arm | requests | failed | " + (
-        "TTFT p50 s | TTFT p90 s | TTFT p99 s | latency p90 s | hit rate |"
+        "TTFT p50 s | TTFT p90 s | TTFT p99 s | latency p90 s | hit rate | with warm-up |"
         if prefix
         else "p50 s | p90 s | p99 s |"
     )
@@ -766,6 +785,7 @@ def table(work: Workload, results: dict[str, dict[str, Any]], base: str) -> list
                 fmt(r.get("ttft_p99")),
                 fmt(r["latency_p90"]),
                 fmt(r.get("hit_rate")),
+                fmt(r.get("hit_rate_all")),
             ]
         else:
             cells += [fmt(r["p50"]), fmt(r["p90"]), fmt(r["p99"])]
@@ -773,11 +793,12 @@ def table(work: Workload, results: dict[str, dict[str, Any]], base: str) -> list
         if work.fault:
             cells.append(r.get("fault", ""))
         out.append("| " + " | ".join(cells) + " |")
-    oracle = next((r["oracle_hit_ratio"] for r in results.values() if r.get("oracle_hit_ratio")), None)
+    oracle = next((r for r in results.values() if r.get("oracle_hit_ratio")), None)
     if oracle is not None:  # the same requests in every arm (one seed): one ceiling
         out.append(
             "\nThe work's ceiling: a cache-aware oracle over the same caches, load aside, hits "
-            f"{fmt(oracle)} of the prompt tokens (warm-up included)."
+            f"{fmt(oracle['oracle_hit_ratio'])} of the prompt tokens over the measured window "
+            f"({fmt(oracle.get('oracle_hit_ratio_all'))} with the warm-up)."
         )
     out.append("\nRequests each server took (fast ones first, warm-up included):\n")
     for name, r in results.items():
