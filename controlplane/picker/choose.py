@@ -521,17 +521,15 @@ class PickerState:
         known = [self.slots[c.address] for c in servers if c.address in self.slots]
         peers = max(known) if known else 1.0
         slots = {c.address: self.slots.get(c.address, peers) for c in servers}
-        costs = {c.address: self.cost(c, loads[c.address], slots[c.address]) for c in servers}
+        # With a prompt, the requests ahead are mostly cached too: a wait is shorter than
+        # whole services (kv_incurred).
+        incurred = self.kv_incurred.get(cluster, 1.0) if kv is not None and kv.tokens > 0 else 1.0
+        costs = {c.address: self.cost(c, loads[c.address], slots[c.address], incurred) for c in servers}
 
         bound = self.prefix_bound * sum(costs.values()) / len(costs)
         key = prefix_digest(cluster, prefix) if prefix and self.prefix_entries > 0 else None
         approximate = self.prefixes.get(key) if key is not None else None
         blocks: dict[str, int] = {}
-        incurred = self.kv_incurred.get(cluster, 1.0)
-        if kv is not None and kv.tokens > 0 and incurred < 1.0:
-            # The requests ahead are mostly cached too: a wait is shorter than whole services.
-            costs = {c.address: self.cost(c, loads[c.address], slots[c.address], incurred) for c in servers}
-            bound = self.prefix_bound * sum(costs.values()) / len(costs)
         if kv is not None and kv.tokens > 0:
             fresh = [c.address for c in servers if self.kv_fresh(c.address, now)]
             blocks = self.kv.matched(fresh, kv.keys)
