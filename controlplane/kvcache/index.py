@@ -274,6 +274,11 @@ class KvIndex:
                     dropped += 1
             self.evicted += dropped
 
+    @property
+    def index_blocks(self) -> int:
+        """Blocks in the index, every server (what its gauge shows)."""
+        return self.size
+
     def held_blocks(self, server: str) -> int:
         """How many blocks `server` holds (0: none known)."""
         st = self.streams.get(server)

@@ -123,6 +123,12 @@ class KvMirror:
         for server in [s for s in self.keys.keys() | self.sizes.keys() if s not in wanted]:
             self.forget(server)
 
+    @property
+    def index_blocks(self) -> int:
+        """Blocks in the index, every server, as its process last said (this copy's own count
+        until it has)."""
+        return self.size if self.index_size is None else self.index_size
+
     def held_blocks(self, server: str) -> int:
         return len(self.keys.get(server, ()))
 

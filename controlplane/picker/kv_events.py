@@ -36,7 +36,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from controlplane import limits
 from controlplane.kvcache import wire
 from controlplane.kvcache.index import KvIndex
-from controlplane.kvcache.mirror import KvMirror
 from controlplane.picker.choose import PickerState
 
 log = structlog.get_logger("controlplane.picker.kv_events")
@@ -65,42 +64,40 @@ class KvMetrics:
     kept off it (another process counts them: kv_process.KvProcessMetrics exports its)."""
 
     def __init__(self, r: CollectorRegistry, events: bool = True) -> None:
-        own = r
-        r = r if events else CollectorRegistry()
+        counted = r if events else CollectorRegistry()  # EVENT_FAMILIES' registry
         self.batches = Counter(
             "controlplane_picker_kv_batches",
             "KV-event batches from a server's publisher, by result: applied, restart (a new "
             "stream: its blocks dropped first), gap (batches missing before it), refused (not "
             "a batch: docs/kv-events.md#hostile-publishers)",
             ["server", "result"],
-            registry=r,
+            registry=counted,
         )
         self.replays = Counter(
             "controlplane_picker_kv_replays",
             "Gaps asked of a server's replay socket, by result: filled, failed (its blocks dropped)",
             ["server", "result"],
-            registry=r,
+            registry=counted,
         )
         self.lost = Counter(
             "controlplane_picker_kv_streams_lost",
             "A server's blocks dropped rather than trusted, by reason: gap (not replayed), "
             "reconnect (its publisher connected again), removed (no longer in the fleet)",
             ["server", "reason"],
-            registry=r,
+            registry=counted,
         )
         self.lag = Gauge(
             "controlplane_picker_kv_event_lag_seconds",
             "Seconds from a server stamping its last KV-event batch to the picker applying it",
             ["server"],
-            registry=r,
+            registry=counted,
         )
         self.connected = Gauge(
             "controlplane_picker_kv_publishers_connected",
             "Servers whose KV-event publisher the picker's subscription has reached (of those "
             "the control plane names): events a server publishes before it is reached are lost",
-            registry=r,
+            registry=counted,
         )
-        r = own
         self.blocks = Gauge(
             "controlplane_picker_kv_index_blocks",
             "Blocks in the precise prefix index, every server",
@@ -144,8 +141,7 @@ class KvMetrics:
 
 def refresh_gauges(state: PickerState, metrics: KvMetrics, now: float) -> None:
     """The index's size and evictions, and each cluster's stale servers, as `state` has them."""
-    kv = state.kv
-    metrics.blocks.set(kv.index_size if isinstance(kv, KvMirror) and kv.index_size is not None else kv.size)
+    metrics.blocks.set(state.kv.index_blocks)
     metrics.evicted.set(state.kv.evicted)
     metrics.stale_picks.set(state.kv_stale_picks)
     for cluster, servers in state.clusters.items():
