@@ -259,7 +259,8 @@ class _Subscriptions(KvSubscriptions):
 
 async def child(parent: str, max_blocks: int) -> None:
     ppid = os.getppid()
-    index = KvIndex(max_blocks=max_blocks, journal=[])
+    journal: list[tuple[int, str, int]] = []  # the index's changes not yet sent
+    index = KvIndex(max_blocks=max_blocks, journal=journal)
     state = PickerState(kv=index)
     registry = CollectorRegistry()
     metrics = KvMetrics(registry)
@@ -290,10 +291,9 @@ async def child(parent: str, max_blocks: int) -> None:
         stats_at, connected = 0.0, 0
         while True:
             await asyncio.sleep(FLUSH_S)
-            assert index.journal is not None
-            if index.journal:
-                pending = runs(index.journal)
-                index.journal.clear()
+            if journal:
+                pending = runs(journal)
+                journal.clear()
                 message: list[Any] = []
                 keys = 0
                 for run in pending:
