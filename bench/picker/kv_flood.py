@@ -6,19 +6,24 @@ their publishers, two ZMQ PUB sockets of a flood process that publishes vLLM 0.3
 (1,000 blocks of 16 tokens each, fresh hashes, chained from the last) at `--blocks-per-s`
 over both. A probe sends picks straight to the picker's ext_proc port (a request's headers
 with the cluster and a chat body as the gateway hands it), one every 10 ms, and times the
-answer. Phases of `--seconds` each: without the flood (the baseline); the flood on two
-sockets nobody subscribes to (`unsubscribed`: what the generator's own work costs the picks on
-a shared machine, where in a fleet the publishers are elsewhere); the flood on the sockets the
-picker follows. Printed: pick latency p50/p99 per phase and the rise (over the baseline, and
-over `unsubscribed`: the picker's own share), the index's size against
-`--kv-index-blocks` (sampled every second), the blocks the picker applied per second, and its
-RSS. Everything on loopback; every process is stopped, on failure too.
+answer, all through the run. Phases: `quiet` (`--quiet-seconds`, no flood); the fill (the
+flood on the servers' sockets until the index is at its bound, not measured); then `--window`
+seconds of `decoy` (the flood on two sockets nobody subscribes to: the generator's own work,
+which in a fleet runs on the servers, not beside the picker) and of `flood` (the sockets the
+picker follows) in turn, until `--seconds` of flood. The windows take turns so that the
+machine's drift (p99 moves by a millisecond from minute to minute on a shared 2-core machine)
+falls on both alike; the first `--settle` seconds of each are not counted (the last window's
+events are still being applied). Printed: per condition, pick latency p50/p99, CPU and blocks
+applied per second; the p99 rise of `flood` over `decoy` (and per half of the windows, to show
+how steady it is; and over `quiet`), the index's size against `--kv-index-blocks` (sampled
+every second), and the picker's and its index process's RSS. Everything on loopback; every
+process is stopped, on failure too.
 
     .venv/bin/python bench/picker/kv_flood.py                      # 100,000 blocks/s, 60 s
-    .venv/bin/python bench/picker/kv_flood.py --seconds 20 --blocks-per-s 50000 --layouts process
+    .venv/bin/python bench/picker/kv_flood.py --seconds 20 --window 4 --settle 1 --blocks-per-s 50000 --layouts process
 
 Each layout (where the picker reads the events: `process`, its default, a process of its own
-at nice 19; `in-process`, --kv-in-process) runs the three phases on a stack of its own.
+at nice 19; `in-process`, --kv-in-process) runs the phases on a stack of its own.
 """
 
 from __future__ import annotations
@@ -26,11 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -60,19 +65,19 @@ pubs = []
 for p in ports:
     s = ctx.socket(zmq.PUB); s.setsockopt(zmq.SNDHWM, 100000); s.bind(f"tcp://127.0.0.1:{p}"); pubs.append(s)
 print("bound", flush=True)
-decoy, live = sys.argv[4] + ".decoy", sys.argv[4]
+decoy, live, stop = sys.argv[4] + ".decoy", sys.argv[4], sys.argv[4] + ".stop"
 while not os.path.exists(decoy):
     time.sleep(0.05)
 rng = random.Random(1)
 per, n = 1000, 0
 tokens = [rng.randrange(32000) for _ in range(16 * per)]
 seqs, parents = [0] * len(pubs), [None] * len(pubs)
-half = len(pubs) // 2  # the first half: sockets nobody subscribes to (the decoy phase)
-start, phase = time.monotonic(), 0
-while phase == 0 or time.monotonic() - start < seconds:
-    if phase == 0 and os.path.exists(live):
-        phase, start, n = 1, time.monotonic(), 0
-    i = n % half + (half if phase else 0)
+half = len(pubs) // 2  # the first half: sockets nobody subscribes to; the second: the servers'
+start, on = time.monotonic(), False
+while not (n % 10 == 0 and os.path.exists(stop)) and time.monotonic() - start < seconds:
+    if n % 10 == 0:  # which sockets: looked at every 10 batches (0.1 s at 100,000 blocks/s)
+        on = os.path.exists(live)
+    i = n % half + (half if on else 0)
     hashes = [rng.getrandbits(63) for _ in range(per)]
     tokens[rng.randrange(len(tokens))] = rng.randrange(32000)
     event = wire.stored(hashes, parents[i], tokens, 16)
@@ -107,7 +112,8 @@ def fleet(listener: int, servers: list[str], picker: str, kv: list[int], tokeniz
     )
 
 
-def probe(address: str, seconds: float, out: list[float], errors: list[str]) -> None:
+def probe(address: str, stop: threading.Event, out: list[tuple[float, float]], errors: list[str]) -> None:
+    """Picks until `stop`, one every 10 ms: (when it was sent, monotonic; its latency) each."""
     body = json.dumps(
         {
             "model": "chat",
@@ -119,19 +125,18 @@ def probe(address: str, seconds: float, out: list[float], errors: list[str]) -> 
     )
     channel = grpc.insecure_channel(address)
     stub = ep_grpc.ExternalProcessorStub(channel)
-    end = time.monotonic() + seconds
     try:
-        while time.monotonic() < end:
+        while not stop.is_set():
             req = ep.ProcessingRequest(request_headers=ep.HttpHeaders())
             req.attributes["envoy.filters.http.ext_proc"].fields[CLUSTER_ATTRIBUTE].string_value = "chat@v1"
             req.metadata_context.filter_metadata[METADATA_NS].fields[PROMPT_KEY].string_value = body
-            t0 = time.perf_counter()
+            sent, t0 = time.monotonic(), time.perf_counter()
             call = stub.Process(
                 iter([req, ep.ProcessingRequest(response_headers=ep.HttpHeaders())]), timeout=5
             )
             try:
                 first = next(call)
-                out.append(time.perf_counter() - t0)
+                out.append((sent, time.perf_counter() - t0))
                 if not first.request_headers.response.header_mutation.set_headers:
                     errors.append("no pick")
                 next(call)
@@ -171,9 +176,160 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+@dataclass
+class Usage:
+    """What one condition's windows used, summed."""
+
+    seconds: float = 0.0
+    picker: float = 0.0
+    index: float = 0.0
+    flood: float = 0.0
+    busy: float = 0.0
+    total: float = 0.0
+    applied: float = 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def measure(a: argparse.Namespace, picker: int, flood: int, metrics: int, port: int, go: Path) -> float:
+    """The quiet phase, the fill, then decoy and flood windows in turn; prints each condition and
+    the rise; returns the p99 rise of the flood over the decoy windows."""
+    samples: list[tuple[float, float]] = []
+    errors: list[str] = []
+    sizes: list[float] = []
+    stop = threading.Event()
+    child = index_pid(picker)
+    windows: list[tuple[str, float, float]] = []
+    usage: dict[str, Usage] = {}
+
+    def applied() -> float:
+        return picker_metric(metrics, "controlplane_picker_kv_index_blocks") + picker_metric(
+            metrics, "controlplane_picker_kv_index_evicted_blocks"
+        )
+
+    def counters() -> tuple[float, float, float, tuple[float, float], float]:
+        return (
+            cpu_s(picker),
+            cpu_s(child) if child else 0.0,
+            cpu_s(flood),
+            machine_busy(),
+            applied(),
+        )
+
+    def window(condition: str, seconds: float) -> None:
+        start, c0 = time.monotonic(), counters()
+        while (left := start + seconds - time.monotonic()) > 0:
+            sizes.append(picker_metric(metrics, "controlplane_picker_kv_index_blocks"))
+            time.sleep(min(1.0, left))
+        end, c1 = time.monotonic(), counters()
+        windows.append((condition, start, end))
+        u = usage.setdefault(condition, Usage())
+        u.seconds += end - start
+        u.picker += c1[0] - c0[0]
+        u.index += c1[1] - c0[1]
+        u.flood += c1[2] - c0[2]
+        u.busy += c1[3][0] - c0[3][0]
+        u.total += c1[3][1] - c0[3][1]
+        u.applied += c1[4] - c0[4]
+
+    t = threading.Thread(target=probe, args=(f"127.0.0.1:{port}", stop, samples, errors))
+    t.start()
+    try:
+        window("quiet", a.quiet_seconds)  # no flood at all
+        Path(f"{go}.decoy").touch()  # the generator starts, on sockets the picker does not follow
+        go.touch()  # the fill: the flood on the servers' own sockets until the index is at its bound
+        deadline = time.monotonic() + 2 * a.kv_index_blocks / a.blocks_per_s + 30
+        while picker_metric(metrics, "controlplane_picker_kv_index_blocks") < 0.99 * a.kv_index_blocks:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the index did not reach its bound under the flood")
+            time.sleep(0.5)
+        flooded = 0.0
+        while flooded < a.seconds:
+            go.unlink()
+            window("decoy", a.window)
+            go.touch()
+            window("flood", a.window)
+            flooded += a.window
+    finally:
+        Path(f"{go}.stop").touch()
+        stop.set()
+        t.join()
+
+    def latencies(condition: str, part: slice = slice(None)) -> list[float]:
+        spans = [(s, e) for c, s, e in windows if c == condition][part]
+        return [lat for sent, lat in samples if any(s + a.settle <= sent < e for s, e in spans)]
+
+    out: dict[str, dict[str, float]] = {}
+    for condition, u in usage.items():
+        lat = latencies(condition)
+        out[condition] = {
+            "picks": len(lat),
+            "p50_ms": round(1000 * percentile(lat, 0.5), 3),
+            "p99_ms": round(1000 * percentile(lat, 0.99), 3),
+            # CPU share of one core: the picker's, its index process's, the generator's; and the
+            # machine's, every core together (1.0: all busy)
+            "picker_cpu": round(u.picker / u.seconds, 3),
+            "index_process_cpu": round(u.index / u.seconds, 3) if child else float("nan"),
+            "flood_cpu": round(u.flood / u.seconds, 3),
+            "machine_busy": round(u.busy / max(1.0, u.total), 3),
+            "blocks_applied_per_s": round(u.applied / u.seconds),
+        }
+        print(json.dumps({"condition": condition, **out[condition]}), flush=True)
+    halves = len([w for w in windows if w[0] == "flood"]) // 2
+    by_half = [
+        round(
+            1000 * (percentile(latencies("flood", part), 0.99) - percentile(latencies("decoy", part), 0.99)),
+            3,
+        )
+        for part in (slice(None, halves), slice(halves, None))
+    ]
+    rise = out["flood"]["p99_ms"] - out["decoy"]["p99_ms"]
+    print(
+        json.dumps(
+            {
+                "blocks_per_s_offered": a.blocks_per_s,
+                "p99_rise_ms": round(rise, 3),
+                "p99_rise_ms_by_half": by_half,
+                "p99_rise_over_quiet_ms": round(out["flood"]["p99_ms"] - out["quiet"]["p99_ms"], 3),
+                "p50_rise_ms": round(out["flood"]["p50_ms"] - out["decoy"]["p50_ms"], 3),
+                "errors": len(errors),
+                "index_blocks_max": max(sizes, default=0.0),
+                "within_bound": max(sizes, default=0.0) <= a.kv_index_blocks,
+                "streams_lost": picker_metric(metrics, "controlplane_picker_kv_streams_lost_total"),
+                "batches_refused_or_gaps": picker_metric(metrics, "controlplane_picker_kv_replays_total"),
+                "picker_rss_mb": round(rss_mb(picker), 1),
+                "index_process_rss_mb": round(rss_mb(child), 1) if child else None,
+            }
+        ),
+        flush=True,
+    )
+    return round(rise, 3)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seconds", type=float, default=60.0, help="per phase (default: %(default)s)")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=60.0,
+        help="of flood, in windows, after the fill (default: %(default)s)",
+    )
+    p.add_argument(
+        "--window", type=float, default=6.0, help="each flood and decoy window (default: %(default)s)"
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=2.0,
+        help="the start of each window not measured: the last one's events still applied "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--quiet-seconds", type=float, default=20.0, help="the first phase, no flood (default: %(default)s)"
+    )
     p.add_argument("--blocks-per-s", type=float, default=100_000.0, help="the flood (default: %(default)s)")
     p.add_argument(
         "--kv-index-blocks", type=int, default=1 << 20, help="the picker's bound (default: %(default)s)"
@@ -195,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_layout(a: argparse.Namespace, layout: str) -> float:
-    """The three phases with the picker reading the events as `layout` says; the p99 rise."""
+    """The phases with the picker reading the events as `layout` says; the p99 rise."""
     print(f"# layout: {layout}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="bench-kv-flood-"))
     stack = Stack(work)
@@ -211,7 +367,8 @@ def run_layout(a: argparse.Namespace, layout: str) -> float:
         kv = [free_port(), free_port()]
         decoys = [free_port(), free_port()]
         go = work / "go"
-        flood_args = [",".join(map(str, decoys + kv)), str(a.blocks_per_s), str(a.seconds), str(go)]
+        most = a.quiet_seconds + 3 * a.seconds + 2 * a.kv_index_blocks / a.blocks_per_s + 120  # a bound only
+        flood_args = [",".join(map(str, decoys + kv)), str(a.blocks_per_s), str(most), str(go)]
         flood = stack.spawn("flood", [sys.executable, "-c", FLOOD, *flood_args])
         listener, picker_port, xds = free_port(), free_port(), free_port()
         tokenizer = make_tokenizer(work / "tokenizer")
@@ -235,71 +392,7 @@ def run_layout(a: argparse.Namespace, layout: str) -> float:
                 raise RuntimeError("the picker got no assignments")
             time.sleep(0.2)
         time.sleep(3.0)  # the control plane finds both servers ready (a pick needs one)
-        phases: dict[str, dict[str, object]] = {}
-        for phase in ("baseline", "unsubscribed", "flood"):
-            lat: list[float] = []
-            errors: list[str] = []
-            samples: list[float] = []
-            if phase == "unsubscribed":
-                Path(f"{go}.decoy").touch()  # the flood on sockets the picker does not follow
-            if phase == "flood":
-                go.touch()  # the flood on the servers' own sockets
-            applied0 = picker_metric(metrics, "controlplane_picker_kv_index_blocks") + picker_metric(
-                metrics, "controlplane_picker_kv_index_evicted_blocks"
-            )
-            child = index_pid(picker.pid)
-            cpu0 = (cpu_s(picker.pid), cpu_s(flood.pid), machine_busy(), cpu_s(child) if child else 0.0)
-            t = threading.Thread(target=probe, args=(f"127.0.0.1:{picker_port}", a.seconds, lat, errors))
-            t.start()
-            while t.is_alive():
-                samples.append(picker_metric(metrics, "controlplane_picker_kv_index_blocks"))
-                t.join(1.0)
-            applied = (
-                picker_metric(metrics, "controlplane_picker_kv_index_blocks")
-                + picker_metric(metrics, "controlplane_picker_kv_index_evicted_blocks")
-                - applied0
-            )
-            lat.sort()
-            busy, total = machine_busy()
-            phases[phase] = {
-                # CPU share of one core over the phase: the picker's, the flood generator's;
-                # and the machine's, every core together (1.0: all busy)
-                "picker_cpu": round((cpu_s(picker.pid) - cpu0[0]) / a.seconds, 3),
-                "index_process_cpu": round((cpu_s(child) - cpu0[3]) / a.seconds, 3) if child else None,
-                "flood_cpu": round((cpu_s(flood.pid) - cpu0[1]) / a.seconds, 3),
-                "machine_busy": round((busy - cpu0[2][0]) / max(1, total - cpu0[2][1]), 3),
-                "picks": len(lat),
-                "errors": len(errors),
-                "p50_ms": round(1000 * lat[len(lat) // 2], 3) if lat else None,
-                "p99_ms": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
-                "index_blocks_max": max(samples, default=0.0),
-                "index_bound": a.kv_index_blocks,
-                "blocks_applied_per_s": round(applied / a.seconds),
-                "picker_rss_mb": round(rss_mb(picker.pid), 1),
-                "index_process_rss_mb": round(rss_mb(child), 1) if child else None,
-            }
-            print(json.dumps({"phase": phase, **phases[phase]}), flush=True)
-        rise = float(phases["flood"]["p99_ms"]) - float(phases["baseline"]["p99_ms"])  # type: ignore[arg-type]
-        print(
-            json.dumps(
-                {
-                    "blocks_per_s_offered": a.blocks_per_s,
-                    "p99_rise_ms": round(rise, 3),
-                    "p99_rise_over_unsubscribed_ms": round(
-                        float(phases["flood"]["p99_ms"]) - float(phases["unsubscribed"]["p99_ms"]),
-                        3,  # type: ignore[arg-type]
-                    ),
-                    "p50_rise_ms": round(
-                        float(phases["flood"]["p50_ms"]) - float(phases["baseline"]["p50_ms"]), 3
-                    ),  # type: ignore[arg-type]
-                    "within_bound": float(phases["flood"]["index_blocks_max"]) <= a.kv_index_blocks,  # type: ignore[arg-type]
-                    "streams_lost": picker_metric(metrics, "controlplane_picker_kv_streams_lost_total"),
-                    "batches_refused_or_gaps": picker_metric(metrics, "controlplane_picker_kv_replays_total"),
-                    "median_pick_ms": statistics.median([float(v["p50_ms"]) for v in phases.values()]),  # type: ignore[arg-type]
-                }
-            )
-        )
-        return round(rise, 3)
+        return measure(a, picker.pid, flood.pid, metrics, picker_port, go)
     finally:
         stack.stop()
 
