@@ -5,12 +5,21 @@ its own (picker/kv_process.py), at a low CPU priority, so that a flood of events
 the picks' cores nor their interpreter. What a pick needs of it is small: which keys each
 server holds, and each server's block size. The index writes every change to those in its
 journal, in order; the process sends the journal to the picker in runs (`runs`), and the
-picker keeps them here. Applying a run of a thousand stored blocks is one dict update in C
-(tens of nanoseconds a block), where decoding and keying them was microseconds a block.
+picker keeps them here: about 0.2 us a key (mostly a cache miss into a table of a million),
+where decoding and keying them was microseconds a block.
 
 Ops: ADD and REMOVE a server's key, CLEAR a server (its stream dropped, or AllBlocksCleared),
 BLOCK_SIZE (a server's block size, once known), PUBLISHED (a batch of the server's was
 applied: it publishes, so it is not stale).
+
+Each server's keys are split over SHARDS dicts by their low bits: a dict whose deleted entries
+have used up its room is rebuilt whole on its next insert, and under a flood's churn a dict of
+half a million keys was rebuilt every few seconds, 10-30 ms each time on the picks' loop
+(index.Sharded, for the same reason). A shard's rebuild is a few thousand keys. The price is a
+loop in Python over the keys (0.37 us a key added or removed, against 0.22 in one dict's bulk
+update; measured with a flood's churn of 1,000 adds and 1,000 removals, the largest step
+0.7 ms against 31 ms). Grouping each run's keys by shard in the index's process, so that each
+group was one bulk update, cost as much again in the groups' own overhead (tried, not kept).
 
 About BYTES_PER_KEY bytes a key here (a dict entry and its integer), beside the index's own
 index.BYTES_PER_BLOCK in its process; `max_blocks` bounds this copy too: a journal that would
@@ -19,10 +28,8 @@ grow it past twice the index's bound (which the index never lets happen) clears 
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any
 
 ADD, REMOVE, CLEAR, BLOCK_SIZE, PUBLISHED = 1, 2, 3, 4, 5
@@ -33,6 +40,9 @@ STEP_KEYS = 256
 BYTES_PER_KEY = (
     70  # measured: tests/unit/test_kv_mirror.py::test_the_mirrors_bytes_per_block_are_as_documented
 )
+SHARDS = 256  # dicts per server (a power of two): a key's shard is its low bits
+_MASK = SHARDS - 1
+_GONE = object()
 
 
 def runs(journal: Sequence[tuple[int, str, int]], most: int = RUN_KEYS) -> list[list[Any]]:
@@ -60,10 +70,11 @@ class KvMirror:
     """The keys each server holds, as the index's journal says (see the module's text)."""
 
     max_blocks: int
-    # Per server, its keys (a dict of ints to None, not a set: holding only atoms, the
-    # collector never tracks it, where a full collection walks a set's every entry: 20 ms a
-    # million on the picks' loop).
-    keys: dict[str, dict[int, None]] = field(default_factory=dict)
+    # Per server, its keys in SHARDS dicts of ints to None (key & _MASK), not sets: holding
+    # only atoms, the collector never tracks them, where a full collection walks a set's every
+    # entry (20 ms a million on the picks' loop).
+    keys: dict[str, list[dict[int, None]]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # per server, its keys
     sizes: dict[str, int] = field(default_factory=dict)
     size: int = 0
     evicted: int = 0  # the index's, as its process last said
@@ -77,17 +88,27 @@ class KvMirror:
         published: set[str] = set()
         for op, server, values in ops:
             if op == ADD:
-                held = self.keys.setdefault(server, {})
-                before = len(held)
-                held.update(dict.fromkeys(values))
-                self.size += len(held) - before
+                shards = self.keys.get(server)
+                if shards is None:
+                    shards = self.keys[server] = [{} for _ in range(SHARDS)]
+                added = 0
+                for key in values:
+                    shard = shards[key & _MASK]
+                    if key not in shard:
+                        shard[key] = None
+                        added += 1
+                self.counts[server] = self.counts.get(server, 0) + added
+                self.size += added
             elif op == REMOVE:
-                holding = self.keys.get(server)
-                if holding is None:
+                shards = self.keys.get(server)
+                if shards is None:
                     continue
-                before = len(holding)
-                deque(map(holding.pop, values, repeat(None)), maxlen=0)  # each popped, in C
-                self.size -= before - len(holding)
+                removed = 0
+                for key in values:
+                    if shards[key & _MASK].pop(key, _GONE) is not _GONE:
+                        removed += 1
+                self.counts[server] -= removed
+                self.size -= removed
             elif op == CLEAR:
                 self.forget(server)
             elif op == BLOCK_SIZE:
@@ -109,14 +130,18 @@ class KvMirror:
     def clear(self) -> None:
         """Forget every server (the index's process is gone: its next one starts empty)."""
         self.keys.clear()
+        self.counts.clear()
         self.sizes.clear()
         self.size = 0
 
     def forget(self, server: str) -> None:
-        held = self.keys.pop(server, None)
-        if held is not None:
-            self.size -= len(held)
+        self.keys.pop(server, None)
+        self.size -= self.counts.pop(server, 0)
         self.sizes.pop(server, None)
+
+    def server_keys(self, server: str) -> set[int]:
+        """Every key `server` holds (for tests and tools: a copy, O(its keys))."""
+        return {k for shard in self.keys.get(server, ()) for k in shard}
 
     def keep_only(self, servers: Iterable[str]) -> None:
         wanted = set(servers)
@@ -130,19 +155,19 @@ class KvMirror:
         return self.size if self.index_size is None else self.index_size
 
     def held_blocks(self, server: str) -> int:
-        return len(self.keys.get(server, ()))
+        return self.counts.get(server, 0)
 
     def block_size(self, server: str) -> int | None:
         return self.sizes.get(server)
 
     def held(self, server: str, keys: list[int]) -> int:
         """How many of `keys` (first to last) `server` holds from the first on."""
-        held = self.keys.get(server)
-        if not held:
+        shards = self.keys.get(server)
+        if not shards:
             return 0
         n = 0
         for key in keys:
-            if key not in held:
+            if key not in shards[key & _MASK]:
                 break
             n += 1
         return n

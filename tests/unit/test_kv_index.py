@@ -171,8 +171,10 @@ def test_the_bound_holds_and_the_server_holding_most_loses_its_oldest() -> None:
     assert index.held(A, last) == 10  # the newest are kept
 
 
-def test_the_bytes_per_block_are_as_documented() -> None:
-    index = KvIndex()
+@pytest.mark.parametrize("sharded", [True, False])
+def test_the_bytes_per_block_are_as_documented(sharded: bool) -> None:
+    """In the picker's process (Sharded maps) and in the index's own (plain dicts)."""
+    index = KvIndex(sharded=sharded)
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     n = 20_000
@@ -191,13 +193,18 @@ def test_the_bytes_per_block_are_as_documented() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("SRC"), st.integers(0, 5), st.integers(0, 3)), max_size=40))
-def test_the_index_always_agrees_with_the_servers_cache(ops: list[tuple[str, int, int]]) -> None:
+@given(
+    st.lists(st.tuples(st.sampled_from("SRC"), st.integers(0, 5), st.integers(0, 3)), max_size=40),
+    st.booleans(),
+)
+def test_the_index_always_agrees_with_the_servers_cache(
+    ops: list[tuple[str, int, int]], sharded: bool
+) -> None:
     """Whatever a server stores and evicts, the index, fed its events in order, answers each
-    prompt's cached prefix as the server's cache does."""
+    prompt's cached prefix as the server's cache does (its maps Sharded or plain dicts)."""
     listener = Collect()
     cache = PrefixCache(12, listener)
-    index = KvIndex()
+    index = KvIndex(sharded=sharded)
     prompts = [tokens((n + 1) * BLOCK_TOKENS, salt=s) for _, n, s in ops]
     for seq, ((op, _, _), prompt) in enumerate(zip(ops, prompts, strict=True)):
         listener.events.clear()

@@ -17,7 +17,9 @@ SERVERS = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
 
 
 def snapshot(index: KvIndex) -> tuple[dict[str, set[int]], dict[str, int]]:
-    keys = {s: {k for m in st.keys._maps for k in m} for s, st in index.streams.items()}
+    keys = {
+        s: set(st.keys) if isinstance(st.keys, dict) else st.keys.keys() for s, st in index.streams.items()
+    }
     sizes = {s: st.block_size for s, st in index.streams.items() if st.block_size is not None}
     return {s: k for s, k in keys.items() if k}, sizes
 
@@ -43,9 +45,13 @@ OPS = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(OPS, st.integers(3, 40))
-def test_the_mirror_holds_what_the_index_holds(ops: list[tuple[str, str, int]], bound: int) -> None:
-    index = KvIndex(max_blocks=bound, journal=[])
+@given(OPS, st.integers(3, 40), st.booleans())
+def test_the_mirror_holds_what_the_index_holds(
+    ops: list[tuple[str, str, int]], bound: int, sharded: bool
+) -> None:
+    """Whether the index keeps its maps Sharded (in the picker's process) or in plain dicts
+    (in its own: picker/kv_process.py)."""
+    index = KvIndex(max_blocks=bound, journal=[], sharded=sharded)
     mirror = KvMirror(max_blocks=bound)
     seq = dict.fromkeys(SERVERS, -1)
     last: dict[str, list[int]] = {s: [] for s in SERVERS}
@@ -75,7 +81,7 @@ def test_the_mirror_holds_what_the_index_holds(ops: list[tuple[str, str, int]], 
         index.apply(server, wire.read(wire.frames(max(seq[server], 0), 0.0, events)), 0.0)
         assert server in fed(mirror, index)
         keys, sizes = snapshot(index)
-        assert {s: set(k) for s, k in mirror.keys.items() if k} == keys
+        assert {s: mirror.server_keys(s) for s in mirror.keys if mirror.server_keys(s)} == keys
         assert mirror.sizes == sizes
         assert mirror.size == index.size <= bound
         for s in SERVERS:
@@ -168,7 +174,7 @@ def test_the_mirrors_bytes_per_block_are_as_documented() -> None:
     tracemalloc.stop()
     per_key = sum(s.size_diff for s in after.compare_to(before, "filename")) / n
     assert mirror.size == n
-    assert not gc.is_tracked(mirror.keys[SERVERS[0]])  # no full collection walks it
+    assert not any(gc.is_tracked(shard) for shard in mirror.keys[SERVERS[0]])  # no full collection walks it
     print(f"{per_key:.0f} bytes per key")
     assert BYTES_PER_KEY * 0.5 <= per_key <= BYTES_PER_KEY * 1.2, per_key
 
@@ -180,3 +186,4 @@ def test_steps_apply_as_apply_does_a_step_at_a_time() -> None:
     seen = list(stepped.steps(ops, step=4))
     assert len(seen) == 3 + 1 + 1 and seen[-1] == {SERVERS[1]}
     assert stepped.keys == one.keys and stepped.size == one.size == 8
+    assert stepped.server_keys(SERVERS[0]) == set(range(10)) - {3, 4}
