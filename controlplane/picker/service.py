@@ -92,7 +92,7 @@ from controlplane.picker.flow import (
     tenant_key,
 )
 from controlplane.picker.kv_events import KvMetrics, KvSubscriptions
-from controlplane.picker.kv_process import KvProcess, KvProcessMetrics
+from controlplane.picker.kv_process import Deciding, KvProcess, KvProcessMetrics
 from controlplane.picker.placement import IDLE_UNLOAD_S, LoadFailed, Placer
 from controlplane.picker.request import (
     INPUTS,
@@ -324,6 +324,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.tokenizers = Tokenizers()
         self.tokenizer_of: dict[str, str] = {}  # cluster -> its model's tokenizer directory
         self.kv_subs: KvSubscriptions | KvProcess | None = None  # made on the running loop (follow)
+        self.deciding = Deciding()  # picks between headers and answer: the KV mirror waits for them
         self.flows = Flows()  # the queues of clusters with flow control (picker/flow.py)
         self.adapters_of: dict[str, ClusterAdapters] = {}  # cluster -> its model's adapters
         self.placer = Placer()  # adapters this picker loaded (placement: dynamic)
@@ -342,7 +343,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
     ) -> AsyncIterator[ep.ProcessingResponse]:
         picked: tuple[str, ...] = ()
-        asked = read_back = False
+        asked = read_back = deciding = False
         messages = aiter(request_iterator)
         pending: asyncio.Future[ep.ProcessingRequest] | None = None  # the next message, asked for
         try:
@@ -362,10 +363,13 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         )
                     asked = True
                     t0 = time.perf_counter()
+                    self.deciding.start()
+                    deciding = True
                     ask = read_ask(req)
                     if isinstance(ask, Ask) and ask.model:
                         ask = self._with_adapter(ask)
                         if self._must_place(ask):  # placement: dynamic, and no server has it yet
+                            deciding = self._decided(deciding)  # a placement is not a pick's moment
                             yield ep.ProcessingResponse(
                                 override_message_timeout=_duration(ADAPTER_LOAD_WAIT_S)
                             )
@@ -383,6 +387,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         resp, picked = self._answer(ask, kv)
                         self.metrics.decision.observe(time.perf_counter() - t0)
                         yield resp
+                        deciding = self._decided(deciding)  # the answer is written
                         continue
                     assert isinstance(ask, Ask)
                     # While it waits, the stream is watched: Envoy ends it when the client goes.
@@ -391,6 +396,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     first, _ = await holding.__anext__()  # Envoy told to wait (or a 429 at once)
                     self.metrics.decision.observe(time.perf_counter() - t0)
                     yield first
+                    deciding = self._decided(deciding)  # it waits its turn: no longer deciding
                     async for resp, got in holding:
                         picked = got
                         yield resp
@@ -416,6 +422,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 else:  # a phase not asked for (a newer Envoy's mode override): change nothing
                     yield _unchanged(req)
         finally:
+            self._decided(deciding)
             if pending is not None and not pending.done():
                 pending.cancel()
             elif pending is not None and not pending.cancelled():
@@ -423,6 +430,12 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if picked:  # the stream closed before a response (a reset, a cancel, a timeout), or
                 # a flow-controlled request ended (its server's slot is free only now)
                 self._served(picked, "", readback=not read_back, adapter=_adapter(ask))
+
+    def _decided(self, deciding: bool) -> bool:
+        """A pick's decision ended (if it was one): False, the stream's new `deciding`."""
+        if deciding:
+            self.deciding.end()
+        return False
 
     def _served(
         self, picked: tuple[str, ...], served: str, *, readback: bool = True, adapter: str = ""
@@ -1016,7 +1029,9 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 self.placer.keep_only(self.state.known())
                 if self.kv_subs is None:
                     if self.metrics.kv_process is not None:  # the index in a process of its own
-                        self.kv_subs = KvProcess(self.state, self.metrics.kv, self.metrics.kv_process)
+                        self.kv_subs = KvProcess(
+                            self.state, self.metrics.kv, self.metrics.kv_process, deciding=self.deciding
+                        )
                     else:
                         self.kv_subs = KvSubscriptions(self.state, self.metrics.kv)
                 named = publishers(assignments)

@@ -277,16 +277,18 @@ def index_process(picker: PickerProc) -> int:
 
 
 def test_the_index_process_killed_is_started_again_and_the_prompts_follow_again(rig: Rig) -> None:
-    """The picker reads the events in a process of its own (picker/kv_process.py). Killed, its
-    blocks are forgotten (the picks meanwhile take the approximate index), a new one starts,
-    reaches the publishers again, and the next prompt sent past the gateway draws its
-    followers as before. No request fails meanwhile."""
+    """The picker reads the events in a process of its own (picker/kv_process.py), under
+    SCHED_IDLE. Killed, its blocks are forgotten (the picks meanwhile take the approximate
+    index), a new one starts, reaches the publishers again, and the next prompt sent past the
+    gateway draws its followers as before. No request fails meanwhile."""
     a, b = rig.fleet.servers["a"], rig.fleet.servers["b"]
     assert rig.picker is not None
     picker = rig.picker
     direct(b, chat(SYSTEM_A, "warm up"))
     wait_until(lambda: picker.metric("controlplane_picker_kv_index_blocks") > 0, 15, "b's blocks indexed")
     first = index_process(picker)
+    # It takes only CPU time nothing else wants (SCHED_IDLE: a waking pick takes its core at once).
+    assert os.sched_getscheduler(first) == os.SCHED_IDLE
     os.kill(first, signal.SIGKILL)
     wait_until(
         lambda: picker.metric("controlplane_picker_kv_process_restarts_total") >= 1, 15, "the restart counted"

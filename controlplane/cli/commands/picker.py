@@ -86,8 +86,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--kv-in-process",
         action="store_true",
         help="read the servers' KV events in the picker's own process, within 30%% of its loop, "
-        "instead of a process of its own at nice 19 (the default: a flood of events then never "
-        "slows the picks: docs/kv-events.md); for comparisons",
+        "instead of a process of its own that takes only CPU time nothing else wants (the "
+        "default, SCHED_IDLE: a flood of events then slows the picks far less: "
+        "docs/kv-events.md); for comparisons",
     )
     pk.add_argument(
         "--kv-index-blocks",
