@@ -230,9 +230,12 @@ class KvSubscriptions:
                         self.state.kv.forget(server)
                         self.metrics.lost.labels(server, "reconnect").inc()
                         log.info("kv events publisher connected again: its blocks dropped", server=server)
-                        if replay is not None:  # what its replay buffer still holds, from its start
-                            filled = await self._replay(server, replay, 0, None)
-                            self.metrics.replays.labels(server, "filled" if filled else "failed").inc()
+                    if replay is not None:
+                        # What its replay buffer still holds, from its start: the blocks it
+                        # stored before this subscription (a picker or an index process just
+                        # started) or while it was away (a reconnect).
+                        filled = await self._replay(server, replay, 0, None)
+                        self.metrics.replays.labels(server, "filled" if filled else "failed").inc()
                 if sock not in ready:
                     continue
                 frames = await sock.recv_multipart()

@@ -279,8 +279,9 @@ def index_process(picker: PickerProc) -> int:
 def test_the_index_process_killed_is_started_again_and_the_prompts_follow_again(rig: Rig) -> None:
     """The picker reads the events in a process of its own (picker/kv_process.py), under
     SCHED_IDLE. Killed, its blocks are forgotten (the picks meanwhile take the approximate
-    index), a new one starts, reaches the publishers again, and the next prompt sent past the
-    gateway draws its followers as before. No request fails meanwhile."""
+    index), a new one starts, reaches the publishers again and reads their replay buffers (the
+    prompt cached before the kill draws its followers again), and the next prompt sent past
+    the gateway draws its followers as before. No request fails meanwhile."""
     a, b = rig.fleet.servers["a"], rig.fleet.servers["b"]
     assert rig.picker is not None
     picker = rig.picker
@@ -301,6 +302,15 @@ def test_the_index_process_killed_is_started_again_and_the_prompts_follow_again(
         15,
         "the new process to reach both publishers",
     )
+    # The new process read b's replay buffer as it connected: the prompt b cached before the
+    # kill draws its followers to b again, with nothing new sent to b directly.
+    b_filled = f'controlplane_picker_kv_replays_total{{result="filled",server="{b.address}"}}'
+    wait_until(lambda: picker.metric(b_filled) >= 1, 15, "b's replay buffer read by the new process")
+    settled(rig)
+    kv_hits = picker.metric('controlplane_picker_picks_total{reason="kv_hit"}')
+    served = [via_gateway(rig, chat(SYSTEM_A, f"again {i}")) for i in range(3)]
+    assert served == [b.address] * 3, kv_lines(picker)
+    assert picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') - kv_hits == 3
     # Warmed on b, which a free choice would not give it (ties go to the server holding fewer).
     direct(b, chat(SYSTEM_C, "warm up"))
     b_applied = f'controlplane_picker_kv_batches_total{{result="applied",server="{b.address}"}}'
