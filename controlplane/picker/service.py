@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import hmac
 import json
 import math
@@ -1328,6 +1329,11 @@ async def serve(
     ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     health_pb2_grpc.add_HealthServicer_to_server(picker.health, server)
     picker_pb2_grpc.add_PickerPeersServicer_to_server(picker.peer_service(), server)
+    # What start-up made (the modules, their protobuf descriptors: some 60,000 objects) lives
+    # as long as the process: moved out of the collector's reach, so that a full collection
+    # walks only what came since (it took 17-36 ms on the picks' loop, measured under a flood).
+    gc.collect()
+    gc.freeze()
     await picker.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await picker.health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
     background = [picker.follow(), picker.kv_gauges(), picker.flow_dispatch()]
