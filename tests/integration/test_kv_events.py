@@ -200,6 +200,17 @@ def kv_lines(picker: PickerProc) -> str:
     return "\n".join(line for line in page.splitlines() if "_kv_" in line and not line.startswith("#"))
 
 
+def assert_follow(rig: Rig, system: str, server: Emulator) -> None:
+    """Three requests sharing `system`'s prompt, sent through the gateway once the picks have
+    settled, all go to `server`, each picked for its cache (kv_hit)."""
+    assert rig.picker is not None
+    settled(rig)
+    kv_hits = rig.picker.metric('controlplane_picker_picks_total{reason="kv_hit"}')
+    served = [via_gateway(rig, chat(system, f"question {i}")) for i in range(3)]
+    assert served == [server.address] * 3, kv_lines(rig.picker)
+    assert rig.picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') - kv_hits == 3
+
+
 def prefix_hits(server: Emulator) -> float:
     _, page = http_get(f"http://{server.address}/metrics")
     for line in page.splitlines():
@@ -306,20 +317,12 @@ def test_the_index_process_killed_is_started_again_and_the_prompts_follow_again(
     # kill draws its followers to b again, with nothing new sent to b directly.
     b_filled = f'controlplane_picker_kv_replays_total{{result="filled",server="{b.address}"}}'
     wait_until(lambda: picker.metric(b_filled) >= 1, 15, "b's replay buffer read by the new process")
-    settled(rig)
-    kv_hits = picker.metric('controlplane_picker_picks_total{reason="kv_hit"}')
-    served = [via_gateway(rig, chat(SYSTEM_A, f"again {i}")) for i in range(3)]
-    assert served == [b.address] * 3, kv_lines(picker)
-    assert picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') - kv_hits == 3
+    assert_follow(rig, SYSTEM_A, b)
     # Warmed on b, which a free choice would not give it (ties go to the server holding fewer).
     direct(b, chat(SYSTEM_C, "warm up"))
     b_applied = f'controlplane_picker_kv_batches_total{{result="applied",server="{b.address}"}}'
     wait_until(lambda: picker.metric(b_applied) >= 1, 15, "b's new blocks indexed by the new process")
-    settled(rig)
-    kv_hits = picker.metric('controlplane_picker_picks_total{reason="kv_hit"}')
-    served = [via_gateway(rig, chat(SYSTEM_C, f"question {i}")) for i in range(3)]
-    assert served == [b.address] * 3, kv_lines(picker)
-    assert picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') - kv_hits == 3
+    assert_follow(rig, SYSTEM_C, b)
 
 
 @pytest.mark.parametrize("rig", [False], indirect=True)
