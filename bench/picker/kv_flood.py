@@ -20,7 +20,7 @@ every second), and the picker's and its index process's RSS. Everything on loopb
 process is stopped, on failure too.
 
     .venv/bin/python bench/picker/kv_flood.py                      # 100,000 blocks/s, 60 s
-    .venv/bin/python bench/picker/kv_flood.py --seconds 20 --window 4 --settle 1 --blocks-per-s 50000 --layouts process
+    .venv/bin/python bench/picker/kv_flood.py --seconds 20 --window 4 --settle 1 --layouts process
 
 Each layout (where the picker reads the events: `process`, its default, a process of its own
 at nice 19; `in-process`, --kv-in-process) runs the phases on a stack of its own.
