@@ -75,7 +75,8 @@ class KvMetrics:
         )
         self.replays = Counter(
             "controlplane_picker_kv_replays",
-            "Gaps asked of a server's replay socket, by result: filled, failed (its blocks dropped)",
+            "Gaps, connections and reconnections asked of a server's replay socket, by result: "
+            "filled, failed (after a gap or a reconnection, its blocks dropped)",
             ["server", "result"],
             registry=counted,
         )

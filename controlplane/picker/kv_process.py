@@ -7,10 +7,10 @@ was sliced (docs/kv-events.md). So the picker starts, once the control plane nam
 publisher, a child process (`python -m controlplane.picker.kv_process`) that:
 
 - runs under SCHED_IDLE: the kernel gives it only CPU time no other process wants, and takes
-  its core back at once for any process that wakes, a pick's included (at nice 19 instead, a
-  waking pick could wait out the child's time slice: the picks' p99 rose about 1 ms more).
-  Where SCHED_IDLE is refused, it runs at nice KV_NICE. It ends when the picker does
-  (PR_SET_PDEATHSIG, and a look at its parent);
+  its core back at once for any process that wakes, a pick's included (at nice 19, a waking
+  process may first wait out the child's time slice; one run of the flood bench each did not
+  tell the two apart: docs/benchmarks.md). Where SCHED_IDLE is refused, it runs at nice
+  KV_NICE. It ends when the picker does (PR_SET_PDEATHSIG, and a look at its parent);
 - subscribes to the publishers the picker names (kv_events.KvSubscriptions, unchanged: gaps
   replayed or forgotten, restarts, reconnects, hostile messages refused), into the bounded
   index (kvcache/index.py), whose journal it sends to the picker every FLUSH_S as runs

@@ -15,6 +15,13 @@ from controlplane.picker.service import Picker, PickerMetrics
 from tests.unit.test_picker_request import message
 
 
+async def turns(n: int = 10) -> None:
+    """Let the event loop run every ready task `n` times over (what a step waiting on nothing
+    would need to finish)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 def test_with_no_pick_being_decided_a_step_goes_at_once() -> None:
     async def main() -> None:
         d = Deciding()
@@ -29,10 +36,10 @@ def test_a_step_waits_for_the_pick_being_decided_then_goes() -> None:
         d.start()
         d.start()
         waiting = asyncio.ensure_future(d.none(most_s=10.0))
-        await asyncio.sleep(0.05)
+        await turns()
         assert not waiting.done()
         d.end()
-        await asyncio.sleep(0.05)
+        await turns()
         assert not waiting.done()  # one pick is still being decided
         d.end()
         await asyncio.wait_for(waiting, 0.5)
