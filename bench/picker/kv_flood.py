@@ -21,6 +21,8 @@ process is stopped, on failure too.
 
     .venv/bin/python bench/picker/kv_flood.py                      # 100,000 blocks/s, 60 s
     .venv/bin/python bench/picker/kv_flood.py --seconds 20 --window 4 --settle 1 --layouts process
+    .venv/bin/python bench/picker/kv_flood.py --layouts process --blocks-per-s 1000 \
+        --kv-index-blocks 10000 --control mem   # what a busy process alone costs (--control)
 
 Each layout (where the picker reads the events: `process`, its default, a process of its own
 at nice 19; `in-process`, --kv-in-process) runs the phases on a stack of its own.
@@ -87,6 +89,35 @@ while not (n % 10 == 0 and os.path.exists(stop)) and time.monotonic() - start < 
     if ahead > 0:
         time.sleep(ahead)
 print(n * per, flush=True)
+"""
+
+# `--control`: in the `flood` windows, instead of (or besides) the flood, a process under
+# SCHED_IDLE as the index's process runs, busy 40% of the time (1 ms in 2.5): `cpu` sums
+# integers (no memory), `mem` churns a dict of 2,000,000 random keys (a random insert and a
+# delete at a time, as the index does), to tell what of the rise is the cores and what memory.
+CONTROL = """
+import os, random, sys, time
+go, kind = sys.argv[1], sys.argv[2]
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+rng = random.Random(2)
+d = {rng.getrandbits(63): i for i in range(2_000_000)} if kind == "mem" else {}
+ks = list(d)
+print("ready", flush=True)
+while not os.path.exists(go + ".stop"):
+    if not os.path.exists(go):
+        time.sleep(0.05)
+        continue
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.001:
+        if kind == "cpu":
+            x = sum(i * i for i in range(200))
+        else:
+            for _ in range(50):
+                i = rng.randrange(len(ks))
+                d.pop(ks[i], None)
+                ks[i] = rng.getrandbits(63)
+                d[ks[i]] = i
+    time.sleep(0.0015)
 """
 
 
@@ -340,6 +371,14 @@ def main(argv: list[str] | None = None) -> int:
         help="where the picker reads the events, each run in turn: `process` (the default: a "
         "process of its own at nice 19), `in-process` (--kv-in-process) (default: %(default)s)",
     )
+    p.add_argument(
+        "--control",
+        choices=("cpu", "mem"),
+        help="also run, in the flood windows only, a process under SCHED_IDLE busy 40%% of the time: "
+        "`cpu` on integers, `mem` churning a dict of 2,000,000 keys; with a small flood "
+        "(--blocks-per-s 1000 --kv-index-blocks 10000) it shows what such a process alone costs "
+        "the picks (docs/benchmarks.md)",
+    )
     a = p.parse_args(argv)
     layouts = a.layouts.split(",")
     for layout in layouts:
@@ -370,6 +409,8 @@ def run_layout(a: argparse.Namespace, layout: str) -> float:
         most = a.quiet_seconds + 3 * a.seconds + 2 * a.kv_index_blocks / a.blocks_per_s + 120  # a bound only
         flood_args = [",".join(map(str, decoys + kv)), str(a.blocks_per_s), str(most), str(go)]
         flood = stack.spawn("flood", [sys.executable, "-c", FLOOD, *flood_args])
+        if a.control:
+            stack.spawn("control", [sys.executable, "-c", CONTROL, str(go), a.control])
         listener, picker_port, xds = free_port(), free_port(), free_port()
         tokenizer = make_tokenizer(work / "tokenizer")
         config = work / "fleet.yaml"
