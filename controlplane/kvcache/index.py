@@ -33,7 +33,6 @@ from collections import deque
 from collections.abc import Generator, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from itertools import repeat
 from typing import Generic, TypeVar
 
 from controlplane.kvcache.blocks import block_key, root
@@ -243,54 +242,30 @@ class KvIndex:
             parent = held
         size = ev.block_size
         tokens = ev.token_ids
-        # The loops below run for every block of a flood: their lookups are bound once here.
+        # The loop below runs for every block of a flood: its lookups are bound once here.
         blocks, keys, order, journal, server = st.blocks, st.keys, st.order, self.journal, st.server
-        plain = type(blocks) is dict and type(keys) is dict
-        hashes = ev.hashes
-        for start in range(0, len(hashes), step):
-            if start:
+        for i, h in enumerate(ev.hashes):
+            if i and i % step == 0:
                 self._bound()
                 yield
                 if st is not self.streams.get(server):
                     return  # forgotten meanwhile (a reconnect, a server gone)
-            chunk = hashes[start : start + step]
-            if ev.extra is None:  # block_key's, inline
-                new = [
-                    parent := hash((parent, tokens[i : i + size]))
-                    for i in range(start * size, (start + len(chunk)) * size, size)
-                ]
+            if ev.extra is None:
+                key = hash((parent, tokens[i * size : (i + 1) * size]))  # block_key's, inline
             else:
-                new = [
-                    parent := block_key(parent, tokens[i * size : (i + 1) * size], ev.extra[i])
-                    for i in range(start, start + len(chunk))
-                ]
-            if (
-                plain
-                and blocks.keys().isdisjoint(chunk)
-                and keys.keys().isdisjoint(new)
-                and len(set(chunk)) == len(chunk)
-                and len(set(new)) == len(new)
-            ):
-                # Fresh blocks (a flood's, a new prompt's): the same as the loop below, in C.
-                blocks.update(zip(chunk, new, strict=True))  # type: ignore[union-attr]
-                keys.update(zip(new, chunk, strict=True))  # type: ignore[union-attr]
-                order.extend(chunk)
-                self.size += len(chunk)
-                if journal is not None:
-                    journal.extend(zip(repeat(ADD), repeat(server), new))
-                continue
-            for h, key in zip(chunk, new, strict=True):
-                if h in blocks:
-                    self._drop(st, h)  # a hash stored again (or reused for other tokens): the new one counts
-                other = keys.get(key)
-                if other is not None:  # the same tokens under another hash: one entry
-                    self._drop(st, other)
-                blocks[h] = key
-                keys[key] = h
-                order.append(h)
-                self.size += 1
-                if journal is not None:
-                    journal.append((ADD, server, key))
+                key = block_key(parent, tokens[i * size : (i + 1) * size], ev.extra[i])
+            if h in blocks:
+                self._drop(st, h)  # a hash stored again (or reused for other tokens): the new one counts
+            other = keys.get(key)
+            if other is not None:  # the same tokens under another hash: one entry
+                self._drop(st, other)
+            blocks[h] = key
+            keys[key] = h
+            order.append(h)
+            self.size += 1
+            if journal is not None:
+                journal.append((ADD, server, key))
+            parent = key
         if len(st.order) > 2 * len(st.blocks) + 4096:  # hashes removed since: compact
             st.order = deque(h for h in st.order if h in st.blocks)
 
@@ -308,15 +283,13 @@ class KvIndex:
             drop = min(len(st.blocks), self.size - self.max_blocks, 4096)
             blocks, keys, order, journal, server = st.blocks, st.keys, st.order, self.journal, st.server
             dropped = 0
-            popleft = order.popleft
-            while dropped < drop and order:  # _drop's, in bulk: every block of a flood
-                oldest = [popleft() for _ in range(min(drop - dropped, len(order)))]
-                # Those not removed since (a removed one is no more in the order's count).
-                gone = [key for key in map(blocks.pop, oldest, repeat(None)) if key is not None]
-                deque(map(keys.pop, gone, repeat(None)), maxlen=0)
-                if journal is not None:
-                    journal.extend(zip(repeat(REMOVE), repeat(server), gone))
-                dropped += len(gone)
+            while dropped < drop and order:
+                key = blocks.pop(order.popleft(), None)  # _drop's, inline: every block of a flood
+                if key is not None:  # not removed since (then it is no more in the order's count)
+                    keys.pop(key, None)
+                    if journal is not None:
+                        journal.append((REMOVE, server, key))
+                    dropped += 1
             self.size -= dropped
             self.evicted += dropped
 
