@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from controlplane.kvcache import wire
 from controlplane.kvcache.blocks import prompt_keys
-from controlplane.kvcache.index import BYTES_PER_BLOCK, Applied, KvIndex
+from controlplane.kvcache.index import BYTES_PER_BLOCK, Applied, KvIndex, run
 from controlplane.sim.prefix_cache import BLOCK_TOKENS, PrefixCache, token_id
 
 A, B = "127.0.0.1:8001", "127.0.0.1:8002"
@@ -230,3 +230,53 @@ def test_the_emulate_commands_kv_flags_name_what_is_wrong(
     args = ["emulate", "--model", "m", "--count", "2", "--kv-events", "tcp://127.0.0.1:5557"]
     assert main(args) == 2
     assert "--kv-events: one server only" in capsys.readouterr().err
+
+
+def _state(index: KvIndex) -> dict[str, tuple[dict[object, int], dict[int, object], list[object]]]:
+    """Each server's blocks, keys and order of storing, as plain values (either layout)."""
+    out = {}
+    for server, stream in index.streams.items():
+        held = [h for h in stream.order if h in stream.blocks]
+        blocks = {h: stream.blocks.get(h) for h in held}
+        keys = {k: stream.keys.get(k) for k in blocks.values() if k is not None and k in stream.keys}
+        out[server] = (blocks, keys, held)  # type: ignore[assignment]
+    return out  # type: ignore[return-value]
+
+
+STORES = st.lists(
+    st.tuples(
+        st.sampled_from([A, B]),
+        # hashes from a small space: a hash stored again, within a batch and across batches
+        st.lists(st.integers(0, 24), min_size=1, max_size=12),
+        st.integers(0, 2),  # tokens from few prompts: the same tokens under another hash
+        st.booleans(),  # a removal of some of them after
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(STORES, st.integers(4, 40), st.sampled_from([1, 3, 256]))
+def test_both_layouts_leave_the_same_index_and_journal(
+    stores: list[tuple[str, list[int], int, bool]], bound: int, step: int
+) -> None:
+    """Plain dicts (the index's own process) and Sharded maps (the picker's process), fed the
+    same batches (hashes stored again, in one batch or later; the same tokens under other
+    hashes; removals; the bound), hold the same blocks in the same order and journal the same
+    changes."""
+    plain = KvIndex(max_blocks=bound, journal=[], sharded=False)
+    sharded = KvIndex(max_blocks=bound, journal=[], sharded=True)
+    seqs = {A: 0, B: 0}
+    for server, hashes, prompt, remove in stores:
+        toks = [token_id(t) for t in tokens(len(hashes) * 4, salt=prompt)]
+        events = [wire.stored(hashes, None, toks, 4)]
+        if remove:
+            events.append(wire.removed(hashes[::2]))
+        b = batch(seqs[server], events)
+        seqs[server] += 1
+        for index in (plain, sharded):
+            assert run(index.apply_steps(server, b, 0.0, step)) == Applied.APPLIED
+    assert plain.journal == sharded.journal
+    assert (plain.size, plain.evicted) == (sharded.size, sharded.evicted)
+    assert _state(plain) == _state(sharded)
+    assert plain.size <= bound
