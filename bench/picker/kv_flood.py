@@ -14,8 +14,9 @@ picker follows) in turn, until `--seconds` of flood. The windows take turns so t
 machine's drift (p99 moves by a millisecond from minute to minute on a shared 2-core machine)
 falls on both alike; the first `--settle` seconds of each are not counted (the last window's
 events are still being applied). Printed: per condition, pick latency p50/p99, CPU and blocks
-applied per second; the p99 rise of `flood` over `decoy` (and per half of the windows, to show
-how steady it is; and over `quiet`), the index's size against `--kv-index-blocks` (sampled
+applied per second; the p99 rise of `flood` over `decoy` (and per half of the windows, and per
+pair of a flood window and the decoy window before it, with the pairs' median, to show how
+steady it is; and over `quiet`), the index's size against `--kv-index-blocks` (sampled
 every second), and the picker's and its index process's RSS. Everything on loopback; every
 process is stopped, on failure too.
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -318,6 +320,16 @@ def measure(a: argparse.Namespace, picker: int, flood: int, metrics: int, port: 
         for part in (slice(None, halves), slice(halves, None))
     ]
     rise = out["flood"]["p99_ms"] - out["decoy"]["p99_ms"]
+    # Each flood window against the decoy window before it: how steady the rise is from pair
+    # to pair (a few slow windows can carry the pooled p99), printed beside it, not for it.
+    decoys = [(s, e) for c, s, e in windows if c == "decoy"]
+    floods = [(s, e) for c, s, e in windows if c == "flood"]
+    pairs = []
+    for (ds, de), (fs, fe) in zip(decoys, floods, strict=False):
+        d = [lat for sent, lat in samples if ds + a.settle <= sent < de]
+        f = [lat for sent, lat in samples if fs + a.settle <= sent < fe]
+        if d and f:
+            pairs.append(round(1000 * (percentile(f, 0.99) - percentile(d, 0.99)), 3))
     print(
         json.dumps(
             {
@@ -326,6 +338,9 @@ def measure(a: argparse.Namespace, picker: int, flood: int, metrics: int, port: 
                 "p99_rise_ms_by_half": by_half,
                 "p99_rise_over_quiet_ms": round(out["flood"]["p99_ms"] - out["quiet"]["p99_ms"], 3),
                 "p50_rise_ms": round(out["flood"]["p50_ms"] - out["decoy"]["p50_ms"], 3),
+                "p99_rise_ms_by_pair": pairs,
+                "p99_rise_ms_pair_median": round(statistics.median(pairs), 3) if pairs else None,
+                "pairs_flood_slower": f"{sum(1 for x in pairs if x > 0)}/{len(pairs)}",
                 "errors": len(errors),
                 "index_blocks_max": max(sizes, default=0.0),
                 "within_bound": max(sizes, default=0.0) <= a.kv_index_blocks,
