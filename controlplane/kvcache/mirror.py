@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
-from operator import itemgetter
 from typing import Any
 
 ADD, REMOVE, CLEAR, BLOCK_SIZE, PUBLISHED = 1, 2, 3, 4, 5
@@ -45,21 +43,25 @@ BYTES_PER_KEY = (
 SHARDS = 256  # dicts per server (a power of two): a key's shard is its low bits
 _MASK = SHARDS - 1
 _GONE = object()
-_OP_SERVER = itemgetter(0, 1)
-_VALUE = itemgetter(2)
 
 
 def runs(journal: Sequence[tuple[int, str, int]], most: int = RUN_KEYS) -> list[list[Any]]:
     """The journal as runs `[op, server, values]`: consecutive ADDs (or REMOVEs) of one server
-    become one run of their keys (at most `most`); other ops are runs of one value. (Grouped
-    in C: under a flood this is every stored block's and every evicted block's.)"""
+    become one run of their keys (at most `most`); other ops are runs of one value."""
     out: list[list[Any]] = []
-    for (op, server), group in groupby(journal, key=_OP_SERVER):
-        if op in (ADD, REMOVE):
-            values = list(map(_VALUE, group))
-            out.extend([op, server, values[i : i + most]] for i in range(0, len(values), most))
-        else:
-            out.extend([op, server, [value]] for _, _, value in group)
+    last: list[Any] | None = None
+    for op, server, value in journal:
+        if (
+            last is not None
+            and op in (ADD, REMOVE)
+            and last[0] == op
+            and last[1] == server
+            and len(last[2]) < most
+        ):
+            last[2].append(value)
+            continue
+        last = [op, server, [value]]
+        out.append(last)
     return out
 
 

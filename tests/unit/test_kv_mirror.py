@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from controlplane.kvcache import wire
 from controlplane.kvcache.blocks import prompt_keys, root
 from controlplane.kvcache.index import KvIndex
-from controlplane.kvcache.mirror import ADD, BLOCK_SIZE, CLEAR, PUBLISHED, REMOVE, KvMirror, runs
+from controlplane.kvcache.mirror import ADD, PUBLISHED, REMOVE, KvMirror, runs
 
 SERVERS = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
 
@@ -187,35 +187,3 @@ def test_steps_apply_as_apply_does_a_step_at_a_time() -> None:
     assert len(seen) == 3 + 1 + 1 and seen[-1] == {SERVERS[1]}
     assert stepped.keys == one.keys and stepped.size == one.size == 8
     assert stepped.server_keys(SERVERS[0]) == set(range(10)) - {3, 4}
-
-
-def _runs_one_at_a_time(journal: list[tuple[int, str, int]], most: int) -> list[list[object]]:
-    """What `runs` answers, entry by entry (the form it had before it grouped in C)."""
-    out: list[list[object]] = []
-    last: list[object] | None = None
-    for op, server, value in journal:
-        if last is not None and op in (ADD, REMOVE) and last[0] == op and last[1] == server:
-            values = last[2]
-            assert isinstance(values, list)
-            if len(values) < most:
-                values.append(value)
-                continue
-        last = [op, server, [value]]
-        out.append(last)
-    return out
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.sampled_from([ADD, REMOVE, CLEAR, BLOCK_SIZE, PUBLISHED]),
-            st.sampled_from(SERVERS[:2]),
-            st.integers(),
-        ),
-        max_size=60,
-    ),
-    st.integers(1, 5),
-)
-def test_runs_are_the_journal_entry_by_entry(journal: list[tuple[int, str, int]], most: int) -> None:
-    assert runs(journal, most) == _runs_one_at_a_time(journal, most)
