@@ -10,8 +10,8 @@ stored block evicting the oldest: per round, CPU microseconds a block for applyi
 sides alternate round by round (first one, then the other), so that the machine's drift
 falls on both; printed: each side's median and the ratio.
 
-    .venv/bin/python bench/picker/kv_index_cost.py                          # against 09ff2ca
-    .venv/bin/python bench/picker/kv_index_cost.py --baseline-rev HEAD --blocks 100000
+    .venv/bin/python bench/picker/kv_index_cost.py                          # against HEAD
+    .venv/bin/python bench/picker/kv_index_cost.py --baseline-rev f3dbcc6 --blocks 100000
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from controlplane.kvcache import index as index_now  # noqa: E402
 from controlplane.kvcache import mirror as mirror_now  # noqa: E402
 from controlplane.kvcache import wire  # noqa: E402
 
-BASELINE_REV = "09ff2ca"  # the last commit before the journal's runs were grouped in C
+BASELINE_REV = "HEAD"  # a change in the working tree against the last commit
 PER_BATCH = 1000
 BATCHES_PER_ROUND = 50
 
