@@ -67,9 +67,9 @@ class KvMetrics:
         counted = r if events else CollectorRegistry()  # EVENT_FAMILIES' registry
         self.batches = Counter(
             "controlplane_picker_kv_batches",
-            "KV-event batches from a server's publisher, by result: applied, restart (a new "
-            "stream: its blocks dropped first), gap (batches missing before it), refused (not "
-            "a batch: docs/kv-events.md#hostile-publishers)",
+            "KV-event batches from a server's publisher, live or replayed, by result: applied, "
+            "restart (a new stream: its blocks dropped first), gap (batches missing before it), "
+            "refused (not a batch: docs/kv-events.md#hostile-publishers)",
             ["server", "result"],
             registry=counted,
         )
@@ -329,6 +329,8 @@ class KvSubscriptions:
         elif seqs != list(range(start, upto)):
             return False  # the replay no longer reaches back, or skipped some
         for b in got:
-            await self._apply(server, b)
+            # Counted as live batches are: a server whose events all came by replay (stored
+            # before this subscription reached it) shows its batches applied.
+            self.metrics.batches.labels(server, await self._apply(server, b)).inc()
         self.index.replayed(server)
         return True
