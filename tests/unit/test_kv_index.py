@@ -6,6 +6,7 @@ holds its bound; a prompt's keys match the blocks the emulator's cache publishes
 from __future__ import annotations
 
 import tracemalloc
+from collections.abc import Hashable
 from pathlib import Path
 
 import msgspec
@@ -232,15 +233,17 @@ def test_the_emulate_commands_kv_flags_name_what_is_wrong(
     assert "--kv-events: one server only" in capsys.readouterr().err
 
 
-def _state(index: KvIndex) -> dict[str, tuple[dict[object, int], dict[int, object], list[object]]]:
+def _state(
+    index: KvIndex,
+) -> dict[str, tuple[dict[Hashable, int | None], dict[int, Hashable | None], list[Hashable]]]:
     """Each server's blocks, keys and order of storing, as plain values (either layout)."""
     out = {}
     for server, stream in index.streams.items():
         held = [h for h in stream.order if h in stream.blocks]
         blocks = {h: stream.blocks.get(h) for h in held}
         keys = {k: stream.keys.get(k) for k in blocks.values() if k is not None and k in stream.keys}
-        out[server] = (blocks, keys, held)  # type: ignore[assignment]
-    return out  # type: ignore[return-value]
+        out[server] = (blocks, keys, held)
+    return out
 
 
 STORES = st.lists(

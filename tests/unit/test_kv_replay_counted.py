@@ -6,6 +6,7 @@ as the emulator's, kvcache's subscriber), on ipc:// in a temporary directory."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -29,14 +30,15 @@ def test_blocks_published_before_the_subscription_are_replayed_and_counted_appli
         subs = KvSubscriptions(state, KvMetrics(registry))
         subs.update({SERVER: (publisher.endpoint, publisher.replay_endpoint)})
         labels = {"server": SERVER, "result": "applied"}
+        replays = {"server": SERVER, "result": "filled"}
         try:
-            for _ in range(500):  # 5 s at most
-                if state.kv.held_blocks(SERVER) == 2:
-                    break
+            # The replay counted as filled: every batch it brought has been applied by then.
+            deadline = time.monotonic() + 10.0
+            while not registry.get_sample_value("controlplane_picker_kv_replays_total", replays):
+                assert time.monotonic() < deadline, "the replay was not read within 10 s"
                 await asyncio.sleep(0.01)
             assert state.kv.held_blocks(SERVER) == 2  # the replay brought them
             assert registry.get_sample_value("controlplane_picker_kv_batches_total", labels) == 1
-            replays = {"server": SERVER, "result": "filled"}
             assert registry.get_sample_value("controlplane_picker_kv_replays_total", replays) == 1
         finally:
             await subs.close()
