@@ -20,16 +20,15 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.revisions import module_at  # noqa: E402
 from controlplane.kvcache import index as index_now  # noqa: E402
 from controlplane.kvcache import mirror as mirror_now  # noqa: E402
 from controlplane.kvcache import wire  # noqa: E402
@@ -37,16 +36,6 @@ from controlplane.kvcache import wire  # noqa: E402
 BASELINE_REV = "HEAD"  # a change in the working tree against the last commit
 PER_BATCH = 1000
 BATCHES_PER_ROUND = 50
-
-
-def at_rev(rev: str, path: str, name: str) -> types.ModuleType:
-    text = subprocess.run(
-        ["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True, text=True
-    ).stdout
-    module = types.ModuleType(name)
-    sys.modules[name] = module  # dataclasses look their module up
-    exec(compile(text, f"{rev}:{path}", "exec"), module.__dict__)
-    return module
 
 
 def batches(n: int, seed: int = 1) -> list[wire.Batch]:
@@ -75,10 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     work = batches(fill + a.rounds * BATCHES_PER_ROUND)
     sides: dict[str, tuple[Any, Any, Any]] = {}
     for name, index_mod, mirror_mod in (
-        ("baseline", at_rev(a.baseline_rev, "controlplane/kvcache/index.py", "index_baseline"), None),
+        ("baseline", module_at(a.baseline_rev, "controlplane/kvcache/index.py", "index_baseline"), None),
         ("now", index_now, mirror_now),
     ):
-        mirror_mod = mirror_mod or at_rev(a.baseline_rev, "controlplane/kvcache/mirror.py", "mirror_baseline")
+        mirror_mod = mirror_mod or module_at(
+            a.baseline_rev, "controlplane/kvcache/mirror.py", "mirror_baseline"
+        )
         idx = index_mod.KvIndex(max_blocks=a.blocks, journal=[], sharded=False)
         for b in work[:fill]:
             index_mod.run(idx.apply_steps("a", b, 0.0, 256))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -44,22 +43,14 @@ from controlplane.signals.parse import ServerHistogram, ServerSample
 from controlplane.signals.store import ScrapeResult
 from controlplane.sim.emulator_metrics import sample_full_page
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.revisions import module_at
+
 BASELINE_REV = "d215b31"  # the last commit before the TTFT/TPOT histograms were read
 
 
 def baseline_parser(rev: str) -> types.ModuleType:
-    text = subprocess.run(
-        ["git", "show", f"{rev}:controlplane/signals/parse.py"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    module = types.ModuleType("parse_baseline")
-    sys.modules[module.__name__] = module  # dataclasses look their module up
-    exec(compile(text, f"{rev}:controlplane/signals/parse.py", "exec"), module.__dict__)
-    return module
+    return module_at(rev, "controlplane/signals/parse.py", "parse_baseline")
 
 
 def best_per_page(fn: Callable[[str], Any], pages: list[str], reps: int, rounds: int = 7) -> float:
