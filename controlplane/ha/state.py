@@ -54,6 +54,7 @@ class EtcdStateStore:
         self.where = etcd.url.where
         self.replica = replica
         self._revisions: dict[bytes, int] = {}  # state key -> mod_revision last read
+        self._loaded_at: int | None = None  # etcd's revision when the state was last loaded
         self._seq = 0
 
     def _state_key(self, kind: str, name: str) -> bytes:
@@ -64,6 +65,7 @@ class EtcdStateStore:
         result = await self.etcd.call(lambda c: c.get_prefix(prefix))
         state = StoredState()
         self._revisions = {}
+        self._loaded_at = int(result.header.revision)
         for kv in result:
             self._revisions[kv.key] = kv.mod_revision
             kind, _, name = kv.key[len(prefix) :].decode().partition("/")
@@ -145,17 +147,21 @@ class EtcdStateStore:
         return int(head.header.revision)
 
     async def changes(self) -> AsyncIterator[None]:
-        seen = -1
+        """Yield whenever etcd's revision moved: first against the revision the state was last
+        loaded at, so that a change made between that load and the first poll here (another
+        replica's rollout started while this one was starting, or while its member was lost)
+        is not taken for the baseline and missed; then against the last poll."""
+        seen: int | None = None
         while True:
             try:
                 rev = await self.revision()
             except StoreUnavailable:
                 await asyncio.sleep(POLL_S * 4)
                 continue
-            if rev != seen:
-                if seen != -1:
-                    yield None
-                seen = rev
+            base = self._loaded_at if seen is None else seen
+            seen = rev
+            if base is not None and rev != base:
+                yield None
             await asyncio.sleep(POLL_S)
 
     async def close(self) -> None:

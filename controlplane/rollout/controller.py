@@ -146,6 +146,9 @@ class RolloutController:
         # Whether this replica drives rollouts and drains (ticks them). With one replica it
         # always does; with several, the one holding the etcd lease does (controlplane/ha/).
         self.leader = True
+        # A replica that just gained the lead reloads the stored state before it drives: what
+        # it holds may have missed a change (its member lost when the change was made).
+        self._reload_first = False
 
     async def restore(self) -> None:
         """Load the stored state (at start, and when another replica changed it)."""
@@ -612,6 +615,9 @@ class RolloutController:
             loops.idle(ROLLOUT)  # the leader's loop: nothing to age on a follower
             return
         try:
+            if self._reload_first:
+                await self.restore()
+                self._reload_first = False
             await self.reconcile_file()
             await self.tick()
         except CommandRejected as e:
@@ -639,7 +645,10 @@ class RolloutController:
 
     def set_leader(self, leads: bool) -> None:
         """This replica gained or lost the leader lease: only the leader exports the rollout
-        and drain series, so a former leader's do not stay frozen beside the new one's."""
+        and drain series, so a former leader's do not stay frozen beside the new one's. A new
+        leader reloads the stored state at its first tick, before it drives anything."""
+        if leads and not self.leader:
+            self._reload_first = True
         self.leader = leads
         self._export()
 

@@ -316,3 +316,37 @@ def test_import_checks_the_file_and_export_gives_it_back(tmp_path: Path) -> None
         etcd.stop()
     down = subprocess.run([cp, "export", "--from", etcd.url, "--to", "-"], capture_output=True, text=True)
     assert down.returncode == 1 and "unreachable" in down.stderr
+
+
+def test_a_change_made_before_a_replicas_first_poll_is_not_missed(tmp_path: Path) -> None:
+    """CI, once: the rollout started through r1 while r2 was losing its etcd member; r2's first
+    poll of etcd's revision came after the write and took it for the baseline, so r2 never
+    reloaded (it answered "no rollout" for the whole 20 s). A replica now compares its first
+    poll with the revision its state was loaded at."""
+    import asyncio
+
+    from controlplane.ha.etcd import Etcd, parse_store_url
+    from controlplane.ha.state import EtcdStateStore
+    from controlplane.rollout.overlay import EndpointDrain
+    from controlplane.rollout.store import StateChange
+
+    etcd = EtcdCluster(tmp_path).start()
+
+    async def scenario() -> None:
+        url = parse_store_url(etcd.url + "/controlplane")
+        mine, theirs = EtcdStateStore(Etcd(url), "r2"), EtcdStateStore(Etcd(url), "r1")
+        try:
+            assert (await mine.load()).drains == {}
+            drain = EndpointDrain("127.0.0.1:9", "draining", 0.0, 30.0, "test", "the race")
+            await theirs.write("test", [], StateChange(drains=(drain,)))
+            changes = mine.changes().__aiter__()
+            await asyncio.wait_for(changes.__anext__(), 10)  # without the fix: never
+            assert set((await mine.load()).drains) == {"127.0.0.1:9"}
+        finally:
+            await mine.close()
+            await theirs.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        etcd.stop()

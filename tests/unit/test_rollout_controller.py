@@ -483,3 +483,20 @@ async def test_a_holding_step_says_what_it_waits_for_as_counts_change_without_st
     signals.record_lrs(("m", V1), "envoy", in_progress=0, issued=100, succeeded=100, failed=0, now=0)
     await c.tick()
     assert (c.rollouts["m"].step, c.rollouts["m"].reason) == (1, "step 1 passed analysis")
+
+
+@run_async
+async def test_a_new_leader_reloads_the_stored_state_before_it_drives(tmp_path: Path) -> None:
+    """A follower whose view missed a change (it lost its etcd member when another replica
+    started a rollout) must not lead from that view: it would drive nothing, and the rollout
+    would sit half-way with nobody to move it. At its first tick as leader it reloads."""
+    clock = Clock()
+    follower = await controller(tmp_path, clock)
+    follower.set_leader(False)
+    other = await controller(tmp_path, clock)  # the same store: another replica
+    await other.start(RolloutSpec("m", "", "v2", interval_s=None), "t")
+    assert follower.rollouts == {}  # it never heard of it
+    follower.set_leader(True)
+    await follower.one_round()
+    assert follower.rollouts["m"].spec.canary == "v2"
+    assert "v2" in served_versions(follower)
