@@ -95,6 +95,10 @@ class Sharded(Generic[K, V]):
             m.clear()
         self._len = 0
 
+    def values(self) -> Iterator[V]:
+        for m in self._maps:
+            yield from m.values()
+
     def keys(self) -> set[K]:
         """Every key (a copy, O(its size): for tests and tools)."""
         return {k for m in self._maps for k in m}

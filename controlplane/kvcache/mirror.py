@@ -10,7 +10,13 @@ where decoding and keying them was microseconds a block.
 
 Ops: ADD and REMOVE a server's key, CLEAR a server (its stream dropped, or AllBlocksCleared),
 BLOCK_SIZE (a server's block size, once known), PUBLISHED (a batch of the server's was
-applied: it publishes, so it is not stale).
+applied: it publishes, so it is not stale), SLOT (where the server's keys are in the shared
+table).
+
+**With a shared table** (table.py; where the machine has memfd, as Linux does), the index's
+process writes the keys there itself and sends no ADD or REMOVE: this copy then holds only
+each server's slot, block size and count of blocks (from the process's stats), and reads the
+table for a pick's prompt. Without one, it keeps the keys in its own dicts, as below.
 
 Each server's keys are split over SHARDS dicts by their low bits: a dict whose deleted entries
 have used up its room is rebuilt whole on its next insert, and under a flood's churn a dict of
@@ -32,7 +38,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-ADD, REMOVE, CLEAR, BLOCK_SIZE, PUBLISHED = 1, 2, 3, 4, 5
+import numpy as np
+from numpy.typing import NDArray
+
+from controlplane.kvcache.table import KeyTable, keys_array
+
+ADD, REMOVE, CLEAR, BLOCK_SIZE, PUBLISHED, SLOT = 1, 2, 3, 4, 5, 6
 RUN_KEYS = 2048  # keys in one run (and one message of the index's process) at most
 # Keys applied at once (`steps`): about 0.1 ms of the picks' loop (a dict insert or delete is
 # 0.1-0.3 us into a table of a million: mostly a cache miss).
@@ -82,6 +93,11 @@ class KvMirror:
     # one flush's stored blocks more for a moment: it applies a flush's adds before its evictions.
     index_size: int | None = None
     overflows: int = 0  # journals that would have grown this past twice the bound: cleared
+    # The shared table the index's process writes (None: the keys are in `keys` above), and
+    # each server's slot in it.
+    table: KeyTable | None = None
+    slots: dict[str, int] = field(default_factory=dict)
+    torn_reads: int = 0  # picks whose read of the table overlapped its rebuild: scored uncached
 
     def apply(self, ops: Iterable[Sequence[Any]]) -> set[str]:
         """Runs from the journal (`runs`), in order; the servers that published."""
@@ -115,6 +131,8 @@ class KvMirror:
                 self.sizes[server] = int(values[0])
             elif op == PUBLISHED:
                 published.add(server)
+            elif op == SLOT:
+                self.slots[server] = int(values[0])
         if self.size > 2 * self.max_blocks:
             self.clear()
             self.overflows += 1
@@ -132,12 +150,20 @@ class KvMirror:
         self.keys.clear()
         self.counts.clear()
         self.sizes.clear()
+        self.slots.clear()
         self.size = 0
 
     def forget(self, server: str) -> None:
         self.keys.pop(server, None)
         self.size -= self.counts.pop(server, 0)
         self.sizes.pop(server, None)
+        self.slots.pop(server, None)
+
+    def set_counts(self, counts: Mapping[str, int]) -> None:
+        """Each server's blocks, as the index's process last said (with a shared table)."""
+        if self.table is not None:
+            self.counts = {s: int(n) for s, n in counts.items() if s in self.slots}
+            self.size = sum(self.counts.values())
 
     def server_keys(self, server: str) -> set[int]:
         """Every key `server` holds (for tests and tools: a copy, O(its keys))."""
@@ -145,7 +171,9 @@ class KvMirror:
 
     def keep_only(self, servers: Iterable[str]) -> None:
         wanted = set(servers)
-        for server in [s for s in self.keys.keys() | self.sizes.keys() if s not in wanted]:
+        for server in [
+            s for s in self.keys.keys() | self.sizes.keys() | self.slots.keys() if s not in wanted
+        ]:
             self.forget(server)
 
     @property
@@ -162,6 +190,12 @@ class KvMirror:
 
     def held(self, server: str, keys: list[int]) -> int:
         """How many of `keys` (first to last) `server` holds from the first on."""
+        if self.table is not None:
+            slot = self.slots.get(server)
+            if slot is None or not keys:
+                return 0
+            held = self.table.held([slot], keys_array(keys))
+            return 0 if held is None else held[0]
         shards = self.keys.get(server)
         if not shards:
             return 0
@@ -175,9 +209,118 @@ class KvMirror:
     def matched(self, servers: Iterable[str], keys_by_size: Mapping[int, list[int]]) -> dict[str, int]:
         """As KvIndex.matched: each server's longest cached prefix in blocks, on the keys of its
         own block size (none known: 0)."""
+        if self.table is not None:
+            return self._matched_in_table(self.table, servers, keys_by_size)
         out = {}
         for server in servers:
             size = self.sizes.get(server)
             keys = keys_by_size.get(size or 0) if size is not None else None
             out[server] = self.held(server, keys) if keys else 0
         return out
+
+    def _matched_in_table(
+        self, table: KeyTable, servers: Iterable[str], keys_by_size: Mapping[int, list[int]]
+    ) -> dict[str, int]:
+        out: dict[str, int] = {}
+        by_size: dict[int, list[str]] = {}
+        for server in servers:
+            out[server] = 0
+            size = self.sizes.get(server)
+            if size is not None and server in self.slots and keys_by_size.get(size):
+                by_size.setdefault(size, []).append(server)
+        for size, group in by_size.items():
+            held = table.held([self.slots[s] for s in group], keys_array(keys_by_size[size]))
+            if held is None:
+                self.torn_reads += 1
+                continue
+            out.update(zip(group, held, strict=True))
+        return out
+
+
+@dataclass
+class TableWriter:
+    """The index's process's side of a shared table: the journal's runs applied to it (ADD and
+    REMOVE as whole runs, CLEAR as a new epoch for the server's slot), and what the picker
+    still needs told (SLOT, CLEAR, BLOCK_SIZE, PUBLISHED) handed back as runs to send.
+
+    Slots are given round the table's SLOTS in turn, so that a slot freed by a CLEAR is taken
+    again only after every other: a picker that has not yet heard of the CLEAR reads the slot at
+    its new epoch, which then holds nothing (never another server's blocks)."""
+
+    table: KeyTable
+    slots: dict[str, int] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)  # per slot, its entries
+    unplaced: int = 0  # ADD runs for servers past SLOTS: not in the table (no hit for them)
+    _next: int = 0
+
+    def _slot(self, server: str, out: list[list[Any]]) -> int | None:
+        slot = self.slots.get(server)
+        if slot is not None:
+            return slot
+        size = len(self.table.epochs)
+        if len(self.slots) >= size:
+            return None
+        taken = set(self.slots.values())
+        while self._next in taken:
+            self._next = (self._next + 1) % size
+        slot, self._next = self._next, (self._next + 1) % size
+        self.slots[server] = slot
+        out.append([SLOT, server, [slot]])
+        return slot
+
+    def apply(self, runs_: Iterable[Sequence[Any]]) -> list[list[Any]]:
+        """The runs (`runs`), in order; the runs the picker must still be sent. A server's ADD
+        and REMOVE runs up to its next other op are netted (a key's last op decides: the table
+        is a set) and applied as one add and one remove: under a flood a flush's runs are
+        many runs of 256 keys (the index's steps), each a few array operations however short."""
+        out: list[list[Any]] = []
+        pending: dict[str, list[tuple[NDArray[np.int64], bool]]] = {}
+        for op, server, values in runs_:
+            if op in (ADD, REMOVE):
+                pending.setdefault(server, []).append((keys_array(values), op == ADD))
+                continue
+            self._settle(server, pending.pop(server, None), out)
+            if op == CLEAR:
+                slot = self.slots.pop(server, None)
+                if slot is not None:
+                    self.table.drop(slot, self.counts.pop(slot, 0))
+            out.append([op, server, list(values)])
+        for server, runs_of in pending.items():
+            self._settle(server, runs_of, out)
+        return out
+
+    def _settle(
+        self, server: str, runs_of: list[tuple[NDArray[np.int64], bool]] | None, out: list[list[Any]]
+    ) -> None:
+        if not runs_of:
+            return
+        keys = np.concatenate([k for k, _ in runs_of])[::-1]  # newest first
+        flags = np.concatenate([np.full(len(k), a) for k, a in runs_of])[::-1]
+        unique, newest = np.unique(keys, return_index=True)
+        last_added = flags[newest]
+        adds, removes = unique[last_added], unique[~last_added]
+        slot = self.slots.get(server)
+        if removes.size and slot is not None:
+            self.counts[slot] -= self.table.remove(slot, removes, distinct=True)
+        if adds.size:
+            slot = self._slot(server, out)
+            if slot is None:
+                self.unplaced += 1
+                return
+            self.counts[slot] = self.counts.get(slot, 0) + self.table.add(slot, adds, distinct=True)
+
+    def rebuild_if_full(self, live: Mapping[str, Iterable[int]]) -> bool:
+        """Rebuild the table from every server's live keys (`live`: the index's own maps) once
+        it is full of tombstones and old epochs' entries; whether it did."""
+        if not self.table.full():
+            return False
+        self.rebuild(live)
+        return True
+
+    def rebuild(self, live: Mapping[str, Iterable[int]]) -> None:
+        arrays = {s: keys_array(list(keys)) for s, keys in live.items() if s in self.slots}
+        counts = self.table.rebuild((self.slots[s], a) for s, a in arrays.items())
+        self.counts = {self.slots[s]: n for s, n in zip(arrays, counts, strict=True)}
+
+    def held_counts(self) -> dict[str, int]:
+        return {s: self.counts.get(slot, 0) for s, slot in self.slots.items()}

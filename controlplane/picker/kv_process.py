@@ -13,18 +13,23 @@ publisher, a child process (`python -m controlplane.picker.kv_process`) that:
   KV_NICE. It ends when the picker does (PR_SET_PDEATHSIG, and a look at its parent);
 - subscribes to the publishers the picker names (kv_events.KvSubscriptions, unchanged: gaps
   replayed or forgotten, restarts, reconnects, hostile messages refused), into the bounded
-  index (kvcache/index.py), whose journal it sends to the picker every FLUSH_S as runs
-  (kvcache/mirror.py: a thousand stored blocks are one run);
-- sends its counters (kv_events.EVENT_FAMILIES) every STATS_S, which the picker exports.
+  index (kvcache/index.py), whose journal it applies every FLUSH_S to the key table the
+  picker shares with it (kvcache/table.py: a memfd the picker makes, passed by `--table-fd`),
+  and sends the picker what else it must know (each server's slot, block size, clears and
+  publishing: mirror.TableWriter);
+- sends its counters (kv_events.EVENT_FAMILIES) and each server's count of blocks every
+  STATS_S, which the picker exports.
 
-The picker keeps a mirror of the index's keys (kvcache/mirror.KvMirror) for its picks: a pick
-never waits on the child. It applies the journal in steps, between picks (Deciding), not
-during them. If the child dies, the mirror is cleared (its servers are scored by
-the approximate index until their events come again), counted
-(`controlplane_picker_kv_process_restarts_total`), and a new child starts after
-RESTART_BACKOFF_S (doubling, at most RESTART_BACKOFF_MAX_S), re-reading every replay buffer
-from its start. If the picker falls behind, the child stops reading events until it catches
-up (JOURNAL_HIGH): ZMQ then drops the publishers' messages (a gap, as for any flood).
+The picker's picks read the table (kvcache/mirror.KvMirror): a pick never waits on the child,
+and the picker does no work per stored block. The messages it applies in steps, between picks
+(Deciding), not during them. Where the machine has no memfd, the child sends the journal
+itself as runs and the mirror keeps the keys in dicts. If the child dies, its table and the
+mirror are dropped (its servers are scored by the approximate index until their events come
+again), counted (`controlplane_picker_kv_process_restarts_total`), and a new child starts,
+with a new table, after RESTART_BACKOFF_S (doubling, at most RESTART_BACKOFF_MAX_S),
+re-reading every replay buffer from its start. If the picker falls behind, the child stops
+reading events until it catches up (JOURNAL_HIGH): ZMQ then drops the publishers' messages (a
+gap, as for any flood).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import mmap
 import os
 import shutil
 import signal
@@ -46,12 +52,13 @@ import msgspec
 import structlog
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from controlplane.kvcache.index import KvIndex
-from controlplane.kvcache.mirror import RUN_KEYS, KvMirror, runs
+from controlplane.kvcache.mirror import RUN_KEYS, KvMirror, TableWriter, runs
+from controlplane.kvcache.table import KeyTable, TableInvalid, capacity_for, table_bytes
 from controlplane.obs import logging as logging_setup
 from controlplane.picker.choose import PickerState
 from controlplane.picker.kv_events import EVENT_FAMILIES, KvMetrics, KvSubscriptions, refresh_gauges
@@ -128,6 +135,22 @@ class KvProcessMetrics:
             "controlplane_picker_kv_process_restarts",
             "Times the precise index's process (KV events) ended and was started again: its "
             "servers were scored by the approximate index until their events came again",
+            registry=r,
+        )
+        self.table_bytes = Gauge(
+            "controlplane_picker_kv_table_bytes",
+            "Shared memory of the table the precise index's process writes its keys into and "
+            "the picker reads (0: no table, the picker keeps its own copy of the keys)",
+            registry=r,
+        )
+        self.table_rebuilds = Gauge(
+            "controlplane_picker_kv_table_rebuilds",
+            "Rebuilds of the shared key table (its tombstones dropped) since the index's process started",
+            registry=r,
+        )
+        self.torn_reads = Counter(
+            "controlplane_picker_kv_table_torn_reads",
+            "Picks whose read of the shared key table overlapped a rebuild: scored as if nothing were cached",
             registry=r,
         )
         self.families = EventFamilies()
@@ -209,6 +232,23 @@ class KvProcess:
             await asyncio.sleep(backoff)
             backoff = min(RESTART_BACKOFF_MAX_S, 2 * backoff)
 
+    def _new_table(self) -> tuple[int, mmap.mmap, KeyTable] | None:
+        """A shared key table for the next child (memory only: a memfd), or None where the
+        machine has no memfd (the child then sends the keys, and the mirror keeps them)."""
+        capacity = capacity_for(self.mirror.max_blocks)
+        size = table_bytes(capacity)
+        fd = -1
+        try:
+            fd = os.memfd_create("controlplane-kv-table", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+            mapped = mmap.mmap(fd, size)
+            return fd, mapped, KeyTable(mapped, create=True, capacity=capacity)
+        except (AttributeError, OSError, TableInvalid) as e:
+            if fd >= 0:
+                os.close(fd)
+            log.warning("no shared key table: the picker keeps its own copy of the keys", error=str(e)[:200])
+            return None
+
     async def _one(self) -> None:
         """One child: started, fed the publishers, read until it ends (then killed for sure)."""
         workdir = tempfile.mkdtemp(prefix="controlplane-kv-")  # 0700: only this user connects
@@ -217,6 +257,8 @@ class KvProcess:
         sock.setsockopt(zmq.MAXMSGSIZE, MESSAGE_BYTES_MAX)
         endpoint = f"ipc://{workdir}/index"
         proc = None
+        shared = self._new_table()
+        table_args = [] if shared is None else ["--table-fd", str(shared[0])]
         try:
             sock.bind(endpoint)
             proc = await asyncio.create_subprocess_exec(
@@ -233,13 +275,18 @@ class KvProcess:
                 logging_setup.CONFIGURED[0],
                 "--log-level",
                 logging_setup.CONFIGURED[1],
+                *table_args,
                 stdin=asyncio.subprocess.DEVNULL,
+                pass_fds=() if shared is None else (shared[0],),
             )
             if not await sock.poll(int(START_TIMEOUT_S * 1000)):
                 log.warning("kv index process did not start", pid=proc.pid)
                 return
             hello = self._hello(self._decoder.decode(await sock.recv()))
             self._sock = sock
+            if shared is not None and hello.get("table"):
+                self.mirror.table = shared[2]
+                self.process_metrics.table_bytes.set(len(shared[1]))
             await sock.send(self._publishers_message())
             log.info("kv index process started", pid=proc.pid, priority=str(hello.get("priority"))[:40])
             exited = asyncio.ensure_future(proc.wait())
@@ -253,6 +300,10 @@ class KvProcess:
             log.warning("kv index process ended", pid=proc.pid, returncode=proc.returncode)
         finally:
             self._sock = None
+            self.mirror.table = None
+            self.process_metrics.table_bytes.set(0)
+            if shared is not None:
+                os.close(shared[0])  # the memory goes with the child's and our last mapping
             sock.close(linger=0)
             if proc is not None and proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -279,6 +330,13 @@ class KvProcess:
             self.process_metrics.families.families = message["stats"]
             self.mirror.evicted = int(message.get("evicted", 0))
             self.mirror.index_size = int(message.get("size", 0))
+            if isinstance(message.get("held"), dict):
+                self.mirror.set_counts(message["held"])
+            self.process_metrics.table_rebuilds.set(int(message.get("rebuilds", 0)))
+            torn = self.mirror.torn_reads
+            if torn:
+                self.mirror.torn_reads = 0
+                self.process_metrics.torn_reads.inc(torn)
 
 
 # ---- the child ---------------------------------------------------------------------------------
@@ -299,8 +357,15 @@ class _Subscriptions(KvSubscriptions):
         await super()._budget()
 
 
-async def child(parent: str, max_blocks: int, priority: str = "normal") -> None:
+def _attach_table(fd: int) -> TableWriter:
+    mapped = mmap.mmap(fd, os.fstat(fd).st_size)
+    os.close(fd)
+    return TableWriter(KeyTable(mapped))
+
+
+async def child(parent: str, max_blocks: int, priority: str = "normal", table_fd: int | None = None) -> None:
     ppid = os.getppid()
+    writer = None if table_fd is None else _attach_table(table_fd)
     journal: list[tuple[int, str, int]] = []  # the index's changes not yet sent
     # Plain dicts, not Sharded: no pick waits on this process's loop while a dict resizes.
     index = KvIndex(max_blocks=max_blocks, journal=journal, sharded=False)
@@ -316,7 +381,9 @@ async def child(parent: str, max_blocks: int, priority: str = "normal") -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, MESSAGE_BYTES_MAX)
     sock.connect(parent)
     decoder = msgspec.msgpack.Decoder()
-    await sock.send(msgspec.msgpack.encode({"hello": ppid, "priority": priority}))
+    await sock.send(
+        msgspec.msgpack.encode({"hello": ppid, "priority": priority, "table": writer is not None})
+    )
 
     async def control() -> None:
         while True:
@@ -337,6 +404,9 @@ async def child(parent: str, max_blocks: int, priority: str = "normal") -> None:
             if journal:
                 pending = runs(journal)
                 journal.clear()
+                if writer is not None:  # the keys into the shared table; the rest told
+                    pending = writer.apply(pending)
+                    writer.rebuild_if_full({s: st.blocks.values() for s, st in index.streams.items()})
                 message: list[Any] = []
                 keys = 0
                 for run in pending:
@@ -351,11 +421,15 @@ async def child(parent: str, max_blocks: int, priority: str = "normal") -> None:
             now = time.monotonic()
             if now - stats_at >= STATS_S or len(subs.connected) != connected:
                 stats_at, connected = now, len(subs.connected)  # a publisher reached: said at once
-                await sock.send(
-                    msgspec.msgpack.encode(
-                        {"stats": _snapshot(registry), "evicted": index.evicted, "size": index.size}
-                    )
-                )
+                stats: dict[str, Any] = {
+                    "stats": _snapshot(registry),
+                    "evicted": index.evicted,
+                    "size": index.size,
+                }
+                if writer is not None:
+                    stats["held"] = writer.held_counts()
+                    stats["rebuilds"] = writer.table.rebuilds
+                await sock.send(msgspec.msgpack.encode(stats))
             if os.getppid() != ppid:
                 return  # the picker is gone
 
@@ -400,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run under SCHED_IDLE (default: %(default)s); --no-idle, or where it is refused: --nice",
     )
     p.add_argument("--nice", type=int, default=KV_NICE, help="added to this process's nice value")
+    p.add_argument(
+        "--table-fd",
+        type=int,
+        default=None,
+        help="a memfd holding the shared key table (kvcache/table.py) to write the keys into",
+    )
     p.add_argument("--log-format", choices=("json", "console"), default="console")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
@@ -408,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     priority = _lower_priority(a.idle, a.nice)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(child(a.parent, a.max_blocks, priority))
+        asyncio.run(child(a.parent, a.max_blocks, priority, a.table_fd))
     return 0
 
 

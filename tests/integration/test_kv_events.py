@@ -255,6 +255,9 @@ def test_prompts_sent_past_the_gateway_draw_their_followers_and_a_restart_ends_i
     ]
     assert served == [b.address] * 3 + [a.address] * 3, kv_lines(picker)
     assert picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') == 6
+    # The picks read the keys from the table the index's process writes (kvcache/table.py).
+    assert picker.metric("controlplane_picker_kv_table_bytes") > 0
+    assert picker.metric("controlplane_picker_kv_table_torn_reads_total") == 0
     for n, s in rig.fleet.servers.items():
         assert prefix_hits(s) - hits_before[n] >= 3 * 60 * 16, n  # each prompt's 60-odd blocks, 3 times
 
@@ -327,6 +330,7 @@ def test_the_index_process_killed_is_started_again_and_the_prompts_follow_again(
         lambda: picker.metric(b_filled) >= 1, INDEX_WAIT_S, "b's replay buffer read by the new process"
     )
     assert_follow(rig, SYSTEM_A, b)
+    assert picker.metric("controlplane_picker_kv_table_bytes") > 0  # a new table for the new process
     # Warmed on b, which a free choice would not give it (ties go to the server holding fewer).
     direct(b, chat(SYSTEM_C, "warm up"))
     b_applied = f'controlplane_picker_kv_batches_total{{result="applied",server="{b.address}"}}'

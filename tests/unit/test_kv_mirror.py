@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from controlplane.kvcache import wire
 from controlplane.kvcache.blocks import prompt_keys, root
 from controlplane.kvcache.index import KvIndex
-from controlplane.kvcache.mirror import ADD, PUBLISHED, REMOVE, KvMirror, runs
+from controlplane.kvcache.mirror import ADD, PUBLISHED, REMOVE, KvMirror, TableWriter, runs
+from controlplane.kvcache.table import KeyTable, table_bytes
 
 SERVERS = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
 
@@ -24,11 +25,29 @@ def snapshot(index: KvIndex) -> tuple[dict[str, set[int]], dict[str, int]]:
     return {s: k for s, k in keys.items() if k}, sizes
 
 
-def fed(mirror: KvMirror, index: KvIndex, most: int = 5) -> set[str]:
+def fed(mirror: KvMirror, index: KvIndex, most: int = 5, shared: Shared | None = None) -> set[str]:
+    """The index's journal to `mirror`; with `shared`, to a mirror reading a table that a
+    TableWriter keeps too, as the picker and the index's process share one."""
     assert index.journal is not None
-    published = mirror.apply(runs(index.journal, most))
+    pending = runs(index.journal, most)
+    published = mirror.apply(pending)
+    if shared is not None:
+        reader, writer = shared
+        assert reader.apply(writer.apply(pending)) == published
+        writer.rebuild_if_full({s: st.blocks.values() for s, st in index.streams.items()})
+        reader.set_counts(writer.held_counts())
     index.journal.clear()
     return published
+
+
+Shared = tuple[KvMirror, TableWriter]
+
+
+def shared_table(bound: int, capacity: int = 1024) -> Shared:
+    """A mirror reading a table, and the writer of that table (two views of one buffer)."""
+    buffer = bytearray(table_bytes(capacity))
+    reader = KvMirror(max_blocks=bound, table=KeyTable(buffer, create=True, capacity=capacity))
+    return reader, TableWriter(KeyTable(buffer))
 
 
 # An op: (server, kind, a), kind: store a chain of `a` blocks after the server's last stored
@@ -50,13 +69,16 @@ def test_the_mirror_holds_what_the_index_holds(
     ops: list[tuple[str, str, int]], bound: int, sharded: bool
 ) -> None:
     """Whether the index keeps its maps Sharded (in the picker's process) or in plain dicts
-    (in its own: picker/kv_process.py)."""
+    (in its own: picker/kv_process.py); and a mirror reading the shared table that the index's
+    process writes (rebuilt now and then) answers every server's chain as the index does."""
     index = KvIndex(max_blocks=bound, journal=[], sharded=sharded)
     mirror = KvMirror(max_blocks=bound)
+    shared = shared_table(bound)
+    reader, writer = shared
     seq = dict.fromkeys(SERVERS, -1)
     last: dict[str, list[int]] = {s: [] for s in SERVERS}
     counter = 0
-    for server, kind, a in ops:
+    for n, (server, kind, a) in enumerate(ops):
         events: list[dict[str, object]] = []
         if kind in ("store", "root", "size"):
             hashes = [counter + i for i in range(a)]
@@ -79,14 +101,29 @@ def test_the_mirror_holds_what_the_index_holds(
             continue
         seq[server] += 1
         index.apply(server, wire.read(wire.frames(max(seq[server], 0), 0.0, events)), 0.0)
-        assert server in fed(mirror, index)
+        assert server in fed(mirror, index, shared=shared)
+        if n % 5 == 4:
+            writer.rebuild({s: st.blocks.values() for s, st in index.streams.items()})
+            reader.set_counts(writer.held_counts())
+        for chain_of in SERVERS:
+            stream = index.streams.get(chain_of)
+            # The chain as stored, a block removed or evicted since standing in as a miss.
+            keys = (
+                [k if (k := stream.blocks.get(h)) is not None else 7 for h in last[chain_of]]
+                if stream
+                else []
+            )
+            for s in SERVERS:
+                assert reader.held(s, keys) == index.held(s, keys), (s, chain_of)
+            sizes_asked = {4: keys, 8: keys}
+            assert reader.matched(SERVERS, sizes_asked) == index.matched(SERVERS, sizes_asked)
         keys, sizes = snapshot(index)
         assert {s: mirror.server_keys(s) for s in mirror.keys if mirror.server_keys(s)} == keys
         assert mirror.sizes == sizes
         assert mirror.size == index.size <= bound
         for s in SERVERS:
-            assert mirror.held_blocks(s) == index.held_blocks(s)
-            assert mirror.block_size(s) == index.block_size(s)
+            assert mirror.held_blocks(s) == index.held_blocks(s) == reader.held_blocks(s)
+            assert mirror.block_size(s) == index.block_size(s) == reader.block_size(s)
 
 
 def test_a_prompt_matches_in_the_mirror_as_in_the_index() -> None:
@@ -187,3 +224,22 @@ def test_steps_apply_as_apply_does_a_step_at_a_time() -> None:
     assert len(seen) == 3 + 1 + 1 and seen[-1] == {SERVERS[1]}
     assert stepped.keys == one.keys and stepped.size == one.size == 8
     assert stepped.server_keys(SERVERS[0]) == set(range(10)) - {3, 4}
+
+
+def test_a_cleared_server_holds_nothing_in_the_table_before_the_picker_hears_of_it() -> None:
+    """The table changes at once, the picker hears of a CLEAR up to a flush later: meanwhile it
+    reads the server's old slot at its new epoch, which holds nothing; and a slot is given
+    again only after every other, never to the next server that comes."""
+    from controlplane.kvcache.mirror import CLEAR, SLOT
+
+    reader, writer = shared_table(100)
+    told = writer.apply([[ADD, "a", [11, 12, 13]]])
+    assert told == [[SLOT, "a", [0]]]
+    reader.apply(told)
+    reader.sizes["a"] = 16
+    assert reader.held("a", [11, 12, 13]) == 3
+    later = writer.apply([[CLEAR, "a", [0]], [ADD, "b", [11, 12, 13]], [ADD, "a", [11]]])
+    assert reader.held("a", [11, 12, 13]) == 0  # not yet told: the old slot, its new epoch
+    assert later == [[CLEAR, "a", [0]], [SLOT, "b", [1]], [SLOT, "a", [2]]]
+    reader.apply(later)
+    assert reader.held("a", [11, 12, 13]) == 1 and reader.held("b", [11, 12, 13]) == 3
