@@ -296,18 +296,22 @@ class TableWriter:
             return
         keys = np.concatenate([k for k, _ in runs_of])[::-1]  # newest first
         flags = np.concatenate([np.full(len(k), a) for k, a in runs_of])[::-1]
-        unique, newest = np.unique(keys, return_index=True)
-        last_added = flags[newest]
-        adds, removes = unique[last_added], unique[~last_added]
+        order = np.argsort(keys, kind="stable")  # a key's newest op first among its own
+        keys, flags = keys[order], flags[order]
+        newest = np.empty(len(keys), dtype=bool)
+        newest[:1] = True
+        np.not_equal(keys[1:], keys[:-1], out=newest[1:])
+        keys, last_added = keys[newest], flags[newest]
+        adds, removes = keys[last_added], keys[~last_added]
         slot = self.slots.get(server)
         if removes.size and slot is not None:
-            self.counts[slot] -= self.table.remove(slot, removes, distinct=True)
+            self.counts[slot] -= self.table.remove(slot, removes, unique=True)
         if adds.size:
             slot = self._slot(server, out)
             if slot is None:
                 self.unplaced += 1
                 return
-            self.counts[slot] = self.counts.get(slot, 0) + self.table.add(slot, adds, distinct=True)
+            self.counts[slot] = self.counts.get(slot, 0) + self.table.add(slot, adds, unique=True)
 
     def rebuild_if_full(self, live: Mapping[str, Iterable[int]]) -> bool:
         """Rebuild the table from every server's live keys (`live`: the index's own maps) once

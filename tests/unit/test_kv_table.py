@@ -151,3 +151,20 @@ def test_the_capacity_is_a_power_of_two_at_least_four_times_the_bound() -> None:
     assert kt.capacity_for(1 << 20) == 1 << 22
     assert kt.capacity_for(1_000_000) == 1 << 22
     assert kt.capacity_for(10) == 1024
+
+
+def test_a_rebuild_places_keys_whose_run_passes_the_tables_end() -> None:
+    """The rebuild places a sorted run of entries at once; those past the last slot go in from
+    the first, where the probing of a lookup wraps to."""
+    t = new()
+    candidates = np.arange(20_000, dtype=np.int64)
+    home = kt.entries(0, 0, candidates.copy()) & np.uint64(CAPACITY - 1)
+    near_end = candidates[home >= 1016].tolist()
+    near_start = candidates[home < 4].tolist()
+    keys = near_end[:30] + near_start[:10]
+    assert len(keys) == 40
+    t.rebuild([(0, keys_array(keys))])
+    assert t.held([0], keys_array(keys)) == [40]
+    assert t.held([0], keys_array([*keys, 10**9])) == [40]
+    t.remove(0, keys_array(keys[:5]))
+    assert t.held([0], keys_array(keys[5:])) == [35]
