@@ -168,3 +168,15 @@ def test_a_rebuild_places_keys_whose_run_passes_the_tables_end() -> None:
     assert t.held([0], keys_array([*keys, 10**9])) == [40]
     t.remove(0, keys_array(keys[:5]))
     assert t.held([0], keys_array(keys[5:])) == [35]
+
+
+def test_the_bytes_per_block_are_as_documented() -> None:
+    """kv-events.md: 64 to 128 bytes a block of the bound; 64 MiB at the default bound."""
+    from controlplane.kvcache.index import MAX_BLOCKS
+
+    assert kt.table_bytes(kt.capacity_for(MAX_BLOCKS)) / MAX_BLOCKS == pytest.approx(
+        kt.BYTES_PER_BLOCK, rel=0.01
+    )
+    assert kt.table_bytes(kt.capacity_for(MAX_BLOCKS)) // (1 << 20) == 64
+    worst = (1 << 20) + 1
+    assert kt.table_bytes(kt.capacity_for(worst)) / worst <= 2 * kt.BYTES_PER_BLOCK * 1.01  # the header
