@@ -194,7 +194,7 @@ class KvMirror:
             slot = self.slots.get(server)
             if slot is None or not keys:
                 return 0
-            held = self.table.held([slot], keys_array(keys))
+            held = self.table.held([slot], keys)
             return 0 if held is None else held[0]
         shards = self.keys.get(server)
         if not shards:
@@ -229,7 +229,7 @@ class KvMirror:
             if size is not None and server in self.slots and keys_by_size.get(size):
                 by_size.setdefault(size, []).append(server)
         for size, group in by_size.items():
-            held = table.held([self.slots[s] for s in group], keys_array(keys_by_size[size]))
+            held = table.held([self.slots[s] for s in group], keys_by_size[size])
             if held is None:
                 self.torn_reads += 1
                 continue

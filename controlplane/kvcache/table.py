@@ -44,7 +44,11 @@ LOAD_MAX = 0.75  # used entries (live, tombstones, old epochs) past which the ta
 PROBES_MAX = 1 << 12  # a probe sequence this long means a table read mid-switch: given up
 SPREAD = 4  # capacity: at least this many times the index's bound
 BYTES_PER_BLOCK = 2 * 8 * SPREAD  # at a bound that is a power of two (twice that at worst)
-FIRST_CHUNK = 64  # `held` looks at this many blocks first, then four times more each round
+# `held` looks at this many blocks of a prompt one at a time (a few array operations cost tens
+# of microseconds however short: 35 us for 8 servers and 4 blocks, where this is a few), then
+# at FIRST_CHUNK more as arrays, four times more each round.
+SCALAR_BLOCKS = 32
+FIRST_CHUNK = 64
 
 _U = np.uint64
 _MASK64 = (1 << 64) - 1
@@ -99,6 +103,29 @@ def _mix(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
     x ^= x >> _S31
     x[x <= TOMB] += _U(2)
     return x
+
+
+def _mix_int(x: int) -> int:
+    """_mix of one entry, in Python's integers (the same value)."""
+    x ^= x >> 30
+    x = (x * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D0_49BB_1331_11EB) & _MASK64
+    x ^= x >> 31
+    return x + 2 if x <= TOMB else x
+
+
+def _has(view: memoryview, mask: int, e: int) -> bool:
+    """Whether entry `e` is in the table `view` (one at a time: _find's scalar twin)."""
+    at = e & mask
+    for _ in range(PROBES_MAX):
+        seen = view[at]
+        if seen == e:
+            return True
+        if seen == EMPTY:
+            return False
+        at = (at + 1) & mask
+    return False
 
 
 def entries(slot: int, epoch: int, keys: NDArray[np.int64]) -> NDArray[np.uint64]:
@@ -196,6 +223,7 @@ class KeyTable:
         self.epochs = words[HEADER_WORDS : HEADER_WORDS + slots]
         start = HEADER_WORDS + slots
         self.buffers = (words[start : start + capacity], words[start + capacity : start + 2 * capacity])
+        self._views = (self.buffers[0].data, self.buffers[1].data)  # read one at a time
         self.capacity = capacity
 
     # ---- the writer (the index's process) --------------------------------------------------
@@ -265,18 +293,33 @@ class KeyTable:
 
     # ---- readers (the picker) --------------------------------------------------------------
 
-    def held(self, slots: Sequence[int], keys: NDArray[np.int64]) -> list[int] | None:
+    def held(self, slots: Sequence[int], keys: Sequence[int] | NDArray[np.int64]) -> list[int] | None:
         """For each server's slot, how many of `keys` (a prompt's blocks, first to last) it holds
         from the first on; None if the table was switched under the read. Looks at
-        FIRST_CHUNK blocks, then four times more for the servers that held them all."""
+        SCALAR_BLOCKS blocks one at a time, then FIRST_CHUNK as arrays, then four times more
+        each round, for the servers that held them all so far."""
         seq = int(self.header[_SEQ])
-        table = self.buffers[int(self.header[_ACTIVE])]
+        active = int(self.header[_ACTIVE])
+        table, view, mask = self.buffers[active], self._views[active], self.capacity - 1
+        ints = keys.tolist() if isinstance(keys, np.ndarray) else list(keys)
+        head = [k & _MASK64 for k in ints[:SCALAR_BLOCKS]]
         out = [0] * len(slots)
-        alive = list(range(len(slots)))
-        start, chunk = 0, FIRST_CHUNK
-        while alive and start < len(keys):
-            end = min(len(keys), start + chunk)
-            part = keys[start:end]
+        alive = []
+        for i, slot in enumerate(slots):
+            tag = _tag(slot, int(self.epochs[slot]))
+            got = 0
+            for k in head:
+                if not _has(view, mask, _mix_int(k ^ tag)):
+                    break
+                got += 1
+            out[i] = got
+            if got == len(head) < len(ints):
+                alive.append(i)
+        array = keys_array(ints) if alive else None
+        start, chunk = len(head), FIRST_CHUNK
+        while array is not None and alive and start < len(ints):
+            end = min(len(ints), start + chunk)
+            part = array[start:end]
             tags = np.array([_tag(slots[i], int(self.epochs[slots[i]])) for i in alive], dtype=np.uint64)
             e = _mix((part.view(np.uint64)[None, :] ^ tags[:, None]).ravel())
             present = (_find(table, e) >= 0).reshape(len(alive), end - start)

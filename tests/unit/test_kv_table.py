@@ -112,17 +112,17 @@ def test_a_reader_that_overlapped_a_switch_of_buffers_gets_none() -> None:
     t = new()
     t.add(0, keys_array(range(10)))
     seq = t.header[1].copy()
-    original = kt._find
+    original = kt._has
 
-    def switched_meanwhile(table: np.ndarray, e: np.ndarray) -> np.ndarray:
+    def switched_meanwhile(view: memoryview, mask: int, e: int) -> bool:
         t.header[1] = seq + np.uint64(1)  # a rebuild began while this read ran
-        return original(table, e)
+        return original(view, mask, e)
 
-    kt._find = switched_meanwhile  # type: ignore[assignment]
+    kt._has = switched_meanwhile  # type: ignore[assignment]
     try:
         assert t.held([0], keys_array(range(10))) is None
     finally:
-        kt._find = original  # type: ignore[assignment]
+        kt._has = original  # type: ignore[assignment]
     assert t.held([0], keys_array(range(10))) == [10]
 
 
@@ -180,3 +180,17 @@ def test_the_bytes_per_block_are_as_documented() -> None:
     assert kt.table_bytes(kt.capacity_for(MAX_BLOCKS)) // (1 << 20) == 64
     worst = (1 << 20) + 1
     assert kt.table_bytes(kt.capacity_for(worst)) / worst <= 2 * kt.BYTES_PER_BLOCK * 1.01  # the header
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    keys=st.lists(st.integers(-(1 << 63), (1 << 63) - 1), min_size=1, max_size=20),
+    slot=st.integers(0, kt.SLOTS - 1),
+    epoch=st.integers(0, 1 << 40),
+)
+def test_the_one_at_a_time_entries_are_the_arrays_entries(keys: list[int], slot: int, epoch: int) -> None:
+    """`held` reads a prompt's first blocks one at a time, the rest as arrays: the same entries."""
+    tag = kt._tag(slot, epoch)
+    assert kt.entries(slot, epoch, keys_array(keys)).tolist() == [
+        kt._mix_int((k & ((1 << 64) - 1)) ^ tag) for k in keys
+    ]
