@@ -22,8 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from controlplane.kvcache.mirror import ADD, KvMirror, TableWriter  # noqa: E402
+from controlplane.kvcache.mirror import ADD, KvMirror  # noqa: E402
 from controlplane.kvcache.table import KeyTable, capacity_for, table_bytes  # noqa: E402
+from controlplane.kvcache.writer import TableWriter  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ publisher, a child process (`python -m controlplane.picker.kv_process`) that:
   index (kvcache/index.py), whose journal it applies every FLUSH_S to the key table the
   picker shares with it (kvcache/table.py: a memfd the picker makes, passed by `--table-fd`),
   and sends the picker what else it must know (each server's slot, block size, clears and
-  publishing: mirror.TableWriter);
+  publishing: kvcache/writer.py);
 - sends its counters (kv_events.EVENT_FAMILIES) and each server's count of blocks every
   STATS_S, which the picker exports.
 
@@ -57,8 +57,9 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from controlplane.kvcache.index import KvIndex
-from controlplane.kvcache.mirror import RUN_KEYS, KvMirror, TableWriter, runs
+from controlplane.kvcache.mirror import RUN_KEYS, KvMirror, runs
 from controlplane.kvcache.table import KeyTable, TableInvalid, capacity_for, table_bytes
+from controlplane.kvcache.writer import TableWriter
 from controlplane.obs import logging as logging_setup
 from controlplane.picker.choose import PickerState
 from controlplane.picker.kv_events import EVENT_FAMILIES, KvMetrics, KvSubscriptions, refresh_gauges
@@ -406,7 +407,8 @@ async def child(parent: str, max_blocks: int, priority: str = "normal", table_fd
                 journal.clear()
                 if writer is not None:  # the keys into the shared table; the rest told
                     pending = writer.apply(pending)
-                    writer.rebuild_if_full({s: st.blocks.values() for s, st in index.streams.items()})
+                    if writer.table.full():
+                        writer.rebuild({s: st.blocks.values() for s, st in index.streams.items()})
                 message: list[Any] = []
                 keys = 0
                 for run in pending:

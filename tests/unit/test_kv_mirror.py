@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from controlplane.kvcache import wire
 from controlplane.kvcache.blocks import prompt_keys, root
 from controlplane.kvcache.index import KvIndex
-from controlplane.kvcache.mirror import ADD, PUBLISHED, REMOVE, KvMirror, TableWriter, runs
+from controlplane.kvcache.mirror import ADD, PUBLISHED, REMOVE, KvMirror, runs
 from controlplane.kvcache.table import KeyTable, table_bytes
+from controlplane.kvcache.writer import TableWriter
 
 SERVERS = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
 
@@ -34,7 +35,8 @@ def fed(mirror: KvMirror, index: KvIndex, most: int = 5, shared: Shared | None =
     if shared is not None:
         reader, writer = shared
         assert reader.apply(writer.apply(pending)) == published
-        writer.rebuild_if_full({s: st.blocks.values() for s, st in index.streams.items()})
+        if writer.table.full():
+            writer.rebuild({s: st.blocks.values() for s, st in index.streams.items()})
         reader.set_counts(writer.held_counts())
     index.journal.clear()
     return published
