@@ -28,6 +28,7 @@ from controlplane.sim.emulator import EmulatedServer, EmulatorConfig, FaultsInva
 from controlplane.sim.emulator_lora import AdapterLoadFailed, AdapterSlots
 from controlplane.sim.emulator_metrics import VllmMetrics
 from controlplane.sim.prefix_cache import BLOCK_TOKENS, PrefixCache
+from tests.waits import until
 
 BASE = "base"
 LOAD_S = 0.25
@@ -79,13 +80,6 @@ async def release(task: asyncio.Task[Any]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.005)
 
 
 def lora_stats(server: EmulatedServer) -> dict[str, Any]:

@@ -6,7 +6,6 @@ as the emulator's, kvcache's subscriber), on ipc:// in a temporary directory."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -15,6 +14,7 @@ from controlplane.kvcache.index import KvIndex
 from controlplane.picker.choose import PickerState
 from controlplane.picker.kv_events import KvMetrics, KvSubscriptions
 from controlplane.sim.kv_publisher import KvPublisher
+from tests.waits import until
 
 SERVER = "127.0.0.1:8001"
 
@@ -33,10 +33,10 @@ def test_blocks_published_before_the_subscription_are_replayed_and_counted_appli
         replays = {"server": SERVER, "result": "filled"}
         try:
             # The replay counted as filled: every batch it brought has been applied by then.
-            deadline = time.monotonic() + 10.0
-            while not registry.get_sample_value("controlplane_picker_kv_replays_total", replays):
-                assert time.monotonic() < deadline, "the replay was not read within 10 s"
-                await asyncio.sleep(0.01)
+            await until(
+                lambda: registry.get_sample_value("controlplane_picker_kv_replays_total", replays),
+                "the replay is read",
+            )
             assert state.kv.held_blocks(SERVER) == 2  # the replay brought them
             assert registry.get_sample_value("controlplane_picker_kv_batches_total", labels) == 1
             assert registry.get_sample_value("controlplane_picker_kv_replays_total", replays) == 1
