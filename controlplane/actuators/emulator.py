@@ -31,7 +31,8 @@ from controlplane.drain.controller import EndpointDrains
 from controlplane.fleet.model import Endpoint, Fleet
 from controlplane.rollout.controller import CommandRejected
 from controlplane.signals.store import SignalStore
-from controlplane.sim.procs import die_with_parent, free_port
+from controlplane.sim.ports import free_port
+from controlplane.sim.procs import die_with_parent
 
 log = structlog.get_logger("controlplane.provider")
 

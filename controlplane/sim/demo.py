@@ -39,8 +39,8 @@ from controlplane.sim import llamacpp
 from controlplane.sim.demo_servers import COLD, EmulatedServers, LlamaCppServers
 from controlplane.sim.demo_view import DemoState, EndpointRow, plain_lines, render, rollout_line, summary
 from controlplane.sim.emulator import SERVER_HEADER
+from controlplane.sim.ports import free_port
 from controlplane.sim.procs import die_with_parent as _die_with_parent
-from controlplane.sim.procs import free_port
 from controlplane.xds.bootstrap import envoy_bootstrap
 
 MODELS = {

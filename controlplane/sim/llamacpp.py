@@ -24,7 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Self
 
-from controlplane.sim.procs import die_with_parent, free_port
+from controlplane.sim.ports import free_port
+from controlplane.sim.procs import die_with_parent
 
 INSTALL = "pip install -e '.[real]'"
 SLOTS = 2  # --parallel: requests decoded at once; more wait (llamacpp:requests_deferred)

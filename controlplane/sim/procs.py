@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import sys
 from collections.abc import Callable
 
@@ -26,9 +25,3 @@ def die_with_parent() -> Callable[[], None] | None:
             os._exit(1)
 
     return set_pdeathsig
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from controlplane.hold.service import HoldingService
 from controlplane.obs.metrics import HoldMetrics
 from controlplane.resources.names import HOLD_MODEL_HEADER
-from controlplane.sim.procs import free_port
+from tests.ports import free_port
 
 
 class Backend:
