@@ -4,7 +4,8 @@ Usage: GRPC_XDS_BOOTSTRAP=... python grpc_xds_load.py TARGET [--calls N | --seco
        [--rate R] [--concurrency C] [--wait-ready] [--deadline S] [--csds] [--header K=V]
 
 Each call is the unary method /inference.Who/Call with raw bytes; a backend answers with its
-own name. With --wait-ready it calls until one succeeds (30 s at most) and prints "ready"
+own name. With --wait-ready it calls until one succeeds (with --ready-backends N, until N backends
+answered; 30 s at most) and prints "ready"
 (those calls send READY_PROBE, which the tests' servers answer without their `sleep_s`);
 with --csds it serves gRPC's own CSDS service (grpc_csds, the client's view of its xDS
 config) on a loopback port and prints "csds PORT". Then it makes its calls and prints one
@@ -37,6 +38,13 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--deadline", type=float, default=None, help="each call's own deadline")
     p.add_argument("--wait-ready", action="store_true")
+    p.add_argument(
+        "--ready-backends",
+        type=int,
+        default=1,
+        help="with --wait-ready: probe until this many backends answered (round robin sends a "
+        "channel's calls only to the backends it has connected to)",
+    )
     p.add_argument("--csds", action="store_true")
     p.add_argument("--header", action="append", default=[], help="K=V metadata on every call")
     p.add_argument("--key-header", help="call i sends this header with the value key-(i mod --keys)")
@@ -58,15 +66,21 @@ def main() -> int:
     call = channel.unary_unary(METHOD)
     if args.wait_ready:
         give_up = time.monotonic() + 30
-        while True:
+        answered: set[str] = set()
+        while len(answered) < args.ready_backends:
             try:
-                call(READY_PROBE, timeout=5)
-                break
+                answered.add(call(READY_PROBE, timeout=5).decode())
             except grpc.RpcError as e:
                 if time.monotonic() > give_up:
                     print(f"never ready: {e.code()} {e.details()}", flush=True)
                     return 1
                 time.sleep(0.05)
+            else:
+                if len(answered) < args.ready_backends:
+                    if time.monotonic() > give_up:
+                        print(f"never ready: only {sorted(answered)} answered", flush=True)
+                        return 1
+                    time.sleep(0.01)
         print("ready", flush=True)
 
     backends: Counter[str] = Counter()

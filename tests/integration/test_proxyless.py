@@ -473,7 +473,12 @@ def test_a_drain_waits_for_the_calls_grpc_clients_report_in_flight(rig: Rig) -> 
     assert rig.op is not None
     wait_until(lambda: rig.weight_of("slow") > 0 and rig.weight_of("other") > 0, 10, "both weighed")
     slow.sleep_s = 6.0
-    c = rig.client("--wait-ready", "--calls", "8", "--concurrency", "8", "--deadline", "20")
+    # Both backends answered before the calls: gRPC's round robin sends calls only to the
+    # backends it has connected to, and with one connected the 8 calls all went to the other
+    # and ended at once (a CI run waited 10 s for a call on the slow server).
+    c = rig.client(
+        "--wait-ready", "--ready-backends", "2", "--calls", "8", "--concurrency", "8", "--deadline", "20"
+    )
     expect_line(c, "ready")
     wait_until(lambda: slow.in_flight >= 1, 10, "calls in flight on the slow server")
     started = time.monotonic()
