@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 from loadgen import mean_output_tokens  # noqa: E402
 from real import BIN, Stack, proxy_stat, start_pickers, start_proxied, wait_http  # noqa: E402
 
-from bench.ports import free_port  # noqa: E402
+from bench.ports import free_port, free_ports  # noqa: E402
 
 MODEL = "bench-8b"
 ARMS = ("aware", "blind", "nohop", "weights")
@@ -99,9 +99,7 @@ def arm(args: argparse.Namespace, name: str, rate: float) -> dict[str, object]:
     work = Path(tempfile.mkdtemp(prefix=f"bench-adapters-{name}-"))
     stack = Stack(work)
     try:
-        base = free_port()
-        while any(_taken(base + i) for i in range(1, args.servers)):
-            base = free_port()
+        base = free_ports(args.servers)
         servers = [f"127.0.0.1:{base + i}" for i in range(args.servers)]
         emulate = [str(BIN / "controlplane"), "emulate", "--listen", servers[0], "--model", MODEL]
         emulate += ["--count", str(args.servers), "--slots", str(args.slots)]
@@ -139,17 +137,6 @@ def arm(args: argparse.Namespace, name: str, rate: float) -> dict[str, object]:
         return result
     finally:
         stack.stop()
-
-
-def _taken(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
 
 
 def main(argv: list[str] | None = None) -> int:
