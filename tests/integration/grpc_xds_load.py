@@ -66,21 +66,18 @@ def main() -> int:
     call = channel.unary_unary(METHOD)
     if args.wait_ready:
         give_up = time.monotonic() + 30
-        answered: set[str] = set()
+        answered: set[str] = set()  # the backends that answered a probe
+        last = ""  # the last probe's failure
         while len(answered) < args.ready_backends:
+            if time.monotonic() > give_up:
+                print(f"never ready: {last or f'only {sorted(answered)} answered'}", flush=True)
+                return 1
             try:
                 answered.add(call(READY_PROBE, timeout=5).decode())
             except grpc.RpcError as e:
-                if time.monotonic() > give_up:
-                    print(f"never ready: {e.code()} {e.details()}", flush=True)
-                    return 1
-                time.sleep(0.05)
-            else:
-                if len(answered) < args.ready_backends:
-                    if time.monotonic() > give_up:
-                        print(f"never ready: only {sorted(answered)} answered", flush=True)
-                        return 1
-                    time.sleep(0.01)
+                last = f"{e.code()} {e.details()}"
+            if len(answered) < args.ready_backends:
+                time.sleep(0.02)  # the probes' pace, until the deadline above
         print("ready", flush=True)
 
     backends: Counter[str] = Counter()
