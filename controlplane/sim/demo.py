@@ -104,7 +104,11 @@ def _fleet_yaml(port: int, addrs: dict[str, str], extra: dict[str, list[str]], s
     return "\n".join(lines) + "\n"
 
 
-def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
+def _wait(
+    check: Callable[[], bool], timeout: float, what: str, failed: Callable[[], str | None] = lambda: None
+) -> None:
+    """Until `check()` holds; a RuntimeError naming `what` at `timeout`, or at once with the
+    reason `failed()` gives (what waiting longer would not mend)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         try:
@@ -112,8 +116,30 @@ def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
                 return
         except Exception:
             pass
+        reason = failed()
+        if reason is not None:
+            raise RuntimeError(f"gave up waiting for {what}: {reason}")
         time.sleep(0.05)
     raise RuntimeError(f"timed out waiting for {what}")
+
+
+def _exited(proc: subprocess.Popen[bytes], name: str) -> str | None:
+    code = proc.poll()
+    return None if code is None else f"{name} exited with code {code}"
+
+
+def envoy_refused(log: Path) -> str | None:
+    """Why Envoy will not serve the demo's listener, from its log: a listener it could not
+    bind (Envoy rejects the listener and runs on without it, so waiting changes nothing);
+    None if its log names no such failure."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if "failed to bind" in line:
+            return line.rsplit("] ", 1)[-1].strip()
+    return None
 
 
 def _get(url: str) -> int:
@@ -382,10 +408,12 @@ def run_demo(
                 preexec_fn=_die_with_parent(),
             )
         )
+        cp = procs[-1]
         _wait(
             lambda: _get(f"http://127.0.0.1:{metrics}/healthz") == 200,
             60,
             f"the control plane (its log: {work / 'controlplane.log'})",
+            lambda: _exited(cp, "the control plane"),
         )
         token_file = work / "state" / "admin-token"
         print(f"demo: control plane: xDS 127.0.0.1:{xds}, operator API {admin}, metrics 127.0.0.1:{metrics}")
@@ -411,10 +439,12 @@ def run_demo(
                 preexec_fn=_die_with_parent(),
             )
         )
+        envoy = procs[-1]
         _wait(
             lambda: _get(f"http://127.0.0.1:{listener}/v1/models") == 200,
             60,
             f"Envoy to get its config (its log: {work / 'envoy.log'})",
+            lambda: _exited(envoy, "Envoy") or envoy_refused(work / "envoy.log"),
         )
         op = _Operator(admin, token_file)
         mode = "delta" if delta else "state-of-the-world"

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.integration.harness import BIN
+from tests.ports import free_port
 
 
 def _weights(line: str) -> dict[str, int]:
@@ -128,3 +133,28 @@ def test_a_demo_killed_outright_leaves_no_process_behind() -> None:
         for pid in _processes_mentioning(work) if work else []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_listener_envoy_cannot_bind_fails_the_demo_at_once_naming_why(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The port the demo chose for its listener taken before Envoy binds it (as a CI run saw):
+    Envoy rejects the listener and runs on; the demo stops with Envoy's reason, not after its
+    60 s wait for a config that will never serve."""
+    from controlplane.sim import demo
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(demo, "free_port", lambda: next(ports, None) or free_port())
+    try:
+        assert demo.run_demo(duration_s=10, live=False) == 1
+    finally:
+        taken.close()
+    out, err = capsys.readouterr()
+    for line in out.splitlines():
+        if line.startswith("demo: logs kept in "):
+            shutil.rmtree(line.removeprefix("demo: logs kept in "), ignore_errors=True)
+    assert "gave up waiting for Envoy to get its config" in err, err
+    assert "failed to bind" in err and "Address already in use" in err, err
