@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import BIN
+from tests.integration.test_demo import demo_logs_in_tmp_path  # noqa: F401 (autouse: logs in tmp_path)
 
 pytestmark = [pytest.mark.real, pytest.mark.envoy]
 
