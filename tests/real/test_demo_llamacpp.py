@@ -41,7 +41,8 @@ def _processes_mentioning(text: str) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if text in cmdline and "pytest" not in cmdline:
+        program = Path(cmdline.split(" ", 1)[0]).name
+        if text in cmdline and int(proc.name) != os.getpid() and "pytest" not in program:
             found.append(int(proc.name))
     return found
 
