@@ -128,7 +128,7 @@ def _exited(proc: subprocess.Popen[bytes], name: str) -> str | None:
     return None if code is None else f"{name} exited with code {code}"
 
 
-def envoy_refused(log: Path) -> str | None:
+def _envoy_refused(log: Path) -> str | None:
     """Why Envoy will not serve the demo's listener, from its log: a listener it could not
     bind (Envoy rejects the listener and runs on without it, so waiting changes nothing);
     None if its log names no such failure."""
@@ -444,7 +444,7 @@ def run_demo(
             lambda: _get(f"http://127.0.0.1:{listener}/v1/models") == 200,
             60,
             f"Envoy to get its config (its log: {work / 'envoy.log'})",
-            lambda: _exited(envoy, "Envoy") or envoy_refused(work / "envoy.log"),
+            lambda: _exited(envoy, "Envoy") or _envoy_refused(work / "envoy.log"),
         )
         op = _Operator(admin, token_file)
         mode = "delta" if delta else "state-of-the-world"

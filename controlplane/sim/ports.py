@@ -89,7 +89,7 @@ class _Allocator:
                     b = self._claim()
                     if b is None:  # every block is held: hand out this process's own again
                         if not self.claimed or recycled >= len(self.claimed):
-                            raise RuntimeError(f"no {n} free test ports in {self.low}-{self.high}")
+                            raise RuntimeError(f"no {n} free loopback ports in {self.low}-{self.high}")
                         b = self.claimed[recycled][0]
                         recycled += 1
                     self.block, self.next = b, self.low + b * BLOCK
