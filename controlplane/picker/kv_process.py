@@ -6,11 +6,12 @@ the picks' interpreter and their loop, and raised their p99 by 2-5 ms on 2 cores
 was sliced (docs/kv-events.md). So the picker starts, once the control plane names a
 publisher, a child process (`python -m controlplane.picker.kv_process`) that:
 
-- runs under SCHED_IDLE: the kernel gives it only CPU time no other process wants, and takes
-  its core back at once for any process that wakes, a pick's included (at nice 19, a waking
-  process may first wait out the child's time slice; one run of the flood bench each did not
-  tell the two apart: docs/benchmarks.md). Where SCHED_IDLE is refused, it runs at nice
-  KV_NICE. It ends when the picker does (PR_SET_PDEATHSIG, and a look at its parent);
+- runs under SCHED_IDLE, every thread of it: the kernel gives it only CPU time no other
+  process wants, and takes its core back at once for any process that wakes, a pick's
+  included (at nice 19, a waking process may first wait out the child's time slice; one run
+  of the flood bench each did not tell the two apart: docs/benchmarks.md). Where SCHED_IDLE
+  is refused, it runs at nice KV_NICE. It ends when the picker does (PR_SET_PDEATHSIG, and
+  a look at its parent);
 - subscribes to the publishers the picker names (kv_events.KvSubscriptions, unchanged: gaps
   replayed or forgotten, restarts, reconnects, hostile messages refused), into the bounded
   index (kvcache/index.py), whose journal it applies every FLUSH_S to the key table the
@@ -450,17 +451,30 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _threads() -> list[int]:
+    """This process's threads (Linux: each has its own policy and nice value, and a thread
+    takes its creator's; its imports may have started some already: numpy's BLAS pool)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]  # no /proc: the calling thread only
+
+
 def _lower_priority(idle: bool, nice: int) -> str:
-    """SCHED_IDLE if `idle` and the kernel allows it, else `nice` added: what was set."""
+    """SCHED_IDLE for every thread if `idle` and the kernel allows it, else `nice` added to
+    each: what was set. Threads started later take it from the one that starts them."""
     if idle:
         try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            for tid in _threads():
+                with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             return "idle"
         except (OSError, AttributeError):
             pass  # not Linux, or refused (a seccomp profile): nice instead
     if nice:
-        with contextlib.suppress(OSError):
-            os.nice(nice)
+        for tid in _threads():
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
         return f"nice {nice}"
     return "normal"
 

@@ -7,6 +7,10 @@ both, and the child's count of the server's blocks reaches the picker."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +67,44 @@ def test_stored_blocks_reach_the_picks_and_a_clear_empties_them(
             await publisher.stop()
 
     asyncio.run(main())
+
+
+LOWER = """
+import json, os, sys, threading
+import numpy  # starts a thread of its own (the BLAS pool) before the priority is lowered
+from controlplane.picker.kv_process import _lower_priority, _threads
+done = threading.Event()
+waiter = threading.Thread(target=done.wait)
+waiter.start()
+said = _lower_priority(sys.argv[1] == "idle", 7)
+threads = _threads()
+print(json.dumps({
+    "said": said,
+    "threads": len(threads),
+    "policies": sorted({os.sched_getscheduler(t) for t in threads}),
+    "nice": sorted({os.getpriority(os.PRIO_PROCESS, t) for t in threads}),
+}))
+done.set()
+"""
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_the_index_process_lowers_every_thread_it_has_not_only_the_first(idle: bool) -> None:
+    """Linux keeps a policy and a nice value per thread, and a thread takes its creator's: the
+    threads the child's imports started before it lowered its priority must be lowered too."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    got = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", LOWER, "idle" if idle else "nice"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    )
+    assert got["threads"] >= 3  # the main thread, numpy's and the waiter
+    if idle:
+        assert (got["said"], got["policies"]) == ("idle", [os.SCHED_IDLE])
+    else:
+        want = ("nice 7", [os.SCHED_OTHER], [min(19, base + 7)])
+        assert (got["said"], got["policies"], got["nice"]) == want
