@@ -3,24 +3,27 @@
 
 Two emulated servers (no events of their own) behind a control plane; the fleet names, as
 their publishers, two ZMQ PUB sockets of a flood process that publishes vLLM 0.32's batches
-(1,000 blocks of 16 tokens each, fresh hashes, chained from the last) at `--blocks-per-s`
-over both. A probe sends picks straight to the picker's ext_proc port (a request's headers
-with the cluster and a chat body as the gateway hands it), one every 10 ms, and times the
-answer, all through the run. Phases: `quiet` (`--quiet-seconds`, no flood); the fill (the
-flood on the servers' sockets until the index is at its bound, not measured); then `--window`
-seconds of `decoy` (the flood on two sockets nobody subscribes to: the generator's own work,
-which in a fleet runs on the servers, not beside the picker) and of `flood` (the sockets the
-picker follows) in turn, until `--seconds` of flood. The windows take turns so that the
-machine's drift (p99 moves by a millisecond from minute to minute on a shared 2-core machine)
-falls on both alike; the first `--settle` seconds of each are not counted (the last window's
-events are still being applied). Printed: per condition, pick latency p50/p99, CPU and blocks
-applied per second; the p99 rise of `flood` over `decoy` (and per half of the windows, and per
-pair of a flood window and the decoy window before it, with the pairs' median, to show how
-steady it is; and over `quiet`), the index's size against `--kv-index-blocks` (sampled
-every second), and the picker's and its index process's RSS. Everything on loopback; every
-process is stopped, on failure too.
+(1,000 blocks of 16 tokens each, fresh hashes, chained from the last) at `--blocks-per-s` over
+both. A probe sends picks straight to the picker's ext_proc port (a request's headers with the
+cluster and a chat body as the gateway hands it), one every 10 ms, and times the answer, all
+through the run: from a process of its own, one connection and a stream per pick as Envoy
+sends them (`--probe thread`: from a thread of this bench, as before 2026-12-07). Phases:
+`quiet` (`--quiet-seconds`, no flood); the fill (the flood on the servers' sockets until the
+index is at its bound, not measured); then `--window` seconds of `decoy` (the flood on two
+sockets nobody subscribes to: the generator's own work, which in a fleet runs on the servers,
+not beside the picker) and of `flood` (the sockets the picker follows) in turn, until
+`--seconds` of flood. The windows take turns so that the machine's drift (p99 moves by a
+millisecond from minute to minute on a shared 2-core machine) falls on both alike; the first
+`--settle` seconds of each are not counted (the last window's events are still being applied).
+Printed: per condition, pick latency p50/p99, CPU and blocks applied per second; the p99 rise
+of `flood` over `decoy` (and per half of the windows, and per pair of a flood window and the
+decoy window before it, with the pairs' median, to show how steady it is; a 90% interval for
+it, by resampling the pairs; and over `quiet`), the index's size against `--kv-index-blocks`
+(sampled every second), and the picker's and its index process's RSS. Everything on loopback;
+every process is stopped, on failure too.
 
     .venv/bin/python bench/picker/kv_flood.py                      # 100,000 blocks/s, 60 s
+    .venv/bin/python bench/picker/kv_flood.py --layouts process --seconds 240   # a narrower interval
     .venv/bin/python bench/picker/kv_flood.py --seconds 20 --window 4 --settle 1 --layouts process
     .venv/bin/python bench/picker/kv_flood.py --layouts process --blocks-per-s 1000 \
         --kv-index-blocks 10000 --control mem   # what a busy process alone costs (--control)
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
@@ -146,16 +150,10 @@ def fleet(listener: int, servers: list[str], picker: str, kv: list[int], tokeniz
 
 
 def probe(address: str, stop: threading.Event, out: list[tuple[float, float]], errors: list[str]) -> None:
-    """Picks until `stop`, one every 10 ms: (when it was sent, monotonic; its latency) each."""
-    body = json.dumps(
-        {
-            "model": "chat",
-            "messages": [
-                {"role": "system", "content": "You are helpful. " * 40},
-                {"role": "user", "content": "hi"},
-            ],
-        }
-    )
+    """`--probe thread`: picks from a thread of this process until `stop`, one every 10 ms
+    (synchronous gRPC: a thread per pick for its request stream): (when it was sent,
+    monotonic; its latency) each."""
+    body = pick_body()
     channel = grpc.insecure_channel(address)
     stub = ep_grpc.ExternalProcessorStub(channel)
     try:
@@ -178,6 +176,61 @@ def probe(address: str, stop: threading.Event, out: list[tuple[float, float]], e
             time.sleep(0.01)
     finally:
         channel.close()
+
+
+# `--probe process` (the default): the picks from a process of its own, as Envoy sends them:
+# one HTTP/2 connection, a stream per pick, no thread per pick (grpc.aio), so that neither
+# this bench's own work (its scrapes, under its GIL) nor a thread started for each pick's
+# request stream (the synchronous client's way, `--probe thread`) is in the latencies.
+PROBE = """
+import asyncio, json, os, sys, time
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from controlplane.picker.request import CLUSTER_ATTRIBUTE, PROMPT_KEY
+from controlplane.resources.names import METADATA_NS
+address, stop, out, body = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+async def main():
+    samples, errors = [], []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = ep_grpc.ExternalProcessorStub(channel)
+        print("ready", flush=True)
+        n = 0
+        while not (n % 10 == 0 and os.path.exists(stop)):
+            n += 1
+            req = ep.ProcessingRequest(request_headers=ep.HttpHeaders())
+            req.attributes["envoy.filters.http.ext_proc"].fields[CLUSTER_ATTRIBUTE].string_value = "chat@v1"
+            req.metadata_context.filter_metadata[METADATA_NS].fields[PROMPT_KEY].string_value = body
+            sent, t0 = time.monotonic(), time.perf_counter()
+            try:
+                call = stub.Process(timeout=5)
+                await call.write(req)
+                first = await call.read()
+                samples.append((sent, time.perf_counter() - t0))
+                if not first.request_headers.response.header_mutation.set_headers:
+                    errors.append("no pick")
+                await call.write(ep.ProcessingRequest(response_headers=ep.HttpHeaders()))
+                await call.read()
+                await call.done_writing()
+            except grpc.RpcError as e:
+                errors.append(repr(e)[:100])
+            await asyncio.sleep(0.01)
+    with open(out, "w") as f:
+        json.dump({"samples": samples, "errors": errors}, f)
+asyncio.run(main())
+"""
+
+
+def pick_body() -> str:
+    return json.dumps(
+        {
+            "model": "chat",
+            "messages": [
+                {"role": "system", "content": "You are helpful. " * 40},
+                {"role": "user", "content": "hi"},
+            ],
+        }
+    )
 
 
 def cpu_s(pid: int) -> float:
@@ -227,7 +280,42 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def measure(a: argparse.Namespace, picker: int, flood: int, metrics: int, port: int, go: Path) -> float:
+def bootstrap_rise(
+    decoys: list[tuple[float, float]],
+    floods: list[tuple[float, float]],
+    samples: list[tuple[float, float]],
+    settle: float,
+    rounds: int = 1000,
+) -> tuple[float, float]:
+    """A 90% interval for the pooled p99 rise (ms), by resampling pairs of windows (a decoy
+    window and the flood window after it) with replacement: picks within a window are not
+    independent (a slow second slows many), so the pairs are what is drawn. NaN: under 2 pairs."""
+    pairs = []
+    for (ds, de), (fs, fe) in zip(decoys, floods, strict=False):
+        d = np.array([lat for sent, lat in samples if ds + settle <= sent < de])
+        f = np.array([lat for sent, lat in samples if fs + settle <= sent < fe])
+        if d.size and f.size:
+            pairs.append((d, f))
+    if len(pairs) < 2:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(7)
+
+    def p99(x: np.ndarray) -> float:
+        return float(np.sort(x)[min(len(x) - 1, int(0.99 * len(x)))])  # percentile()'s rule
+
+    rises = []
+    for _ in range(rounds):
+        drawn = rng.integers(0, len(pairs), len(pairs))
+        d = np.concatenate([pairs[i][0] for i in drawn])
+        f = np.concatenate([pairs[i][1] for i in drawn])
+        rises.append(1000 * (p99(f) - p99(d)))
+    low, high = np.percentile(rises, [5, 95])
+    return round(float(low), 3), round(float(high), 3)
+
+
+def measure(
+    a: argparse.Namespace, stack: Stack, picker: int, flood: int, metrics: int, port: int, go: Path
+) -> float:
     """The quiet phase, the fill, then decoy and flood windows in turn; prints each condition and
     the rise; returns the p99 rise of the flood over the decoy windows."""
     samples: list[tuple[float, float]] = []
@@ -268,8 +356,15 @@ def measure(a: argparse.Namespace, picker: int, flood: int, metrics: int, port: 
         u.total += c1[3][1] - c0[3][1]
         u.applied += c1[4] - c0[4]
 
-    t = threading.Thread(target=probe, args=(f"127.0.0.1:{port}", stop, samples, errors))
-    t.start()
+    address = f"127.0.0.1:{port}"
+    if a.probe == "thread":
+        t = threading.Thread(target=probe, args=(address, stop, samples, errors))
+        t.start()
+    else:
+        picks = go.parent / "picks.json"
+        prober = stack.spawn(
+            "probe", [sys.executable, "-c", PROBE, address, f"{go}.stop", str(picks), pick_body()]
+        )
     try:
         window("quiet", a.quiet_seconds)  # no flood at all
         Path(f"{go}.decoy").touch()  # the generator starts, on sockets the picker does not follow
@@ -289,7 +384,13 @@ def measure(a: argparse.Namespace, picker: int, flood: int, metrics: int, port: 
     finally:
         Path(f"{go}.stop").touch()
         stop.set()
-        t.join()
+        if a.probe == "thread":
+            t.join()
+        else:
+            prober.wait(30)
+            got = json.loads(picks.read_text())
+            samples.extend((sent, lat) for sent, lat in got["samples"])
+            errors.extend(got["errors"])
 
     def latencies(condition: str, part: slice = slice(None)) -> list[float]:
         spans = [(s, e) for c, s, e in windows if c == condition][part]
@@ -330,6 +431,7 @@ def measure(a: argparse.Namespace, picker: int, flood: int, metrics: int, port: 
         f = [lat for sent, lat in samples if fs + a.settle <= sent < fe]
         if d and f:
             pairs.append(round(1000 * (percentile(f, 0.99) - percentile(d, 0.99)), 3))
+    low, high = bootstrap_rise(decoys, floods, samples, a.settle)
     print(
         json.dumps(
             {
@@ -341,6 +443,7 @@ def measure(a: argparse.Namespace, picker: int, flood: int, metrics: int, port: 
                 "p99_rise_ms_by_pair": pairs,
                 "p99_rise_ms_pair_median": round(statistics.median(pairs), 3) if pairs else None,
                 "pairs_flood_slower": f"{sum(1 for x in pairs if x > 0)}/{len(pairs)}",
+                "p99_rise_ms_90pct_interval": [low, high],
                 "errors": len(errors),
                 "index_blocks_max": max(sizes, default=0.0),
                 "within_bound": max(sizes, default=0.0) <= a.kv_index_blocks,
@@ -385,6 +488,14 @@ def main(argv: list[str] | None = None) -> int:
         default="process,in-process",
         help="where the picker reads the events, each run in turn: `process` (the default: a "
         "process of its own at nice 19), `in-process` (--kv-in-process) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--probe",
+        choices=("process", "thread"),
+        default="process",
+        help="where the picks come from: `process`, one of its own with one connection and a "
+        "stream per pick as Envoy sends them (grpc.aio); `thread`, a thread of this bench "
+        "(synchronous gRPC, a thread per pick: the figures before 2026-12-07) (default: %(default)s)",
     )
     p.add_argument(
         "--control",
@@ -448,7 +559,7 @@ def run_layout(a: argparse.Namespace, layout: str) -> float:
                 raise RuntimeError("the picker got no assignments")
             time.sleep(0.2)
         time.sleep(3.0)  # the control plane finds both servers ready (a pick needs one)
-        return measure(a, picker.pid, flood.pid, metrics, picker_port, go)
+        return measure(a, stack, picker.pid, flood.pid, metrics, picker_port, go)
     finally:
         stack.stop()
 
