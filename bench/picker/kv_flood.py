@@ -448,6 +448,8 @@ def measure(
                 "index_blocks_max": max(sizes, default=0.0),
                 "within_bound": max(sizes, default=0.0) <= a.kv_index_blocks,
                 "streams_lost": picker_metric(metrics, "controlplane_picker_kv_streams_lost_total"),
+                "table_rebuilds": picker_metric(metrics, "controlplane_picker_kv_table_rebuilds"),
+                "table_torn_reads": picker_metric(metrics, "controlplane_picker_kv_table_torn_reads_total"),
                 "batches_refused_or_gaps": picker_metric(metrics, "controlplane_picker_kv_replays_total"),
                 "picker_rss_mb": round(rss_mb(picker), 1),
                 "index_process_rss_mb": round(rss_mb(child), 1) if child else None,
