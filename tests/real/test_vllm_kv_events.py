@@ -221,9 +221,15 @@ def test_prompts_sent_past_the_gateway_draw_their_followers_to_the_vllm_that_hol
     wait_until(lambda: picker.metric(lost) >= 1, 30, "the picker to drop what the old vLLM two held")
     settled(stack)
     kv_hits = picker.metric('controlplane_picker_picks_total{reason="kv_hit"}')
-    after = [via_gateway(stack, chat(SYSTEM_A, f"after {i}"), f"after-{i}") for i in range(4)]
+    before = {s.address: applied(stack, s) for s in stack.servers}
     # The first goes to no server for its cache (none holds it: two's old blocks are dropped),
-    # the next follow it wherever it went, from that vLLM's new events.
+    # the next follow it wherever it went, from that vLLM's new events: once they are indexed.
+    # (Sent the moment the first is answered, the second may be picked before the index's
+    # process, which gets only CPU time nobody else wants, has read them: CI saw that once.)
+    after = [via_gateway(stack, chat(SYSTEM_A, "after 0"), "after-0")]
+    first = next(s for s in stack.servers if s.address == after[0])
+    wait_until(lambda: applied(stack, first) > before[first.address], 30, "the first's blocks indexed")
+    after += [via_gateway(stack, chat(SYSTEM_A, f"after {i}"), f"after-{i}") for i in range(1, 4)]
     assert picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') - kv_hits == 3, after
     assert after[1:] == [after[0]] * 3, after
     print(f"\nvLLM kv events: served {served}, after the restart {after}")
