@@ -149,18 +149,32 @@ def fleet(listener: int, servers: list[str], picker: str, kv: list[int], tokeniz
     )
 
 
+def pick_request() -> ep.ProcessingRequest:
+    """A pick's first message, as the gateway sends it: its headers, the cluster, a chat body."""
+    body = json.dumps(
+        {
+            "model": "chat",
+            "messages": [
+                {"role": "system", "content": "You are helpful. " * 40},
+                {"role": "user", "content": "hi"},
+            ],
+        }
+    )
+    req = ep.ProcessingRequest(request_headers=ep.HttpHeaders())
+    req.attributes["envoy.filters.http.ext_proc"].fields[CLUSTER_ATTRIBUTE].string_value = "chat@v1"
+    req.metadata_context.filter_metadata[METADATA_NS].fields[PROMPT_KEY].string_value = body
+    return req
+
+
 def probe(address: str, stop: threading.Event, out: list[tuple[float, float]], errors: list[str]) -> None:
     """`--probe thread`: picks from a thread of this process until `stop`, one every 10 ms
     (synchronous gRPC: a thread per pick for its request stream): (when it was sent,
     monotonic; its latency) each."""
-    body = pick_body()
+    req = pick_request()
     channel = grpc.insecure_channel(address)
     stub = ep_grpc.ExternalProcessorStub(channel)
     try:
         while not stop.is_set():
-            req = ep.ProcessingRequest(request_headers=ep.HttpHeaders())
-            req.attributes["envoy.filters.http.ext_proc"].fields[CLUSTER_ATTRIBUTE].string_value = "chat@v1"
-            req.metadata_context.filter_metadata[METADATA_NS].fields[PROMPT_KEY].string_value = body
             sent, t0 = time.monotonic(), time.perf_counter()
             call = stub.Process(
                 iter([req, ep.ProcessingRequest(response_headers=ep.HttpHeaders())]), timeout=5
@@ -185,22 +199,18 @@ def probe(address: str, stop: threading.Event, out: list[tuple[float, float]], e
 PROBE = """
 import asyncio, json, os, sys, time
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from controlplane.picker.request import CLUSTER_ATTRIBUTE, PROMPT_KEY
-from controlplane.resources.names import METADATA_NS
-address, stop, out, body = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+address, stop, out = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, os.path.dirname(sys.argv[4]))
+from kv_flood import ep, ep_grpc, pick_request
 async def main():
     samples, errors = [], []
+    req = pick_request()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = ep_grpc.ExternalProcessorStub(channel)
         print("ready", flush=True)
         n = 0
         while not (n % 10 == 0 and os.path.exists(stop)):
             n += 1
-            req = ep.ProcessingRequest(request_headers=ep.HttpHeaders())
-            req.attributes["envoy.filters.http.ext_proc"].fields[CLUSTER_ATTRIBUTE].string_value = "chat@v1"
-            req.metadata_context.filter_metadata[METADATA_NS].fields[PROMPT_KEY].string_value = body
             sent, t0 = time.monotonic(), time.perf_counter()
             try:
                 call = stub.Process(timeout=5)
@@ -219,18 +229,6 @@ async def main():
         json.dump({"samples": samples, "errors": errors}, f)
 asyncio.run(main())
 """
-
-
-def pick_body() -> str:
-    return json.dumps(
-        {
-            "model": "chat",
-            "messages": [
-                {"role": "system", "content": "You are helpful. " * 40},
-                {"role": "user", "content": "hi"},
-            ],
-        }
-    )
 
 
 def cpu_s(pid: int) -> float:
@@ -280,22 +278,11 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def bootstrap_rise(
-    decoys: list[tuple[float, float]],
-    floods: list[tuple[float, float]],
-    samples: list[tuple[float, float]],
-    settle: float,
-    rounds: int = 1000,
-) -> tuple[float, float]:
-    """A 90% interval for the pooled p99 rise (ms), by resampling pairs of windows (a decoy
-    window and the flood window after it) with replacement: picks within a window are not
-    independent (a slow second slows many), so the pairs are what is drawn. NaN: under 2 pairs."""
-    pairs = []
-    for (ds, de), (fs, fe) in zip(decoys, floods, strict=False):
-        d = np.array([lat for sent, lat in samples if ds + settle <= sent < de])
-        f = np.array([lat for sent, lat in samples if fs + settle <= sent < fe])
-        if d.size and f.size:
-            pairs.append((d, f))
+def bootstrap_rise(windows: list[tuple[list[float], list[float]]], rounds: int = 1000) -> tuple[float, float]:
+    """A 90% interval for the pooled p99 rise (ms), by resampling pairs of windows (each pair's
+    decoy and flood latencies) with replacement: picks within a window are not independent (a
+    slow second slows many), so the pairs are what is drawn. NaN: under 2 pairs."""
+    pairs = [(np.array(d), np.array(f)) for d, f in windows]
     if len(pairs) < 2:
         return float("nan"), float("nan")
     rng = np.random.default_rng(7)
@@ -363,7 +350,7 @@ def measure(
     else:
         picks = go.parent / "picks.json"
         prober = stack.spawn(
-            "probe", [sys.executable, "-c", PROBE, address, f"{go}.stop", str(picks), pick_body()]
+            "probe", [sys.executable, "-c", PROBE, address, f"{go}.stop", str(picks), __file__]
         )
     try:
         window("quiet", a.quiet_seconds)  # no flood at all
@@ -425,13 +412,14 @@ def measure(
     # to pair (a few slow windows can carry the pooled p99), printed beside it, not for it.
     decoys = [(s, e) for c, s, e in windows if c == "decoy"]
     floods = [(s, e) for c, s, e in windows if c == "flood"]
-    pairs = []
+    paired = []
     for (ds, de), (fs, fe) in zip(decoys, floods, strict=False):
         d = [lat for sent, lat in samples if ds + a.settle <= sent < de]
         f = [lat for sent, lat in samples if fs + a.settle <= sent < fe]
         if d and f:
-            pairs.append(round(1000 * (percentile(f, 0.99) - percentile(d, 0.99)), 3))
-    low, high = bootstrap_rise(decoys, floods, samples, a.settle)
+            paired.append((d, f))
+    pairs = [round(1000 * (percentile(f, 0.99) - percentile(d, 0.99)), 3) for d, f in paired]
+    low, high = bootstrap_rise(paired)
     print(
         json.dumps(
             {
