@@ -157,6 +157,11 @@ def direct(server: Emulator, body: bytes) -> None:
         assert r.status == 200
 
 
+def applied(picker: PickerProc, server: str) -> float:
+    """The batches of `server`'s events the picker's index has applied."""
+    return picker.metric(f'controlplane_picker_kv_batches_total{{result="applied",server="{server}"}}')
+
+
 def via_gateway(rig: Rig, body: bytes) -> str:
     client = Client(rig.fleet.listener)
     try:
@@ -240,11 +245,7 @@ def test_prompts_sent_past_the_gateway_draw_their_followers_and_a_restart_ends_i
     direct(b, chat(SYSTEM_A, "warm up"))
     direct(a, chat(SYSTEM_B, "warm up"))
     wait_until(
-        lambda: all(
-            picker.metric(f'controlplane_picker_kv_batches_total{{result="applied",server="{s.address}"}}')
-            >= 1
-            for s in (a, b)
-        ),
+        lambda: all(applied(picker, s.address) >= 1 for s in (a, b)),
         INDEX_WAIT_S,
         "the picker to index both servers' blocks from their events",
     )
@@ -274,17 +275,15 @@ def test_prompts_sent_past_the_gateway_draw_their_followers_and_a_restart_ends_i
     wait_until(lambda: picker.metric(lost) >= 1, INDEX_WAIT_S, "the picker to drop what the old b held")
     settled(rig)
     kv_hits = picker.metric('controlplane_picker_picks_total{reason="kv_hit"}')
-
-    def applied(address: str) -> float:
-        return picker.metric(f'controlplane_picker_kv_batches_total{{result="applied",server="{address}"}}')
-
-    before = {s.address: applied(s.address) for s in (a, b)}
+    before = {s.address: applied(picker, s.address) for s in (a, b)}
     # The first is sent to no server for its cache (none holds it now: b's old blocks are
     # dropped, not trusted): a free choice; the next follow it there, from that server's events,
     # once they are indexed (the index's process gets only CPU time nobody else wants: the real
     # vLLM twin of this test once saw the second picked before it had read them).
     served = [via_gateway(rig, chat(SYSTEM_A, "after 0"))]
-    wait_until(lambda: applied(served[0]) > before[served[0]], INDEX_WAIT_S, "the first's blocks indexed")
+    wait_until(
+        lambda: applied(picker, served[0]) > before[served[0]], INDEX_WAIT_S, "the first's blocks indexed"
+    )
     served += [via_gateway(rig, chat(SYSTEM_A, f"after {i}")) for i in range(1, 4)]
     assert picker.metric('controlplane_picker_picks_total{reason="kv_hit"}') - kv_hits == 3, (
         served,
@@ -346,9 +345,8 @@ def test_the_index_process_killed_is_started_again_and_the_prompts_follow_again(
     assert picker.metric("controlplane_picker_kv_table_bytes") > 0  # a new table for the new process
     # Warmed on b, which a free choice would not give it (ties go to the server holding fewer).
     direct(b, chat(SYSTEM_C, "warm up"))
-    b_applied = f'controlplane_picker_kv_batches_total{{result="applied",server="{b.address}"}}'
     wait_until(
-        lambda: picker.metric(b_applied) >= 1, INDEX_WAIT_S, "b's new blocks indexed by the new process"
+        lambda: applied(picker, b.address) >= 1, INDEX_WAIT_S, "b's new blocks indexed by the new process"
     )
     assert_follow(rig, SYSTEM_C, b)
 
@@ -382,12 +380,10 @@ def test_a_hostile_publisher_spoils_only_its_own_entries_and_fails_no_request(ri
     pub.bind(f"tcp://127.0.0.1:{rig.kv_ports['b'][0]}")
     try:
         direct(a, chat(SYSTEM_A, "warm up"))
-        a_applied = f'controlplane_picker_kv_batches_total{{result="applied",server="{a.address}"}}'
-        wait_until(lambda: picker.metric(a_applied) >= 1, INDEX_WAIT_S, "a's events indexed")
+        wait_until(lambda: applied(picker, a.address) >= 1, INDEX_WAIT_S, "a's events indexed")
         settled(rig)
         blocks = picker.metric("controlplane_picker_kv_index_blocks")
         refused = f'controlplane_picker_kv_batches_total{{result="refused",server="{b.address}"}}'
-        b_applied = f'controlplane_picker_kv_batches_total{{result="applied",server="{b.address}"}}'
 
         def flood() -> None:  # until the picker has taken some: ZMQ drops what a PUB sends before
             pub.send_multipart([b"", b"nonsense", b"\xc1\xc1"])
@@ -400,7 +396,7 @@ def test_a_hostile_publisher_spoils_only_its_own_entries_and_fails_no_request(ri
 
         def taken() -> bool:
             flood()
-            return picker.metric(refused) >= 2 and picker.metric(b_applied) >= 1
+            return picker.metric(refused) >= 2 and applied(picker, b.address) >= 1
 
         wait_until(taken, 20, "the picker to take the hostile publisher's messages")
         # A gap its replay socket (nobody) never fills; a message past the bound (ZMQ drops the

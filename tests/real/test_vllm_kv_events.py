@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import Client, ControlPlane, Envoy, http_get, wait_until
+from tests.integration.test_kv_events import applied as kv_applied
 from tests.integration.test_kv_events import idle_in_picker
 from tests.integration.test_picker import PickerProc
 from tests.ports import free_port
@@ -179,9 +180,7 @@ def settled(stack: Stack) -> None:
 
 
 def applied(stack: Stack, server: VllmServer) -> float:
-    return stack.picker.metric(
-        f'controlplane_picker_kv_batches_total{{result="applied",server="{server.address}"}}'
-    )
+    return kv_applied(stack.picker, server.address)
 
 
 def test_prompts_sent_past_the_gateway_draw_their_followers_to_the_vllm_that_holds_them(stack: Stack) -> None:
