@@ -129,6 +129,10 @@ KV_BLOCKS_PER_EVENT_MAX = 65_536
 KV_BLOCK_SIZE_MAX = 4096  # tokens in one block (vLLM's are 16 to 256)
 KV_HASH_MAX_BYTES = 64
 KV_REPLAY_MAX_BATCHES = 20_000  # a replay longer than this is refused (vLLM keeps 10,000)
+# A live batch stamped longer ago than this (the publisher's clock against ours) is not applied:
+# its server's blocks are dropped, as for a gap, and its stream starts again from a batch in time.
+KV_EVENT_LAG_MAX_S = 5.0
+KV_INDEX_CPU = 0.25  # cores the index's process takes at most (--kv-index-cpu): docs/kv-events.md
 # The prompt the gateway hands the picker (controlplane.prompt metadata): at most this much of
 # the body; what is past it is not matched (the blocks found are those of its first part).
 PICKER_PROMPT_MAX_BYTES = 1 << 20

@@ -56,6 +56,7 @@ EVENT_FAMILIES = (
     "controlplane_picker_kv_streams_lost",
     "controlplane_picker_kv_event_lag_seconds",
     "controlplane_picker_kv_publishers_connected",
+    "controlplane_picker_kv_throttled_seconds",
 )
 
 
@@ -69,7 +70,8 @@ class KvMetrics:
             "controlplane_picker_kv_batches",
             "KV-event batches from a server's publisher, live or replayed, by result: applied, "
             "restart (a new stream: its blocks dropped first), gap (batches missing before it), "
-            "refused (not a batch: docs/kv-events.md#hostile-publishers)",
+            "refused (not a batch: docs/kv-events.md#hostile-publishers), late (stamped more "
+            "than 5 s ago: not applied)",
             ["server", "result"],
             registry=counted,
         )
@@ -83,8 +85,17 @@ class KvMetrics:
         self.lost = Counter(
             "controlplane_picker_kv_streams_lost",
             "A server's blocks dropped rather than trusted, by reason: gap (not replayed), "
-            "reconnect (its publisher connected again), removed (no longer in the fleet)",
+            "reconnect (its publisher connected again), removed (no longer in the fleet), late "
+            "(a batch came more than 5 s after its stamp: the subscription fell behind)",
             ["server", "reason"],
+            registry=counted,
+        )
+        self.throttled = Counter(
+            "controlplane_picker_kv_throttled_seconds",
+            "Seconds the KV-event subscriptions stopped reading to keep to their CPU budget (the "
+            "index's process: --kv-index-cpu; with --kv-in-process: 30% of the picker's loop): "
+            "while they do, the publishers' messages queue, and past limits.KV_EVENT_LAG_MAX_S "
+            "are dropped",
             registry=counted,
         )
         self.lag = Gauge(
@@ -178,6 +189,8 @@ class KvSubscriptions:
         self.tasks: dict[str, tuple[tuple[str, str | None], asyncio.Task[None]]] = {}
         self._busy, self._window = 0.0, clock()  # loop time on events in this BUSY_WINDOW_S
         self.connected: set[str] = set()  # servers whose publisher has been reached
+        self.behind: set[str] = set()  # servers whose queued batches are being skipped (_late)
+        self._paused_until = 0.0  # reading stopped for the budget until then (clock)
         metrics.bound.set(state.kv.max_blocks)
 
     def update(self, publishers: Mapping[str, tuple[str, str | None]]) -> None:
@@ -188,6 +201,7 @@ class KvSubscriptions:
                 task.cancel()
                 del self.tasks[server]
                 self.connected.discard(server)
+                self.behind.discard(server)
                 self.state.kv.forget(server)
                 self.metrics.lost.labels(server, "removed").inc()
         for server, where in publishers.items():
@@ -240,13 +254,14 @@ class KvSubscriptions:
                 if sock not in ready:
                     continue
                 frames = await sock.recv_multipart()
-                await self._take(server, frames, replay)
+                queued = bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)  # more read already
+                await self._take(server, frames, replay, queued)
                 await self._budget()
         finally:
             sock.close(linger=0)
             monitor.close(linger=0)
 
-    async def _take(self, server: str, frames: list[bytes], replay: str | None) -> None:
+    async def _take(self, server: str, frames: list[bytes], replay: str | None, queued: bool = False) -> None:
         t0 = self.clock()
         try:
             batch = wire.read(frames)
@@ -256,6 +271,11 @@ class KvSubscriptions:
             log.debug("kv events batch refused", server=server, reason=str(e)[:200])
             return
         self._busy += self.clock() - t0
+        lag = time.time() - batch.ts
+        if lag > limits.KV_EVENT_LAG_MAX_S or (server in self.behind and queued):
+            self._late(server, lag)
+            return
+        self.behind.discard(server)  # caught up: this batch starts its stream again
         result = await self._apply(server, batch)
         if result == "gap":
             st = self.index.stream(server)
@@ -270,6 +290,31 @@ class KvSubscriptions:
         log.debug("kv events batch", server=server, seq=batch.seq, result=result, events=len(batch.events))
         self.metrics.lag.labels(server).set(max(0.0, time.time() - batch.ts))
 
+    def _late(self, server: str, lag: float) -> None:
+        """A batch read too late (stamped more than limits.KV_EVENT_LAG_MAX_S ago: the
+        subscription fell that far behind its publisher, a flood past its budget), or read while
+        the messages queued behind it are skipped: not applied. The server's blocks are dropped
+        rather than trusted, once; its messages are then read and skipped (a decode each, no
+        keying) until none is queued, and the first batch in time after that starts its stream
+        again. Thus a publisher faster than the budget costs a cycle of indexing and skipping,
+        never the picks' CPU, and a skip never stops half-way through a backlog to index one
+        batch and drop it again."""
+        self.metrics.batches.labels(server, "late").inc()
+        self.metrics.lag.labels(server).set(max(0.0, lag))
+        if server not in self.behind:
+            self.behind.add(server)
+            self.state.kv.forget(server)
+            self.metrics.lost.labels(server, "late").inc()
+            log.info("kv events late: the server's blocks dropped", server=server, lag_s=round(lag, 3))
+
+    def _paused(self, now: float, due: float) -> None:
+        """Count the wall time every subscription's reading is stopped (several waiting out the
+        same budget at once: counted once)."""
+        until = now + due
+        if until > self._paused_until:
+            self.metrics.throttled.inc(until - max(now, self._paused_until))
+            self._paused_until = until
+
     async def _budget(self) -> None:
         """Observation never starves serving: past BUSY_SHARE of the loop's time in this window
         (every subscription's work counted together), wait for the window to pass."""
@@ -277,7 +322,9 @@ class KvSubscriptions:
         if now - self._window >= BUSY_WINDOW_S:
             self._busy, self._window = 0.0, now
         elif self._busy > self.busy_share * BUSY_WINDOW_S:
-            await asyncio.sleep(self._window + self._busy / self.busy_share - now)
+            due = self._window + self._busy / self.busy_share - now
+            self._paused(now, due)
+            await asyncio.sleep(due)
         else:
             await asyncio.sleep(self.step_pause_s)
 

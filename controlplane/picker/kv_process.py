@@ -12,6 +12,9 @@ publisher, a child process (`python -m controlplane.picker.kv_process`) that:
   of the flood bench each did not tell the two apart: docs/benchmarks.md). Where SCHED_IDLE
   is refused, it runs at nice KV_NICE. It ends when the picker does (PR_SET_PDEATHSIG, and
   a look at its parent);
+- takes at most `--kv-index-cpu` of a core (CpuBudget, every thread's CPU time counted): past
+  it, it stops reading events; a publisher faster than that falls behind, and what it reads
+  too late is skipped (kv_events.KvSubscriptions._late);
 - subscribes to the publishers the picker names (kv_events.KvSubscriptions, unchanged: gaps
   replayed or forgotten, restarts, reconnects, hostile messages refused), into the bounded
   index (kvcache/index.py), whose journal it applies every FLUSH_S to the key table the
@@ -57,6 +60,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from controlplane import limits
 from controlplane.kvcache.index import KvIndex
 from controlplane.kvcache.mirror import RUN_KEYS, KvMirror, runs
 from controlplane.kvcache.table import KeyTable, TableInvalid, capacity_for, table_bytes
@@ -71,6 +75,8 @@ KV_NICE = 19
 FLUSH_S = 0.01  # the journal sent this often: the picks see a stored block this much later
 STATS_S = 1.0
 JOURNAL_HIGH = 65536  # changes not yet sent past which the child stops reading events
+CPU_SHARE = limits.KV_INDEX_CPU  # the child's CPU time at most, in cores, every thread of it
+CPU_WINDOW_S = 0.1
 MESSAGE_BYTES_MAX = 1 << 22  # a message from the child larger than this is refused (never sent)
 RESTART_BACKOFF_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
@@ -179,6 +185,7 @@ class KvProcess:
         nice: int = KV_NICE,
         clock: Callable[[], float] = time.monotonic,
         deciding: Deciding | None = None,
+        cpu_share: float = CPU_SHARE,
     ) -> None:
         if not isinstance(state.kv, KvMirror):
             raise TypeError("KvProcess keeps a KvMirror: set state.kv = KvMirror(max_blocks) first")
@@ -187,6 +194,7 @@ class KvProcess:
         self.metrics = metrics
         self.process_metrics = process_metrics
         self.nice = nice
+        self.cpu_share = cpu_share
         self.clock = clock
         self.deciding = deciding or Deciding()
         self.publishers: dict[str, tuple[str, str | None]] = {}
@@ -273,6 +281,8 @@ class KvProcess:
                 str(self.mirror.max_blocks),
                 "--nice",
                 str(self.nice),
+                "--cpu",
+                str(self.cpu_share),
                 "--log-format",
                 logging_setup.CONFIGURED[0],
                 "--log-level",
@@ -344,18 +354,50 @@ class KvProcess:
 # ---- the child ---------------------------------------------------------------------------------
 
 
-class _Subscriptions(KvSubscriptions):
-    """KvSubscriptions that stop reading events while the picker has JOURNAL_HIGH changes unsent."""
+class CpuBudget:
+    """At most `share` of a core of this process's CPU time (every thread: process_time), as a
+    bucket: it fills at `share` CPU seconds a second, holds at most share x CPU_WINDOW_S (idle
+    time banks no more than that), and the CPU used drains it. `due` is how long to wait for it
+    to be empty no more: a step longer than the window is paid for in full, however long."""
 
-    def __init__(self, *args: Any, drained: asyncio.Event, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        share: float,
+        clock: Callable[[], float] = time.monotonic,
+        cpu: Callable[[], float] = time.process_time,
+    ) -> None:
+        self.share = share
+        self.clock, self.cpu = clock, cpu
+        self.credit = share * CPU_WINDOW_S  # CPU seconds it may still use at once
+        self._last, self._at = clock(), cpu()
+
+    def due(self) -> float:
+        """Seconds to wait now (0: within the budget)."""
+        now, used = self.clock(), self.cpu()
+        earned = min(self.share * CPU_WINDOW_S, self.credit + self.share * (now - self._last))
+        self.credit = earned - (used - self._at)
+        self._last, self._at = now, used
+        return max(0.0, -self.credit / self.share)
+
+
+class _Subscriptions(KvSubscriptions):
+    """KvSubscriptions that stop reading events while the picker has JOURNAL_HIGH changes unsent,
+    and while the process is past its CPU budget."""
+
+    def __init__(self, *args: Any, drained: asyncio.Event, cpu: CpuBudget, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.drained = drained
+        self.cpu = cpu
 
     async def _budget(self) -> None:
         journal = self.index.journal
         while journal is not None and len(journal) > JOURNAL_HIGH:
             self.drained.clear()
             await self.drained.wait()
+        due = self.cpu.due()
+        if due > 0:
+            self._paused(self.clock(), due)
+            await asyncio.sleep(due)
         await super()._budget()
 
 
@@ -365,7 +407,13 @@ def _attach_table(fd: int) -> TableWriter:
     return TableWriter(KeyTable(mapped))
 
 
-async def child(parent: str, max_blocks: int, priority: str = "normal", table_fd: int | None = None) -> None:
+async def child(
+    parent: str,
+    max_blocks: int,
+    priority: str = "normal",
+    table_fd: int | None = None,
+    cpu_share: float = CPU_SHARE,
+) -> None:
     ppid = os.getppid()
     writer = None if table_fd is None else _attach_table(table_fd)
     journal: list[tuple[int, str, int]] = []  # the index's changes not yet sent
@@ -375,8 +423,12 @@ async def child(parent: str, max_blocks: int, priority: str = "normal", table_fd
     registry = CollectorRegistry()
     metrics = KvMetrics(registry)
     drained = asyncio.Event()
-    # Niced, it takes only spare CPU: no budget of its own, bigger steps.
-    subs = _Subscriptions(state, metrics, busy_share=1.0, step_pause_s=0.0, step_blocks=256, drained=drained)
+    # Its own loop's time is all the events': no share of it kept for picks (bigger steps); its
+    # CPU is held to cpu_share of a core.
+    cpu = CpuBudget(cpu_share)
+    subs = _Subscriptions(
+        state, metrics, busy_share=1.0, step_pause_s=0.0, step_blocks=256, drained=drained, cpu=cpu
+    )
     ctx = zmq.asyncio.Context.instance()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
@@ -491,6 +543,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--nice", type=int, default=KV_NICE, help="added to this process's nice value")
     p.add_argument(
+        "--cpu",
+        type=float,
+        default=CPU_SHARE,
+        help="the most CPU time this process takes, in cores (--kv-index-cpu; default: %(default)s)",
+    )
+    p.add_argument(
         "--table-fd",
         type=int,
         default=None,
@@ -504,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     priority = _lower_priority(a.idle, a.nice)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(child(a.parent, a.max_blocks, priority, a.table_fd))
+        asyncio.run(child(a.parent, a.max_blocks, priority, a.table_fd, a.cpu))
     return 0
 
 

@@ -93,7 +93,7 @@ from controlplane.picker.flow import (
     tenant_key,
 )
 from controlplane.picker.kv_events import KvMetrics, KvSubscriptions
-from controlplane.picker.kv_process import Deciding, KvProcess, KvProcessMetrics
+from controlplane.picker.kv_process import CPU_SHARE, Deciding, KvProcess, KvProcessMetrics
 from controlplane.picker.placement import IDLE_UNLOAD_S, LoadFailed, Placer
 from controlplane.picker.request import (
     INPUTS,
@@ -325,6 +325,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.tokenizers = Tokenizers()
         self.tokenizer_of: dict[str, str] = {}  # cluster -> its model's tokenizer directory
         self.kv_subs: KvSubscriptions | KvProcess | None = None  # made on the running loop (follow)
+        self.kv_cpu = CPU_SHARE  # the index process's CPU, in cores (--kv-index-cpu)
         self.deciding = Deciding()  # picks between headers and answer: the KV mirror waits for them
         self.flows = Flows()  # the queues of clusters with flow control (picker/flow.py)
         self.adapters_of: dict[str, ClusterAdapters] = {}  # cluster -> its model's adapters
@@ -1031,7 +1032,11 @@ class Picker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if self.kv_subs is None:
                     if self.metrics.kv_process is not None:  # the index in a process of its own
                         self.kv_subs = KvProcess(
-                            self.state, self.metrics.kv, self.metrics.kv_process, deciding=self.deciding
+                            self.state,
+                            self.metrics.kv,
+                            self.metrics.kv_process,
+                            deciding=self.deciding,
+                            cpu_share=self.kv_cpu,
                         )
                     else:
                         self.kv_subs = KvSubscriptions(self.state, self.metrics.kv)
@@ -1293,6 +1298,7 @@ async def serve(
     adapter_affinity: bool = True,
     adapter_idle_unload_s: float = IDLE_UNLOAD_S,
     kv_in_process: bool = False,
+    kv_index_cpu: float = CPU_SHARE,
 ) -> None:
     """Run a picker until SIGINT or SIGTERM (OSError naming the flag if it cannot listen;
     TlsConfigInvalid naming the flag if a TLS file cannot be used). The servers' KV events are
@@ -1316,6 +1322,7 @@ async def serve(
     picker.state.prefix_bound = prefix_bound
     picker.state.adapter_affinity = adapter_affinity
     picker.placer.idle_unload_s = adapter_idle_unload_s
+    picker.kv_cpu = kv_index_cpu
     if kv_in_process:
         picker.state.kv.max_blocks = kv_index_blocks
     else:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from controlplane import limits
 from controlplane.kvcache import wire
 from controlplane.sim.tokenizer import make_tokenizer
 from tests.integration.harness import (
@@ -321,6 +322,9 @@ def test_the_index_process_killed_is_started_again_and_the_prompts_follow_again(
     threads = [int(t) for t in os.listdir(f"/proc/{first}/task")]
     assert len(threads) > 1
     assert {t: os.sched_getscheduler(t) for t in threads} == dict.fromkeys(threads, os.SCHED_IDLE)
+    # And at most --kv-index-cpu of a core (its default here).
+    argv = Path(f"/proc/{first}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--cpu") + 1] == str(limits.KV_INDEX_CPU).encode()
     os.kill(first, signal.SIGKILL)
     wait_until(
         lambda: picker.metric("controlplane_picker_kv_process_restarts_total") >= 1,

@@ -102,3 +102,16 @@ def test_peers_with_a_token_or_mutual_tls(certs: Path) -> None:
         )
     )  # fmt: skip
     assert tls is not None and tls.client_ca is not None and token is None
+
+
+def test_the_index_process_cpu_defaults_to_its_limit_and_refuses_none_or_past_64_cores(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from controlplane import limits
+
+    assert _args().kv_index_cpu == limits.KV_INDEX_CPU  # type: ignore[attr-defined]
+    assert _args("--kv-index-cpu", "1.5").kv_index_cpu == 1.5  # type: ignore[attr-defined]
+    for bad in ("0", "-1", "65", "nan", "lots"):
+        with pytest.raises(SystemExit):
+            _args("--kv-index-cpu", bad)
+        assert "--kv-index-cpu" in capsys.readouterr().err

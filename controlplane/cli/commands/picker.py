@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from controlplane import limits
 from controlplane.cli import argtypes
 from controlplane.cli.commands.side_listen import SideService, add_listen_flags, check_listen
 
@@ -98,6 +99,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="blocks the precise prefix index keeps over every server, from the servers' KV "
         "events (models with a tokenizer: and kv_events: in the fleet file, docs/kv-events.md); "
         "about 140 bytes each; past it, the server holding the most loses its oldest "
+        "(default: %(default)s)",
+    )
+    pk.add_argument(
+        "--kv-index-cpu",
+        type=argtypes.number(0.01, 64),
+        default=limits.KV_INDEX_CPU,
+        metavar="CORES",
+        help="the most CPU time the precise index's process takes (every thread of it), in cores: "
+        "past it, it stops reading events for the rest of each 0.1 s, and a publisher faster than "
+        "that is lagged, then dropped (docs/kv-events.md#a-flood-of-events) "
         "(default: %(default)s)",
     )
     pk.add_argument(
@@ -232,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
                 adapter_affinity=not args.no_adapter_affinity,
                 adapter_idle_unload_s=args.adapter_idle_unload,
                 kv_in_process=args.kv_in_process,
+                kv_index_cpu=args.kv_index_cpu,
             )
         )
     except OSError as e:
