@@ -3,7 +3,9 @@
 
 Two emulated servers (no events of their own) behind a control plane; the fleet names, as
 their publishers, two ZMQ PUB sockets of a flood process that publishes vLLM 0.32's batches
-(1,000 blocks of 16 tokens each, fresh hashes, chained from the last) at `--blocks-per-s` over
+(1,000 blocks of 16 tokens each, fresh hashes, each batch a chain of its own: before
+2026-12-08 chained from the last, so that once a server's blocks were dropped, every later
+block's parent was unknown and it was skipped, not keyed) at `--blocks-per-s` over
 both. A probe sends picks straight to the picker's ext_proc port (a request's headers with the
 cluster and a chat body as the gateway hands it), one every 10 ms, and times the answer, all
 through the run: from a process of its own, one connection and a stream per pick as Envoy
@@ -42,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,31 +70,38 @@ FLOOD = """
 import random, sys, time, zmq
 from controlplane.kvcache import wire
 import os
-ports, rate, seconds = [int(p) for p in sys.argv[1].split(",")], float(sys.argv[2]), float(sys.argv[3])
+ports, flood_rate, seconds = [int(p) for p in sys.argv[1].split(",")], float(sys.argv[2]), float(sys.argv[3])
+fill_rate = float(sys.argv[5])
 ctx = zmq.Context()
 pubs = []
 for p in ports:
     s = ctx.socket(zmq.PUB); s.setsockopt(zmq.SNDHWM, 100000); s.bind(f"tcp://127.0.0.1:{p}"); pubs.append(s)
 print("bound", flush=True)
 decoy, live, stop = sys.argv[4] + ".decoy", sys.argv[4], sys.argv[4] + ".stop"
+filled = sys.argv[4] + ".filled"  # until then, the fill's rate
 while not os.path.exists(decoy):
     time.sleep(0.05)
 rng = random.Random(1)
 per, n = 1000, 0
 tokens = [rng.randrange(32000) for _ in range(16 * per)]
-seqs, parents = [0] * len(pubs), [None] * len(pubs)
+seqs = [0] * len(pubs)
 half = len(pubs) // 2  # the first half: sockets nobody subscribes to; the second: the servers'
-start, on = time.monotonic(), False
+start, on, rate = time.monotonic(), False, fill_rate
+due = start
 while not (n % 10 == 0 and os.path.exists(stop)) and time.monotonic() - start < seconds:
-    if n % 10 == 0:  # which sockets: looked at every 10 batches (0.1 s at 100,000 blocks/s)
+    if n % 10 == 0:  # which sockets and rate: looked at every 10 batches (0.1 s at 100,000 blocks/s)
         on = os.path.exists(live)
+        rate = flood_rate if os.path.exists(filled) else fill_rate
     i = n % half + (half if on else 0)
     hashes = [rng.getrandbits(63) for _ in range(per)]
     tokens[rng.randrange(len(tokens))] = rng.randrange(32000)
-    event = wire.stored(hashes, parents[i], tokens, 16)
+    # A chain of its own (a 16,000-token prompt): one dropped batch, or a server's blocks dropped
+    # (a gap, a batch read late), leaves the next batches' parents known, so they are all keyed.
+    event = wire.stored(hashes, None, tokens, 16)
     pubs[i].send_multipart(list(wire.frames(seqs[i], time.time(), [event])))
-    seqs[i] += 1; parents[i] = hashes[-1]; n += 1
-    ahead = start + n * per / rate - time.monotonic()
+    seqs[i] += 1; n += 1
+    due += per / rate
+    ahead = due - time.monotonic()
     if ahead > 0:
         time.sleep(ahead)
 print(n * per, flush=True)
@@ -253,6 +263,18 @@ def index_pid(pid: int) -> int | None:
     return None
 
 
+def by_label(metrics: int, name: str, label: str) -> dict[str, float]:
+    """A picker's samples of `name`, summed by the value of `label` (every server)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=2) as r:
+        page = r.read().decode()
+    out: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith(name + "{") and f'{label}="' in line:
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[value] = out.get(value, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -308,10 +330,13 @@ def measure(
     samples: list[tuple[float, float]] = []
     errors: list[str] = []
     sizes: list[float] = []
+    lags: list[float] = []  # the largest server's event lag, sampled every second
     stop = threading.Event()
     child = index_pid(picker)
-    windows: list[tuple[str, float, float]] = []
+    windows: list[tuple[str, float, float]] = []  # condition, counted from, end
     usage: dict[str, Usage] = {}
+    busy_decoys: list[float] = []  # decoy windows whose index process was still busy after 4 x --window
+    waited: dict[str, float] = {}  # seconds past --settle until the index's process was idle
 
     def applied() -> float:
         return picker_metric(metrics, "controlplane_picker_kv_index_blocks") + picker_metric(
@@ -327,13 +352,43 @@ def measure(
             applied(),
         )
 
-    def window(condition: str, seconds: float) -> None:
-        start, c0 = time.monotonic(), counters()
-        while (left := start + seconds - time.monotonic()) > 0:
+    def wait(until: float) -> None:
+        while (left := until - time.monotonic()) > 0:
             sizes.append(picker_metric(metrics, "controlplane_picker_kv_index_blocks"))
+            lags.append(
+                max(
+                    by_label(metrics, "controlplane_picker_kv_event_lag_seconds", "server").values(),
+                    default=0,
+                )
+            )
             time.sleep(min(1.0, left))
+
+    def idle(most_s: float) -> bool:
+        """Wait until the index's process is idle (at most one clock tick of CPU, 2% of a core,
+        in half a second): it reads at most --kv-index-cpu of a core, so the flood's messages
+        queued in a flood window may still be read after it. False: not within `most_s`."""
+        deadline = time.monotonic() + most_s
+        before = cpu_s(child) if child else 0.0
+        while child and time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = cpu_s(child)
+            if now - before <= 1.0 / os.sysconf("SC_CLK_TCK"):
+                return True
+            before = now
+        return not child
+
+    def window(condition: str, seconds: float) -> None:
+        """`seconds` of `condition`, counted after `--settle` (a decoy window: once the index's
+        process is idle, too), its picks and CPU over the counted part only."""
+        start = time.monotonic()
+        if condition == "decoy" and not idle(4 * seconds):
+            busy_decoys.append(start)
+        wait(max(start + a.settle, time.monotonic()))
+        counted, c0 = time.monotonic(), counters()
+        wait(counted + seconds - a.settle)
         end, c1 = time.monotonic(), counters()
-        windows.append((condition, start, end))
+        windows.append((condition, counted, end))
+        waited[condition] = waited.get(condition, 0.0) + counted - start - a.settle
         u = usage.setdefault(condition, Usage())
         u.seconds += end - start
         u.picker += c1[0] - c0[0]
@@ -356,11 +411,12 @@ def measure(
         window("quiet", a.quiet_seconds)  # no flood at all
         Path(f"{go}.decoy").touch()  # the generator starts, on sockets the picker does not follow
         go.touch()  # the fill: the flood on the servers' own sockets until the index is at its bound
-        deadline = time.monotonic() + 2 * a.kv_index_blocks / a.blocks_per_s + 30
+        deadline = time.monotonic() + 2 * a.kv_index_blocks / a.fill_blocks_per_s + 30
         while picker_metric(metrics, "controlplane_picker_kv_index_blocks") < 0.99 * a.kv_index_blocks:
             if time.monotonic() > deadline:
-                raise RuntimeError("the index did not reach its bound under the flood")
+                raise RuntimeError("the index did not reach its bound under the fill")
             time.sleep(0.5)
+        Path(f"{go}.filled").touch()  # from now on, --blocks-per-s
         flooded = 0.0
         while flooded < a.seconds:
             go.unlink()
@@ -381,7 +437,7 @@ def measure(
 
     def latencies(condition: str, part: slice = slice(None)) -> list[float]:
         spans = [(s, e) for c, s, e in windows if c == condition][part]
-        return [lat for sent, lat in samples if any(s + a.settle <= sent < e for s, e in spans)]
+        return [lat for sent, lat in samples if any(s <= sent < e for s, e in spans)]
 
     out: dict[str, dict[str, float]] = {}
     for condition, u in usage.items():
@@ -397,6 +453,9 @@ def measure(
             "flood_cpu": round(u.flood / u.seconds, 3),
             "machine_busy": round(u.busy / max(1.0, u.total), 3),
             "blocks_applied_per_s": round(u.applied / u.seconds),
+            "waited_idle_s_per_window": round(
+                waited.get(condition, 0.0) / max(1, sum(1 for w in windows if w[0] == condition)), 2
+            ),
         }
         print(json.dumps({"condition": condition, **out[condition]}), flush=True)
     halves = len([w for w in windows if w[0] == "flood"]) // 2
@@ -414,8 +473,8 @@ def measure(
     floods = [(s, e) for c, s, e in windows if c == "flood"]
     paired = []
     for (ds, de), (fs, fe) in zip(decoys, floods, strict=False):
-        d = [lat for sent, lat in samples if ds + a.settle <= sent < de]
-        f = [lat for sent, lat in samples if fs + a.settle <= sent < fe]
+        d = [lat for sent, lat in samples if ds <= sent < de]
+        f = [lat for sent, lat in samples if fs <= sent < fe]
         if d and f:
             paired.append((d, f))
     pairs = [round(1000 * (percentile(f, 0.99) - percentile(d, 0.99)), 3) for d, f in paired]
@@ -433,6 +492,13 @@ def measure(
                 "pairs_flood_slower": f"{sum(1 for x in pairs if x > 0)}/{len(pairs)}",
                 "p99_rise_ms_90pct_interval": [low, high],
                 "errors": len(errors),
+                "decoy_windows_index_busy": len(busy_decoys),
+                "batches": by_label(metrics, "controlplane_picker_kv_batches_total", "result"),
+                "streams_lost_by_reason": by_label(
+                    metrics, "controlplane_picker_kv_streams_lost_total", "reason"
+                ),
+                "lag_s_max": max(lags, default=0.0),
+                "throttled_s": picker_metric(metrics, "controlplane_picker_kv_throttled_seconds_total"),
                 "index_blocks_max": max(sizes, default=0.0),
                 "within_bound": max(sizes, default=0.0) <= a.kv_index_blocks,
                 "streams_lost": picker_metric(metrics, "controlplane_picker_kv_streams_lost_total"),
@@ -470,6 +536,19 @@ def main(argv: list[str] | None = None) -> int:
         "--quiet-seconds", type=float, default=20.0, help="the first phase, no flood (default: %(default)s)"
     )
     p.add_argument("--blocks-per-s", type=float, default=100_000.0, help="the flood (default: %(default)s)")
+    p.add_argument(
+        "--fill-blocks-per-s",
+        type=float,
+        default=30_000.0,
+        help="the fill's rate, before the windows: within what the index's process reads at its "
+        "--kv-index-cpu, so that its size reaches the bound (a faster publisher falls behind and its "
+        "blocks are dropped, docs/kv-events.md#a-flood-of-events) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kv-index-cpu",
+        default=None,
+        help="the picker's --kv-index-cpu (default: the picker's own)",
+    )
     p.add_argument(
         "--kv-index-blocks", type=int, default=1 << 20, help="the picker's bound (default: %(default)s)"
     )
@@ -522,8 +601,11 @@ def run_layout(a: argparse.Namespace, layout: str) -> float:
         kv = [free_port(), free_port()]
         decoys = [free_port(), free_port()]
         go = work / "go"
-        most = a.quiet_seconds + 3 * a.seconds + 2 * a.kv_index_blocks / a.blocks_per_s + 120  # a bound only
-        flood_args = [",".join(map(str, decoys + kv)), str(a.blocks_per_s), str(most), str(go)]
+        fill_s = 2 * a.kv_index_blocks / a.fill_blocks_per_s
+        most = a.quiet_seconds + 6 * a.seconds + fill_s + 120  # a bound only
+        flood_args = [
+            ",".join(map(str, decoys + kv)), str(a.blocks_per_s), str(most), str(go), str(a.fill_blocks_per_s)
+        ]  # fmt: skip
         flood = stack.spawn("flood", [sys.executable, "-c", FLOOD, *flood_args])
         if a.control:
             stack.spawn("control", [sys.executable, "-c", CONTROL, str(go), a.control])
@@ -541,6 +623,7 @@ def run_layout(a: argparse.Namespace, layout: str) -> float:
                 "--listen", f"127.0.0.1:{picker_port}", "--metrics-listen", f"127.0.0.1:{metrics}",
                 "--kv-index-blocks", str(a.kv_index_blocks),
                 *(["--kv-in-process"] if layout == "in-process" else []),
+                *(["--kv-index-cpu", a.kv_index_cpu] if a.kv_index_cpu else []),
             ],
         )  # fmt: skip
         deadline = time.monotonic() + 30
