@@ -539,10 +539,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fill-blocks-per-s",
         type=float,
-        default=30_000.0,
-        help="the fill's rate, before the windows: within what the index's process reads at its "
-        "--kv-index-cpu, so that its size reaches the bound (a faster publisher falls behind and its "
-        "blocks are dropped, docs/kv-events.md#a-flood-of-events) (default: %(default)s)",
+        default=15_000.0,
+        help="the fill's rate, before the windows: within what the index's process reads at the "
+        "picker's default --kv-index-cpu (30,000 fell behind here), so that its size reaches the "
+        "bound (a faster publisher falls behind and its blocks are dropped, "
+        "docs/kv-events.md#a-flood-of-events) (default: %(default)s)",
     )
     p.add_argument(
         "--kv-index-cpu",
