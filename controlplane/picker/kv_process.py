@@ -61,6 +61,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from controlplane import limits
+from controlplane.cli import argtypes
 from controlplane.kvcache.index import KvIndex
 from controlplane.kvcache.mirror import RUN_KEYS, KvMirror, runs
 from controlplane.kvcache.table import KeyTable, TableInvalid, capacity_for, table_bytes
@@ -544,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nice", type=int, default=KV_NICE, help="added to this process's nice value")
     p.add_argument(
         "--cpu",
-        type=float,
+        type=argtypes.number(0.01, 64),
         default=CPU_SHARE,
         help="the most CPU time this process takes, in cores (--kv-index-cpu; default: %(default)s)",
     )

@@ -107,8 +107,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=limits.KV_INDEX_CPU,
         metavar="CORES",
         help="the most CPU time the precise index's process takes (every thread of it), in cores: "
-        "past it, it stops reading events for the rest of each 0.1 s, and a publisher faster than "
-        "that is lagged, then dropped (docs/kv-events.md#a-flood-of-events) "
+        "past it, it stops reading events until it has paid the excess back; a publisher faster "
+        "than that falls behind, and a batch read more than 5 s after its stamp is skipped, that "
+        "server's entries dropped until it is caught up (docs/kv-events.md#a-flood-of-events) "
         "(default: %(default)s)",
     )
     pk.add_argument(
