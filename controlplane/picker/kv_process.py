@@ -61,7 +61,6 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from controlplane import limits
-from controlplane.cli import argtypes
 from controlplane.kvcache.index import KvIndex
 from controlplane.kvcache.mirror import RUN_KEYS, KvMirror, runs
 from controlplane.kvcache.table import KeyTable, TableInvalid, capacity_for, table_bytes
@@ -532,6 +531,17 @@ def _lower_priority(idle: bool, nice: int) -> str:
     return "normal"
 
 
+def _cores(text: str) -> float:
+    """--cpu: a share of cores, as the picker's --kv-index-cpu allows (0.01 to 64)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.01 <= value <= 64:  # NaN fails it too
+        raise argparse.ArgumentTypeError(f"must be between 0.01 and 64, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="The picker's precise-index process (started by the picker).")
     p.add_argument("--parent", required=True, help="the picker's ZMQ endpoint (ipc://...)")
@@ -545,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nice", type=int, default=KV_NICE, help="added to this process's nice value")
     p.add_argument(
         "--cpu",
-        type=argtypes.number(0.01, 64),
+        type=_cores,
         default=CPU_SHARE,
         help="the most CPU time this process takes, in cores (--kv-index-cpu; default: %(default)s)",
     )
